@@ -1,0 +1,1 @@
+"""Kafka connectors: the source, admin helpers and the local broker launcher."""

@@ -1,0 +1,1 @@
+"""Snapline: exactly-once stream pipelines on Apache Kafka."""

@@ -1,0 +1,1 @@
+"""Checkpoint storage and checkpoint metadata."""

@@ -1,0 +1,31 @@
+"""The one exception hierarchy of Snapline: every error a user can see derives from SnaplineError."""
+
+from __future__ import annotations
+
+
+class SnaplineError(Exception):
+    """Base of all Snapline errors."""
+
+
+class ConfigurationError(SnaplineError):
+    """A pipeline, CLI flag or connector setting cannot work; the message names the fix."""
+
+
+class CheckpointError(SnaplineError):
+    """A checkpoint could not be written, read, verified or committed."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint file failed its checksum or could not be decoded."""
+
+
+class StateError(SnaplineError):
+    """Keyed state was used wrongly (outside a keyed function, bad serde, ...)."""
+
+
+class SinkError(SnaplineError):
+    """A sink could not write, pre-commit, commit or recover."""
+
+
+class BrokerError(SnaplineError):
+    """The local Kafka broker could not be provisioned or started."""

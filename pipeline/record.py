@@ -1,0 +1,45 @@
+"""The record that flows through a task's operators, with its source position."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Record:
+    """One element of a stream: a value plus where it came from.
+
+    ``key``/``key_bytes``/``key_group`` are set by ``key_by``. The source position
+    (topic, partition, offset) and the Kafka timestamp stay attached through every operator
+    so dead letters and process functions can name them.
+    """
+
+    __slots__ = ("value", "key", "key_bytes", "key_group", "timestamp", "topic", "partition",
+                 "offset")
+
+    def __init__(
+        self,
+        value: Any,
+        timestamp: int,
+        topic: str,
+        partition: int,
+        offset: int,
+        key: Any = None,
+        key_bytes: bytes | None = None,
+        key_group: int = -1,
+    ) -> None:
+        self.value = value
+        self.timestamp = timestamp
+        self.topic = topic
+        self.partition = partition
+        self.offset = offset
+        self.key = key
+        self.key_bytes = key_bytes
+        self.key_group = key_group
+
+    def with_value(self, value: Any) -> Record:
+        return Record(value, self.timestamp, self.topic, self.partition, self.offset,
+                      self.key, self.key_bytes, self.key_group)
+
+    def __repr__(self) -> str:
+        return (f"Record(value={self.value!r}, key={self.key!r}, "
+                f"at={self.topic}[{self.partition}]@{self.offset})")

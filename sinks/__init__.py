@@ -1,0 +1,1 @@
+"""Sinks: the two-phase-commit contract, Kafka, Parquet and PostgreSQL."""
