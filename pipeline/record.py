@@ -14,7 +14,7 @@ class Record:
     """
 
     __slots__ = ("value", "key", "key_bytes", "key_group", "timestamp", "topic", "partition",
-                 "offset")
+                 "offset", "raw", "raw_key")
 
     def __init__(
         self,
@@ -26,6 +26,8 @@ class Record:
         key: Any = None,
         key_bytes: bytes | None = None,
         key_group: int = -1,
+        raw: bytes | None = None,
+        raw_key: bytes | None = None,
     ) -> None:
         self.value = value
         self.timestamp = timestamp
@@ -35,10 +37,13 @@ class Record:
         self.key = key
         self.key_bytes = key_bytes
         self.key_group = key_group
+        #: The original Kafka value and key bytes, for dead letters and partitioning checks.
+        self.raw = raw
+        self.raw_key = raw_key
 
     def with_value(self, value: Any) -> Record:
         return Record(value, self.timestamp, self.topic, self.partition, self.offset,
-                      self.key, self.key_bytes, self.key_group)
+                      self.key, self.key_bytes, self.key_group, self.raw, self.raw_key)
 
     def __repr__(self) -> str:
         return (f"Record(value={self.value!r}, key={self.key!r}, "

@@ -1,0 +1,55 @@
+"""User-facing function types: the keyed process function and the context it receives."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+
+class Context:
+    """What a keyed process function knows about the record it is processing.
+
+    One object per task, refreshed before each record; do not keep it past ``process``.
+    """
+
+    __slots__ = ("key", "timestamp", "topic", "partition", "offset", "task_id")
+
+    def __init__(self, task_id: str) -> None:
+        self.task_id = task_id
+        self.key: Any = None
+        self.timestamp = 0
+        self.topic = ""
+        self.partition = -1
+        self.offset = -1
+
+    @property
+    def position(self) -> tuple[str, int, int]:
+        """The record's source position: (topic, partition, offset)."""
+        return (self.topic, self.partition, self.offset)
+
+
+class KeyedProcessFunction:
+    """A function applied after ``key_by``; declares keyed state as class attributes.
+
+    Example::
+
+        class RunningTotal(KeyedProcessFunction):
+            total = ValueState("total", default=0)
+
+            def process(self, value, ctx):
+                t = self.total.value() + value["amount"]
+                self.total.update(t)
+                yield {"customer": ctx.key, "total": t}
+
+    ``process`` returns an iterable of outputs (a generator, a list) or None for no output.
+    Each task gets its own copy of the function object, bound to that task's state.
+    """
+
+    def open(self, task_id: str) -> None:
+        """Called once per task before the first record (after state is restored)."""
+
+    def process(self, value: Any, ctx: Context) -> Iterable[Any] | None:
+        raise NotImplementedError(f"{type(self).__name__} must implement process(value, ctx)")
+
+    def close(self) -> None:
+        """Called when the task goes away."""

@@ -1,0 +1,509 @@
+"""A worker: one OS process, one member of the job's consumer group, running its tasks.
+
+Read top to bottom to follow a record and a barrier:
+
+1. ``run`` polls a batch from the consumer and appends each partition's messages to the
+   channel of its task (``Task.enqueue``).
+2. Every ``checkpoint_interval`` (and only when no checkpoint is in flight) the coordinator
+   triggers checkpoint n: every task gets ``Barrier(n)`` behind its fetched records; the
+   barrier positions are the next offsets to read.
+3. Tasks process their channels; at the aligned barrier they snapshot state synchronously and
+   pre-commit their sinks, then hand the snapshot to the coordinator, which materializes it on
+   background threads while the task processes epoch n+1 (its Kafka output is held back).
+4. When all tasks' metadata is durable, the worker commits the Kafka transaction of epoch n
+   with the source offsets (metadata names checkpoint n): the COMMIT POINT. Then the other
+   sinks commit n, old checkpoints are retired, and transaction n+1 begins.
+5. On partition assignment (and after any failed checkpoint) tasks are restored from the
+   checkpoint named by the committed offsets and the consumer seeks to its positions.
+
+Threads: this module runs on the main (task) thread; only the coordinator's pool runs
+elsewhere. librdkafka runs its own threads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from connectors.config import redact
+from pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint, list_checkpoints
+from pipeline.checkpoint.storage import CheckpointStorage
+from pipeline.errors import CheckpointError, ConfigurationError, CorruptCheckpointError
+from pipeline.graph import Pipeline
+from pipeline.runtime.coordinator import CheckpointCoordinator, CompletedCheckpoint
+from pipeline.runtime.faults import FaultInjector
+from pipeline.runtime.task import Task, TaskSnapshot
+from pipeline.runtime.transaction import FencedError, TransactionalOutput
+from pipeline.state import create_backend
+
+log = logging.getLogger(__name__)
+
+BATCH_SIZE = 2000
+#: Output records held for later epochs before the worker stops reading and waits.
+MAX_HELD_RECORDS = 500_000
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """How one worker process connects and identifies itself."""
+
+    bootstrap_servers: str
+    worker_id: str
+    checkpoint_dir: str
+    local_dir: str = ""
+
+    @staticmethod
+    def default_worker_id() -> str:
+        return os.environ.get("SNAPLINE_WORKER_ID") or socket.gethostname()
+
+
+def task_id_for(partition: int) -> str:
+    return f"p{partition}"
+
+
+class Worker:
+    """See module docstring."""
+
+    def __init__(self, pipeline: Pipeline, settings: WorkerSettings) -> None:
+        pipeline.validate()
+        self.pipeline = pipeline
+        self.settings = settings
+        self.faults = FaultInjector()
+        self.storage = CheckpointStorage(settings.checkpoint_dir)
+        self.local_dir = Path(settings.local_dir or Path(settings.checkpoint_dir).absolute()
+                              .parent / ".snapline-local" / settings.worker_id)
+        kafka_config = {"bootstrap.servers": settings.bootstrap_servers, **pipeline.kafka_config}
+        self._kafka_config = kafka_config
+        log.info("worker %s of job %s: kafka %s, checkpoints %s", settings.worker_id,
+                 pipeline.name, redact(kafka_config), settings.checkpoint_dir)
+        states = [
+            {**desc.describe(), "id": sid, "operator": node_id}
+            for node_id, entries in pipeline.state_ids().items() for sid, desc in entries
+        ]
+        self.coordinator = CheckpointCoordinator(
+            pipeline.name, settings.worker_id, self.storage, self.faults, states=states,
+            timeout=pipeline.checkpoint_timeout,
+        )
+        self.tasks: dict[str, Task] = {}
+        self._positions: dict[str, dict[tuple[str, int], int]] = {}
+        self._committed: dict[str, CheckpointRef | None] = {}
+        self._stopping = False
+        self._failures = 0
+        self._last_trigger = time.monotonic()
+        self._metrics_path = os.environ.get("SNAPLINE_METRICS_FILE")
+        self.checkpoints_committed = 0
+        self._check_topics()
+        transactional_id = (f"snapline-{pipeline.name}-{settings.worker_id}"
+                            if pipeline.exactly_once else None)
+        producer_config = {**kafka_config, "client.id": f"{pipeline.name}-{settings.worker_id}"}
+        self.output = TransactionalOutput(producer_config, transactional_id=transactional_id)
+        self.consumer = Consumer(self._consumer_config())
+
+    # ------------------------------------------------------------------ setup
+    def _consumer_config(self) -> dict[str, Any]:
+        starts = {s.starting_position for s in self.pipeline.sources()}
+        return {
+            "session.timeout.ms": 10000,
+            "heartbeat.interval.ms": 1000,
+            "max.poll.interval.ms": 300000,
+            "fetch.wait.max.ms": 50,
+            **self._kafka_config,
+            "group.id": self.pipeline.name,
+            "group.instance.id": f"{self.pipeline.name}-{self.settings.worker_id}",
+            "client.id": f"{self.pipeline.name}-{self.settings.worker_id}",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "isolation.level": "read_committed",
+            "partition.assignment.strategy": "range",
+            "auto.offset.reset": "latest" if starts == {"latest"} else "earliest",
+        }
+
+    def _check_topics(self) -> None:
+        """Fail at start, naming the fix, when a topic is missing or not co-partitioned."""
+        admin = AdminClient(self._kafka_config)
+        try:
+            metadata = admin.list_topics(timeout=30)
+        except KafkaException as exc:
+            raise ConfigurationError(
+                f"cannot reach Kafka at {self.settings.bootstrap_servers}: {exc}; check "
+                "--bootstrap-servers and kafka_config (security settings)"
+            ) from exc
+        wanted: dict[str, int | None] = {}
+        for source in self.pipeline.sources():
+            for topic in source.topic_list:
+                wanted[topic] = source.create_partitions
+        from sinks.kafka import KafkaSink
+
+        for sink in self.pipeline.sinks():
+            if isinstance(sink, KafkaSink):
+                wanted[sink.topic] = sink.create_partitions
+        wanted.setdefault(self.pipeline.dead_letter_topic, 1)
+        missing = [t for t in wanted if t not in metadata.topics]
+        creatable = [NewTopic(t, wanted[t] or 1, 1) for t in missing if wanted[t]]
+        if creatable:
+            for topic, future in admin.create_topics(creatable).items():
+                try:
+                    future.result()
+                    log.info("created topic %s", topic)
+                except KafkaException as exc:
+                    if "TOPIC_ALREADY_EXISTS" not in str(exc):
+                        raise ConfigurationError(f"cannot create topic {topic}: {exc}") from exc
+        still_missing = [t for t in missing if not wanted[t]]
+        if still_missing:
+            raise ConfigurationError(
+                f"topics {still_missing} do not exist on {self.settings.bootstrap_servers}; "
+                "create them, or pass create_partitions=N to the KafkaSource/KafkaSink"
+            )
+        metadata = admin.list_topics(timeout=30)
+        counts = {t: len(metadata.topics[t].partitions) for t in self.pipeline.source_topics()}
+        if len(set(counts.values())) > 1:
+            raise ConfigurationError(
+                f"source topics are not co-partitioned (partitions per topic: {counts}); "
+                "a pipeline's source topics need the same number of partitions and the same key"
+            )
+
+    # ------------------------------------------------------------------ rebalance
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        log.info("assigned %s", sorted((p.topic, p.partition) for p in partitions))
+        self._drop_tasks()
+        restored = self._restore(partitions)
+        consumer.assign([TopicPartition(t, p, off) for (t, p), off in restored.items()])
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        log.info("revoked %d partitions: aborting the open epoch", len(partitions))
+        self._drop_tasks()
+
+    def _drop_tasks(self) -> None:
+        """Uncommitted work is discarded; its owner restores from the committed checkpoint."""
+        self.output.abort()
+        self.coordinator.cancel()
+        for task in self.tasks.values():
+            task.close()
+        self.tasks = {}
+
+    def _restore(self, partitions: list[TopicPartition]) -> dict[tuple[str, int], int]:
+        """Rebuild the tasks of ``partitions`` from their committed checkpoints."""
+        by_task: dict[str, list[TopicPartition]] = defaultdict(list)
+        for tp in partitions:
+            by_task[task_id_for(tp.partition)].append(tp)
+        committed = self.consumer.committed(
+            [TopicPartition(tp.topic, tp.partition) for tp in partitions], timeout=30
+        ) if partitions else []
+        committed_by_tp = {(c.topic, c.partition): c for c in committed}
+        seek: dict[tuple[str, int], int] = {}
+        for task_id, tps in sorted(by_task.items()):
+            positions, ref = self._restore_task(task_id, [committed_by_tp[(t.topic, t.partition)]
+                                                          for t in tps])
+            seek.update(positions)
+        if self.tasks:
+            self.output.begin(self.coordinator.next_id)
+            for task in self.tasks.values():
+                task.epoch = self.coordinator.next_id
+        self._last_trigger = time.monotonic()
+        return seek
+
+    def _restore_task(self, task_id: str, committed: list[TopicPartition]
+                      ) -> tuple[dict[tuple[str, int], int], CheckpointRef | None]:
+        refs = {CheckpointRef.parse_offset_metadata(c.metadata) for c in committed
+                if c.offset >= 0}
+        if len(refs) > 1:
+            raise CheckpointError(
+                f"partitions of task {task_id} name different checkpoints {sorted(map(str, refs))};"
+                " were source topics added to a running pipeline? Start it under a new name"
+            )
+        ref = refs.pop() if refs else None
+        backend = create_backend(self.pipeline.state_backend,
+                                 task_dir=str(self.local_dir / self.pipeline.name / task_id),
+                                 options=self.pipeline.state_backend_options)
+        meta: TaskCheckpoint | None = None
+        if ref is not None:
+            meta = self._load_checkpoint(task_id, ref, backend)
+        self._discard_uncommitted(task_id, ref)
+        positions: dict[tuple[str, int], int] = {}
+        start = {t: (OFFSET_END if s.starting_position == "latest" else OFFSET_BEGINNING)
+                 for s in self.pipeline.sources() for t in s.topic_list}
+        for c in committed:
+            tp = (c.topic, c.partition)
+            if meta is not None and tp in meta.positions:
+                positions[tp] = meta.positions[tp]
+            elif c.offset >= 0:
+                positions[tp] = c.offset
+            else:
+                positions[tp] = start[c.topic]
+        task_epoch = self.coordinator.next_id
+        self.coordinator.observe_restored(ref.checkpoint_id if ref else None)
+        task = Task(task_id, self.pipeline, self._channel_positions(positions), backend,
+                    self.output, worker_id=self.settings.worker_id,
+                    epoch=max(task_epoch, self.coordinator.next_id),
+                    on_snapshot=self._on_task_snapshot, faults=self.faults)
+        task.recover_sinks(ref.checkpoint_id if ref else None, meta.sinks if meta else {})
+        self.tasks[task_id] = task
+        self._committed[task_id] = ref
+        log.info("task %s restored from %s at %s", task_id,
+                 f"checkpoint {ref.checkpoint_id}" if ref else "no checkpoint", positions)
+        return positions, ref
+
+    def _channel_positions(self, positions: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
+        # Logical offsets (beginning/end) are resolved by the broker; channels start "unknown"
+        # and learn the real offset from the first message or the consumer position.
+        resolved = {}
+        for tp, offset in positions.items():
+            if offset < 0:
+                low, high = self.consumer.get_watermark_offsets(TopicPartition(*tp), timeout=30)
+                offset = low if offset == OFFSET_BEGINNING else high
+            resolved[tp] = offset
+        return resolved
+
+    def _load_checkpoint(self, task_id: str, ref: CheckpointRef, backend: Any) -> TaskCheckpoint:
+        try:
+            meta = TaskCheckpoint.read(self.storage, self.pipeline.name, task_id, ref)
+            if meta.state is not None:
+                backend.restore(meta.state, self.storage)
+            return meta
+        except CorruptCheckpointError as exc:
+            if self.pipeline.on_corrupt_checkpoint != "rewind":
+                raise CorruptCheckpointError(
+                    f"task {task_id}: committed checkpoint {ref.checkpoint_id} is unusable "
+                    f"({exc}). Its Kafka offsets are committed, so no earlier checkpoint is "
+                    "consistent with the output already written. Restore the file from a "
+                    "backup, or set on_corrupt_checkpoint='rewind' to restart from an earlier "
+                    "checkpoint and accept duplicate output for the records in between."
+                ) from exc
+            return self._rewind(task_id, ref, backend, exc)
+
+    def _rewind(self, task_id: str, bad: CheckpointRef, backend: Any,
+                cause: Exception) -> TaskCheckpoint:
+        for ref in reversed(list_checkpoints(self.storage, self.pipeline.name, task_id)):
+            if ref.checkpoint_id >= bad.checkpoint_id:
+                continue
+            try:
+                meta = TaskCheckpoint.read(self.storage, self.pipeline.name, task_id, ref)
+                if meta.state is not None:
+                    backend.restore(meta.state, self.storage)
+            except CheckpointError:
+                continue
+            log.error("task %s: checkpoint %d is corrupt (%s); REWINDING to checkpoint %d: "
+                      "output between them will be written again (at-least-once for that span)",
+                      task_id, bad.checkpoint_id, cause, ref.checkpoint_id)
+            self.coordinator.observe_restored(bad.checkpoint_id)
+            return meta
+        raise CorruptCheckpointError(
+            f"task {task_id}: checkpoint {bad.checkpoint_id} is corrupt ({cause}) and no "
+            "earlier readable checkpoint is retained"
+        ) from cause
+
+    def _discard_uncommitted(self, task_id: str, committed: CheckpointRef | None) -> None:
+        """A checkpoint that never reached the commit point leaves no trace."""
+        newest = committed.checkpoint_id if committed else 0
+        for ref in list_checkpoints(self.storage, self.pipeline.name, task_id):
+            if ref.checkpoint_id > newest:
+                self.storage.delete_dir(ref.directory(self.pipeline.name, task_id))
+
+    # ------------------------------------------------------------------ checkpoints
+    def _on_task_snapshot(self, snapshot: TaskSnapshot) -> None:
+        self.coordinator.acknowledge(snapshot)
+
+    def _maybe_trigger(self, now: float) -> None:
+        if (self.tasks and self.coordinator.pending is None
+                and now - self._last_trigger >= self.pipeline.checkpoint_interval):
+            self._trigger(now)
+
+    def _trigger(self, now: float) -> None:
+        n = self.coordinator.trigger(set(self.tasks))
+        self._last_trigger = now
+        for task in self.tasks.values():
+            task.inject_barrier(n)
+
+    def _complete(self, done: CompletedCheckpoint) -> None:
+        """The commit point, then sink notification and retention."""
+        n = done.checkpoint_id
+        offsets = []
+        for task_id, meta in done.tasks.items():
+            for (topic, partition), offset in meta.positions.items():
+                offsets.append(TopicPartition(topic, partition, offset,
+                                              metadata=meta.ref.offset_metadata()))
+        commit_start = time.monotonic()
+        if self.pipeline.exactly_once:
+            self.output.commit(offsets, self.consumer.consumer_group_metadata())
+        else:
+            self.output.flush()
+            self.consumer.commit(offsets=offsets, asynchronous=False)
+        committed_at = time.monotonic()
+        self.faults.point("after_kafka_commit")
+        self.coordinator.finish()
+        for task_id, meta in done.tasks.items():
+            task = self.tasks.get(task_id)
+            if task is not None:
+                task.notify_committed(n)
+            self._committed[task_id] = meta.ref
+            self.coordinator.retain(task_id, meta.ref, self.pipeline.retained_checkpoints)
+        if self.pipeline.exactly_once and self.tasks:
+            self.output.begin(self.coordinator.next_id)
+        self._failures = 0
+        self.checkpoints_committed += 1
+        self._record_metrics(done, commit_start, committed_at)
+
+    def _record_metrics(self, done: CompletedCheckpoint, commit_start: float,
+                        committed_at: float) -> None:
+        entry = {
+            "checkpoint": done.checkpoint_id,
+            "worker": self.settings.worker_id,
+            "tasks": len(done.tasks),
+            "align_ms": round((done.aligned_at - done.triggered_at) * 1000, 2),
+            "materialize_ms": round((done.durable_at - done.aligned_at) * 1000, 2),
+            "commit_ms": round((committed_at - commit_start) * 1000, 2),
+            "total_ms": round((time.monotonic() - done.triggered_at) * 1000, 2),
+            "state_bytes": sum(f.size for m in done.tasks.values() if m.state
+                               for f in m.state.files),
+            "records_in": sum(t.records_in for t in self.tasks.values()),
+            "time": time.time(),
+        }
+        log.info("checkpoint %(checkpoint)d committed: align %(align_ms)sms, materialize "
+                 "%(materialize_ms)sms, commit %(commit_ms)sms", entry)
+        if self._metrics_path:
+            with open(self._metrics_path, "a") as fh:
+                fh.write(json.dumps(entry) + "\n")
+
+    def _fail_checkpoint(self, exc: Exception) -> None:
+        """Abort the epoch and restore every task from its committed checkpoint."""
+        self._failures += 1
+        log.error("checkpoint failed (%d in a row): %s", self._failures, exc)
+        if self._failures > self.pipeline.tolerable_checkpoint_failures:
+            raise CheckpointError(
+                f"{self._failures} checkpoints failed in a row (tolerable_checkpoint_failures="
+                f"{self.pipeline.tolerable_checkpoint_failures}); last error: {exc}"
+            ) from exc
+        time.sleep(min(0.5 * 2 ** self._failures, 10))
+        assignment = self.consumer.assignment()
+        self._drop_tasks()
+        restored = self._restore(assignment)
+        for (topic, partition), offset in restored.items():
+            self.consumer.seek(TopicPartition(topic, partition, offset))
+
+    # ------------------------------------------------------------------ main loop
+    def request_stop(self, *_: Any) -> None:
+        self._stopping = True
+
+    def run(self, *, max_seconds: float | None = None) -> None:
+        """Process until stopped (SIGTERM: final checkpoint, clean exit)."""
+        self.output.init()
+        topics = self.pipeline.source_topics()
+        self.consumer.subscribe(topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                on_lost=self._on_revoke)
+        deadline = None if max_seconds is None else time.monotonic() + max_seconds
+        try:
+            while True:
+                if self._stopping or (deadline is not None and time.monotonic() > deadline):
+                    self._final_checkpoint()
+                    break
+                self._step()
+        except FencedError:
+            log.error("another incarnation of worker %s took over; exiting",
+                      self.settings.worker_id)
+            raise
+        finally:
+            self._close()
+
+    def _step(self) -> None:
+        pending = self.coordinator.pending
+        held = len(self.output._buffer)
+        if held < MAX_HELD_RECORDS:
+            messages = self.consumer.consume(BATCH_SIZE, 0.005 if pending else 0.05)
+            if messages:
+                self._route(messages)
+        else:
+            time.sleep(0.002)
+        now = time.monotonic()
+        self._maybe_trigger(now)
+        for task in self.tasks.values():
+            task.run()
+        self.output.poll()
+        if self.coordinator.pending is not None:
+            try:
+                done = self.coordinator.poll()
+                if done is not None:
+                    self._complete(done)
+            except FencedError:
+                raise
+            except CheckpointError as exc:
+                self._fail_checkpoint(exc)
+
+    def _route(self, messages: list[Any]) -> None:
+        groups: dict[tuple[str, int], list[Any]] = {}
+        for msg in messages:
+            if msg.error():
+                error = msg.error()
+                if error.fatal():
+                    raise KafkaException(error)
+                log.warning("consumer: %s", error)
+                continue
+            key = (msg.topic(), msg.partition())
+            group = groups.get(key)
+            if group is None:
+                groups[key] = [msg]
+            else:
+                group.append(msg)
+        for (topic, partition), batch in groups.items():
+            task = self.tasks.get(task_id_for(partition))
+            if task is None or (topic, partition) not in task.channels:
+                continue  # fetched before a revoke; the new owner reads it again
+            task.enqueue((topic, partition), batch)
+
+    def _final_checkpoint(self) -> None:
+        if not self.tasks:
+            return
+        log.info("stopping: taking a final checkpoint")
+        deadline = time.monotonic() + self.pipeline.checkpoint_timeout
+        target = None
+        while time.monotonic() < deadline:
+            if self.coordinator.pending is None:
+                if target is not None and self.coordinator.next_id > target:
+                    return
+                target = self.coordinator.next_id
+                self._trigger(time.monotonic())
+            for task in self.tasks.values():
+                task.run()
+            self.output.poll()
+            try:
+                done = self.coordinator.poll()
+            except CheckpointError as exc:
+                log.error("final checkpoint failed: %s", exc)
+                return
+            if done is not None:
+                self._complete(done)
+                if done.checkpoint_id == target:
+                    return
+            time.sleep(0.001)
+
+    def _close(self) -> None:
+        try:
+            self.output.abort()
+        except Exception:
+            log.exception("abort on close")
+        for task in self.tasks.values():
+            task.close()
+        self.tasks = {}
+        self.coordinator.shutdown()
+        try:
+            self.consumer.close()
+        except Exception:
+            log.exception("consumer close")
+
+
+def run_worker(pipeline: Pipeline, settings: WorkerSettings) -> None:
+    """Entry point of a worker process: SIGTERM/SIGINT take a final checkpoint and exit."""
+    worker = Worker(pipeline, settings)
+    signal.signal(signal.SIGTERM, worker.request_stop)
+    signal.signal(signal.SIGINT, worker.request_stop)
+    worker.run()
