@@ -1,0 +1,114 @@
+"""Command line of the benchmark harness: ``python -m benchmarks run|recovery``."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from benchmarks.broker import kafka
+
+
+def _command_line() -> str:
+    return "python -m benchmarks " + shlex.join(sys.argv[1:])
+
+
+def _console() -> Console:
+    # Wide enough for the results table when the output is a log file, not a terminal.
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
+def _names(value: str | None) -> tuple[str, ...]:
+    return tuple(n.strip() for n in (value or "").split(",") if n.strip())
+
+
+@click.group()
+def cli() -> None:
+    """Snapline benchmarks: throughput, latency and recovery against a plain confluent-kafka
+    loop and Quix Streams, measured in one run."""
+
+
+@cli.command()
+@click.option("--records", type=int, default=None, help="input records [1,000,000; quick 50,000]")
+@click.option("--keys", type=int, default=None, help="distinct customers [100,000; quick 1,000]")
+@click.option("--partitions", type=int, default=8, show_default=True)
+@click.option("--repetitions", type=int, default=None, help="runs per system [3; quick 1]")
+@click.option("--quick", is_flag=True, help="small CI smoke test: no thresholds")
+@click.option("--bootstrap-servers", default=None,
+              help="an existing Kafka cluster; default: start a local broker")
+@click.option("--only", default=None, help="comma-separated systems, e.g. baseline-a,quix")
+@click.option("--profile", is_flag=True,
+              help="run each system's process under pyinstrument (first repetition)")
+@click.option("--no-latency", is_flag=True, help="skip the fixed-rate latency runs")
+@click.option("--latency-rate", type=float, default=None, help="records/s [5000; quick 2000]")
+@click.option("--latency-seconds", type=float, default=None, help="[10; quick 3]")
+@click.option("--output", type=click.Path(path_type=Path), default=None,
+              help="results JSON path (default benchmarks/results/<date>-<machine>.json; "
+                   "quick runs go to benchmarks/results/tmp/ and leave the README alone)")
+def run(records: int | None, keys: int | None, partitions: int, repetitions: int | None,
+        quick: bool, bootstrap_servers: str | None, only: str | None, profile: bool,
+        no_latency: bool, latency_rate: float | None, latency_seconds: float | None,
+        output: Path | None) -> None:
+    """Throughput and latency of every system on the same input."""
+    from benchmarks.suite import SuiteConfig, run_suite, select
+
+    config = SuiteConfig(
+        records=records or (50_000 if quick else 1_000_000),
+        keys=keys or (1_000 if quick else 100_000),
+        repetitions=repetitions or (1 if quick else 3),
+        partitions=partitions,
+        quick=quick,
+        only=_names(only),
+        profile=profile,
+        latency=not no_latency,
+        latency_rate=latency_rate or (2_000.0 if quick else 5_000.0),
+        latency_seconds=latency_seconds or (3.0 if quick else 10.0),
+        output=output,
+        command=_command_line(),
+    )
+    try:
+        select(config.only)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--only") from None
+    console = _console()
+    with kafka(bootstrap_servers) as bootstrap:
+        run_suite(config, bootstrap, console)
+
+
+@cli.command()
+@click.option("--keys", type=int, default=None,
+              help="keys of state, ~150 B each [1,000,000 ≈ 150 MB; quick 20,000]")
+@click.option("--quick", is_flag=True, help="small smoke test")
+@click.option("--bootstrap-servers", default=None,
+              help="an existing Kafka cluster; default: start a local broker")
+@click.option("--only", default=None,
+              help="comma-separated: snapline-rocksdb,snapline-memory,quix-changelog,quix-local")
+@click.option("--partitions", type=int, default=8, show_default=True)
+@click.option("--output", type=click.Path(path_type=Path), default=None)
+def recovery(keys: int | None, quick: bool, bootstrap_servers: str | None, only: str | None,
+             partitions: int, output: Path | None) -> None:
+    """Time from restarting a SIGKILLed worker to its first new committed output."""
+    from benchmarks.recovery import RecoveryConfig, run_recovery, select_recovery
+
+    config = RecoveryConfig(
+        keys=keys or (20_000 if quick else 1_000_000),
+        quick=quick,
+        only=_names(only),
+        partitions=partitions,
+        output=output,
+        command=_command_line(),
+    )
+    try:
+        select_recovery(config.only)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--only") from None
+    console = _console()
+    with kafka(bootstrap_servers) as bootstrap:
+        run_recovery(config, bootstrap, console)
+
+
+if __name__ == "__main__":
+    cli()

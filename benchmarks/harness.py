@@ -1,0 +1,238 @@
+"""One measured run of one system: throughput on the shared input, or latency at a fixed rate.
+
+Definitions (measured from outside the system):
+- start: wall-clock time at which the system handed its first input record to its processing
+  code (the system's process writes it to a file; see ``child_env.StartMarker``);
+- end: wall-clock time at which the read_committed verifier first saw the N-th output, i.e.
+  an upper bound on the commit time of the last output (the verifier polls every ~10 ms);
+- records/s = N / (end - start): process start, group join and state restore are excluded
+  (reported separately as ``startup_s``);
+- latency: the verifier's time of seeing an output minus the produce time of its input, for
+  inputs produced at a fixed rate after a warm-up.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.child_env import ChildEnv, read_start_time, read_stats
+from benchmarks.kafka_admin import Topics
+from benchmarks.process import Child, Exit
+from benchmarks.snapline_runs import checkpoint_durations_from_log
+from benchmarks.stats import percentile, summarize
+from benchmarks.systems import System
+from benchmarks.verifier import Verifier, check
+from benchmarks.workload import Expected, RateProducer
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How long and how hard to measure."""
+
+    partitions: int = 8
+    commit_interval: float = 1.0
+    startup_timeout: float = 120.0
+    stall_timeout: float = 60.0
+    min_rate: float = 500.0  # records/s below which a run is called hung
+    stop_grace: float = 30.0
+    latency_rate: float = 5000.0
+    latency_seconds: float = 10.0
+    latency_keys: int = 1000
+    profile_dir: Path | None = None
+
+
+@dataclass
+class RunResult:
+    system: str
+    kind: str  # throughput | latency
+    repetition: int
+    status: str = "ok"  # ok | FAILED | SKIPPED
+    problems: list[str] = field(default_factory=list)
+    records: int = 0
+    outputs: int = 0
+    records_per_s: float | None = None
+    elapsed_s: float | None = None
+    startup_s: float | None = None
+    wall_s: float | None = None
+    latency_s: dict[str, Any] = field(default_factory=dict)
+    commit_s: dict[str, Any] = field(default_factory=dict)
+    peak_rss_mb: float | None = None
+    stopped_by: str = ""
+    profiled: bool = False
+    profile: str = ""
+    log: str = ""
+    log_tail: str = ""
+
+    def fail(self, problem: str) -> None:
+        self.status = "FAILED"
+        self.problems.append(problem)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Bench:
+    """Shared context of a benchmark: broker, input topic, expected effect, work directory."""
+
+    def __init__(self, bootstrap: str, topics: Topics, prefix: str, workdir: Path,
+                 settings: Settings) -> None:
+        self.bootstrap = bootstrap
+        self.topics = topics
+        self.prefix = prefix
+        self.workdir = workdir
+        self.settings = settings
+
+    def _start(self, system: System, in_topic: str, tag: str,
+               profile: bool) -> tuple[Child, ChildEnv, RunResult, str]:
+        s = self.settings
+        group = f"{self.prefix}-{system.name}-{tag}"
+        out_topic = self.topics.create(f"{group}-out", s.partitions)
+        rundir = self.workdir / f"{system.name}-{tag}"
+        rundir.mkdir(parents=True, exist_ok=True)
+        env = ChildEnv(
+            bootstrap=self.bootstrap, in_topic=in_topic, out_topic=out_topic, group=group,
+            start_file=str(rundir / "started"), stats_file=str(rundir / "stats.json"),
+            state_dir=str(rundir / "state"), commit_interval=s.commit_interval,
+            backend=system.backend, guarantee=system.guarantee,
+        )
+        profile_to = None
+        if profile and s.profile_dir is not None:
+            s.profile_dir.mkdir(parents=True, exist_ok=True)
+            profile_to = s.profile_dir / f"{system.name}-{tag}.html"
+        log = rundir / "process.log"
+        child = Child(system.argv(self.bootstrap, profile_to),
+                      {**env.to_environ(), **system.extra_env}, log)
+        result = RunResult(system=system.name, kind="", repetition=0, log=str(log),
+                           profiled=profile_to is not None,
+                           profile=str(profile_to) if profile_to else "")
+        return child, env, result, out_topic
+
+    def _wait_started(self, child: Child, env: ChildEnv) -> tuple[float | None, str]:
+        deadline = time.monotonic() + self.settings.startup_timeout
+        while time.monotonic() < deadline:
+            started = read_start_time(env.start_file)
+            if started is not None:
+                return started, ""
+            if not child.running():
+                return None, "the process exited before consuming anything"
+            time.sleep(0.05)
+        return None, f"consumed nothing within {self.settings.startup_timeout:.0f}s"
+
+    def _finish(self, child: Child, verifier: Verifier, result: RunResult, env: ChildEnv,
+                system: System, expected: Expected) -> Exit:
+        exit_ = child.stop(self.settings.stop_grace)
+        verifier.drain()
+        verifier.stop()
+        result.stopped_by = exit_.stopped_by
+        result.peak_rss_mb = round(exit_.peak_rss_mb, 1)
+        result.outputs = verifier.count
+        if exit_.stopped_by == "SIGKILL":
+            result.problems.append(f"did not stop within {self.settings.stop_grace:.0f}s of "
+                                   "SIGTERM; killed")
+        elif exit_.returncode not in (0, -15, 143):
+            result.problems.append(f"exited with code {exit_.returncode}")
+        if verifier.errors:
+            result.fail("verifier: " + "; ".join(verifier.errors[:3]))
+        problems = check(verifier.tally, expected, system.exactly_once)
+        for problem in problems:
+            result.fail("wrong output: " + problem)
+        if result.status != "ok" or result.problems:
+            result.log_tail = exit_.log_tail
+        stats = read_stats(env.stats_file)
+        durations = stats.get("commit_durations_s") or checkpoint_durations_from_log(
+            Path(result.log))
+        if durations:
+            result.commit_s = _rounded(summarize(durations))
+        self.topics.delete([env.out_topic])
+        self.topics.delete_containing(env.group)  # the peer's changelog topics
+        shutil.rmtree(env.state_dir, ignore_errors=True)
+        return exit_
+
+    # ------------------------------------------------------------------ runs
+    def throughput(self, system: System, in_topic: str, expected: Expected,
+                   repetition: int, profile: bool = False) -> RunResult:
+        """Process the whole shared input once; time it and verify the output."""
+        s = self.settings
+        n = expected.count
+        child, env, result, out_topic = self._start(system, in_topic, f"r{repetition}", profile)
+        result.kind, result.repetition, result.records = "throughput", repetition, n
+        verifier = Verifier(self.bootstrap, out_topic, s.partitions, system.mode)
+        try:
+            started, why = self._wait_started(child, env)
+            if started is None:
+                result.fail(why)
+            else:
+                result.startup_s = round(started - child.started_at, 3)
+                hard = s.startup_timeout + n / s.min_rate
+                seen, why = verifier.wait_for(n, hard, s.stall_timeout, child.running)
+                if seen is None:
+                    result.fail(why)
+                else:
+                    result.elapsed_s = round(seen - started, 3)
+                    result.wall_s = round(seen - child.started_at, 3)
+                    result.records_per_s = round(n / max(seen - started, 1e-6), 1)
+        finally:
+            self._finish(child, verifier, result, env, system, expected)
+        if result.status != "ok":
+            result.records_per_s = None
+        return result
+
+    def latency(self, system: System) -> RunResult:
+        """Produce at a fixed rate into a fresh topic while the system runs; measure the
+        produce → visible-to-read_committed latency of every record after a warm-up."""
+        s = self.settings
+        in_topic = self.topics.create(f"{self.prefix}-{system.name}-lat-in", s.partitions)
+        producer = RateProducer(self.bootstrap, in_topic, s.latency_keys)
+        child, env, result, out_topic = self._start(system, in_topic, "lat", False)
+        result.kind = "latency"
+        verifier = Verifier(self.bootstrap, out_topic, s.partitions, system.mode,
+                            ledger=producer.ledger)
+        try:
+            why = self._warm_up(child, producer, verifier)
+            if why:
+                result.fail(why)
+            else:
+                producer.ledger.start_measuring()
+                producer.run_at_rate(s.latency_rate, s.latency_seconds)
+                if not producer.join(s.latency_seconds + 30):
+                    result.fail("the rate producer did not finish")
+                else:
+                    seen, why = verifier.wait_for(producer.produced, s.stall_timeout,
+                                                  s.stall_timeout, child.running)
+                    if seen is None:
+                        result.fail(why)
+        finally:
+            producer.close()
+            result.records = producer.produced
+            self._finish(child, verifier, result, env, system, producer.ledger.expected)
+            self.topics.delete([in_topic])
+        lat = verifier.tally.latencies
+        achieved = len(lat) / s.latency_seconds if s.latency_seconds else 0.0
+        result.latency_s = _rounded({**summarize(lat), "p95": percentile(lat, 95),
+                                     "rate_per_s": achieved})
+        if verifier.tally.unmatched:
+            result.fail(f"{verifier.tally.unmatched} outputs match no produced input")
+        return result
+
+    def _warm_up(self, child: Child, producer: RateProducer, verifier: Verifier) -> str:
+        """Trickle records until the system outputs and has caught up; "" when ready."""
+        deadline = time.monotonic() + self.settings.startup_timeout
+        while verifier.count == 0:
+            if time.monotonic() > deadline:
+                return f"no output within {self.settings.startup_timeout:.0f}s of start"
+            if not child.running():
+                return "the process exited during warm-up"
+            producer.produce_one()
+            time.sleep(0.1)
+        producer.join(0)
+        seen, why = verifier.wait_for(producer.produced, self.settings.stall_timeout,
+                                      self.settings.stall_timeout, child.running)
+        return why if seen is None else ""
+
+
+def _rounded(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in values.items()}

@@ -1,0 +1,111 @@
+"""Launching a benchmarked system in its own process, stopping it, and reading its peak RSS.
+
+The child is reaped with ``os.wait4`` so its resource usage (peak RSS of it and the children it
+waited for) is exactly that of this run, not of every child the harness ever had.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Exit:
+    """How a child process ended."""
+
+    returncode: int
+    peak_rss_mb: float
+    wall_s: float
+    stopped_by: str  # "self" | "SIGTERM" | "SIGKILL"
+    log_tail: str
+
+
+class Child:
+    """One benchmarked process; its stdout and stderr go to ``log_path``."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.argv = argv
+        self.log_path = log_path
+        full_env = dict(os.environ)
+        full_env.update(env)
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO_ROOT), full_env.get("PYTHONPATH", "")) if p)
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in _reaped
+        self.started_at = time.time()
+        self._proc = subprocess.Popen(argv, env=full_env, cwd=REPO_ROOT, stdout=self._log,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+        self.pid = self._proc.pid
+        self._exit: Exit | None = None
+
+    def running(self) -> bool:
+        if self._exit is not None:
+            return False
+        return self._try_reap(block=False) is None
+
+    def _try_reap(self, block: bool, stopped_by: str = "self") -> Exit | None:
+        if self._exit is not None:
+            return self._exit
+        pid, status, rusage = os.wait4(self.pid, 0 if block else os.WNOHANG)
+        if pid == 0:
+            return None
+        self._proc.returncode = os.waitstatus_to_exitcode(status)  # keep Popen consistent
+        self._log.close()
+        self._exit = Exit(
+            returncode=self._proc.returncode,
+            peak_rss_mb=rusage.ru_maxrss / 1024.0,  # KiB on Linux
+            wall_s=time.time() - self.started_at,
+            stopped_by=stopped_by,
+            log_tail=tail(self.log_path),
+        )
+        return self._exit
+
+    def wait(self, timeout: float, stopped_by: str = "self") -> Exit | None:
+        deadline = time.monotonic() + timeout
+        while True:
+            result = self._try_reap(block=False, stopped_by=stopped_by)
+            if result is not None or time.monotonic() >= deadline:
+                return result
+            time.sleep(0.05)
+
+    def stop(self, grace: float = 30.0) -> Exit:
+        """SIGTERM, then SIGKILL (the whole process group) after ``grace`` seconds."""
+        if self._exit is not None:
+            return self._exit
+        self._signal(signal.SIGTERM)
+        result = self.wait(grace, stopped_by="SIGTERM")
+        if result is None:
+            result = self.kill()
+        return result
+
+    def kill(self) -> Exit:
+        if self._exit is not None:
+            return self._exit
+        self._signal(signal.SIGKILL)
+        result = self._try_reap(block=True, stopped_by="SIGKILL")
+        assert result is not None
+        return result
+
+    def _signal(self, sig: signal.Signals) -> None:
+        try:
+            if sig == signal.SIGKILL:
+                os.killpg(self.pid, sig)  # its helpers too
+            else:
+                os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])

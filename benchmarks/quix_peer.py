@@ -1,0 +1,94 @@
+"""The peer: Quix Streams running the same keyed running total, exactly-once.
+
+Quix Streams keeps state per message key in RocksDB with a changelog topic, and with
+``processing_guarantee="exactly-once"`` commits outputs, changelog and offsets in one Kafka
+transaction every ``commit_interval``. The input is already keyed by customer, so no
+repartition is needed: ``sdf.apply(..., stateful=True)`` sees the state of the record's key.
+
+Runs as its own process (``python -m benchmarks.quix_peer``), configured by ``ChildEnv``.
+Checkpoint commit durations are measured by wrapping ``Checkpoint.commit``; nothing else of
+Quix Streams is changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks.child_env import ChildEnv, StartMarker, write_stats
+
+
+def _time_checkpoint_commits(durations: list[float]) -> None:
+    from quixstreams.checkpointing.checkpoint import Checkpoint
+
+    original: Callable[..., Any] = Checkpoint.commit
+
+    def timed_commit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        started = time.monotonic()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            durations.append(time.monotonic() - started)
+
+    Checkpoint.commit = timed_commit  # type: ignore[method-assign]
+
+
+def running_total_app(env: ChildEnv, keep_note: bool = False) -> Any:
+    """The Quix Streams application of the benchmark (``keep_note``: the recovery variant,
+    whose state holds ~150 bytes per key)."""
+    from quixstreams import Application, State
+
+    app = Application(
+        broker_address=env.bootstrap,
+        consumer_group=env.group,
+        auto_offset_reset="earliest",
+        commit_interval=env.commit_interval,
+        processing_guarantee="exactly-once",
+        state_dir=env.state_dir,
+        loglevel="WARNING",
+        consumer_extra_config={"enable.partition.eof": False},
+    )
+    source = app.topic(env.in_topic, value_deserializer="json", key_deserializer="string")
+    sink = app.topic(env.out_topic, value_serializer="json", key_serializer="string")
+    marker = StartMarker(env.start_file)
+
+    def running_total(value: dict[str, Any], state: State) -> dict[str, Any]:
+        marker.mark()
+        if keep_note:
+            last = state.get("last") or {"total": 0}
+            total = last["total"] + value["amount"]
+            state.set("last", {"total": total, "note": value["note"]})
+        else:
+            total = state.get("total", 0) + value["amount"]
+            state.set("total", total)
+        return {"customer": value["customer"], "total": total}
+
+    sdf = app.dataframe(source)
+    sdf = sdf.apply(running_total, stateful=True)
+    sdf.to_topic(sink)
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--keep-note", action="store_true",
+                        help="store the record's note in state (recovery benchmark)")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    logging.basicConfig(level=logging.WARNING)
+    env = ChildEnv.from_environ()
+    durations: list[float] = []
+    _time_checkpoint_commits(durations)
+    app = running_total_app(env, keep_note=args.keep_note)
+    try:
+        app.run()
+    finally:
+        write_stats(env.stats_file, {"commit_durations_s": durations})
+
+
+if __name__ == "__main__":
+    main()

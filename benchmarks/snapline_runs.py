@@ -1,0 +1,80 @@
+"""The Snapline configurations that are benchmarked and how a worker is launched.
+
+A worker runs as ``python -m benchmarks.snapline_entry run MODULE:FACTORY --bootstrap-servers B
+--worker-id 0`` (the ``snapline run`` CLI), with topics and settings passed as ``BENCH_*``
+variables that ``benchmarks.snapline_pipelines`` reads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+from benchmarks.systems import System
+
+_ENTRY = "benchmarks.snapline_entry"
+
+
+def _worker_args(factory: str) -> tuple[str, ...]:
+    return ("run", f"benchmarks.snapline_pipelines:{factory}",
+            "--bootstrap-servers", "{bootstrap}", "--worker-id", "0")
+
+
+def _system(name: str, label: str, factory: str, backend: str, guarantee: str,
+            mode: str = "total") -> System:
+    return System(
+        name=name, label=label, role="snapline", module=_ENTRY, args=_worker_args(factory),
+        mode="map" if mode == "map" else "total", exactly_once=guarantee == "exactly_once",
+        backend=backend, guarantee=guarantee,
+        notes=f"{factory}, state_backend={backend}, guarantee={guarantee}, checkpoint every 1 s",
+    )
+
+
+SNAPLINE_SYSTEMS: tuple[System, ...] = (
+    _system("snapline-map", "Snapline stateless map, exactly-once", "stateless_map",
+            "memory", "exactly_once", mode="map"),
+    _system("snapline-memory", "Snapline running total, memory, exactly-once", "running_total",
+            "memory", "exactly_once"),
+    _system("snapline-rocksdb", "Snapline running total, rocksdb, exactly-once",
+            "running_total", "rocksdb", "exactly_once"),
+    _system("snapline-memory-alo", "Snapline running total, memory, at-least-once",
+            "running_total", "memory", "at_least_once"),
+    _system("snapline-rocksdb-alo", "Snapline running total, rocksdb, at-least-once",
+            "running_total", "rocksdb", "at_least_once"),
+)
+
+
+def runtime_missing() -> str:
+    """Why the Snapline runtime cannot be benchmarked yet, or "" when it can."""
+    try:
+        pipeline = importlib.import_module("pipeline")
+    except ImportError as exc:
+        return f"cannot import pipeline: {exc}"
+    if not hasattr(pipeline, "Pipeline"):
+        return "pipeline/__init__.py does not export Pipeline yet"
+    try:
+        cli = importlib.import_module("pipeline.cli")
+    except ImportError as exc:
+        return f"pipeline.cli is missing: {exc}"
+    if not hasattr(cli, "main"):
+        return "pipeline.cli has no main() yet"
+    return ""
+
+
+_DURATION = re.compile(r"checkpoint (\d+) (?:complete|completed|committed)\b.*?"
+                       r"(\d+(?:\.\d+)?)\s*(ms|s)\b", re.IGNORECASE)
+
+
+def checkpoint_durations_from_log(log: Path) -> list[float]:
+    """Checkpoint durations (s) from a worker log, for lines like
+    ``checkpoint 12 completed in 35.2 ms``; empty when the log has none."""
+    try:
+        text = log.read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    durations = []
+    for match in _DURATION.finditer(text):
+        value = float(match.group(2))
+        durations.append(value / 1000.0 if match.group(3).lower() == "ms" else value)
+    return durations

@@ -1,0 +1,156 @@
+"""``python -m benchmarks run``: prepare the input once, then measure every selected system,
+repetitions interleaved, and publish a summary with ratios measured in this one run."""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from benchmarks import report
+from benchmarks.harness import Bench, RunResult, Settings
+from benchmarks.kafka_admin import Topics
+from benchmarks.snapline_runs import SNAPLINE_SYSTEMS, runtime_missing
+from benchmarks.systems import BASELINE_A, BASELINE_B, QUIX, System
+from benchmarks.workload import RECORD_BYTES, prepare_input
+
+ALL_SYSTEMS: tuple[System, ...] = (BASELINE_A, BASELINE_B, QUIX, *SNAPLINE_SYSTEMS)
+
+
+@dataclass(frozen=True)
+class SuiteConfig:
+    records: int
+    keys: int
+    repetitions: int
+    partitions: int
+    quick: bool
+    only: tuple[str, ...]
+    profile: bool
+    latency: bool
+    latency_rate: float
+    latency_seconds: float
+    output: Path | None
+    command: str
+
+
+def select(only: tuple[str, ...]) -> list[System]:
+    if not only:
+        return list(ALL_SYSTEMS)
+    names = {s.name for s in ALL_SYSTEMS}
+    unknown = [n for n in only if n not in names]
+    if unknown:
+        raise ValueError(f"unknown system(s) {unknown}; choose from {sorted(names)}")
+    return [s for s in ALL_SYSTEMS if s.name in only]
+
+
+def _line(result: RunResult) -> str:
+    if result.status != "ok":
+        return f"{result.status}: {'; '.join(result.problems)}"
+    if result.kind == "latency":
+        lat = result.latency_s
+        return (f"latency p50 {lat.get('p50', 0) * 1000:,.0f} ms, "
+                f"p99 {lat.get('p99', 0) * 1000:,.0f} ms over {lat.get('count')} records")
+    return (f"{result.records_per_s:,.0f} records/s ({result.elapsed_s:.1f}s, startup "
+            f"{result.startup_s:.1f}s, peak RSS {result.peak_rss_mb:,.0f} MB)")
+
+
+def run_suite(config: SuiteConfig, bootstrap: str, console: Console) -> dict[str, Any]:
+    systems = select(config.only)
+    missing = runtime_missing()
+    prefix = f"bench-{datetime.now(UTC):%m%d%H%M%S}-{secrets.token_hex(2)}"
+    workdir = Path(tempfile.mkdtemp(prefix="snapline-bench-"))
+    profile_dir = report.RESULTS_DIR / "tmp" / "profiles" / prefix if config.profile else None
+    settings = Settings(
+        partitions=config.partitions,
+        latency_rate=config.latency_rate,
+        latency_seconds=config.latency_seconds,
+        latency_keys=min(config.keys, 1000),
+        startup_timeout=60.0 if config.quick else 120.0,
+        stall_timeout=30.0 if config.quick else 60.0,
+        profile_dir=profile_dir,
+    )
+    topics = Topics(bootstrap)
+    bench = Bench(bootstrap, topics, prefix, workdir, settings)
+    results: list[RunResult] = []
+    m = report.machine()
+    console.print(f"[bold]machine[/bold]: {m.description}")
+    console.print(f"[bold]broker[/bold]: {bootstrap}   [bold]work dir[/bold]: {workdir}")
+    try:
+        in_topic = topics.create(f"{prefix}-in", config.partitions)
+        t0 = time.monotonic()
+        expected = prepare_input(bootstrap, in_topic, config.records, config.keys)
+        console.print(f"input: {config.records:,} records of {RECORD_BYTES} B, "
+                      f"{len(expected.totals):,} keys, {config.partitions} partitions "
+                      f"→ {in_topic} in {time.monotonic() - t0:.1f}s")
+        for rep in range(1, config.repetitions + 1):
+            for system in systems:
+                if system.role == "snapline" and missing:
+                    if rep == 1:
+                        results.append(RunResult(system.name, "throughput", rep,
+                                                 status="SKIPPED", problems=[missing]))
+                        console.print(f"[yellow]{system.name}[/yellow]: SKIPPED ({missing})")
+                    continue
+                console.print(f"[cyan]{system.name}[/cyan] repetition {rep}/"
+                              f"{config.repetitions} …", end=" ")
+                result = bench.throughput(system, in_topic, expected, rep,
+                                          profile=config.profile and rep == 1)
+                results.append(result)
+                console.print(_line(result))
+        if config.latency:
+            for system in systems:
+                if system.role == "snapline" and missing:
+                    continue
+                console.print(f"[cyan]{system.name}[/cyan] latency at "
+                              f"{config.latency_rate:,.0f} records/s …", end=" ")
+                result = bench.latency(system)
+                results.append(result)
+                console.print(_line(result))
+    finally:
+        topics.delete([t for t in list(topics.created)])
+        topics.delete_containing(prefix)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    rows = report.summarize_systems(systems, results)
+    title = (f"{config.records:,} records, {config.keys:,} keys, {config.partitions} partitions, "
+             f"{config.repetitions} repetition(s) — {m.description}")
+    report.print_table(rows, title, console)
+    payload = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": asdict(m) | {"short": m.short, "description": m.description},
+        "command": config.command,
+        "config": asdict(config) | {"output": str(config.output or "")},
+        "settings": asdict(settings) | {"profile_dir": str(profile_dir or "")},
+        "definitions": {
+            "records_per_s": "N / (time the read_committed verifier saw the N-th output - "
+                             "time the system handed its first input record to its code)",
+            "latency": "time an output became visible to a read_committed consumer - produce "
+                       f"time of its input, at {config.latency_rate:,.0f} records/s after a "
+                       "warm-up",
+            "commit": "baselines: transaction commit (A) or flush+offset commit (B); Quix: "
+                      "Checkpoint.commit; Snapline: checkpoint duration from its log",
+            "peak_rss_mb": "ru_maxrss of the system's process (os.wait4)",
+            "ratios": "median records/s of the system / that of baseline A or the peer",
+        },
+        "summary": rows,
+        "runs": [r.to_json() for r in results],
+        "snapline_runtime": missing or "available",
+    }
+    path = config.output or report.results_path(m, config.quick)
+    report.write_results(path, payload)
+    console.print(f"results: {path}")
+    if profile_dir is not None:
+        console.print(f"profiles: {profile_dir}")
+    if not config.quick and config.output is None:
+        report.update_readme(
+            f"Measured {payload['date']} on {m.description}:\n\n"
+            f"`{config.command}`\n\n{report.markdown_table(rows)}\n\n"
+            f"Raw results: [`results/{path.name}`](results/{path.name})")
+        console.print(f"table updated in {report.README}")
+    return payload

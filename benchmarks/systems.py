@@ -1,0 +1,58 @@
+"""The systems a benchmark run compares, and how to start each one as a process."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from benchmarks.verifier import Mode
+
+Role = Literal["baseline", "peer", "snapline"]
+
+
+@dataclass(frozen=True)
+class System:
+    """One benchmarked configuration.
+
+    ``args`` may contain ``{bootstrap}``, replaced when the process is started.
+    """
+
+    name: str
+    label: str
+    role: Role
+    module: str
+    args: tuple[str, ...] = ()
+    mode: Mode = "total"
+    exactly_once: bool = True
+    backend: str = "memory"
+    guarantee: str = "exactly_once"
+    notes: str = ""
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def argv(self, bootstrap: str, profile_to: Path | None = None) -> list[str]:
+        args = [a.replace("{bootstrap}", bootstrap) for a in self.args]
+        if profile_to is not None:
+            return [sys.executable, "-m", "pyinstrument", "-r", "html", "-o", str(profile_to),
+                    "-m", self.module, *args]
+        return [sys.executable, "-m", self.module, *args]
+
+
+BASELINE_A = System(
+    name="baseline-a", label="baseline A: confluent-kafka, transactions", role="baseline",
+    module="benchmarks.baselines", args=("--transactions",),
+    notes="read_committed consume(10k) → dict total → produce; one transaction per second "
+          "with send_offsets_to_transaction",
+)
+BASELINE_B = System(
+    name="baseline-b", label="baseline B: confluent-kafka, no transactions", role="baseline",
+    module="benchmarks.baselines", args=("--no-transactions",), exactly_once=False,
+    guarantee="at_least_once",
+    notes="the same loop; every second flush the producer, then commit offsets",
+)
+QUIX = System(
+    name="quix", label="Quix Streams 3.x exactly-once", role="peer",
+    module="benchmarks.quix_peer",
+    notes='sdf.apply(stateful=True), processing_guarantee="exactly-once", commit_interval=1.0',
+)

@@ -1,0 +1,227 @@
+"""The independent reader: a read_committed consumer of a system's output topic that times the
+run from the outside and checks that every input took effect exactly once.
+
+Runs in a thread of the harness process. ``Tally`` is the pure accounting (unit-tested);
+``Verifier`` feeds it from Kafka; ``check`` turns a tally and the expected effect into a list
+of problems (empty = correct).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import orjson
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+
+from benchmarks.workload import Expected, LatencyLedger
+
+Mode = Literal["total", "map", "state"]
+
+
+@dataclass
+class Tally:
+    """What the verifier has seen so far on one output topic."""
+
+    mode: Mode
+    count: int = 0
+    amount_sum: int = 0
+    sum_of_totals: int = 0
+    out_of_order: int = 0
+    undecodable: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+    last_total: dict[str, int] = field(default_factory=dict)
+    latencies: list[float] = field(default_factory=list)
+    unmatched: int = 0
+
+    def observe(self, raw: bytes | None, seen_at: float,
+                ledger: LatencyLedger | None = None) -> None:
+        self.count += 1
+        try:
+            value = orjson.loads(raw or b"")
+            customer = value["customer"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            self.undecodable += 1
+            return
+        ordinal = self.counts.get(customer, 0)
+        self.counts[customer] = ordinal + 1
+        if self.mode == "map":
+            self.amount_sum += value.get("amount", 0)
+        else:
+            total = value.get("total", 0)
+            if total <= self.last_total.get(customer, 0):
+                self.out_of_order += 1
+            self.last_total[customer] = total
+            self.sum_of_totals += total
+        if ledger is not None:
+            produced_at = ledger.produced_at(customer, ordinal)
+            if produced_at is None:
+                self.unmatched += 1
+            elif ledger.is_measured(produced_at):
+                self.latencies.append(seen_at - produced_at)
+
+
+def check(tally: Tally, expected: Expected, exactly_once: bool) -> list[str]:
+    """Problems with a finished run; an empty list means the output is correct.
+
+    Exactly-once: as many outputs as inputs, per key too, and every total right.
+    At-least-once (no failures are injected, so totals must still be right): at least as many
+    outputs as inputs.
+    """
+    problems: list[str] = []
+    if tally.undecodable:
+        problems.append(f"{tally.undecodable} outputs are not the expected JSON")
+    if exactly_once and tally.count != expected.count:
+        problems.append(f"{tally.count} outputs for {expected.count} inputs "
+                        f"({tally.count - expected.count:+d})")
+    if not exactly_once and tally.count < expected.count:
+        problems.append(f"only {tally.count} outputs for {expected.count} inputs")
+    missing_keys = [k for k, n in expected.counts.items() if tally.counts.get(k, 0) < n]
+    if missing_keys:
+        problems.append(f"{len(missing_keys)} keys have fewer outputs than inputs, e.g. "
+                        f"{missing_keys[0]}")
+    if exactly_once:
+        extra = [k for k, n in tally.counts.items() if expected.counts.get(k, 0) != n]
+        if extra and not missing_keys:
+            problems.append(f"{len(extra)} keys have more outputs than inputs, e.g. {extra[0]}")
+    if tally.mode == "map":
+        if exactly_once and tally.amount_sum != expected.amount_sum:
+            problems.append(f"sum of amounts {tally.amount_sum} != {expected.amount_sum}")
+        return problems
+    wrong = [k for k, t in expected.totals.items() if tally.last_total.get(k) != t]
+    if wrong:
+        k = wrong[0]
+        problems.append(f"{len(wrong)} keys end with a wrong total, e.g. {k}: "
+                        f"{tally.last_total.get(k)} != {expected.totals[k]}")
+    if tally.out_of_order and exactly_once:
+        problems.append(f"{tally.out_of_order} totals did not increase (reordered or replayed)")
+    if exactly_once and tally.sum_of_totals != expected.sum_of_totals and not wrong:
+        problems.append(f"sum of all output totals {tally.sum_of_totals} != "
+                        f"{expected.sum_of_totals} (lost or duplicated intermediate outputs)")
+    return problems
+
+
+def verifier_config(bootstrap: str, group: str) -> dict[str, object]:
+    return {
+        "bootstrap.servers": bootstrap,
+        "group.id": group,  # required by librdkafka; offsets are never committed
+        "enable.auto.commit": False,
+        "isolation.level": "read_committed",
+        "auto.offset.reset": "earliest",
+        "fetch.wait.max.ms": 10,  # an output becomes visible to us within ~10 ms
+        "enable.partition.eof": False,
+    }
+
+
+class Verifier:
+    """Reads ``topic`` from the beginning in a background thread until stopped."""
+
+    def __init__(self, bootstrap: str, topic: str, partitions: int, mode: Mode,
+                 ledger: LatencyLedger | None = None) -> None:
+        self.tally = Tally(mode)
+        self.errors: list[str] = []
+        self.first_seen_at: float | None = None
+        self.last_seen_at: float | None = None
+        self._ledger = ledger
+        self._topic = topic
+        self._partitions = partitions
+        self._consumer = Consumer(verifier_config(bootstrap, f"verifier-{topic}"))
+        self._consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING)
+                               for p in range(partitions)])
+        self._lock = threading.Lock()
+        self._reached: list[tuple[int, threading.Event, list[float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"verifier-{topic}",
+                                        daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ reading
+    def _loop(self) -> None:
+        consume = self._consumer.consume
+        observe = self.tally.observe
+        ledger = self._ledger
+        try:
+            while not self._stop.is_set():
+                messages = consume(num_messages=10_000, timeout=0.05)
+                if not messages:
+                    continue
+                now = time.time()
+                with self._lock:
+                    for msg in messages:
+                        err = msg.error()
+                        if err is not None:
+                            if err.code() != KafkaError._PARTITION_EOF:
+                                self.errors.append(str(err))
+                            continue
+                        observe(msg.value(), now, ledger)
+                    if self.first_seen_at is None:
+                        self.first_seen_at = now
+                    self.last_seen_at = now
+                    self._signal(now)
+        except Exception as exc:  # noqa: BLE001 - reported, never swallowed silently
+            self.errors.append(f"verifier crashed: {exc!r}")
+        finally:
+            self._consumer.close()
+
+    def _signal(self, now: float) -> None:
+        for target, event, when in self._reached:
+            if not event.is_set() and self.tally.count >= target:
+                when.append(now)
+                event.set()
+
+    # ------------------------------------------------------------------ waiting
+    @property
+    def count(self) -> int:
+        return self.tally.count
+
+    def wait_for(self, target: int, timeout: float, stall_timeout: float,
+                 still_running: Callable[[], bool] | None = None) -> tuple[float | None, str]:
+        """Wait until ``target`` outputs were seen; return (time seen, "" or why not).
+
+        Gives up after ``timeout`` seconds, after ``stall_timeout`` seconds without a new
+        output, or as soon as ``still_running()`` says the system's process is gone.
+        """
+        event = threading.Event()
+        when: list[float] = []
+        with self._lock:
+            self._reached.append((target, event, when))
+            self._signal(time.time())
+        deadline = time.monotonic() + timeout
+        last_count, last_progress = -1, time.monotonic()
+        while not event.wait(0.1):
+            now = time.monotonic()
+            if self.count != last_count:
+                last_count, last_progress = self.count, now
+            if now > deadline:
+                return None, f"timed out after {timeout:.0f}s with {self.count}/{target} outputs"
+            if now - last_progress > stall_timeout:
+                return None, (f"no new output for {stall_timeout:.0f}s "
+                              f"({self.count}/{target} outputs)")
+            if still_running is not None and not still_running():
+                event.wait(1.0)  # its last transaction may just have become visible
+                if event.is_set():
+                    break
+                return None, f"the system's process exited with {self.count}/{target} outputs"
+            if not self._thread.is_alive():
+                return None, "; ".join(self.errors) or "verifier stopped"
+        return when[0], ""
+
+    def drain(self, quiet: float = 1.5, timeout: float = 20.0) -> bool:
+        """After the system stopped: read on until nothing new arrives for ``quiet`` seconds,
+        so late duplicates are counted. False if output kept arriving for ``timeout``."""
+        deadline = time.monotonic() + timeout
+        last_count, quiet_since = self.count, time.monotonic()
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            if self.count != last_count:
+                last_count, quiet_since = self.count, time.monotonic()
+            elif time.monotonic() - quiet_since >= quiet:
+                return True
+        return False
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)

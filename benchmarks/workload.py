@@ -1,0 +1,196 @@
+"""The benchmark input: ~100-byte JSON records keyed by customer, and what a correct run outputs.
+
+``prepare_input`` produces the throughput workload once; ``RateProducer`` produces the latency
+workload at a fixed rate while a system runs. Both keep the expected effect of every record
+(``Expected``) so the verifier can tell a correct run from a fast wrong one.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import orjson
+from confluent_kafka import KafkaException, Producer
+
+RECORD_BYTES = 100
+_BASE_TS_MS = 1_790_000_000_000
+
+
+def customer_key(index: int) -> str:
+    return f"c{index:07d}"
+
+
+def encode_record(customer: str, amount: int, ts_ms: int, size: int = RECORD_BYTES) -> bytes:
+    """One input record, padded with ``note`` to ``size`` bytes (when ``size`` allows)."""
+    bare = orjson.dumps({"customer": customer, "amount": amount, "ts": ts_ms, "note": ""})
+    pad = max(0, size - len(bare))
+    return orjson.dumps({"customer": customer, "amount": amount, "ts": ts_ms, "note": "x" * pad})
+
+
+@dataclass
+class Expected:
+    """The effect a correct keyed running total (or map) has for the produced input."""
+
+    count: int = 0
+    amount_sum: int = 0
+    # Sum over all outputs of the running total they carry: catches lost and duplicated
+    # outputs that happen to leave the final totals right.
+    sum_of_totals: int = 0
+    totals: dict[str, int] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def add(self, customer: str, amount: int) -> None:
+        total = self.totals.get(customer, 0) + amount
+        self.totals[customer] = total
+        self.counts[customer] = self.counts.get(customer, 0) + 1
+        self.count += 1
+        self.amount_sum += amount
+        self.sum_of_totals += total
+
+
+def generate(records: int, keys: int, seed: int = 7) -> Iterator[tuple[str, int, int]]:
+    """Deterministic (customer, amount, ts_ms) triples: uniform keys, amounts 1..100."""
+    rng = random.Random(seed)
+    randrange = rng.randrange
+    for i in range(records):
+        yield customer_key(randrange(keys)), randrange(1, 101), _BASE_TS_MS + i
+
+
+def producer_config(bootstrap: str, **extra: object) -> dict[str, object]:
+    config: dict[str, object] = {
+        "bootstrap.servers": bootstrap,
+        "enable.idempotence": True,  # keeps per-partition order, so per-key order
+        "acks": "all",
+        "linger.ms": 20,
+        "batch.size": 1_000_000,
+        "queue.buffering.max.messages": 1_000_000,
+        "queue.buffering.max.kbytes": 1_048_576,
+    }
+    config.update(extra)
+    return config
+
+
+def _produce(producer: Producer, topic: str, key: bytes, value: bytes) -> None:
+    while True:
+        try:
+            producer.produce(topic, value, key)
+            return
+        except BufferError:
+            producer.poll(0.05)
+
+
+def prepare_input(bootstrap: str, topic: str, records: int, keys: int,
+                  record_bytes: int = RECORD_BYTES, seed: int = 7,
+                  timeout: float = 300.0) -> Expected:
+    """Produce the workload to ``topic`` (which must exist) and return its expected effect."""
+    expected = Expected()
+    errors: list[str] = []
+
+    def on_delivery(err: object, _msg: object) -> None:
+        if err is not None:
+            errors.append(str(err))
+
+    producer = Producer(producer_config(bootstrap, on_delivery=on_delivery))
+    for i, (customer, amount, ts_ms) in enumerate(generate(records, keys, seed)):
+        _produce(producer, topic, customer.encode(), encode_record(customer, amount, ts_ms,
+                                                                   record_bytes))
+        expected.add(customer, amount)
+        if i % 10_000 == 0:
+            producer.poll(0)
+    left = producer.flush(timeout)
+    if left or errors:
+        raise KafkaException(f"input not fully produced to {topic}: {left} undelivered, "
+                             f"errors: {errors[:3]}")
+    return expected
+
+
+class LatencyLedger:
+    """Produce time of every latency-phase record, per key in produce order.
+
+    Per-key order is kept from input to output by every system benchmarked (the input is
+    partitioned by customer and each system writes a key's outputs in order), so the n-th
+    output of a key belongs to the n-th input of that key: that is how the verifier finds the
+    produce time of an output that does not carry it.
+    """
+
+    def __init__(self) -> None:
+        self.sent: dict[str, list[float]] = {}
+        self.measured_from = 0  # per-key ordinals below this mark are warm-up
+        self.expected = Expected()
+        self._warmup_done_at: float | None = None
+
+    def record(self, customer: str, amount: int, produced_at: float) -> None:
+        self.sent.setdefault(customer, []).append(produced_at)
+        self.expected.add(customer, amount)
+
+    def start_measuring(self) -> None:
+        self._warmup_done_at = time.time()
+
+    def is_measured(self, produced_at: float) -> bool:
+        return self._warmup_done_at is not None and produced_at >= self._warmup_done_at
+
+    def produced_at(self, customer: str, ordinal: int) -> float | None:
+        times = self.sent.get(customer)
+        if times is None or ordinal >= len(times):
+            return None
+        return times[ordinal]
+
+
+class RateProducer:
+    """Produces latency-phase records at a fixed rate from a background thread.
+
+    Each record carries its produce time (``ts``, ms) and is recorded in the ledger *before*
+    it is handed to the producer, so an output can never be seen before its input is known.
+    """
+
+    def __init__(self, bootstrap: str, topic: str, keys: int, seed: int = 11) -> None:
+        self.ledger = LatencyLedger()
+        self._topic = topic
+        self._keys = keys
+        self._rng = random.Random(seed)
+        self._producer = Producer(producer_config(bootstrap, **{"linger.ms": 1}))
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.produced = 0
+
+    def produce_one(self) -> None:
+        customer = customer_key(self._rng.randrange(self._keys))
+        amount = self._rng.randrange(1, 101)
+        now = time.time()
+        self.ledger.record(customer, amount, now)
+        _produce(self._producer, self._topic, customer.encode(),
+                 encode_record(customer, amount, int(now * 1000)))
+        self._producer.poll(0)
+        self.produced += 1
+
+    def run_at_rate(self, rate: float, duration: float) -> None:
+        """Start producing ``rate`` records/s for ``duration`` seconds in the background."""
+        def loop() -> None:
+            start = time.monotonic()
+            total = int(rate * duration)
+            sent = 0
+            while sent < total and not self._stop.is_set():
+                due = min(total, int((time.monotonic() - start) * rate) + 1)
+                while sent < due:
+                    self.produce_one()
+                    sent += 1
+                time.sleep(0.002)
+            self._producer.flush(10)
+
+        self._thread = threading.Thread(target=loop, name="rate-producer", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float) -> bool:
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.join(5)
+        self._producer.flush(10)
