@@ -101,6 +101,8 @@ class Worker:
         self._stopping = False
         self._failures = 0
         self._last_trigger = time.monotonic()
+        self._records_at_trigger = 0
+        self._records_at_durable = 0
         self._metrics_path = os.environ.get("SNAPLINE_METRICS_FILE")
         self.checkpoints_committed = 0
         self._check_topics()
@@ -176,12 +178,14 @@ class Worker:
     # ------------------------------------------------------------------ rebalance
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         log.info("assigned %s", sorted((p.topic, p.partition) for p in partitions))
+        self._event({"event": "assigned", "partitions": len(partitions)})
         self._drop_tasks()
         restored = self._restore(partitions)
         consumer.assign([TopicPartition(t, p, off) for (t, p), off in restored.items()])
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         log.info("revoked %d partitions: aborting the open epoch", len(partitions))
+        self._event({"event": "revoked", "partitions": len(partitions)})
         self._drop_tasks()
 
     def _drop_tasks(self) -> None:
@@ -322,6 +326,7 @@ class Worker:
     def _trigger(self, now: float) -> None:
         n = self.coordinator.trigger(set(self.tasks))
         self._last_trigger = now
+        self._records_at_trigger = self._records_in()
         for task in self.tasks.values():
             task.inject_barrier(n)
 
@@ -334,6 +339,7 @@ class Worker:
                 offsets.append(TopicPartition(topic, partition, offset,
                                               metadata=meta.ref.offset_metadata()))
         commit_start = time.monotonic()
+        self._records_at_durable = self._records_in()
         if self.pipeline.exactly_once:
             self.output.commit(offsets, self.consumer.consumer_group_metadata())
         else:
@@ -357,8 +363,8 @@ class Worker:
     def _record_metrics(self, done: CompletedCheckpoint, commit_start: float,
                         committed_at: float) -> None:
         entry = {
+            "event": "checkpoint",
             "checkpoint": done.checkpoint_id,
-            "worker": self.settings.worker_id,
             "tasks": len(done.tasks),
             "align_ms": round((done.aligned_at - done.triggered_at) * 1000, 2),
             "materialize_ms": round((done.durable_at - done.aligned_at) * 1000, 2),
@@ -366,12 +372,24 @@ class Worker:
             "total_ms": round((time.monotonic() - done.triggered_at) * 1000, 2),
             "state_bytes": sum(f.size for m in done.tasks.values() if m.state
                                for f in m.state.files),
-            "records_in": sum(t.records_in for t in self.tasks.values()),
-            "time": time.time(),
+            "records_in": self._records_in(),
+            # Records read while this checkpoint was aligning and materializing: processing
+            # does not stop for a snapshot.
+            "records_during_checkpoint": self._records_at_durable - self._records_at_trigger,
+            "alignment_blocks": sum(t.aligner.blocked_count for t in self.tasks.values()),
         }
         log.info("checkpoint %(checkpoint)d committed: align %(align_ms)sms, materialize "
                  "%(materialize_ms)sms, commit %(commit_ms)sms", entry)
+        self._event(entry)
+
+    def _records_in(self) -> int:
+        return sum(t.records_in for t in self.tasks.values())
+
+    def _event(self, entry: dict[str, Any]) -> None:
+        """Append a metrics event (JSON line) when SNAPLINE_METRICS_FILE is set."""
         if self._metrics_path:
+            entry = {**entry, "worker": self.settings.worker_id, "pid": os.getpid(),
+                     "time": time.time()}
             with open(self._metrics_path, "a") as fh:
                 fh.write(json.dumps(entry) + "\n")
 
@@ -437,6 +455,7 @@ class Worker:
             except FencedError:
                 raise
             except CheckpointError as exc:
+                self._event({"event": "checkpoint_failed", "error": str(exc)[:500]})
                 self._fail_checkpoint(exc)
 
     def _route(self, messages: list[Any]) -> None:

@@ -1,0 +1,231 @@
+"""Exactly-once under SIGKILL: real broker, real worker processes, an independent reader.
+
+Every test produces orders with unique ids, runs workers of the running-total example,
+breaks them, and then checks with a ``read_committed`` consumer that every order's effect
+appears exactly once and each customer's final total equals the sum of its orders.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from examples.orders import create_topics, produce_orders, read_committed, verify_totals
+from integration_tests.workers import WorkerProcess, fault_hits, read_events
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SPEC = "examples.running_total:pipeline"
+PARTITIONS = 4
+CUSTOMERS = 2000
+
+
+class Job:
+    """Topics, checkpoint dir and workers of one running-total job."""
+
+    def __init__(self, bootstrap: str, name: str, tmp: Path, *, backend: str = "memory",
+                 interval: float = 0.5, workers: int = 2, extra_env: dict[str, str] | None = None):
+        self.bootstrap = bootstrap
+        self.name = name
+        self.prefix = f"{name}-"
+        create_topics(bootstrap, {f"{self.prefix}orders": PARTITIONS,
+                                  f"{self.prefix}customer-totals": PARTITIONS})
+        env = {"SNAPLINE_EXAMPLE_PREFIX": self.prefix, "SNAPLINE_EXAMPLE_JOB": name,
+               "SNAPLINE_EXAMPLE_BACKEND": backend, "SNAPLINE_EXAMPLE_INTERVAL": str(interval),
+               **(extra_env or {})}
+        self.workdir = tmp
+        self.workers = [WorkerProcess(SPEC, f"w{i}", bootstrap, tmp / "checkpoints", tmp, env)
+                        for i in range(workers)]
+        self.expected: dict[str, int] = {}
+        self.produced = 0
+
+    def produce(self, count: int) -> None:
+        totals = produce_orders(self.bootstrap, f"{self.prefix}orders", count, CUSTOMERS,
+                                start_id=self.produced)
+        for customer, amount in totals.items():
+            self.expected[customer] = self.expected.get(customer, 0) + amount
+        self.produced += count
+
+    def produce_in_background(self, total: int, waves: int) -> threading.Thread:
+        def run() -> None:
+            for _ in range(waves):
+                self.produce(total // waves)
+                time.sleep(0.5)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    def verify(self, timeout: float = 180) -> None:
+        outputs = read_committed(self.bootstrap, f"{self.prefix}customer-totals", self.produced,
+                                 timeout=timeout, settle=3.0)
+        result = verify_totals(outputs, self.expected, range(self.produced))
+        assert result.ok, result.summary() + "\n" + self.logs()
+
+    def wait_until_caught_up(self, timeout: float = 180) -> None:
+        """Until the workers committed offsets for every produced order (or timeout)."""
+        from confluent_kafka import Consumer, TopicPartition
+
+        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.name})
+        topic = f"{self.prefix}orders"
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                committed = consumer.committed(
+                    [TopicPartition(topic, p) for p in range(PARTITIONS)], timeout=10)
+                ends = [consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+                        for p in range(PARTITIONS)]
+                done = sum(max(c.offset, 0) for c in committed) >= sum(ends) - 0
+                if done and all(c.offset >= e for c, e in zip(committed, ends, strict=True)):
+                    return
+                time.sleep(1)
+        finally:
+            consumer.close()
+        raise AssertionError("workers did not catch up\n" + self.logs())
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {w.worker_id}\n{w.tail()}" for w in self.workers)
+
+    def stop_all(self) -> None:
+        for worker in self.workers:
+            if worker.alive:
+                worker.stop()
+
+
+@pytest.fixture
+def job_factory(kafka_bootstrap: str, tmp_path: Path, unique_name: str) -> Iterator:
+    jobs: list[Job] = []
+
+    def make(**kwargs: object) -> Job:
+        job = Job(kafka_bootstrap, f"{unique_name}-{len(jobs)}", tmp_path / f"job{len(jobs)}",
+                  **kwargs)  # type: ignore[arg-type]
+        job.workdir.mkdir(parents=True, exist_ok=True)
+        jobs.append(job)
+        return job
+
+    yield make
+    for job in jobs:
+        for worker in job.workers:
+            worker.kill()
+
+
+BACKENDS = ["memory", "rocksdb"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_random_sigkills_lose_and_duplicate_nothing(job_factory, backend: str) -> None:
+    """2 workers, ≥ 200k orders, ≥ 20 SIGKILLs of a random worker at random moments."""
+    job = job_factory(backend=backend, interval=0.5)
+    for worker in job.workers:
+        worker.start()
+    producer = job.produce_in_background(200_000, waves=40)
+    rng = random.Random(42)
+    kills = 0
+    while kills < 20 or producer.is_alive():
+        time.sleep(rng.uniform(0.3, 2.0))
+        victim = rng.choice(job.workers)
+        victim.kill()
+        kills += 1
+        time.sleep(rng.uniform(0.0, 0.5))
+        victim.start()
+    producer.join()
+    job.wait_until_caught_up()
+    job.verify()
+    job.stop_all()
+    assert kills >= 20 and job.produced >= 200_000
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_kill_point_is_survived(job_factory, backend: str) -> None:
+    """Kill at each protocol point ≥ 3 times: sync snapshot, mid-materialization, after the
+    metadata write (before the Kafka commit), after the Kafka commit (before notification)."""
+    odds = {"sync_snapshot": 0.08, "mid_materialization": 0.08,
+            "after_metadata_write": 0.15, "after_kafka_commit": 0.15}
+    job = job_factory(backend=backend, interval=0.3)
+    fault_log = job.workers[0].fault_log
+
+    def spec() -> str:
+        hits = fault_hits(fault_log)
+        return ",".join(f"{p}:{o}" for p, o in odds.items() if hits.get(p, 0) < 3)
+
+    for worker in job.workers:
+        worker.start({"SNAPLINE_FAULT": spec()})
+    job.produce(20_000)
+    deadline = time.monotonic() + 400
+    while spec() and time.monotonic() < deadline:
+        time.sleep(0.3)
+        for worker in job.workers:
+            if not worker.alive:
+                worker.start({"SNAPLINE_FAULT": spec()})
+        if job.produced < 150_000:
+            job.produce(2_000)
+    hits = fault_hits(fault_log)
+    assert all(hits.get(p, 0) >= 3 for p in odds), f"kill points hit: {hits}\n{job.logs()}"
+    for worker in job.workers:  # finish without faults
+        if worker.alive:
+            worker.kill()
+        worker.start({"SNAPLINE_FAULT": ""})
+    job.wait_until_caught_up()
+    job.verify()
+    job.stop_all()
+
+
+def test_zombie_worker_commits_nothing(job_factory) -> None:
+    """A worker frozen past its session timeout loses its partitions; when it wakes up, its
+    stale epoch must not commit (group-generation fencing of the offset commit)."""
+    job = job_factory(interval=0.5)
+    a, b = job.workers
+    a.start()
+    b.start()
+    job.produce(20_000)
+    time.sleep(8)
+    producer = job.produce_in_background(40_000, waves=20)
+    time.sleep(1)
+    a.signal(signal.SIGSTOP)
+    frozen_at = time.time()
+    time.sleep(16)  # > session.timeout.ms (10 s): b takes over a's partitions
+    a.signal(signal.SIGCONT)
+    resumed_at = time.time()
+    producer.join()
+    job.wait_until_caught_up()
+    job.verify()
+    job.stop_all()
+    events = read_events(a.metrics_path)
+    a_events = [e for e in events if e.get("worker") == a.worker_id and e["time"] > frozen_at]
+    b_took_over = [e for e in events if e.get("worker") == b.worker_id
+                   and e.get("event") == "assigned" and frozen_at < e["time"] < resumed_at]
+    assert b_took_over, "the other worker never took over while a was frozen\n" + job.logs()
+    reassigned = next((e["time"] for e in a_events if e.get("event") == "assigned"), None)
+    zombie_commits = [e for e in a_events if e.get("event") == "checkpoint"
+                      and (reassigned is None or e["time"] < reassigned)]
+    assert not zombie_commits, f"zombie committed {zombie_commits}\n{job.logs()}"
+
+
+def test_materialization_runs_while_processing_continues(job_factory) -> None:
+    """Slow checkpoint storage (each write sleeps 1.5 s): records keep being read and
+    processed while the snapshot is written; the output is still exactly once."""
+    job = job_factory(interval=0.3, workers=1,
+                      extra_env={"SNAPLINE_TEST_STORAGE_WRITE_DELAY": "1.5"})
+    job.workers[0].start()
+    producer = job.produce_in_background(60_000, waves=30)
+    producer.join()
+    job.wait_until_caught_up(timeout=240)
+    job.verify()
+    job.stop_all()
+    checkpoints = [e for e in read_events(job.workers[0].metrics_path)
+                   if e.get("event") == "checkpoint"]
+    assert checkpoints
+    slow = [c for c in checkpoints if c["materialize_ms"] >= 1500]
+    assert slow, f"storage delay not visible: {checkpoints[:3]}"
+    overlapped = [c for c in slow if c["records_during_checkpoint"] > 0]
+    assert overlapped, (
+        "no records were processed while a snapshot was being written: "
+        + json.dumps(slow[:5])
+    )

@@ -1,0 +1,100 @@
+"""Real worker processes for integration tests: start, SIGKILL, SIGSTOP, restart, read events."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class WorkerProcess:
+    """One ``snapline run`` worker with a stable worker id; restartable after a kill."""
+
+    def __init__(self, spec: str, worker_id: str, bootstrap: str, checkpoint_dir: Path,
+                 workdir: Path, env: dict[str, str]) -> None:
+        self.spec = spec
+        self.worker_id = worker_id
+        self.bootstrap = bootstrap
+        self.checkpoint_dir = checkpoint_dir
+        self.workdir = workdir
+        self.env = dict(env)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+        self.log_path = workdir / f"worker-{worker_id}.log"
+        self.metrics_path = workdir / "metrics.jsonl"
+        self.fault_log = workdir / "faults.log"
+
+    def start(self, extra_env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, **self.env, **(extra_env or {}),
+               "SNAPLINE_METRICS_FILE": str(self.metrics_path),
+               "SNAPLINE_FAULT_LOG": str(self.fault_log),
+               "PYTHONPATH": str(REPO)}
+        log = open(self.log_path, "ab")
+        log.write(f"\n===== start {self.starts} at {time.time():.3f}\n".encode())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.cli", "run", self.spec, "--bootstrap-servers",
+             self.bootstrap, "--checkpoint-dir", str(self.checkpoint_dir), "--worker-id",
+             self.worker_id],
+            cwd=str(self.workdir), env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        log.close()
+        self.starts += 1
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL: no final checkpoint, no cleanup; crash consistency is the point."""
+        if self.proc is not None:
+            self.signal(signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self, timeout: float = 60) -> int | None:
+        """SIGTERM: final checkpoint and a clean exit."""
+        if self.proc is None:
+            return None
+        self.signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return None
+
+    def tail(self, lines: int = 40) -> str:
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by SIGKILL
+    return events
+
+
+def fault_hits(path: Path) -> dict[str, int]:
+    hits: dict[str, int] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 3:
+                hits[parts[2]] = hits.get(parts[2], 0) + 1
+    return hits
