@@ -1,0 +1,105 @@
+"""A broken pipeline fails at declaration or start with a message that names the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from connectors import KafkaSource
+from connectors.config import redact
+from pipeline import ConfigurationError, KeyedProcessFunction, Pipeline, StateError, ValueState
+from sinks import KafkaSink
+
+
+class Counter(KeyedProcessFunction):
+    n = ValueState("n", default=0)
+
+    def process(self, value, ctx):
+        self.n.update(self.n.value() + 1)
+        yield self.n.value()
+
+
+class StatefulMapper:
+    seen = ValueState("seen", default=0)
+
+    def __call__(self, value):
+        return value
+
+
+def good() -> Pipeline:
+    p = Pipeline("job")
+    p.source(KafkaSource("in")).key_by(lambda v: v["k"]).process(Counter()).sink(KafkaSink("out"))
+    return p
+
+
+def test_valid_pipeline() -> None:
+    good().validate()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"checkpoint_interval": 0}, "checkpoint_interval"),
+        ({"state_backend": "redis"}, "state_backend"),
+        ({"guarantee": "maybe"}, "guarantee"),
+        ({"max_parallelism": 0}, "max_parallelism"),
+        ({"kafka_config": {"group.id": "x"}}, "manages"),
+        ({"on_corrupt_checkpoint": "ignore"}, "on_corrupt_checkpoint"),
+    ],
+)
+def test_bad_settings(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        Pipeline("job", **kwargs)
+
+
+def test_bad_name() -> None:
+    with pytest.raises(ConfigurationError, match="letters, digits"):
+        Pipeline("my job!")
+
+
+def test_process_needs_key_by() -> None:
+    p = Pipeline("job")
+    with pytest.raises(ConfigurationError, match="key_by"):
+        p.source(KafkaSource("in")).process(Counter())
+
+
+def test_state_outside_keyed_function() -> None:
+    p = Pipeline("job")
+    with pytest.raises(ConfigurationError, match="KeyedProcessFunction"):
+        p.source(KafkaSource("in")).map(StatefulMapper())
+
+
+def test_state_used_unbound() -> None:
+    with pytest.raises(StateError, match="not bound"):
+        Counter().n.value()
+
+
+def test_no_sink_and_no_source() -> None:
+    p = Pipeline("job")
+    with pytest.raises(ConfigurationError, match="no source"):
+        p.validate()
+    p.source(KafkaSource("in")).map(lambda v: v)
+    with pytest.raises(ConfigurationError, match="no sink"):
+        p.validate()
+
+
+def test_bad_source_options() -> None:
+    with pytest.raises(ConfigurationError, match="format"):
+        KafkaSource("in", value_format="avro")
+    with pytest.raises(ConfigurationError, match="starting_position"):
+        KafkaSource("in", starting_position="middle")
+
+
+def test_topic_read_twice() -> None:
+    p = Pipeline("job")
+    a = p.source(KafkaSource("in"))
+    b = p.source(KafkaSource("in"))
+    a.union(b).sink(KafkaSink("out"))
+    with pytest.raises(ConfigurationError, match="more than one source"):
+        p.validate()
+
+
+def test_secrets_are_redacted() -> None:
+    cleaned = redact({"sasl.password": "hunter2", "sasl.username": "me",
+                      "ssl.key.password": "x", "bootstrap.servers": "b:9092"})
+    assert cleaned["sasl.password"] == "***" and cleaned["ssl.key.password"] == "***"
+    assert cleaned["sasl.username"] == "me" and cleaned["bootstrap.servers"] == "b:9092"
