@@ -17,10 +17,10 @@ def create_backend(name: str, *, task_dir: str | None = None,
         return MemoryStateBackend()
     if name == "rocksdb":
         try:
-            from pipeline.state.rocksdb import RocksDBStateBackend  # type: ignore[import-not-found]
+            from pipeline.state.rocksdb import RocksDBStateBackend
         except ImportError as exc:
             raise ConfigurationError(f"the rocksdb state backend is unavailable: {exc}") from exc
         if task_dir is None:
             raise ConfigurationError("the rocksdb state backend needs a local task directory")
-        return RocksDBStateBackend(task_dir, **(options or {}))  # type: ignore[no-any-return]
+        return RocksDBStateBackend(task_dir, **(options or {}))
     raise ConfigurationError(f"unknown state_backend {name!r}; use one of {list(BACKENDS)}")
