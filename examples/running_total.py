@@ -35,19 +35,27 @@ class RunningTotal(KeyedProcessFunction):
                "order_id": value.get("order_id")}
 
 
-def build() -> Pipeline:
+def build(*, with_refunds: bool = False) -> Pipeline:
+    """The running total; ``with_refunds`` also reads ``<prefix>refunds`` (negative amounts,
+    co-partitioned with orders) through a union whose barriers are aligned."""
     env = os.environ.get
     prefix = env("SNAPLINE_EXAMPLE_PREFIX", "")
     pipeline = Pipeline(
-        env("SNAPLINE_EXAMPLE_JOB", "running-total"),
+        env("SNAPLINE_EXAMPLE_JOB", "running-total-refunds" if with_refunds else "running-total"),
         checkpoint_interval=float(env("SNAPLINE_EXAMPLE_INTERVAL", "1.0")),
         state_backend=env("SNAPLINE_EXAMPLE_BACKEND", "memory"),
         guarantee=env("SNAPLINE_EXAMPLE_GUARANTEE", "exactly_once"),
     )
     orders = pipeline.source(KafkaSource(f"{prefix}orders", value_format="json"))
+    if with_refunds:
+        orders = orders.union(pipeline.source(KafkaSource(f"{prefix}refunds", value_format="json")))
     totals = orders.key_by(lambda order: order["customer"]).process(RunningTotal())
     totals.sink(KafkaSink(f"{prefix}customer-totals", value_format="json"))
     return pipeline
+
+
+def with_refunds() -> Pipeline:
+    return build(with_refunds=True)
 
 
 pipeline = build()

@@ -50,7 +50,7 @@ class Stream:
 
     def _then(self, kind: str, fn: Any, *, keyed: bool, name: str = "",
               **options: Any) -> Stream:
-        if kind != "sink" and fn is not None and not callable(fn):
+        if not callable(fn) and not (kind == "key_by" and fn is None):
             raise ConfigurationError(f"{kind}() needs a function, got {fn!r}")
         _reject_state_on(kind, fn)
         node = self._pipeline._add(Node(kind, [self.node], fn, name or kind, keyed, options=options))
@@ -68,9 +68,9 @@ class Stream:
         """Replace each value by the zero or more values ``fn(value)`` yields."""
         return self._then("flat_map", fn, keyed=self.node.keyed, name=name)
 
-    def key_by(self, fn: Callable[[Any], Any], *, name: str = "",
+    def key_by(self, fn: Callable[[Any], Any] | None = None, *, name: str = "",
                trust_partitioning: bool = False) -> KeyedStream:
-        """Key the stream by ``fn(value)``.
+        """Key the stream by ``fn(value)``; with no function, by the Kafka message key.
 
         Records must already be partitioned by that key in Kafka (the message key equals the
         key_by key): each partition is one task with its own state. Snapline checks it per

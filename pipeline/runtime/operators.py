@@ -138,7 +138,7 @@ class FlatMapOperator(Operator):
 class KeyByOperator(Operator):
     """Sets key, key bytes and key-group; checks the input is partitioned by that key."""
 
-    def __init__(self, task: Task, name: str, fn: Callable[[Any], Any], max_parallelism: int,
+    def __init__(self, task: Task, name: str, fn: Callable[[Any], Any] | None, max_parallelism: int,
                  trust_partitioning: bool) -> None:
         super().__init__(task, name)
         self._fn = fn
@@ -152,7 +152,7 @@ class KeyByOperator(Operator):
         out: list[Record] = []
         for r in records:
             try:
-                key = fn(r.value)
+                key = r.key if fn is None else fn(r.value)
                 key_bytes = encode_key(key)
             except Exception as exc:
                 self.task.dead_letter(r, f"{self.name} raised {exc!r}")
