@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from examples.orders import create_topics, produce_orders, read_committed, verify_totals
-from integration_tests.workers import WorkerProcess, fault_hits, read_events
+from examples.workers import WorkerProcess, fault_hits, read_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -1,4 +1,5 @@
-"""Real worker processes for integration tests: start, SIGKILL, SIGSTOP, restart, read events."""
+"""Real worker processes for the demo and the integration tests: start, SIGKILL, SIGSTOP,
+restart, and read their metrics events."""
 
 from __future__ import annotations
 

@@ -1,0 +1,186 @@
+"""Fixtures of the integration tests: a real Kafka broker for the session, and helpers.
+
+The broker is, in order: the cluster named by ``SNAPLINE_BOOTSTRAP_SERVERS``; a
+testcontainers Kafka when ``SNAPLINE_KAFKA=docker`` and a Docker engine answers; else
+Snapline's own local broker launcher. If none can be had the tests fail, never skip.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka.admin import AdminClient, NewTopic
+
+_HERE = Path(__file__).resolve().parent
+_KAFKA_KEY = pytest.StashKey["KafkaInfo"]()
+
+
+@dataclass(frozen=True)
+class KafkaInfo:
+    """Which broker the session used, for the report."""
+
+    bootstrap_servers: str
+    description: str
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _HERE in Path(str(item.path)).resolve().parents:
+            item.add_marker(pytest.mark.integration)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if os.environ.get("SNAPLINE_BOOTSTRAP_SERVERS"):
+        return f"kafka: SNAPLINE_BOOTSTRAP_SERVERS={os.environ['SNAPLINE_BOOTSTRAP_SERVERS']}"
+    from connectors.local_broker import kafka_version
+
+    wanted = "testcontainers if a Docker engine answers, else " if _docker_requested() else ""
+    return f"kafka: {wanted}local broker {kafka_version()} (launched on first use)"
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    info = config.stash.get(_KAFKA_KEY, None)
+    if info is not None:
+        terminalreporter.write_line(f"kafka: tests ran against {info.description}")
+
+
+# --------------------------------------------------------------------------- the broker
+
+
+def _docker_requested() -> bool:
+    return os.environ.get("SNAPLINE_KAFKA", "").lower() == "docker"
+
+
+def _docker_answers() -> bool:
+    try:
+        import docker
+
+        docker.from_env().ping()
+    except Exception:
+        return False
+    return True
+
+
+@contextmanager
+def _docker_kafka() -> Iterator[KafkaInfo]:
+    from testcontainers.community.kafka import KafkaContainer
+
+    container = KafkaContainer().with_kraft()
+    # Single node: the transaction log must fit on one replica.
+    container.with_env("KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR", "1")
+    container.with_env("KAFKA_TRANSACTION_STATE_LOG_MIN_ISR", "1")
+    with container:
+        bootstrap = container.get_bootstrap_server()
+        yield KafkaInfo(bootstrap, f"testcontainers {container.image} at {bootstrap}")
+
+
+@contextmanager
+def _launched_kafka(request: pytest.FixtureRequest) -> Iterator[KafkaInfo]:
+    from connectors.local_broker import LocalKafkaBroker, ensure_kafka_jars, jars_are_complete
+    from connectors.local_broker import libs_dir as kafka_libs
+
+    config = request.config
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+
+    def say(message: str) -> None:
+        if reporter is None or capture is None:
+            return
+        with capture.global_and_fixture_disabled():
+            reporter.ensure_newline()
+            reporter.write_line(message)
+
+    broker = LocalKafkaBroker()
+    if not jars_are_complete(kafka_libs(broker.version)):
+        say(f"kafka: downloading Kafka {broker.version} jars with Maven (first run only)…")
+        ensure_kafka_jars(broker.version)
+    with broker:
+        description = f"launched local broker {broker.version} at {broker.bootstrap_servers}"
+        say(f"kafka: {description} (log {broker.log_path})")
+        yield KafkaInfo(broker.bootstrap_servers, description)
+        if request.session.testsfailed and config.cache is not None:
+            # The temporary data dir goes away with the broker; its log may explain a failure.
+            kept = config.cache.mkdir("snapline") / "kafka-server.log"
+            shutil.copyfile(broker.log_path, kept)
+            say(f"kafka: some tests failed; the broker's log is kept in {kept}")
+
+
+def _kafka_for_session(request: pytest.FixtureRequest) -> AbstractContextManager[KafkaInfo]:
+    from_env = os.environ.get("SNAPLINE_BOOTSTRAP_SERVERS")
+    if from_env:
+
+        @contextmanager
+        def existing() -> Iterator[KafkaInfo]:
+            yield KafkaInfo(from_env, f"SNAPLINE_BOOTSTRAP_SERVERS={from_env}")
+
+        return existing()
+    if _docker_requested() and _docker_answers():
+        return _docker_kafka()
+    return _launched_kafka(request)
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Bootstrap servers of a real Kafka broker shared by the whole session."""
+    from pipeline.errors import BrokerError
+
+    try:
+        with _kafka_for_session(request) as info:
+            request.config.stash[_KAFKA_KEY] = info
+            yield info.bootstrap_servers
+    except BrokerError as exc:
+        pytest.fail(f"No Kafka broker for the integration tests:\n{exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def admin(kafka_bootstrap: str) -> AdminClient:
+    """An AdminClient on the session's broker."""
+    return AdminClient({"bootstrap.servers": kafka_bootstrap})
+
+
+@pytest.fixture
+def unique_name(request: pytest.FixtureRequest) -> str:
+    """A topic/group/transactional-id prefix unique to this test: ``t-<test>-<uuid8>``."""
+    test = re.sub(r"[^A-Za-z0-9]+", "-", request.node.name).strip("-")[:40]
+    return f"t-{test}-{uuid.uuid4().hex[:8]}"
+
+
+def create_topic(
+    admin: AdminClient,
+    name: str,
+    partitions: int = 1,
+    config: dict[str, str] | None = None,
+    timeout: float = 30.0,
+) -> str:
+    """Create ``name`` and wait until every partition has a leader; returns ``name``."""
+    futures = admin.create_topics(
+        [NewTopic(name, num_partitions=partitions, replication_factor=1, config=config or {})],
+        operation_timeout=timeout,
+    )
+    futures[name].result(timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        topic = admin.list_topics(name, timeout=timeout).topics.get(name)
+        if (
+            topic is not None
+            and topic.error is None
+            and len(topic.partitions) == partitions
+            and all(p.leader >= 0 for p in topic.partitions.values())
+        ):
+            return name
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"topic {name} has no leader for every partition after {timeout} s")
+        time.sleep(0.1)

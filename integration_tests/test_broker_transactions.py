@@ -1,0 +1,180 @@
+"""The session's broker is a real, transactional Kafka: the guarantees Snapline's commit
+point relies on (read_committed visibility, abort, fencing, offsets with metadata) hold."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient
+
+from integration_tests.conftest import create_topic
+
+TIMEOUT = 30.0
+
+
+def transactional_producer(bootstrap: str, transactional_id: str) -> Producer:
+    producer = Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "transactional.id": transactional_id,
+            "transaction.timeout.ms": 60000,
+        }
+    )
+    producer.init_transactions(TIMEOUT)
+    return producer
+
+
+def read_all(bootstrap: str, topic: str, isolation: str) -> list[str]:
+    """Every value of partition 0 that a reader with ``isolation`` sees, up to the end."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"{topic}-reader-{isolation}",
+            "enable.auto.commit": False,
+            "isolation.level": isolation,
+        }
+    )
+    try:
+        partition = TopicPartition(topic, 0, OFFSET_BEGINNING)
+        # read_committed stops at the last stable offset; that is the end it may reach.
+        _, end = consumer.get_watermark_offsets(partition, timeout=TIMEOUT, cached=False)
+        consumer.assign([partition])
+        values: list[str] = []
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:
+            message = consumer.poll(0.5)
+            if message is not None:
+                if message.error():
+                    raise KafkaException(message.error())
+                values.append(message.value().decode())
+            position = consumer.position([TopicPartition(topic, 0)])[0].offset
+            if position >= end:
+                return values
+        raise AssertionError(f"reader did not reach offset {end} of {topic}; saw {values}")
+    finally:
+        consumer.close()
+
+
+def test_committed_transaction_is_visible_to_read_committed(
+    kafka_bootstrap: str, admin: AdminClient, unique_name: str
+) -> None:
+    topic = create_topic(admin, unique_name)
+    producer = transactional_producer(kafka_bootstrap, unique_name)
+    producer.begin_transaction()
+    for i in range(5):
+        producer.produce(topic, value=f"c{i}".encode())
+    producer.commit_transaction(TIMEOUT)
+
+    assert read_all(kafka_bootstrap, topic, "read_committed") == [f"c{i}" for i in range(5)]
+
+
+def test_aborted_transaction_is_never_visible(
+    kafka_bootstrap: str, admin: AdminClient, unique_name: str
+) -> None:
+    topic = create_topic(admin, unique_name)
+    producer = transactional_producer(kafka_bootstrap, unique_name)
+    producer.begin_transaction()
+    for i in range(3):
+        producer.produce(topic, value=f"aborted{i}".encode())
+    producer.flush(TIMEOUT)  # the aborted records really reach the log
+    producer.abort_transaction(TIMEOUT)
+    producer.begin_transaction()
+    for i in range(3):
+        producer.produce(topic, value=f"committed{i}".encode())
+    producer.commit_transaction(TIMEOUT)
+
+    committed = [f"committed{i}" for i in range(3)]
+    assert read_all(kafka_bootstrap, topic, "read_committed") == committed
+    # The control: the aborted records are in the log, only read_committed hides them.
+    uncommitted = read_all(kafka_bootstrap, topic, "read_uncommitted")
+    assert uncommitted == [f"aborted{i}" for i in range(3)] + committed
+
+
+def test_new_producer_with_same_transactional_id_fences_the_old_one(
+    kafka_bootstrap: str, admin: AdminClient, unique_name: str
+) -> None:
+    topic = create_topic(admin, unique_name)
+    zombie = transactional_producer(kafka_bootstrap, unique_name)
+    zombie.begin_transaction()
+    zombie.produce(topic, value=b"zombie-open")
+    zombie.flush(TIMEOUT)
+
+    successor = transactional_producer(kafka_bootstrap, unique_name)  # fences the zombie
+
+    with pytest.raises(KafkaException) as raised:
+        zombie.produce(topic, value=b"zombie-late")
+        zombie.commit_transaction(TIMEOUT)
+    error: KafkaError = raised.value.args[0]
+    del raised  # its traceback would keep the zombie alive past the broker's shutdown
+    zombie.purge()
+    assert error.fatal() or error.code() in (
+        KafkaError._FENCED,
+        KafkaError.PRODUCER_FENCED,
+        KafkaError.INVALID_PRODUCER_EPOCH,
+    ), error
+
+    successor.begin_transaction()
+    successor.produce(topic, value=b"successor")
+    successor.commit_transaction(TIMEOUT)
+    # The zombie's open transaction was aborted when the successor initialized.
+    assert read_all(kafka_bootstrap, topic, "read_committed") == ["successor"]
+
+
+def test_offsets_sent_to_transaction_carry_metadata_to_a_new_consumer(
+    kafka_bootstrap: str, admin: AdminClient, unique_name: str
+) -> None:
+    source = create_topic(admin, f"{unique_name}-in")
+    sink = create_topic(admin, f"{unique_name}-out")
+    group = f"{unique_name}-group"
+    feeder = Producer({"bootstrap.servers": kafka_bootstrap})
+    for i in range(5):
+        feeder.produce(source, value=f"in{i}".encode())
+    feeder.flush(TIMEOUT)
+
+    consumer = Consumer(
+        {
+            "bootstrap.servers": kafka_bootstrap,
+            "group.id": group,
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+        }
+    )
+    consumer.assign([TopicPartition(source, 0, OFFSET_BEGINNING)])
+    consumed = []
+    deadline = time.monotonic() + TIMEOUT
+    while len(consumed) < 3 and time.monotonic() < deadline:
+        message = consumer.poll(0.5)
+        if message is not None and not message.error():
+            consumed.append(message)
+    assert len(consumed) == 3
+
+    producer = transactional_producer(kafka_bootstrap, unique_name)
+    producer.begin_transaction()
+    for message in consumed:
+        producer.produce(sink, value=message.value())
+    next_offset = consumed[-1].offset() + 1
+    producer.send_offsets_to_transaction(
+        [TopicPartition(source, 0, next_offset, metadata="checkpoint=7")],
+        consumer.consumer_group_metadata(),
+        TIMEOUT,
+    )
+    producer.commit_transaction(TIMEOUT)
+    consumer.close()
+
+    fresh = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": group})
+    try:
+        [committed] = fresh.committed([TopicPartition(source, 0)], timeout=TIMEOUT)
+    finally:
+        fresh.close()
+    assert committed.offset == next_offset == 3
+    assert committed.metadata == "checkpoint=7"
+    assert read_all(kafka_bootstrap, sink, "read_committed") == ["in0", "in1", "in2"]
