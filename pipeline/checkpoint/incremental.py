@@ -109,19 +109,25 @@ class StateManifest:
     local_names: tuple[str, ...]
 
     def encode(self) -> bytes:
-        return orjson.dumps({
-            "format": MANIFEST_FORMAT,
-            "checkpoint_id": self.checkpoint_id,
-            "files": [{"path": f.path, "size": f.size, "checksum": f.checksum, "local_name": n}
-                      for f, n in zip(self.files, self.local_names, strict=True)],
-        }, option=orjson.OPT_INDENT_2)
+        return orjson.dumps(
+            {
+                "format": MANIFEST_FORMAT,
+                "checkpoint_id": self.checkpoint_id,
+                "files": [
+                    {"path": f.path, "size": f.size, "checksum": f.checksum, "local_name": n}
+                    for f, n in zip(self.files, self.local_names, strict=True)
+                ],
+            },
+            option=orjson.OPT_INDENT_2,
+        )
 
     @staticmethod
     def decode(data: bytes, what: str) -> StateManifest:
         try:
             body = orjson.loads(data)
-            files = tuple(StateFile(f["path"], int(f["size"]), f["checksum"])
-                          for f in body["files"])
+            files = tuple(
+                StateFile(f["path"], int(f["size"]), f["checksum"]) for f in body["files"]
+            )
             names = tuple(f["local_name"] for f in body["files"])
             return StateManifest(int(body["checkpoint_id"]), files, names)
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
@@ -219,8 +225,7 @@ def upload_incremental(
         storage.write_bytes(path, data)
         return StateFile(path, len(data), f"crc32:{zlib.crc32(data) & 0xFFFFFFFF:08x}")
 
-    with ThreadPoolExecutor(max_workers=max(1, threads),
-                            thread_name_prefix="state-upload") as pool:
+    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="state-upload") as pool:
         shared_futures = [pool.submit(upload_shared, n) for n in shared_names]
         private_futures = [pool.submit(upload_private, n) for n in private_names]
         shared = [f.result() for f in shared_futures]
@@ -235,13 +240,22 @@ def upload_incremental(
     uploaded = [sf for _, sf, new in shared if new]
     reused = [sf for _, sf, new in shared if not new]
     uploaded_bytes = sum(f.size for f in uploaded) + sum(f.size for f in private)
-    handle = StateHandle(backend, files, {
-        "checkpoint_id": checkpoint_id,
-        "manifest": manifest_path,
-        "incremental_bytes": uploaded_bytes,
-    })
-    return UploadResult(handle, uploaded_bytes, sum(f.size for f in reused),
-                        len(uploaded) + len(private), len(reused))
+    handle = StateHandle(
+        backend,
+        files,
+        {
+            "checkpoint_id": checkpoint_id,
+            "manifest": manifest_path,
+            "incremental_bytes": uploaded_bytes,
+        },
+    )
+    return UploadResult(
+        handle,
+        uploaded_bytes,
+        sum(f.size for f in reused),
+        len(uploaded) + len(private),
+        len(reused),
+    )
 
 
 # ------------------------------------------------------------------ download
@@ -277,8 +291,10 @@ def fetch_files(
         dest = target / name
         for candidate in candidates.get(name, []):
             try:
-                if (candidate.stat().st_size == state_file.size
-                        and file_checksum(candidate) == state_file.checksum):
+                if (
+                    candidate.stat().st_size == state_file.size
+                    and file_checksum(candidate) == state_file.checksum
+                ):
                     _link_or_copy(candidate, dest)
                     return False, state_file.size
             except OSError:
@@ -308,8 +324,10 @@ def _download_verified(storage: CheckpointStorage, state_file: StateFile, dest: 
     crc = 0
     size = 0
     try:
-        with storage.fs.open_input_stream(storage.full_path(state_file.path)) as src, \
-                open(dest, "wb") as out:
+        with (
+            storage.fs.open_input_stream(storage.full_path(state_file.path)) as src,
+            open(dest, "wb") as out,
+        ):
             while chunk := src.read(_CHUNK):
                 crc = zlib.crc32(chunk, crc)
                 size += len(chunk)
@@ -344,8 +362,9 @@ def discard_unreferenced_files(
         return []
     ids = [h.extra.get("checkpoint_id") for h in retained]
     if any(not isinstance(i, int) for i in ids):
-        log.warning("retention of %s skipped: a retained handle has no checkpoint id",
-                    task_directory)
+        log.warning(
+            "retention of %s skipped: a retained handle has no checkpoint id", task_directory
+        )
         return []
     newest = max(int(i) for i in ids if i is not None)
     referenced = {f.path for h in retained for f in h.files}
@@ -361,6 +380,7 @@ def discard_unreferenced_files(
         storage.delete_file(path)
         deleted.append(path)
     if deleted:
-        log.info("retention deleted %d unreferenced shared files of %s", len(deleted),
-                 task_directory)
+        log.info(
+            "retention deleted %d unreferenced shared files of %s", len(deleted), task_directory
+        )
     return deleted

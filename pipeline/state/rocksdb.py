@@ -97,8 +97,8 @@ class _LocalCheckpoints:
             with self._lock:
                 self._kept.append((checkpoint_id, path))
                 self._kept.sort()
-                drop = [p for _, p in self._kept[:-self._keep]]
-                self._kept = self._kept[-self._keep:]
+                drop = [p for _, p in self._kept[: -self._keep]]
+                self._kept = self._kept[-self._keep :]
         for p in drop:
             shutil.rmtree(p, ignore_errors=True)
 
@@ -106,8 +106,14 @@ class _LocalCheckpoints:
 class RocksDBSnapshot(SnapshotHandle):
     """A hard-linked RocksDB checkpoint directory, immutable, waiting to be materialized."""
 
-    def __init__(self, checkpoint_id: int, local_dir: Path, registry: SharedFileRegistry,
-                 local: _LocalCheckpoints, transfer_threads: int) -> None:
+    def __init__(
+        self,
+        checkpoint_id: int,
+        local_dir: Path,
+        registry: SharedFileRegistry,
+        local: _LocalCheckpoints,
+        transfer_threads: int,
+    ) -> None:
         self.checkpoint_id = checkpoint_id
         self.local_dir = local_dir
         self._registry = registry
@@ -123,15 +129,26 @@ class RocksDBSnapshot(SnapshotHandle):
             raise CheckpointError(f"snapshot {self.checkpoint_id} was released before upload")
         started = time.perf_counter()
         result = upload_incremental(
-            storage, self.local_dir, directory, self.checkpoint_id, self._registry,
-            backend=BACKEND_NAME, is_shared=_is_sst, threads=self._threads,
+            storage,
+            self.local_dir,
+            directory,
+            self.checkpoint_id,
+            self._registry,
+            backend=BACKEND_NAME,
+            is_shared=_is_sst,
+            threads=self._threads,
         )
         self.result = result
         self._materialized = True
-        log.debug("checkpoint %d materialized in %.3fs: %d new files (%d bytes), %d reused "
-                  "(%d bytes)", self.checkpoint_id, time.perf_counter() - started,
-                  result.uploaded_files, result.uploaded_bytes, result.reused_files,
-                  result.reused_bytes)
+        log.debug(
+            "checkpoint %d materialized in %.3fs: %d new files (%d bytes), %d reused (%d bytes)",
+            self.checkpoint_id,
+            time.perf_counter() - started,
+            result.uploaded_files,
+            result.uploaded_bytes,
+            result.reused_files,
+            result.reused_bytes,
+        )
         return result.handle
 
     def release(self) -> None:
@@ -150,8 +167,7 @@ class RocksDBStateBackend(KeyedStateBackend):
 
     name = BACKEND_NAME
 
-    def __init__(self, task_dir: str | Path, *, shared_cache: Any = None,
-                 **options: Any) -> None:
+    def __init__(self, task_dir: str | Path, *, shared_cache: Any = None, **options: Any) -> None:
         self.options = RocksDBOptions.from_kwargs(options)
         if isinstance(shared_cache, rocksdict.Cache):
             shared_cache = RocksDBResources(cache=shared_cache)
@@ -262,8 +278,9 @@ class RocksDBStateBackend(KeyedStateBackend):
         started = time.perf_counter()
         rocksdict.Checkpoint(self.db).create_checkpoint(str(path))
         self.last_snapshot_pause = time.perf_counter() - started
-        return RocksDBSnapshot(checkpoint_id, path, self._registry, self._local,
-                               self.options.transfer_threads)
+        return RocksDBSnapshot(
+            checkpoint_id, path, self._registry, self._local, self.options.transfer_threads
+        )
 
     def restore(self, handle: StateHandle, storage: CheckpointStorage) -> None:
         """Replace all state with ``handle``'s: fetch (or reuse locally) and verify every file."""
@@ -276,9 +293,13 @@ class RocksDBStateBackend(KeyedStateBackend):
         staging = self.task_dir / f"restore-{uuid.uuid4().hex[:8]}"
         started = time.perf_counter()
         try:
-            result = fetch_files(storage, handle.files, staging,
-                                 local_candidates=self._local_candidates(),
-                                 threads=self.options.transfer_threads)
+            result = fetch_files(
+                storage,
+                handle.files,
+                staging,
+                local_candidates=self._local_candidates(),
+                threads=self.options.transfer_threads,
+            )
             if not (staging / "CURRENT").exists():
                 raise CorruptCheckpointError(
                     f"rocksdb checkpoint {handle.extra.get('manifest', '?')} has no CURRENT file"
@@ -298,15 +319,22 @@ class RocksDBStateBackend(KeyedStateBackend):
                 f"rocksdb could not open checkpoint {handle.extra.get('manifest', '?')} although "
                 f"every file passed its checksum: {exc}"
             ) from exc
-        self._registry.reset(checkpoint_id, {
-            local_name(f.path): f for f in handle.files if _is_sst(local_name(f.path))
-        })
+        self._registry.reset(
+            checkpoint_id,
+            {local_name(f.path): f for f in handle.files if _is_sst(local_name(f.path))},
+        )
         shutil.rmtree(self.previous_dir, ignore_errors=True)
         self.last_restore = result
-        log.info("restored checkpoint %d in %.2fs: %d files (%d bytes) downloaded, %d files "
-                 "(%d bytes) reused locally", checkpoint_id, time.perf_counter() - started,
-                 result.downloaded_files, result.downloaded_bytes, result.reused_files,
-                 result.reused_bytes)
+        log.info(
+            "restored checkpoint %d in %.2fs: %d files (%d bytes) downloaded, %d files "
+            "(%d bytes) reused locally",
+            checkpoint_id,
+            time.perf_counter() - started,
+            result.downloaded_files,
+            result.downloaded_bytes,
+            result.reused_files,
+            result.reused_bytes,
+        )
 
     def _local_candidates(self) -> dict[str, list[Path]]:
         """Local SST files by name: the live DB, kept checkpoints, an earlier incarnation's."""
@@ -321,4 +349,3 @@ class RocksDBStateBackend(KeyedStateBackend):
         """RocksDB's estimate (exact only without overwrites and deletes)."""
         count = self.db.property_int_value("rocksdb.estimate-num-keys")
         return -1 if count is None else int(count)
-

@@ -58,16 +58,24 @@ class RocksDBOptions:
                 f"rocksdb compression {self.compression!r} is unknown; use one of "
                 f"{sorted(_COMPRESSION)}"
             )
-        for name in ("block_cache_bytes", "write_buffer_bytes", "target_file_bytes",
-                     "max_bytes_for_level_base", "block_bytes"):
+        for name in (
+            "block_cache_bytes",
+            "write_buffer_bytes",
+            "target_file_bytes",
+            "max_bytes_for_level_base",
+            "block_bytes",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"rocksdb option {name} must be positive")
         if self.max_write_buffers < 2:
-            raise ConfigurationError("rocksdb option max_write_buffers must be at least 2 "
-                                     "(one memtable is flushed while the next one fills)")
+            raise ConfigurationError(
+                "rocksdb option max_write_buffers must be at least 2 "
+                "(one memtable is flushed while the next one fills)"
+            )
         if self.transfer_threads < 1 or self.local_checkpoints_kept < 0:
-            raise ConfigurationError("rocksdb options transfer_threads must be >= 1 and "
-                                     "local_checkpoints_kept >= 0")
+            raise ConfigurationError(
+                "rocksdb options transfer_threads must be >= 1 and local_checkpoints_kept >= 0"
+            )
 
     @staticmethod
     def from_kwargs(kwargs: dict[str, Any]) -> RocksDBOptions:
@@ -89,15 +97,20 @@ class RocksDBResources:
     native handles, it is not a value object; it is never mutated after construction.
     """
 
-    def __init__(self, block_cache_bytes: int = 256 * MiB,
-                 write_buffer_budget_bytes: int | None = None, *,
-                 cache: rocksdict.Cache | None = None) -> None:
+    def __init__(
+        self,
+        block_cache_bytes: int = 256 * MiB,
+        write_buffer_budget_bytes: int | None = None,
+        *,
+        cache: rocksdict.Cache | None = None,
+    ) -> None:
         if block_cache_bytes <= 0:
             raise ConfigurationError("the shared block cache needs a positive size")
         self.block_cache_bytes = block_cache_bytes
         self.cache = cache if cache is not None else rocksdict.Cache(block_cache_bytes)
         self.write_buffer_manager = (
-            None if write_buffer_budget_bytes is None
+            None
+            if write_buffer_budget_bytes is None
             else rocksdict.WriteBufferManager(write_buffer_budget_bytes, False)
         )
 

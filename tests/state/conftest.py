@@ -25,8 +25,7 @@ def backend_name(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def make_backend(backend_name: str, tmp_path: Path
-                 ) -> Iterator[Callable[..., KeyedStateBackend]]:
+def make_backend(backend_name: str, tmp_path: Path) -> Iterator[Callable[..., KeyedStateBackend]]:
     """Creates backends of the parametrized kind, each in its own task directory."""
     created: list[KeyedStateBackend] = []
     counter = itertools.count()

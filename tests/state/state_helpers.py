@@ -35,8 +35,9 @@ def checkpoint_directory(task: str, checkpoint_id: int, attempt: str = "a1b2c3d4
     return f"{JOB}/tasks/{task}/chk-{checkpoint_id:010d}-{attempt}"
 
 
-def take_checkpoint(backend: KeyedStateBackend, storage: CheckpointStorage, checkpoint_id: int,
-                    task: str = "t0") -> StateHandle:
+def take_checkpoint(
+    backend: KeyedStateBackend, storage: CheckpointStorage, checkpoint_id: int, task: str = "t0"
+) -> StateHandle:
     """Synchronous part, materialize, release: what the runtime does for one checkpoint."""
     snapshot = backend.snapshot(checkpoint_id)
     try:

@@ -243,8 +243,9 @@ def check(keyed: Keyed, s: dict[str, Any], keys: int, tag: str = "") -> None:
         assert s["aggregating"].get() == pytest.approx(float(i))
 
 
-def test_snapshot_restore_round_trip(make_backend: Callable[..., KeyedStateBackend],
-                                     storage: CheckpointStorage) -> None:
+def test_snapshot_restore_round_trip(
+    make_backend: Callable[..., KeyedStateBackend], storage: CheckpointStorage
+) -> None:
     source = make_backend()
     keyed, s = bind_all(source)
     fill(keyed, s, 300, "v1")
@@ -271,8 +272,9 @@ def test_snapshot_restore_round_trip(make_backend: Callable[..., KeyedStateBacke
     assert s3["list"].get() == [200, "v1"]
 
 
-def test_snapshot_is_isolated_from_later_writes(make_backend: Callable[..., KeyedStateBackend],
-                                                storage: CheckpointStorage) -> None:
+def test_snapshot_is_isolated_from_later_writes(
+    make_backend: Callable[..., KeyedStateBackend], storage: CheckpointStorage
+) -> None:
     source = make_backend()
     keyed, s = bind_all(source)
     fill(keyed, s, 50, "before")
@@ -292,8 +294,9 @@ def test_snapshot_is_isolated_from_later_writes(make_backend: Callable[..., Keye
     assert s2["value"].value() == 0
 
 
-def test_empty_state_round_trip(make_backend: Callable[..., KeyedStateBackend],
-                                storage: CheckpointStorage) -> None:
+def test_empty_state_round_trip(
+    make_backend: Callable[..., KeyedStateBackend], storage: CheckpointStorage
+) -> None:
     handle = take_checkpoint(make_backend(), storage, 1)
     target = make_backend()
     target.restore(handle, storage)
@@ -308,8 +311,9 @@ def _flip_middle_byte(storage: CheckpointStorage, path: str) -> None:
     storage.write_bytes(path, bytes(data))
 
 
-def test_corrupt_state_file_is_detected(make_backend: Callable[..., KeyedStateBackend],
-                                        storage: CheckpointStorage) -> None:
+def test_corrupt_state_file_is_detected(
+    make_backend: Callable[..., KeyedStateBackend], storage: CheckpointStorage
+) -> None:
     source = make_backend()
     keyed, s = bind_all(source)
     fill(keyed, s, 200)
@@ -320,8 +324,9 @@ def test_corrupt_state_file_is_detected(make_backend: Callable[..., KeyedStateBa
         make_backend().restore(handle, storage)
 
 
-def test_missing_state_file_is_detected(make_backend: Callable[..., KeyedStateBackend],
-                                        storage: CheckpointStorage) -> None:
+def test_missing_state_file_is_detected(
+    make_backend: Callable[..., KeyedStateBackend], storage: CheckpointStorage
+) -> None:
     source = make_backend()
     keyed, s = bind_all(source)
     fill(keyed, s, 20)
@@ -332,8 +337,9 @@ def test_missing_state_file_is_detected(make_backend: Callable[..., KeyedStateBa
         make_backend().restore(handle, storage)
 
 
-def test_failed_restore_leaves_backend_usable(make_backend: Callable[..., KeyedStateBackend],
-                                              storage: CheckpointStorage) -> None:
+def test_failed_restore_leaves_backend_usable(
+    make_backend: Callable[..., KeyedStateBackend], storage: CheckpointStorage
+) -> None:
     source = make_backend()
     keyed, s = bind_all(source)
     fill(keyed, s, 20)
@@ -352,18 +358,22 @@ def test_failed_restore_leaves_backend_usable(make_backend: Callable[..., KeyedS
 
 
 # ------------------------------------------------------------------ model-based comparison
-_keys = st.sampled_from([b"\x00\x01\x00\x00\x00\x01a", b"\x00\x01\x00\x00\x00\x02ab",
-                         b"\x00\x02\x00\x00\x00\x01b"])
+_keys = st.sampled_from(
+    [b"\x00\x01\x00\x00\x00\x01a", b"\x00\x01\x00\x00\x00\x02ab", b"\x00\x02\x00\x00\x00\x01b"]
+)
 _sids = st.sampled_from([b"\x00", b"\x01"])
 _bytes = st.binary(max_size=12)
-_ops = st.lists(st.one_of(
-    st.tuples(st.just("put"), _keys, _sids, _bytes),
-    st.tuples(st.just("delete"), _keys, _sids),
-    st.tuples(st.just("map_put"), _keys, _sids, _bytes, _bytes),
-    st.tuples(st.just("map_delete"), _keys, _sids, _bytes),
-    st.tuples(st.just("map_clear"), _keys, _sids),
-    st.tuples(st.just("checkpoint_restore")),
-), max_size=40)
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), _keys, _sids, _bytes),
+        st.tuples(st.just("delete"), _keys, _sids),
+        st.tuples(st.just("map_put"), _keys, _sids, _bytes, _bytes),
+        st.tuples(st.just("map_delete"), _keys, _sids, _bytes),
+        st.tuples(st.just("map_clear"), _keys, _sids),
+        st.tuples(st.just("checkpoint_restore")),
+    ),
+    max_size=40,
+)
 
 
 def _apply(backend: KeyedStateBackend, op: tuple[Any, ...]) -> None:
@@ -382,24 +392,28 @@ def _apply(backend: KeyedStateBackend, op: tuple[Any, ...]) -> None:
 
 def _observe(backend: KeyedStateBackend) -> dict[bytes, Any]:
     seen: dict[bytes, Any] = {}
-    for key in (b"\x00\x01\x00\x00\x00\x01a", b"\x00\x01\x00\x00\x00\x02ab",
-                b"\x00\x02\x00\x00\x00\x01b"):
+    for key in (
+        b"\x00\x01\x00\x00\x00\x01a",
+        b"\x00\x01\x00\x00\x00\x02ab",
+        b"\x00\x02\x00\x00\x00\x01b",
+    ):
         for sid in (b"\x00", b"\x01"):
             seen[key + sid] = (backend.get(key + sid), sorted(backend.map_items(key + sid)))
     return seen
 
 
-@settings(max_examples=40, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(ops=_ops)
-def test_backends_agree_on_random_operations(ops: list[tuple[Any, ...]], tmp_path_factory: Any
-                                             ) -> None:
+def test_backends_agree_on_random_operations(
+    ops: list[tuple[Any, ...]], tmp_path_factory: Any
+) -> None:
     from pipeline.state import create_backend
 
     root = tmp_path_factory.mktemp("model")
     storage = CheckpointStorage(str(root / "storage"))
-    backends = [create_backend("memory"),
-                create_backend("rocksdb", task_dir=str(root / "r0"))]
+    backends = [create_backend("memory"), create_backend("rocksdb", task_dir=str(root / "r0"))]
     try:
         checkpoint_id = 0
         for op in ops:
