@@ -1,0 +1,51 @@
+"""Small pipelines used by integration tests (topic names from SNAPLINE_TEST_PREFIX)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from connectors import KafkaSource
+from pipeline import Context, KeyedProcessFunction, Pipeline, ValueState
+from sinks import KafkaSink
+
+PREFIX = os.environ.get("SNAPLINE_TEST_PREFIX", "test-")
+
+
+class StrictTotal(KeyedProcessFunction):
+    """Raises on a non-integer amount: that record must go to the dead-letter topic."""
+
+    total = ValueState("total", default=0)
+
+    def process(self, value: dict[str, Any], ctx: Context) -> Iterator[dict[str, Any]]:
+        amount = value["amount"]
+        if not isinstance(amount, int):
+            raise TypeError(f"amount must be an int, got {amount!r}")
+        total = self.total.value() + amount
+        self.total.update(total)
+        yield {"customer": ctx.key, "total": total, "order_id": value["order_id"]}
+
+
+def dead_letters() -> Pipeline:
+    pipeline = Pipeline(f"{PREFIX}job", checkpoint_interval=0.3)
+    (pipeline.source(KafkaSource(f"{PREFIX}orders"))
+     .key_by(lambda v: v["customer"])
+     .process(StrictTotal())
+     .sink(KafkaSink(f"{PREFIX}totals")))
+    return pipeline
+
+
+def missing_topic() -> Pipeline:
+    pipeline = Pipeline(f"{PREFIX}job")
+    pipeline.source(KafkaSource(f"{PREFIX}no-such-topic")).sink(KafkaSink(f"{PREFIX}out"))
+    return pipeline
+
+
+def repartition_needed() -> Pipeline:
+    pipeline = Pipeline(f"{PREFIX}job")
+    (pipeline.source(KafkaSource(f"{PREFIX}orders"))
+     .key_by(lambda v: v["region"])
+     .process(StrictTotal())
+     .sink(KafkaSink(f"{PREFIX}totals")))
+    return pipeline
