@@ -22,7 +22,7 @@ from typing import Any
 from benchmarks.child_env import ChildEnv, read_start_time, read_stats
 from benchmarks.kafka_admin import Topics
 from benchmarks.process import Child, Exit
-from benchmarks.snapline_runs import checkpoint_durations_from_log
+from benchmarks.snapline_runs import METRICS_ENV, checkpoint_metrics
 from benchmarks.stats import percentile, summarize
 from benchmarks.systems import System
 from benchmarks.verifier import Verifier, check
@@ -60,6 +60,8 @@ class RunResult:
     wall_s: float | None = None
     latency_s: dict[str, Any] = field(default_factory=dict)
     commit_s: dict[str, Any] = field(default_factory=dict)
+    checkpoint_s: dict[str, Any] = field(default_factory=dict)
+    state_bytes: int | None = None
     peak_rss_mb: float | None = None
     stopped_by: str = ""
     profiled: bool = False
@@ -104,8 +106,9 @@ class Bench:
             s.profile_dir.mkdir(parents=True, exist_ok=True)
             profile_to = s.profile_dir / f"{system.name}-{tag}.html"
         log = rundir / "process.log"
-        child = Child(system.argv(self.bootstrap, profile_to),
-                      {**env.to_environ(), **system.extra_env}, log)
+        child_env = {**env.to_environ(), **system.extra_env,
+                     METRICS_ENV: str(rundir / "metrics.jsonl")}
+        child = Child(system.argv(self.bootstrap, profile_to), child_env, log)
         result = RunResult(system=system.name, kind="", repetition=0, log=str(log),
                            profiled=profile_to is not None,
                            profile=str(profile_to) if profile_to else "")
@@ -143,10 +146,15 @@ class Bench:
         if result.status != "ok" or result.problems:
             result.log_tail = exit_.log_tail
         stats = read_stats(env.stats_file)
-        durations = stats.get("commit_durations_s") or checkpoint_durations_from_log(
-            Path(result.log))
-        if durations:
-            result.commit_s = _rounded(summarize(durations))
+        if stats.get("commit_durations_s"):
+            result.commit_s = _rounded(summarize(stats["commit_durations_s"]))
+        metrics = checkpoint_metrics(Path(result.log).with_name("metrics.jsonl"))
+        if metrics["commit"]:
+            result.commit_s = _rounded(summarize(metrics["commit"]))
+            result.checkpoint_s = _rounded(summarize(metrics["checkpoint"]))
+            result.state_bytes = int(max(metrics["state_bytes"]))
+        if metrics["failed"]:
+            result.problems.append(f"{len(metrics['failed'])} checkpoints failed")
         self.topics.delete([env.out_topic])
         self.topics.delete_containing(env.group)  # the peer's changelog topics
         shutil.rmtree(env.state_dir, ignore_errors=True)

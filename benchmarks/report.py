@@ -82,6 +82,8 @@ def summarize_systems(systems: list[System], results: list[RunResult]) -> list[d
         rates = [r.records_per_s for r in ok if r.records_per_s]
         commit_p50 = [r.commit_s["p50"] for r in ok if r.commit_s.get("p50") is not None]
         commit_p99 = [r.commit_s["p99"] for r in ok if r.commit_s.get("p99") is not None]
+        chk_p50 = [r.checkpoint_s["p50"] for r in ok if r.checkpoint_s.get("p50") is not None]
+        chk_p99 = [r.checkpoint_s["p99"] for r in ok if r.checkpoint_s.get("p99") is not None]
         status = "SKIPPED" if skipped else ("FAILED" if failed else "ok")
         if latency is not None and latency.status == "FAILED" and status == "ok":
             status = "FAILED (latency run)"
@@ -102,6 +104,9 @@ def summarize_systems(systems: list[System], results: list[RunResult]) -> list[d
             else None,
             "commit_p50_s": median(commit_p50),
             "commit_p99_s": max(commit_p99) if commit_p99 else None,
+            "checkpoint_p50_s": median(chk_p50),
+            "checkpoint_p99_s": max(chk_p99) if chk_p99 else None,
+            "state_bytes": max((r.state_bytes for r in ok if r.state_bytes), default=None),
             "peak_rss_mb": max((r.peak_rss_mb for r in ok if r.peak_rss_mb), default=None),
             "startup_s": median([r.startup_s for r in ok if r.startup_s is not None]),
             "notes": system.notes,
@@ -139,7 +144,7 @@ def _ms(value: float | None) -> str:
 
 
 COLUMNS = ("system", "guarantee", "records/s", "× baseline A", "× Quix", "latency p50",
-           "latency p99", "commit p50", "commit p99", "peak RSS")
+           "latency p99", "commit p50", "commit p99", "checkpoint p99", "peak RSS")
 
 
 def table_rows(rows: list[dict[str, Any]]) -> list[tuple[str, ...]]:
@@ -150,7 +155,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[tuple[str, ...]]:
             row["system"], row["guarantee"], rate,
             _fmt(row["vs_baseline_a"], ".2f"), _fmt(row["vs_peer"], ".2f"),
             _ms(row["latency_p50_s"]), _ms(row["latency_p99_s"]),
-            _ms(row["commit_p50_s"]), _ms(row["commit_p99_s"]),
+            _ms(row["commit_p50_s"]), _ms(row["commit_p99_s"]), _ms(row["checkpoint_p99_s"]),
             _fmt(row["peak_rss_mb"], ",.0f", " MB"),
         ))
     return out

@@ -8,7 +8,7 @@ variables that ``benchmarks.snapline_pipelines`` reads.
 from __future__ import annotations
 
 import importlib
-import re
+import json
 from pathlib import Path
 
 from benchmarks.systems import System
@@ -62,19 +62,28 @@ def runtime_missing() -> str:
     return ""
 
 
-_DURATION = re.compile(r"checkpoint (\d+) (?:complete|completed|committed)\b.*?"
-                       r"(\d+(?:\.\d+)?)\s*(ms|s)\b", re.IGNORECASE)
+METRICS_ENV = "SNAPLINE_METRICS_FILE"
 
 
-def checkpoint_durations_from_log(log: Path) -> list[float]:
-    """Checkpoint durations (s) from a worker log, for lines like
-    ``checkpoint 12 completed in 35.2 ms``; empty when the log has none."""
+def checkpoint_metrics(path: Path) -> dict[str, list[float]]:
+    """Per-checkpoint measurements from the worker's metrics file (JSON lines written when
+    ``SNAPLINE_METRICS_FILE`` is set): seconds for ``commit`` (the Kafka transaction commit)
+    and ``checkpoint`` (trigger → committed), bytes for ``state_bytes``."""
+    out: dict[str, list[float]] = {"commit": [], "checkpoint": [], "state_bytes": [],
+                                   "failed": []}
     try:
-        text = log.read_text(errors="replace")
+        lines = path.read_text(errors="replace").splitlines()
     except FileNotFoundError:
-        return []
-    durations = []
-    for match in _DURATION.finditer(text):
-        value = float(match.group(2))
-        durations.append(value / 1000.0 if match.group(3).lower() == "ms" else value)
-    return durations
+        return out
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if event.get("event") == "checkpoint":
+            out["commit"].append(float(event.get("commit_ms", 0)) / 1000.0)
+            out["checkpoint"].append(float(event.get("total_ms", 0)) / 1000.0)
+            out["state_bytes"].append(float(event.get("state_bytes", 0)))
+        elif event.get("event") == "checkpoint_failed":
+            out["failed"].append(1.0)
+    return out
