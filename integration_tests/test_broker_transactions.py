@@ -33,8 +33,29 @@ def transactional_producer(bootstrap: str, transactional_id: str) -> Producer:
     return producer
 
 
+def log_end(bootstrap: str, topic: str) -> int:
+    """The high watermark of partition 0: every record and transaction marker written so far."""
+    probe = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"{topic}-probe",
+            "isolation.level": "read_uncommitted",
+        }
+    )
+    try:
+        return probe.get_watermark_offsets(TopicPartition(topic, 0), TIMEOUT, cached=False)[1]
+    finally:
+        probe.close()
+
+
 def read_all(bootstrap: str, topic: str, isolation: str) -> list[str]:
-    """Every value of partition 0 that a reader with ``isolation`` sees, up to the end."""
+    """Every value of partition 0 that a reader with ``isolation`` sees, up to the log end.
+
+    Transaction markers are written after commit_transaction returns, so the end is the high
+    watermark (not the last stable offset, which may still lag); a read_committed reader
+    reaches it only once every transaction below it is decided.
+    """
+    end = log_end(bootstrap, topic)
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -44,10 +65,7 @@ def read_all(bootstrap: str, topic: str, isolation: str) -> list[str]:
         }
     )
     try:
-        partition = TopicPartition(topic, 0, OFFSET_BEGINNING)
-        # read_committed stops at the last stable offset; that is the end it may reach.
-        _, end = consumer.get_watermark_offsets(partition, timeout=TIMEOUT, cached=False)
-        consumer.assign([partition])
+        consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
         values: list[str] = []
         deadline = time.monotonic() + TIMEOUT
         while time.monotonic() < deadline:
