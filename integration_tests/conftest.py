@@ -184,3 +184,66 @@ def create_topic(
         if time.monotonic() > deadline:
             raise TimeoutError(f"topic {name} has no leader for every partition after {timeout} s")
         time.sleep(0.1)
+
+
+# --- sinks fixtures ---------------------------------------------------------------------------
+# Owned by the Parquet/PostgreSQL sinks work: a Spark session and a PostgreSQL database for the
+# session. Both fail (never skip) when the component is missing.
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """A ``local[2]`` SparkSession shared by the session (PySpark from PyPI, Java 17+)."""
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        pytest.fail(
+            "Spark tests need Java 17+: apt-get install openjdk-17-jre-headless (or set JAVA_HOME)",
+            pytrace=False,
+        )
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError as exc:
+        pytest.fail(
+            f"Spark tests need PySpark: pip install 'snapline[spark]' ({exc})", pytrace=False
+        )
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("snapline-integration-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_dsn() -> Iterator[str]:
+    """DSN of a PostgreSQL database for the session.
+
+    ``SNAPLINE_POSTGRES_DSN`` names an existing database; otherwise a throwaway server from
+    Debian's packages is started (``connectors.postgres_local``; install it with
+    ``bash scripts/install-postgres.sh``).
+    """
+    from_env = os.environ.get("SNAPLINE_POSTGRES_DSN")
+    if from_env:
+        yield from_env
+        return
+    from connectors.postgres_local import LocalPostgres
+    from pipeline.errors import SnaplineError
+
+    server = LocalPostgres()
+    try:
+        server.start()
+    except SnaplineError as exc:
+        server.stop()
+        pytest.fail(f"No PostgreSQL for the integration tests:\n{exc}", pytrace=False)
+    try:
+        yield server.dsn
+    finally:
+        server.stop()
+
+
+# --- end of sinks fixtures --------------------------------------------------------------------
