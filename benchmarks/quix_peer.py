@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -49,8 +50,16 @@ def running_total_app(env: ChildEnv, keep_note: bool = False) -> Any:
         commit_interval=env.commit_interval,
         processing_guarantee="exactly-once",
         state_dir=env.state_dir,
-        loglevel="WARNING",
-        consumer_extra_config={"enable.partition.eof": False},
+        loglevel=os.environ.get("BENCH_QUIX_LOGLEVEL", "WARNING"),
+        # The same group settings as a Snapline worker: a stable member and transactional id,
+        # so a restarted process takes over at once instead of waiting for timeouts.
+        consumer_extra_config={
+            "enable.partition.eof": False,
+            "group.instance.id": f"{env.group}-0",
+            "session.timeout.ms": 10000,
+            "heartbeat.interval.ms": 1000,
+        },
+        producer_extra_config={"transactional.id": f"{env.group}-0"},
     )
     source = app.topic(env.in_topic, value_deserializer="json", key_deserializer="string")
     sink = app.topic(env.out_topic, value_serializer="json", key_serializer="string")

@@ -19,7 +19,7 @@ from benchmarks.harness import Bench, RunResult, Settings
 from benchmarks.kafka_admin import Topics
 from benchmarks.snapline_runs import SNAPLINE_SYSTEMS, runtime_missing
 from benchmarks.systems import BASELINE_A, BASELINE_B, QUIX, System
-from benchmarks.workload import RECORD_BYTES, prepare_input
+from benchmarks.workload import RECORD_BYTES, generate, prepare_input
 
 ALL_SYSTEMS: tuple[System, ...] = (BASELINE_A, BASELINE_B, QUIX, *SNAPLINE_SYSTEMS)
 
@@ -85,7 +85,7 @@ def run_suite(config: SuiteConfig, bootstrap: str, console: Console) -> dict[str
     try:
         in_topic = topics.create(f"{prefix}-in", config.partitions)
         t0 = time.monotonic()
-        expected = prepare_input(bootstrap, in_topic, config.records, config.keys)
+        expected = prepare_input(bootstrap, in_topic, generate(config.records, config.keys))
         console.print(f"input: {config.records:,} records of {RECORD_BYTES} B, "
                       f"{len(expected.totals):,} keys, {config.partitions} partitions "
                       f"→ {in_topic} in {time.monotonic() - t0:.1f}s")

@@ -7,10 +7,11 @@ workload at a fixed rate while a system runs. Both keep the expected effect of e
 
 from __future__ import annotations
 
+import base64
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import orjson
@@ -24,11 +25,17 @@ def customer_key(index: int) -> str:
     return f"c{index:07d}"
 
 
-def encode_record(customer: str, amount: int, ts_ms: int, size: int = RECORD_BYTES) -> bytes:
-    """One input record, padded with ``note`` to ``size`` bytes (when ``size`` allows)."""
+def encode_record(customer: str, amount: int, ts_ms: int, size: int = RECORD_BYTES,
+                  filler: str = "") -> bytes:
+    """One input record, padded with ``note`` to ``size`` bytes (when ``size`` allows).
+
+    The note repeats "x" unless ``filler`` (at least as long as the padding) is given: random
+    filler keeps state that stores the note from compressing to nothing.
+    """
     bare = orjson.dumps({"customer": customer, "amount": amount, "ts": ts_ms, "note": ""})
     pad = max(0, size - len(bare))
-    return orjson.dumps({"customer": customer, "amount": amount, "ts": ts_ms, "note": "x" * pad})
+    note = filler[:pad] if len(filler) >= pad else "x" * pad
+    return orjson.dumps({"customer": customer, "amount": amount, "ts": ts_ms, "note": note})
 
 
 @dataclass
@@ -60,6 +67,13 @@ def generate(records: int, keys: int, seed: int = 7) -> Iterator[tuple[str, int,
         yield customer_key(randrange(keys)), randrange(1, 101), _BASE_TS_MS + i
 
 
+def each_key_once(keys: int, seed: int = 13) -> Iterator[tuple[str, int, int]]:
+    """One record per key, in key order: builds state for every key (recovery benchmark)."""
+    rng = random.Random(seed)
+    for i in range(keys):
+        yield customer_key(i), rng.randrange(1, 101), _BASE_TS_MS + i
+
+
 def producer_config(bootstrap: str, **extra: object) -> dict[str, object]:
     config: dict[str, object] = {
         "bootstrap.servers": bootstrap,
@@ -83,10 +97,11 @@ def _produce(producer: Producer, topic: str, key: bytes, value: bytes) -> None:
             producer.poll(0.05)
 
 
-def prepare_input(bootstrap: str, topic: str, records: int, keys: int,
-                  record_bytes: int = RECORD_BYTES, seed: int = 7,
+def prepare_input(bootstrap: str, topic: str, rows: Iterable[tuple[str, int, int]],
+                  record_bytes: int = RECORD_BYTES, random_notes: bool = False,
                   timeout: float = 300.0) -> Expected:
-    """Produce the workload to ``topic`` (which must exist) and return its expected effect."""
+    """Produce ``rows`` (from ``generate`` or ``each_key_once``) to ``topic`` (which must
+    exist) and return their expected effect. ``random_notes``: incompressible padding."""
     expected = Expected()
     errors: list[str] = []
 
@@ -95,9 +110,12 @@ def prepare_input(bootstrap: str, topic: str, records: int, keys: int,
             errors.append(str(err))
 
     producer = Producer(producer_config(bootstrap, on_delivery=on_delivery))
-    for i, (customer, amount, ts_ms) in enumerate(generate(records, keys, seed)):
-        _produce(producer, topic, customer.encode(), encode_record(customer, amount, ts_ms,
-                                                                   record_bytes))
+    rng = random.Random(5)
+    for i, (customer, amount, ts_ms) in enumerate(rows):
+        filler = base64.urlsafe_b64encode(rng.randbytes(record_bytes)).decode() \
+            if random_notes else ""
+        _produce(producer, topic, customer.encode(),
+                 encode_record(customer, amount, ts_ms, record_bytes, filler))
         expected.add(customer, amount)
         if i % 10_000 == 0:
             producer.poll(0)
