@@ -67,7 +67,10 @@ ProgressCallback = Callable[[str], None]
 
 _VERSION_RE = re.compile(r"^\d+\.\d+\.\d+(?:[.-][A-Za-z0-9]+)*$")
 _JAVA_VERSION_RE = re.compile(r'version "(\d+)(?:\.(\d+))?[^"]*"')
-_MAVEN_TRANSFER_RE = re.compile(r"^(Downloading|Downloaded) from [^:]+: (\S+)(?: \((.*)\))?")
+_MAVEN_TRANSFER_RE = re.compile(
+    r"^(?:\[INFO\] )?(Downloading|Downloaded) from [^:]+: (\S+)(?: \((.*)\))?"
+)
+_ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _PR_SET_PDEATHSIG = 1
 _INSTALL_JAVA = "apt-get install openjdk-17-jre-headless"
 _INSTALL_MAVEN = "apt-get install maven"
@@ -215,17 +218,18 @@ def write_completion_marker(libs: Path, version: str) -> None:
 def condense_maven_line(line: str) -> str | None:
     """A short progress message for a line of Maven output, or None for noise.
 
-    ``Downloading from central: https://.../kafka_2.13-4.3.1.jar`` becomes
+    ``[INFO] Downloading from central: https://.../kafka_2.13-4.3.1.jar`` becomes
     ``downloading kafka_2.13-4.3.1.jar``.
     """
-    match = _MAVEN_TRANSFER_RE.match(line.strip())
+    line = _ANSI_RE.sub("", line).strip()
+    match = _MAVEN_TRANSFER_RE.match(line)
     if match is not None:
         verb, url, detail = match.groups()
         name = url.rsplit("/", 1)[-1]
         size = f" ({detail.split(' at ')[0]})" if detail else ""
         return f"{verb.lower()} {name}{size}"
     if line.startswith("[ERROR]"):
-        return line.strip()
+        return line
     return None
 
 
@@ -299,7 +303,7 @@ def _run_maven(
     assert process.stdout is not None
     with process:
         for raw in process.stdout:
-            line = raw.rstrip("\n")
+            line = _ANSI_RE.sub("", raw.rstrip("\n"))
             tail.append(line)
             message = condense_maven_line(line)
             if message is not None:

@@ -241,7 +241,7 @@ def fake_maven(bin_dir: Path, *, fail: bool = False) -> Path:
             f"echo call >> {calls}\n"
             'for arg in "$@"; do case "$arg" in -DoutputDirectory=*) out="${arg#*=}";; esac; done\n'
             'mkdir -p "$out"\n'
-            "echo 'Downloading from central: https://repo/x/kafka_2.13-4.3.1.jar'\n"
+            "echo '[INFO] Downloading from central: https://repo/x/kafka_2.13-4.3.1.jar'\n"
             "echo 'Downloaded from central: https://r/kafka_2.13-4.3.1.jar (6.9 MB at 3 MB/s)'\n"
             'echo jar > "$out/kafka_2.13-4.3.1.jar"\n'
             'echo jar > "$out/kafka-clients-4.3.1.jar"\n'
@@ -321,6 +321,12 @@ def test_condense_maven_line() -> None:
             "Downloaded from central: https://r/m/zstd-jni-1.5.6-10.jar (7.0 MB at 2.1 MB/s)"
         )
         == "downloaded zstd-jni-1.5.6-10.jar (7.0 MB)"
+    )
+    assert (
+        condense_maven_line(
+            "\x1b[0m[INFO] Downloaded from central: https://r/a-1.pom (3.9 kB at 1 MB/s)"
+        )
+        == "downloaded a-1.pom (3.9 kB)"
     )
     assert condense_maven_line("[INFO] Copying kafka_2.13-4.3.1.jar to /x") is None
     assert condense_maven_line("[ERROR] boom") == "[ERROR] boom"
