@@ -22,6 +22,7 @@ from typing import Any
 from benchmarks.child_env import ChildEnv, read_start_time, read_stats
 from benchmarks.kafka_admin import Topics
 from benchmarks.process import Child, Exit
+from benchmarks.profiling import render
 from benchmarks.snapline_runs import METRICS_ENV, checkpoint_metrics
 from benchmarks.stats import percentile, summarize
 from benchmarks.systems import System
@@ -104,7 +105,7 @@ class Bench:
         profile_to = None
         if profile and s.profile_dir is not None:
             s.profile_dir.mkdir(parents=True, exist_ok=True)
-            profile_to = s.profile_dir / f"{system.name}-{tag}.html"
+            profile_to = s.profile_dir / f"{system.name}-{tag}.pyisession"
         log = rundir / "process.log"
         child_env = {**env.to_environ(), **system.extra_env,
                      METRICS_ENV: str(rundir / "metrics.jsonl")}
@@ -155,6 +156,9 @@ class Bench:
             result.state_bytes = int(max(metrics["state_bytes"]))
         if metrics["failed"]:
             result.problems.append(f"{len(metrics['failed'])} checkpoints failed")
+        if result.profile:
+            rendered = render(Path(result.profile))
+            result.profile = ", ".join(str(p) for p in rendered) or result.profile
         self.topics.delete([env.out_topic])
         self.topics.delete_containing(env.group)  # the peer's changelog topics
         shutil.rmtree(env.state_dir, ignore_errors=True)

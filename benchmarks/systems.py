@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from benchmarks.profiling import profiled_argv
 from benchmarks.verifier import Mode
 
 Role = Literal["baseline", "peer", "snapline"]
@@ -34,8 +35,7 @@ class System:
     def argv(self, bootstrap: str, profile_to: Path | None = None) -> list[str]:
         args = [a.replace("{bootstrap}", bootstrap) for a in self.args]
         if profile_to is not None:
-            return [sys.executable, "-m", "pyinstrument", "-r", "html", "-o", str(profile_to),
-                    "-m", self.module, *args]
+            return profiled_argv(self.module, args, profile_to)
         return [sys.executable, "-m", self.module, *args]
 
 
