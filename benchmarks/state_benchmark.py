@@ -87,8 +87,13 @@ def directory(task: str, checkpoint_id: int) -> str:
     return f"bench/tasks/{task}/chk-{checkpoint_id:010d}-bench"
 
 
-def retain(backend_name: str, storage: CheckpointStorage, task: str,
-           handles: list[tuple[int, StateHandle]], keep: int = 2) -> None:
+def retain(
+    backend_name: str,
+    storage: CheckpointStorage,
+    task: str,
+    handles: list[tuple[int, StateHandle]],
+    keep: int = 2,
+) -> None:
     """The runtime's retention step: drop old checkpoint directories, then unreferenced files."""
     for checkpoint_id, _ in handles[:-keep]:
         storage.delete_dir(directory(task, checkpoint_id))
@@ -104,8 +109,14 @@ def stored_bytes(root: Path) -> int:
 
 
 # ------------------------------------------------------------------ one backend
-def run_backend(name: str, work: Workload, root: Path, checkpoints: int,
-                options: dict[str, Any], say: Callable[[str], None]) -> dict[str, Any]:
+def run_backend(
+    name: str,
+    work: Workload,
+    root: Path,
+    checkpoints: int,
+    options: dict[str, Any],
+    say: Callable[[str], None],
+) -> dict[str, Any]:
     n = len(work.keys)
     task = f"{name}-task"
     storage_root = root / f"{name}-storage"
@@ -140,27 +151,6 @@ def run_backend(name: str, work: Workload, root: Path, checkpoints: int,
         "materialize_s": time.perf_counter() - t1,
         "files": len(full.files),
     }
-
-    # Throughput of the task while a full checkpoint materializes (into an empty storage, so
-    # every byte is uploaded), against steady state measured just before and after.
-    say(f"[{name}] put throughput: steady vs while a full checkpoint materializes")
-    steady = [measure_puts(backend, work, seconds=2.0)]
-    during = []
-    for rep in range(3):
-        scratch = root / f"{name}-scratch-{rep}"
-        snap = backend.snapshot(1000 + rep)
-        thread = threading.Thread(
-            target=_materialize_into, args=(snap, CheckpointStorage(str(scratch)), task, rep)
-        )
-        thread.start()
-        during.append(measure_puts(backend, work, until=thread))
-        thread.join()
-        shutil.rmtree(scratch, ignore_errors=True)
-    steady.append(measure_puts(backend, work, seconds=2.0))
-    result["steady_puts_per_s"] = statistics.fmean(steady)
-    result["puts_per_s_during_materialize"] = statistics.fmean(during)
-    result["throughput_ratio"] = result["puts_per_s_during_materialize"] / statistics.fmean(steady)
-    settle(backend)
 
     say(f"[{name}] {checkpoints} incremental checkpoints, 1% of the keys updated before each")
     pauses: list[float] = []
@@ -199,14 +189,15 @@ def run_backend(name: str, work: Workload, root: Path, checkpoints: int,
     result["stored_mb_after_retention"] = stored_bytes(storage_root) / MB
     result["checkpoint_mb"] = handle_bytes(last) / MB
 
+    probe = work.sample(0.0001)
+    expected = [backend.get(work.keys[i]) for i in probe]
+
     say(f"[{name}] restore from the checkpoint directory")
     gc.collect()
     fresh = create_backend(name, task_dir=str(root / f"{name}-restored"), options=options)
     t0 = time.perf_counter()
     fresh.restore(last, storage)
     restore_s = time.perf_counter() - t0
-    probe = work.sample(0.0001)
-    expected = [backend.get(work.keys[i]) for i in probe]
     assert [fresh.get(work.keys[i]) for i in probe] == expected, "restored state differs"
     fresh.close()
     result["restore"] = {
@@ -214,28 +205,54 @@ def run_backend(name: str, work: Workload, root: Path, checkpoints: int,
         "mb": handle_bytes(last) / MB,
         "mb_per_s": handle_bytes(last) / MB / restore_s,
     }
-    backend.close()
     if name == "rocksdb":
         say(f"[{name}] local recovery: restart on the same task directory")
-        again = create_backend(name, task_dir=str(task_dir), options=options)
+        backend.close()
+        backend = create_backend(name, task_dir=str(task_dir), options=options)
         t0 = time.perf_counter()
-        again.restore(last, storage)
+        backend.restore(last, storage)
         local_s = time.perf_counter() - t0
-        stats = getattr(again, "last_restore", None)
-        again.close()
+        assert [backend.get(work.keys[i]) for i in probe] == expected, "restored state differs"
+        stats = getattr(backend, "last_restore", None)
         result["local_recovery"] = {
             "seconds": local_s,
             "mb_per_s": handle_bytes(last) / MB / local_s,
             "reused_mb": (stats.reused_bytes if stats else 0) / MB,
             "downloaded_mb": (stats.downloaded_bytes if stats else 0) / MB,
         }
+        settle(backend)
+
+    first_id = last_id + 1
+    # Throughput of the task while a full checkpoint materializes (into an empty storage, so
+    # every byte is uploaded), against steady state measured just before and after.
+    say(f"[{name}] put throughput: steady vs while a full checkpoint materializes")
+    steady = [measure_puts(backend, work, seconds=2.0)]
+    during = []
+    for rep in range(3):
+        scratch = root / f"{name}-scratch-{rep}"
+        snap = backend.snapshot(first_id + rep)
+        thread = threading.Thread(
+            target=_materialize_into,
+            args=(snap, CheckpointStorage(str(scratch)), task, first_id + rep),
+        )
+        thread.start()
+        during.append(measure_puts(backend, work, until=thread))
+        thread.join()
+        shutil.rmtree(scratch, ignore_errors=True)
+    steady.append(measure_puts(backend, work, seconds=2.0))
+    result["steady_puts_per_s"] = statistics.fmean(steady)
+    result["puts_per_s_during_materialize"] = statistics.fmean(during)
+    result["throughput_ratio"] = result["puts_per_s_during_materialize"] / statistics.fmean(steady)
+    backend.close()
     result["last_checkpoint_id"] = last_id
     return result
 
 
-def _materialize_into(snapshot: Any, storage: CheckpointStorage, task: str, rep: int) -> None:
+def _materialize_into(
+    snapshot: Any, storage: CheckpointStorage, task: str, checkpoint_id: int
+) -> None:
     try:
-        snapshot.materialize(storage, directory(task, 1000 + rep))
+        snapshot.materialize(storage, directory(task, checkpoint_id))
     finally:
         snapshot.release()
 
@@ -246,14 +263,24 @@ def settle(backend: KeyedStateBackend, timeout: float = 120.0) -> None:
     if db is None:
         return
     deadline = time.monotonic() + timeout
-    props = ("rocksdb.num-running-compactions", "rocksdb.compaction-pending",
-             "rocksdb.num-running-flushes", "rocksdb.mem-table-flush-pending")
+    props = (
+        "rocksdb.num-running-compactions",
+        "rocksdb.compaction-pending",
+        "rocksdb.num-running-flushes",
+        "rocksdb.mem-table-flush-pending",
+    )
     while time.monotonic() < deadline and any(db.property_int_value(p) for p in props):
         time.sleep(0.05)
 
 
-def measure_puts(backend: KeyedStateBackend, work: Workload, *, seconds: float = 0.0,
-                 until: threading.Thread | None = None, batch: int = 5000) -> float:
+def measure_puts(
+    backend: KeyedStateBackend,
+    work: Workload,
+    *,
+    seconds: float = 0.0,
+    until: threading.Thread | None = None,
+    batch: int = 5000,
+) -> float:
     """Puts per second of random keys, for ``seconds`` or while ``until`` is alive."""
     keys = work.keys
     n = len(keys)
@@ -298,43 +325,59 @@ def rows(results: list[dict[str, Any]]) -> list[tuple[str, ...]]:
         ("keys / logical MB", "", lambda r: f"{r['keys']:,} / {r['logical_mb']:.0f}"),
         ("load (puts/s)", "", lambda r: f"{r['keys'] / r['load_s']:,.0f}"),
         ("full checkpoint MB", "", lambda r: f"{r['full_checkpoint']['mb']:.1f}"),
-        ("full checkpoint materialize s", "",
-         lambda r: f"{r['full_checkpoint']['materialize_s']:.2f}"),
-        ("incremental after 1% (first) MB", "",
-         lambda r: f"{r['incremental']['first_bytes'] / MB:.2f}"),
+        (
+            "full checkpoint materialize s",
+            "",
+            lambda r: f"{r['full_checkpoint']['materialize_s']:.2f}",
+        ),
+        (
+            "incremental after 1% (first) MB",
+            "",
+            lambda r: f"{r['incremental']['first_bytes'] / MB:.2f}",
+        ),
         ("  ratio to full", "<= 10%", lambda r: f"{r['incremental']['first_ratio']:.1%}"),
-        ("incremental, mean of N MB", "",
-         lambda r: f"{r['incremental']['mean_bytes'] / MB:.2f}"),
+        ("incremental, mean of N MB", "", lambda r: f"{r['incremental']['mean_bytes'] / MB:.2f}"),
         ("  ratio to full", "", lambda r: f"{r['incremental']['mean_ratio']:.1%}"),
-        ("incremental, max of N MB", "",
-         lambda r: f"{r['incremental']['max_bytes'] / MB:.2f}"),
-        ("incremental materialize s (mean)", "",
-         lambda r: f"{r['incremental']['materialize_s_mean']:.3f}"),
+        ("incremental, max of N MB", "", lambda r: f"{r['incremental']['max_bytes'] / MB:.2f}"),
+        (
+            "incremental materialize s (mean)",
+            "",
+            lambda r: f"{r['incremental']['materialize_s_mean']:.3f}",
+        ),
         ("sync pause p50 ms", "", lambda r: f"{r['pause_ms']['p50']:.1f}"),
         ("sync pause p99 ms", "<= 50", lambda r: f"{r['pause_ms']['p99']:.1f}"),
-        ("sync pause (full checkpoint) ms", "",
-         lambda r: f"{r['full_checkpoint']['pause_ms']:.1f}"),
+        (
+            "sync pause (full checkpoint) ms",
+            "",
+            lambda r: f"{r['full_checkpoint']['pause_ms']:.1f}",
+        ),
         ("steady puts/s", "", lambda r: f"{r['steady_puts_per_s']:,.0f}"),
-        ("puts/s while materializing", "",
-         lambda r: f"{r['puts_per_s_during_materialize']:,.0f}"),
+        ("puts/s while materializing", "", lambda r: f"{r['puts_per_s_during_materialize']:,.0f}"),
         ("  ratio", ">= 80%", lambda r: f"{r['throughput_ratio']:.0%}"),
         ("restore MB", "", lambda r: f"{r['restore']['mb']:.1f}"),
         ("restore s (from storage dir)", "", lambda r: f"{r['restore']['seconds']:.2f}"),
         ("restore MB/s", ">= 100", lambda r: f"{r['restore']['mb_per_s']:.0f}"),
         ("local recovery s", "", lambda r: f"{r['local_recovery']['seconds']:.2f}"),
-        ("local recovery reused / downloaded MB", "",
-         lambda r: f"{r['local_recovery']['reused_mb']:.1f} / "
-                   f"{r['local_recovery']['downloaded_mb']:.1f}"),
-        ("stored MB after retention (keep 2)", "",
-         lambda r: f"{r['stored_mb_after_retention']:.1f}"),
+        (
+            "local recovery reused / downloaded MB",
+            "",
+            lambda r: (
+                f"{r['local_recovery']['reused_mb']:.1f} / "
+                f"{r['local_recovery']['downloaded_mb']:.1f}"
+            ),
+        ),
+        (
+            "stored MB after retention (keep 2)",
+            "",
+            lambda r: f"{r['stored_mb_after_retention']:.1f}",
+        ),
     ]
     return [(label, target, *(cell(r, fn) for r in results)) for label, target, fn in spec]
 
 
 def print_table(results: list[dict[str, Any]], checkpoints: int) -> None:
     headers = ("metric", "target", *(r["backend"] for r in results))
-    body = [tuple(c.replace(" of N", f" of {checkpoints}") for c in row)
-            for row in rows(results)]
+    body = [tuple(c.replace(" of N", f" of {checkpoints}") for c in row) for row in rows(results)]
     try:
         from rich.console import Console
         from rich.table import Table
@@ -352,15 +395,25 @@ def print_table(results: list[dict[str, Any]], checkpoints: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.state_benchmark",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.state_benchmark", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--keys", type=int, default=1_000_000)
-    parser.add_argument("--checkpoints", type=int, default=20,
-                        help="incremental checkpoints (1%% updates each) for pauses and sizes")
+    parser.add_argument(
+        "--checkpoints",
+        type=int,
+        default=20,
+        help="incremental checkpoints (1%% updates each) for pauses and sizes",
+    )
     parser.add_argument("--backends", default="rocksdb,memory")
     parser.add_argument("--dir", help="working directory (default: a temporary one, deleted)")
-    parser.add_argument("--option", action="append", default=[], metavar="NAME=INT",
-                        help="a rocksdb option, e.g. --option write_buffer_bytes=33554432")
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=INT",
+        help="a rocksdb option, e.g. --option write_buffer_bytes=33554432",
+    )
     parser.add_argument("--no-json", action="store_true")
     args = parser.parse_args(argv)
     options: dict[str, Any] = {}
@@ -392,8 +445,11 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "state",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"cpu": platform.processor() or platform.machine(),
-                    "cores": os.cpu_count(), "python": platform.python_version()},
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+        },
         "command": "python -m benchmarks.state_benchmark " + " ".join(argv or []),
         "targets": TARGETS,
         "results": results,

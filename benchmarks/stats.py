@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 
@@ -11,7 +12,7 @@ def percentile(values: Sequence[float], pct: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(pct / 100.0 * len(ordered) + 0.5)))
+    rank = max(1, min(len(ordered), math.ceil(pct / 100.0 * len(ordered))))
     return ordered[rank - 1]
 
 

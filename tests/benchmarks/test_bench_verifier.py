@@ -1,0 +1,95 @@
+"""The verifier's accounting: a correct run passes, every kind of wrong output is caught."""
+
+from __future__ import annotations
+
+import orjson
+
+from benchmarks.verifier import Tally, check
+from benchmarks.workload import Expected, LatencyLedger
+
+INPUTS = [("a", 3), ("b", 5), ("a", 4), ("c", 1), ("b", 2)]
+
+
+def expected() -> Expected:
+    exp = Expected()
+    for key, amount in INPUTS:
+        exp.add(key, amount)
+    return exp
+
+
+def outputs() -> list[bytes]:
+    totals: dict[str, int] = {}
+    out = []
+    for key, amount in INPUTS:
+        totals[key] = totals.get(key, 0) + amount
+        out.append(orjson.dumps({"customer": key, "total": totals[key]}))
+    return out
+
+
+def tally_of(values: list[bytes], mode: str = "total") -> Tally:
+    tally = Tally(mode)  # type: ignore[arg-type]
+    for raw in values:
+        tally.observe(raw, 0.0)
+    return tally
+
+
+def test_correct_output_passes() -> None:
+    assert check(tally_of(outputs()), expected(), exactly_once=True) == []
+
+
+def test_duplicate_is_caught_under_exactly_once_only() -> None:
+    out = outputs()
+    duplicated = [*out[:3], out[2], *out[3:]]
+    problems = check(tally_of(duplicated), expected(), exactly_once=True)
+    assert any("6 outputs for 5 inputs" in p for p in problems)
+    assert check(tally_of(duplicated), expected(), exactly_once=False) == []
+
+
+def test_lost_output_is_caught() -> None:
+    out = outputs()
+    problems = check(tally_of(out[:1] + out[2:]), expected(), exactly_once=True)
+    assert any("4 outputs for 5 inputs" in p for p in problems)
+
+
+def test_lost_plus_duplicate_keeps_count_but_is_caught() -> None:
+    out = outputs()
+    # a's first output lost, b's last output duplicated: same count, same final totals
+    swapped = [out[1], out[2], out[3], out[4], out[4]]
+    problems = check(tally_of(swapped), expected(), exactly_once=True)
+    assert problems
+
+
+def test_wrong_total_is_caught() -> None:
+    out = outputs()
+    out[-1] = orjson.dumps({"customer": "b", "total": 8})
+    problems = check(tally_of(out), expected(), exactly_once=True)
+    assert any("wrong total" in p for p in problems)
+
+
+def test_garbage_is_caught() -> None:
+    problems = check(tally_of([*outputs()[:-1], b"not json"]), expected(), exactly_once=True)
+    assert any("not the expected JSON" in p for p in problems)
+
+
+def test_map_mode_checks_amounts() -> None:
+    good = [orjson.dumps({"customer": k, "amount": a}) for k, a in INPUTS]
+    assert check(tally_of(good, "map"), expected(), exactly_once=True) == []
+    bad = [*good[:-1], orjson.dumps({"customer": "b", "amount": 3})]
+    assert check(tally_of(bad, "map"), expected(), exactly_once=True)
+
+
+def test_latency_matches_the_nth_output_of_a_key_to_its_nth_input() -> None:
+    ledger = LatencyLedger()
+    ledger.record("a", 1, 100.0)  # warm-up
+    ledger.start_measuring()
+    ledger._warmup_done_at = 200.0  # deterministic for the test
+    ledger.record("a", 2, 200.0)
+    ledger.record("b", 5, 201.0)
+    tally = Tally("total")
+    tally.observe(orjson.dumps({"customer": "a", "total": 1}), 150.0, ledger)
+    tally.observe(orjson.dumps({"customer": "b", "total": 5}), 201.5, ledger)
+    tally.observe(orjson.dumps({"customer": "a", "total": 3}), 202.0, ledger)
+    assert sorted(tally.latencies) == [0.5, 2.0]
+    assert tally.unmatched == 0
+    tally.observe(orjson.dumps({"customer": "b", "total": 9}), 203.0, ledger)
+    assert tally.unmatched == 1
