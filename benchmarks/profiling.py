@@ -15,7 +15,7 @@ def profiled_argv(module: str, args: list[str], session: Path) -> list[str]:
 
 def render(session: Path, timeout: float = 300.0) -> list[Path]:
     """Render a saved session as HTML (to browse) and text (to read in a log)."""
-    outputs = []
+    outputs: list[Path] = []
     if not session.exists():
         return outputs
     for renderer, suffix in (("html", ".html"), ("text", ".txt")):

@@ -50,7 +50,7 @@ def running_total_app(env: ChildEnv, keep_note: bool = False) -> Any:
         commit_interval=env.commit_interval,
         processing_guarantee="exactly-once",
         state_dir=env.state_dir,
-        loglevel=os.environ.get("BENCH_QUIX_LOGLEVEL", "WARNING"),
+        loglevel=os.environ.get("BENCH_QUIX_LOGLEVEL", "WARNING"),  # type: ignore[arg-type]
         # The same group settings as a Snapline worker: a stable member and transactional id,
         # so a restarted process takes over at once instead of waiting for timeouts.
         consumer_extra_config={

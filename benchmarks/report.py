@@ -148,7 +148,7 @@ COLUMNS = ("system", "guarantee", "records/s", "× baseline A", "× Quix", "late
 
 
 def table_rows(rows: list[dict[str, Any]]) -> list[tuple[str, ...]]:
-    out = []
+    out: list[tuple[str, ...]] = []
     for row in rows:
         rate = row["status"] if row["status"] != "ok" else _fmt(row["records_per_s"])
         out.append((

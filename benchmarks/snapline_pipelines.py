@@ -20,7 +20,7 @@ from sinks import KafkaSink
 class RunningTotal(KeyedProcessFunction):
     """The keyed running total every system in the benchmark computes."""
 
-    total = ValueState("total", default=0)
+    total: ValueState[int] = ValueState("total", default=0)
 
     def __init__(self, start_file: str) -> None:
         self._marker = StartMarker(start_file)
@@ -35,7 +35,7 @@ class RunningTotal(KeyedProcessFunction):
 class RunningTotalWithNote(KeyedProcessFunction):
     """The recovery benchmark's variant: ~150 bytes of state per key."""
 
-    last = ValueState("last", default=None)
+    last: ValueState[dict[str, Any]] = ValueState("last", default=None)
 
     def __init__(self, start_file: str) -> None:
         self._marker = StartMarker(start_file)
