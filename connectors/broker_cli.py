@@ -174,6 +174,9 @@ def _serve_in_foreground(broker: LocalKafkaBroker) -> None:
     try:
         while True:
             code = broker.wait(timeout=1.0)
+            if code in (0, 143, -signal.SIGTERM):  # `snapline kafka stop` from another shell
+                err_console.print("Kafka was stopped.")
+                return
             if code is not None:
                 lines = "\n  ".join(tail_lines(broker.log_path, 15))
                 raise click.ClickException(

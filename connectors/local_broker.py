@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import base64
 import contextlib
-import ctypes
 import fcntl
 import json
 import logging
@@ -71,7 +70,6 @@ _MAVEN_TRANSFER_RE = re.compile(
     r"^(?:\[INFO\] )?(Downloading|Downloaded) from [^:]+: (\S+)(?: \((.*)\))?"
 )
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-_PR_SET_PDEATHSIG = 1
 _INSTALL_JAVA = "apt-get install openjdk-17-jre-headless"
 _INSTALL_MAVEN = "apt-get install maven"
 _USE_EXISTING = "or point Snapline at an existing cluster with SNAPLINE_BOOTSTRAP_SERVERS"
@@ -430,20 +428,22 @@ def tail_lines(path: Path, count: int = 25) -> list[str]:
 # --------------------------------------------------------------------------- process control
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child receive SIGKILL when its parent thread dies."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: the child only calls it
-    prctl = libc.prctl
-    parent = os.getpid()
+# Runs between fork and java: asks the kernel to SIGKILL this process when the thread that
+# started it dies (PR_SET_PDEATHSIG survives exec), then becomes java. A wrapper instead of a
+# preexec_fn, which is unsafe when the launching process already runs threads (librdkafka).
+_WATCHDOG = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)\n"  # PR_SET_PDEATHSIG, SIGKILL
+    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"  # the parent died before prctl
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
 
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
 
-    return preexec
+def with_parent_watchdog(command: list[str]) -> list[str]:
+    """``command`` wrapped so that it is killed when this process dies (Linux; else unchanged)."""
+    if not sys.platform.startswith("linux") or not sys.executable:
+        return command
+    return [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), *command]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -795,7 +795,8 @@ class LocalKafkaBroker:
             "kafka.Kafka",
             str(data_dir / "server.properties"),
         ]
-        preexec = _die_with_parent() if self._die_with_parent else None
+        if self._die_with_parent:
+            command = with_parent_watchdog(command)
         with (data_dir / "console.log").open("ab") as console:
             self._process = subprocess.Popen(
                 command,
@@ -805,7 +806,6 @@ class LocalKafkaBroker:
                 stderr=subprocess.STDOUT,
                 # Own session: a Ctrl-C meant for the launcher must not hit the broker first.
                 start_new_session=True,
-                preexec_fn=preexec,
             )
         (data_dir / "broker.pid").write_text(str(self._process.pid))
         if self._die_with_parent:
