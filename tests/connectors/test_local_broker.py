@@ -5,8 +5,12 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import socket
 import stat
+import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -379,3 +383,38 @@ def test_state_of_an_unrelated_live_process_is_discarded(cache: Path) -> None:
     )
     write_state(state)
     assert read_state() is None
+
+
+# ------------------------------------------------------------- never outlive the parent
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_watchdog_kills_the_child_when_its_parent_is_killed(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    sleep = shutil.which("sleep")
+    parent_code = (
+        "import subprocess, time\n"
+        "from connectors.local_broker import with_parent_watchdog\n"
+        f"child = subprocess.Popen(with_parent_watchdog([{sleep!r}, '60']))\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    parent = subprocess.Popen(
+        [sys.executable, "-c", parent_code], env={**os.environ, "PYTHONPATH": str(repo)}
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, "the parent never started its child"
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        time.sleep(0.3)  # let the wrapper exec the real command
+        assert local_broker._pid_alive(child)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 5
+    while local_broker._pid_alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not local_broker._pid_alive(child), "the child outlived its SIGKILLed parent"
