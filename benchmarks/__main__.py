@@ -45,15 +45,20 @@ def cli() -> None:
 @click.option("--no-latency", is_flag=True, help="skip the fixed-rate latency runs")
 @click.option("--latency-rate", type=float, default=None, help="records/s [5000; quick 2000]")
 @click.option("--latency-seconds", type=float, default=None, help="[10; quick 3]")
+@click.option("--time-budget", type=float, default=None,
+              help="seconds after which remaining runs are skipped [quick: 900; full: none]")
 @click.option("--output", type=click.Path(path_type=Path), default=None,
               help="results JSON path (default benchmarks/results/<date>-<machine>.json; "
                    "quick runs go to benchmarks/results/tmp/ and leave the README alone)")
 def run(records: int | None, keys: int | None, partitions: int, repetitions: int | None,
         quick: bool, bootstrap_servers: str | None, only: str | None, profile: bool,
         no_latency: bool, latency_rate: float | None, latency_seconds: float | None,
-        output: Path | None) -> None:
-    """Throughput and latency of every system on the same input."""
-    from benchmarks.suite import SuiteConfig, run_suite, select
+        time_budget: float | None, output: Path | None) -> None:
+    """Throughput and latency of every system on the same input.
+
+    Exits 1 when any run FAILED (wrong output, crash, hang), after writing all results.
+    """
+    from benchmarks.suite import SuiteConfig, any_failed, run_suite, select
 
     config = SuiteConfig(
         records=records or (50_000 if quick else 1_000_000),
@@ -68,6 +73,7 @@ def run(records: int | None, keys: int | None, partitions: int, repetitions: int
         latency_seconds=latency_seconds or (3.0 if quick else 10.0),
         output=output,
         command=_command_line(),
+        time_budget=time_budget or (900.0 if quick else None),
     )
     try:
         select(config.only)
@@ -75,7 +81,9 @@ def run(records: int | None, keys: int | None, partitions: int, repetitions: int
         raise click.BadParameter(str(exc), param_hint="--only") from None
     console = _console()
     with kafka(bootstrap_servers) as bootstrap:
-        run_suite(config, bootstrap, console)
+        payload = run_suite(config, bootstrap, console)
+    if any_failed(payload):
+        sys.exit(1)  # everything is written; the exit code tells CI a run failed
 
 
 @cli.command()

@@ -27,7 +27,7 @@ from benchmarks.snapline_runs import METRICS_ENV, checkpoint_metrics
 from benchmarks.stats import percentile, summarize
 from benchmarks.systems import System
 from benchmarks.verifier import Verifier, check
-from benchmarks.workload import Expected, RateProducer
+from benchmarks.workload import Expected, LatencyLedger, RateProducer
 
 
 @dataclass(frozen=True)
@@ -89,8 +89,10 @@ class Bench:
         self.workdir = workdir
         self.settings = settings
 
-    def _start(self, system: System, in_topic: str, tag: str,
-               profile: bool) -> tuple[Child, ChildEnv, RunResult, str]:
+    def _start(self, system: System, in_topic: str, tag: str, profile: bool,
+               ledger: LatencyLedger | None = None
+               ) -> tuple[Child, ChildEnv, RunResult, Verifier]:
+        """Create the output topic, start the verifier on it, then start the system."""
         s = self.settings
         group = f"{self.prefix}-{system.name}-{tag}"
         out_topic = self.topics.create(f"{group}-out", s.partitions)
@@ -106,14 +108,19 @@ class Bench:
         if profile and s.profile_dir is not None:
             s.profile_dir.mkdir(parents=True, exist_ok=True)
             profile_to = s.profile_dir / f"{system.name}-{tag}.pyisession"
+        verifier = Verifier(self.bootstrap, out_topic, s.partitions, system.mode, ledger)
         log = rundir / "process.log"
         child_env = {**env.to_environ(), **system.extra_env,
                      METRICS_ENV: str(rundir / "metrics.jsonl")}
-        child = Child(system.argv(self.bootstrap, profile_to), child_env, log)
+        try:
+            child = Child(system.argv(self.bootstrap, profile_to), child_env, log)
+        except BaseException:
+            verifier.stop()
+            raise
         result = RunResult(system=system.name, kind="", repetition=0, log=str(log),
                            profiled=profile_to is not None,
                            profile=str(profile_to) if profile_to else "")
-        return child, env, result, out_topic
+        return child, env, result, verifier
 
     def _wait_started(self, child: Child, env: ChildEnv) -> tuple[float | None, str]:
         deadline = time.monotonic() + self.settings.startup_timeout
@@ -141,9 +148,9 @@ class Bench:
             result.problems.append(f"exited with code {exit_.returncode}")
         if verifier.errors:
             result.fail("verifier: " + "; ".join(verifier.errors[:3]))
-        problems = check(verifier.tally, expected, system.exactly_once)
-        for problem in problems:
-            result.fail("wrong output: " + problem)
+        if result.status == "ok":  # a run that never finished has already said why
+            for problem in check(verifier.tally, expected, system.exactly_once):
+                result.fail("wrong output: " + problem)
         if result.status != "ok" or result.problems:
             result.log_tail = exit_.log_tail
         stats = read_stats(env.stats_file)
@@ -170,9 +177,8 @@ class Bench:
         """Process the whole shared input once; time it and verify the output."""
         s = self.settings
         n = expected.count
-        child, env, result, out_topic = self._start(system, in_topic, f"r{repetition}", profile)
+        child, env, result, verifier = self._start(system, in_topic, f"r{repetition}", profile)
         result.kind, result.repetition, result.records = "throughput", repetition, n
-        verifier = Verifier(self.bootstrap, out_topic, s.partitions, system.mode)
         try:
             started, why = self._wait_started(child, env)
             if started is None:
@@ -199,10 +205,13 @@ class Bench:
         s = self.settings
         in_topic = self.topics.create(f"{self.prefix}-{system.name}-lat-in", s.partitions)
         producer = RateProducer(self.bootstrap, in_topic, s.latency_keys)
-        child, env, result, out_topic = self._start(system, in_topic, "lat", False)
+        try:
+            child, env, result, verifier = self._start(system, in_topic, "lat", False,
+                                                       producer.ledger)
+        except BaseException:
+            producer.close()
+            raise
         result.kind = "latency"
-        verifier = Verifier(self.bootstrap, out_topic, s.partitions, system.mode,
-                            ledger=producer.ledger)
         try:
             why = self._warm_up(child, producer, verifier)
             if why:

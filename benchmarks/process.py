@@ -6,14 +6,17 @@ waited for) is exactly that of this run, not of every child the harness ever had
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -40,8 +43,11 @@ class Child:
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in _reaped
         self.started_at = time.time()
+        # Own session: a Ctrl-C meant for the harness must not hit the system mid-run (the
+        # harness stops it with SIGTERM); but it dies with the harness, never orphaned.
         self._proc = subprocess.Popen(argv, env=full_env, cwd=REPO_ROOT, stdout=self._log,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+                                      stderr=subprocess.STDOUT, start_new_session=True,
+                                      preexec_fn=_die_with_parent(os.getpid()))
         self.pid = self._proc.pid
         self._exit: Exit | None = None
 
@@ -101,6 +107,20 @@ class Child:
                 os.kill(self.pid, sig)
         except ProcessLookupError:
             pass
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """A preexec_fn that has the kernel SIGKILL the child when the harness dies (Linux)."""
+    def preexec() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # the harness died before prctl took effect
+            os._exit(1)
+
+    return preexec
 
 
 def tail(path: Path, lines: int = 30) -> str:

@@ -38,6 +38,7 @@ class SuiteConfig:
     latency_seconds: float
     output: Path | None
     command: str
+    time_budget: float | None = None  # seconds; later runs are SKIPPED once it is used up
 
 
 def select(only: tuple[str, ...]) -> list[System]:
@@ -82,6 +83,16 @@ def run_suite(config: SuiteConfig, bootstrap: str, console: Console) -> dict[str
     m = report.machine()
     console.print(f"[bold]machine[/bold]: {m.description}")
     console.print(f"[bold]broker[/bold]: {bootstrap}   [bold]work dir[/bold]: {workdir}")
+    started = time.monotonic()
+
+    def over_budget(system: System, kind: str, rep: int) -> bool:
+        if config.time_budget is None or time.monotonic() - started < config.time_budget:
+            return False
+        results.append(RunResult(system.name, kind, rep, status="SKIPPED",
+                                 problems=[f"time budget of {config.time_budget:.0f}s used up"]))
+        console.print(f"[yellow]{system.name}[/yellow] {kind}: SKIPPED (time budget)")
+        return True
+
     try:
         in_topic = topics.create(f"{prefix}-in", config.partitions)
         t0 = time.monotonic()
@@ -97,6 +108,8 @@ def run_suite(config: SuiteConfig, bootstrap: str, console: Console) -> dict[str
                                                  status="SKIPPED", problems=[missing]))
                         console.print(f"[yellow]{system.name}[/yellow]: SKIPPED ({missing})")
                     continue
+                if over_budget(system, "throughput", rep):
+                    continue
                 console.print(f"[cyan]{system.name}[/cyan] repetition {rep}/"
                               f"{config.repetitions} …", end=" ")
                 result = bench.throughput(system, in_topic, expected, rep,
@@ -105,7 +118,7 @@ def run_suite(config: SuiteConfig, bootstrap: str, console: Console) -> dict[str
                 console.print(_line(result))
         if config.latency:
             for system in systems:
-                if system.role == "snapline" and missing:
+                if system.role == "snapline" and missing or over_budget(system, "latency", 0):
                     continue
                 console.print(f"[cyan]{system.name}[/cyan] latency at "
                               f"{config.latency_rate:,.0f} records/s …", end=" ")
@@ -154,3 +167,7 @@ def run_suite(config: SuiteConfig, bootstrap: str, console: Console) -> dict[str
             f"Raw results: [`results/{path.name}`](results/{path.name})")
         console.print(f"table updated in {report.README}")
     return payload
+
+
+def any_failed(payload: dict[str, Any]) -> bool:
+    return any(r["status"] == "FAILED" for r in payload["runs"])
