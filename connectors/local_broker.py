@@ -542,8 +542,10 @@ class BrokerState:
 class LocalKafkaBroker:
     """A real single-node Apache Kafka (KRaft) on 127.0.0.1, for development and tests.
 
-    >>> with LocalKafkaBroker() as broker:
-    ...     produce_to(broker.bootstrap_servers)
+    Example::
+
+        with LocalKafkaBroker() as broker:
+            producer = Producer({"bootstrap.servers": broker.bootstrap_servers})
 
     The first start downloads the jars (about 45 MB) with Maven into the per-user cache.
     ``data_dir=None`` uses a fresh temporary directory, deleted by :meth:`stop`. With
@@ -591,6 +593,7 @@ class LocalKafkaBroker:
 
     @property
     def data_dir(self) -> Path:
+        """Where the broker keeps its config, logs and topic data."""
         if self._data_dir is None:
             raise BrokerError("The local Kafka broker is not started; call start() first.")
         return self._data_dir
