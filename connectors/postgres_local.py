@@ -98,6 +98,18 @@ def _server_user() -> pwd.struct_passwd | None:
         ) from None
 
 
+def _check_reachable(directory: Path, owner: pwd.struct_passwd) -> None:
+    """The server's OS user must be able to enter every parent of its directory."""
+    for parent in directory.resolve().parents:
+        info = parent.stat()
+        if info.st_uid != owner.pw_uid and not info.st_mode & 0o001:
+            raise ConfigurationError(
+                f"the PostgreSQL server runs as OS user {owner.pw_name!r}, which cannot enter "
+                f"{parent} (mode {oct(info.st_mode & 0o777)}); put the directory elsewhere "
+                f"(e.g. under /tmp) or `chmod o+x {parent}`"
+            )
+
+
 def _die_with_parent_hook(sig: int) -> Callable[[], None]:
     parent = os.getpid()
     libc = ctypes.CDLL(None, use_errno=True)
@@ -169,6 +181,7 @@ class LocalPostgres:
             self.directory = Path(tempfile.mkdtemp(prefix="snapline-postgres-"))
         self.directory.mkdir(parents=True, exist_ok=True)
         if owner is not None:
+            _check_reachable(self.directory, owner)
             os.chown(self.directory, owner.pw_uid, owner.pw_gid)
             self.directory.chmod(0o755)
         if not (self.data_dir / "PG_VERSION").exists():
@@ -324,8 +337,12 @@ class LocalPostgres:
     def is_running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Fast shutdown (disconnects clients), then delete the directory if it is ours."""
+    def stop(self, timeout: float = 30.0, keep_data: bool = False) -> None:
+        """Fast shutdown (disconnects clients), then delete the directory if it is ours.
+
+        ``keep_data``: keep the directory so ``start()`` brings the same database back on the
+        same port (an outage, for tests).
+        """
         process, self._process = self._process, None
         if process is not None and process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -335,7 +352,7 @@ class LocalPostgres:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        if self._owns_directory and self.directory is not None:
+        if self._owns_directory and self.directory is not None and not keep_data:
             shutil.rmtree(self.directory, ignore_errors=True)
 
     def __enter__(self) -> LocalPostgres:
