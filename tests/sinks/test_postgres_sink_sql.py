@@ -1,0 +1,239 @@
+"""PostgresSink without a database: the SQL it runs, row checks and encoding, configuration."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from datetime import date, datetime
+from decimal import Decimal
+from typing import Any
+
+import orjson
+import pytest
+
+from pipeline.errors import ConfigurationError
+from sinks.postgres import (
+    MAX_IDENTIFIER,
+    ColumnSpec,
+    PostgresSink,
+    RowEncoder,
+    TableSpec,
+    apply_sql,
+    derived_name,
+    rejected_ddl,
+    split_table_name,
+    staging_ddl,
+)
+
+COLUMNS = (
+    ColumnSpec("customer", "text", "text", not_null=True, is_key=True),
+    ColumnSpec("total", "numeric", "numeric"),
+    ColumnSpec("n", "int4", "integer"),
+    ColumnSpec("code", "varchar", "character varying(3)", max_length=3),
+    ColumnSpec("day", "date", "date"),
+    ColumnSpec("seen", "timestamptz", "timestamp with time zone"),
+    ColumnSpec("ok", "bool", "boolean"),
+    ColumnSpec("ratio", "float8", "double precision"),
+    ColumnSpec("doc", "jsonb", "jsonb"),
+    ColumnSpec("id", "uuid", "uuid"),
+    ColumnSpec("blob", "bytea", "bytea"),
+    ColumnSpec("tags", "int4", "integer[]", is_array=True),
+    ColumnSpec("required", "text", "text", not_null=True),
+    ColumnSpec("defaulted", "text", "text", not_null=True, has_default=True),
+)
+SPEC = TableSpec("sales", "totals", COLUMNS, ("customer",))
+
+
+def render(composed: Any) -> str:
+    return str(composed.as_string(None))
+
+
+def encode(row: Any) -> dict[str, Any] | str:
+    result = RowEncoder(COLUMNS).encode(row)
+    return orjson.loads(result) if isinstance(result, bytes) else result
+
+
+BASE = {"customer": "c1", "required": "r", "defaulted": "d"}
+
+
+# --------------------------------------------------------------------------- SQL
+
+
+def test_apply_sql_is_one_fenced_upsert_of_the_last_row_per_key() -> None:
+    text = render(apply_sql(SPEC))
+    assert 'FROM "sales"."totals__snapline_staging" AS s' in text
+    assert 'jsonb_populate_record(NULL::"sales"."totals", s.row)' in text
+    assert 'SELECT DISTINCT ON (r."customer")' in text
+    assert 'ORDER BY r."customer", s.seq DESC' in text  # the last write of a key wins
+    assert 'ON CONFLICT ("customer") DO UPDATE SET' in text
+    assert '"customer" = EXCLUDED."customer"' not in text  # keys are never updated
+    assert '"total" = EXCLUDED."total"' in text
+    assert '"_snapline_checkpoint" = EXCLUDED."_snapline_checkpoint"' in text
+    assert (
+        'WHERE t."_snapline_task" IS DISTINCT FROM EXCLUDED."_snapline_task" OR '
+        't."_snapline_checkpoint" IS NULL OR '
+        't."_snapline_checkpoint" <= EXCLUDED."_snapline_checkpoint"'
+    ) in text
+    assert "s.writer = %(writer)s AND s.token = %(token)s" in text
+    assert "%(seq)s" not in text
+    assert "s.seq = %(seq)s" in render(apply_sql(SPEC, single_row=True))
+
+
+def test_composite_keys_and_key_only_tables() -> None:
+    spec = TableSpec(
+        "public",
+        "pairs",
+        (
+            ColumnSpec("a", "int8", "bigint", is_key=True),
+            ColumnSpec("b", "text", "text", is_key=True),
+        ),
+        ("a", "b"),
+    )
+    text = render(apply_sql(spec))
+    assert 'ON CONFLICT ("a", "b")' in text
+    assert 'DO UPDATE SET "_snapline_checkpoint"' in text
+
+
+def test_staging_and_rejected_tables() -> None:
+    table, index = (render(s) for s in staging_ddl(SPEC))
+    assert 'CREATE TABLE IF NOT EXISTS "sales"."totals__snapline_staging"' in table
+    assert "row jsonb NOT NULL" in table and "PRIMARY KEY" not in table
+    assert 'ON "sales"."totals__snapline_staging" (writer, checkpoint_id)' in index
+    assert '"sales"."totals__snapline_rejected"' in render(rejected_ddl(SPEC))
+
+
+def test_derived_names_fit_postgres_identifiers() -> None:
+    assert derived_name("orders", "__snapline_staging") == "orders__snapline_staging"
+    long_a, long_b = "x" * 60 + "a", "x" * 60 + "b"
+    name_a = derived_name(long_a, "__snapline_staging")
+    name_b = derived_name(long_b, "__snapline_staging")
+    assert len(name_a.encode()) <= MAX_IDENTIFIER and name_a.endswith("__snapline_staging")
+    assert name_a != name_b
+    assert len(derived_name("é" * 40, "__snapline_rejected").encode()) <= MAX_IDENTIFIER
+
+
+def test_split_table_name() -> None:
+    assert split_table_name("totals") == ("public", "totals")
+    assert split_table_name("sales.totals") == ("sales", "totals")
+    for bad in ("", "a.b.c", ".t", "s."):
+        with pytest.raises(ConfigurationError):
+            split_table_name(bad)
+
+
+# --------------------------------------------------------------------------- row checks
+
+
+def test_values_of_every_kind_are_encoded() -> None:
+    row = {
+        **BASE,
+        "total": Decimal("12.50"),
+        "n": 7.0,
+        "code": "abc",
+        "day": date(2024, 1, 2),
+        "seen": datetime(2024, 1, 2, 3, 4, 5),
+        "ok": True,
+        "ratio": math.inf,
+        "doc": {"nested": [1, {"x": None}]},
+        "id": uuid.UUID(int=1),
+        "blob": b"\x00\xff",
+        "tags": (1, 2),
+        "ignored": object(),
+    }
+    assert encode(row) == {
+        **BASE,
+        "total": "12.50",
+        "n": 7,
+        "code": "abc",
+        "day": "2024-01-02",
+        "seen": "2024-01-02T03:04:05",
+        "ok": True,
+        "ratio": "Infinity",
+        "doc": {"nested": [1, {"x": None}]},
+        "id": "00000000-0000-0000-0000-000000000001",
+        "blob": "\\x00ff",
+        "tags": [1, 2],
+    }
+
+
+def test_strings_that_parse_are_accepted() -> None:
+    got = encode(
+        {
+            **BASE,
+            "n": " 42 ",
+            "total": "1e3",
+            "ratio": "NaN",
+            "day": "2024-02-29",
+            "seen": "2024-02-29T10:00:00+01:00",
+            "id": str(uuid.UUID(int=5)),
+        }
+    )
+    assert isinstance(got, dict)
+    assert got["n"] == 42 and got["total"] == "1e3" and got["day"] == "2024-02-29"
+
+
+def test_missing_columns_are_null_unless_required() -> None:
+    got = encode(dict(BASE))
+    assert isinstance(got, dict) and got["total"] is None and got["defaulted"] == "d"
+    no_default = encode({"customer": "c"})
+    assert no_default == "missing NOT NULL column 'required' (text)"
+    assert encode({"required": "r"}) == "missing key column 'customer' (text)"
+    assert isinstance(encode({"customer": "c", "required": "r"}), dict)  # default column: NULL
+
+
+@pytest.mark.parametrize(
+    ("values", "reason"),
+    [
+        ({"n": "seven"}, "column 'n' (integer) expects an integer, got 'seven'"),
+        ({"n": 1.5}, "column 'n' (integer) expects an integer, got float"),
+        ({"n": True}, "expects an integer, got bool"),
+        ({"n": 2**31}, "2147483648 is out of range"),
+        ({"total": "lots"}, "column 'total' (numeric) expects a number"),
+        ({"ok": "yes"}, "column 'ok' (boolean) expects a boolean, got str"),
+        ({"code": "abcd"}, "is 4 characters long, more than 3"),
+        ({"customer": 5}, "column 'customer' (text) expects a string, got int"),
+        ({"day": "2024-13-01"}, "'2024-13-01' is not a date"),
+        ({"day": datetime(2024, 1, 1)}, "expects a date, got datetime"),
+        ({"id": "not-a-uuid"}, "is not a uuid"),
+        ({"tags": 3}, "expects a list, got int"),
+        ({"blob": "text"}, "expects bytes, got str"),
+        ({"doc": {1: "x"}}, "cannot encode the row as JSON"),
+        ({"doc": {"x": object()}}, "cannot encode the row as JSON"),
+        ({"code": "a\x00"}, "NUL character"),
+    ],
+)
+def test_rows_that_do_not_fit_say_why(values: dict[str, Any], reason: str) -> None:
+    got = encode({**BASE, **values})
+    assert isinstance(got, str) and reason in got
+
+
+def test_non_dict_rows_do_not_fit() -> None:
+    assert encode(["c1"]) == "row is a list, a PostgreSQL table needs a dict"
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dsn": "", "table": "t", "key_columns": ["k"]}, "needs a dsn"),
+        ({"dsn": "postgresql://h/db", "table": "a.b.c", "key_columns": ["k"]}, "schema.table"),
+        ({"dsn": "postgresql://h/db", "table": "t", "key_columns": []}, "needs key_columns"),
+        (
+            {"dsn": "postgresql://h/db", "table": "t", "key_columns": ["_snapline_task"]},
+            "fence column",
+        ),
+        (
+            {"dsn": "postgresql://h/db", "table": "t", "key_columns": ["k"], "columns": ["v"]},
+            "lack the key columns",
+        ),
+    ],
+)
+def test_configuration_errors_name_the_fix(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        PostgresSink(**kwargs)
+
+
+def test_sink_defaults() -> None:
+    sink = PostgresSink("postgresql://h/db", "sales.totals", "customer")
+    assert sink.key_columns == ("customer",) and sink.name == "postgres:sales.totals"
