@@ -140,32 +140,37 @@ class SharedFileRegistry:
 
     A local file name is unique for the life of one RocksDB instance (file numbers only grow), so
     ``(name, size)`` identifies content without re-reading it. The registry holds the shared
-    files of the newest materialized (or restored) checkpoint; a file is reused only if it is
-    still live, i.e. it was live continuously since that checkpoint, and so every checkpoint in
-    between references it too — which is why retention can never delete a file a later
-    checkpoint reuses (see ``discard_unreferenced_files``).
+    files of the newest checkpoint materialized to (or restored from) one shared directory; a
+    file is reused only if it is still live, i.e. it was live continuously since that
+    checkpoint, and so every checkpoint in between references it too — which is why retention
+    can never delete a file a later checkpoint reuses (see ``discard_unreferenced_files``).
+    ``location`` is the shared directory's full path: a checkpoint written elsewhere (another
+    storage, a savepoint) reuses nothing.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._location: str | None = None
         self._files: dict[str, StateFile] = {}
         self._checkpoint_id = -1
 
-    def lookup(self, name: str, size: int) -> StateFile | None:
+    def lookup(self, location: str, name: str, size: int) -> StateFile | None:
         with self._lock:
-            found = self._files.get(name)
+            found = self._files.get(name) if location == self._location else None
         return found if found is not None and found.size == size else None
 
-    def record(self, checkpoint_id: int, files: Mapping[str, StateFile]) -> None:
-        """The shared files of a materialized checkpoint; older checkpoints never win."""
+    def record(self, location: str, checkpoint_id: int, files: Mapping[str, StateFile]) -> None:
+        """The shared files of a materialized checkpoint; an older checkpoint never wins."""
         with self._lock:
-            if checkpoint_id >= self._checkpoint_id:
+            if location != self._location or checkpoint_id >= self._checkpoint_id:
+                self._location = location
                 self._files = dict(files)
                 self._checkpoint_id = checkpoint_id
 
-    def reset(self, checkpoint_id: int, files: Mapping[str, StateFile]) -> None:
+    def reset(self, location: str, checkpoint_id: int, files: Mapping[str, StateFile]) -> None:
         """After a restore: exactly the restored checkpoint's shared files."""
         with self._lock:
+            self._location = location
             self._files = dict(files)
             self._checkpoint_id = checkpoint_id
 
@@ -204,6 +209,7 @@ def upload_incremental(
     """
     root = Path(local_dir)
     shared_dir = shared_directory(directory)
+    location = storage.full_path(shared_dir)
     names = sorted(os.listdir(root))
     shared_names = [n for n in names if is_shared(n)]
     private_names = [n for n in names if not is_shared(n)]
@@ -211,7 +217,7 @@ def upload_incremental(
     def upload_shared(name: str) -> tuple[str, StateFile, bool]:
         local = root / name
         size = local.stat().st_size
-        known = registry.lookup(name, size)
+        known = registry.lookup(location, name, size)
         if known is not None:
             return name, known, False
         checksum = file_checksum(local)
@@ -236,7 +242,7 @@ def upload_incremental(
     manifest = StateManifest(checkpoint_id, files, local_names)
     manifest_path = f"{directory}/{MANIFEST_FILE}"
     storage.write_bytes(manifest_path, manifest.encode())
-    registry.record(checkpoint_id, {n: sf for n, sf, _ in shared})
+    registry.record(location, checkpoint_id, {n: sf for n, sf, _ in shared})
     uploaded = [sf for _, sf, new in shared if new]
     reused = [sf for _, sf, new in shared if not new]
     uploaded_bytes = sum(f.size for f in uploaded) + sum(f.size for f in private)

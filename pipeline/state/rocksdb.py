@@ -319,10 +319,10 @@ class RocksDBStateBackend(KeyedStateBackend):
                 f"rocksdb could not open checkpoint {handle.extra.get('manifest', '?')} although "
                 f"every file passed its checksum: {exc}"
             ) from exc
-        self._registry.reset(
-            checkpoint_id,
-            {local_name(f.path): f for f in handle.files if _is_sst(local_name(f.path))},
-        )
+        shared = [f for f in handle.files if _is_sst(local_name(f.path))]
+        if shared:
+            location = storage.full_path(shared[0].path.rsplit("/", 1)[0])
+            self._registry.reset(location, checkpoint_id, {local_name(f.path): f for f in shared})
         shutil.rmtree(self.previous_dir, ignore_errors=True)
         self.last_restore = result
         log.info(

@@ -28,19 +28,25 @@ class RocksDBOptions:
     """Per-task RocksDB settings with defaults sized for many tasks per worker.
 
     The defaults favour small checkpoint increments and short snapshot pauses: a modest write
-    buffer (the synchronous part of a snapshot flushes it), small SST files (an update touches
-    few of them) and dynamic level sizing (most data sits in the last level, rewritten rarely).
+    buffer (the synchronous part of a snapshot flushes it), small SST files and a small base
+    level (a compaction rewrites, and the next checkpoint re-uploads, little), and dynamic level
+    sizing (most data sits in the last level, rewritten rarely). Measured with
+    ``python -m benchmarks.state_benchmark``; see docs/state-backends.md.
     """
 
     #: Block cache of this task when no shared cache is given.
     block_cache_bytes: int = 64 * MiB
-    #: One memtable; the snapshot's synchronous part flushes at most this much.
-    write_buffer_bytes: int = 16 * MiB
+    #: One memtable; the snapshot's synchronous part flushes at most this much (plus any
+    #: full memtable still being flushed), so it bounds the pause.
+    write_buffer_bytes: int = 8 * MiB
     max_write_buffers: int = 3
-    #: SST file size in the base level; smaller files make increments finer grained.
-    target_file_bytes: int = 16 * MiB
-    max_bytes_for_level_base: int = 64 * MiB
-    level0_compaction_trigger: int = 4
+    #: SST file size; small files keep a compaction's output, hence an increment, small.
+    target_file_bytes: int = 4 * MiB
+    #: Size of the first level below L0; small, so merging L0 into it rewrites little.
+    max_bytes_for_level_base: int = 16 * MiB
+    #: L0 files (one per checkpoint flush) before they are merged down; fewer merges, fewer
+    #: re-uploads, at the price of a few more files to look at per read (bloom filters help).
+    level0_compaction_trigger: int = 8
     compression: str = "lz4"
     background_jobs: int = 2
     bloom_bits_per_key: int = 10
