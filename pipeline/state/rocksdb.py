@@ -40,6 +40,7 @@ Corrupt checkpoints
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 import time
@@ -192,7 +193,7 @@ class RocksDBStateBackend(KeyedStateBackend):
         self.task_dir.mkdir(parents=True, exist_ok=True)
         self._stash_previous_incarnation()
         self.checkpoints_dir.mkdir(exist_ok=True)
-        self._db: rocksdict.Rdict | None = self._open()
+        self._db: Any = self._open()
 
     # ------------------------------------------------------------------ lifecycle
     def _stash_previous_incarnation(self) -> None:
@@ -215,15 +216,14 @@ class RocksDBStateBackend(KeyedStateBackend):
 
     @property
     def db(self) -> rocksdict.Rdict:
-        if self._db is None:
-            raise StateError(f"the rocksdb state backend in {self.task_dir} is closed")
+        """The live database (task thread only)."""
         return self._db
 
     def close(self, *, delete: bool = False) -> None:
         """Close the database. Local files stay for local recovery unless ``delete``."""
-        if self._db is not None:
+        if not isinstance(self._db, _ClosedDB):
             self._db.close()
-            self._db = None
+            self._db = _ClosedDB(self.task_dir)
         if delete:
             shutil.rmtree(self.task_dir, ignore_errors=True)
 
@@ -233,23 +233,23 @@ class RocksDBStateBackend(KeyedStateBackend):
 
     # ------------------------------------------------------------------ values
     def get(self, key: bytes) -> bytes | None:
-        return self.db.get(key)
+        return self._db.get(key)
 
     def put(self, key: bytes, value: bytes) -> None:
-        self.db.put(key, value)
+        self._db.put(key, value)
 
     def delete(self, key: bytes) -> None:
-        self.db.delete(key)
+        self._db.delete(key)
 
     # ------------------------------------------------------------------ maps
     def map_get(self, prefix: bytes, user_key: bytes) -> bytes | None:
-        return self.db.get(prefix + _MAP_TAG + user_key)
+        return self._db.get(prefix + _MAP_TAG + user_key)
 
     def map_put(self, prefix: bytes, user_key: bytes, value: bytes) -> None:
-        self.db.put(prefix + _MAP_TAG + user_key, value)
+        self._db.put(prefix + _MAP_TAG + user_key, value)
 
     def map_delete(self, prefix: bytes, user_key: bytes) -> None:
-        self.db.delete(prefix + _MAP_TAG + user_key)
+        self._db.delete(prefix + _MAP_TAG + user_key)
 
     def _map_range(self, prefix: bytes) -> tuple[bytes, rocksdict.ReadOptions]:
         read = rocksdict.ReadOptions()
@@ -340,12 +340,27 @@ class RocksDBStateBackend(KeyedStateBackend):
         """Local SST files by name: the live DB, kept checkpoints, an earlier incarnation's."""
         found: dict[str, list[Path]] = {}
         for root in (self.db_dir, self.checkpoints_dir, self.previous_dir):
-            if root.exists():
-                for path in root.rglob("*.sst"):
-                    found.setdefault(path.name, []).append(path)
+            # os.walk ignores directories that vanish meanwhile (a checkpoint thread's release).
+            for parent, _, names in os.walk(root):
+                for name in names:
+                    if _is_sst(name):
+                        found.setdefault(name, []).append(Path(parent) / name)
         return found
 
     def entry_count(self) -> int:
         """RocksDB's estimate (exact only without overwrites and deletes)."""
         count = self.db.property_int_value("rocksdb.estimate-num-keys")
         return -1 if count is None else int(count)
+
+
+class _ClosedDB:
+    """Stands in for the database after ``close``: any use is a clear error."""
+
+    def __init__(self, task_dir: Path) -> None:
+        self._task_dir = task_dir
+
+    def __getattr__(self, name: str) -> Any:
+        raise StateError(
+            f"the rocksdb state backend in {self._task_dir} is closed; state is only available "
+            "while its task runs"
+        )

@@ -135,6 +135,8 @@ def build_db_options(options: RocksDBOptions, shared: RocksDBResources | None) -
     opts.set_max_background_jobs(options.background_jobs)
     opts.set_keep_log_file_num(2)
     opts.set_max_log_file_size(8 * MiB)
+    # Every checkpoint uploads the MANIFEST; rolling it over keeps it (and increments) small.
+    opts.set_max_manifest_file_size(2 * MiB)
 
     table = rocksdict.BlockBasedOptions()
     cache = shared.cache if shared is not None else rocksdict.Cache(options.block_cache_bytes)
