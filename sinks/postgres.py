@@ -831,8 +831,8 @@ class PostgresSinkWriter(SinkWriter):
         task, whatever writer instance staged it)."""
         spec = self._spec
         assert spec is not None
-        connection = self._conn()
         try:
+            connection = self._conn()
             with connection.transaction():
                 if from_checkpoint is None:
                     connection.execute(

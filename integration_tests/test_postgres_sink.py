@@ -1,0 +1,558 @@
+"""PostgresSink against a real PostgreSQL (Debian's server, started by connectors.postgres_local).
+
+The sink is driven through the contract (write / pre_commit / commit / abort / recover) with
+crashes simulated by abandoning writers, a database outage, and a writer process that is
+SIGKILLed while SQL readers check that no row of an uncommitted checkpoint is ever visible.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import orjson
+import psycopg
+import pytest
+from psycopg import sql
+
+from connectors.postgres_local import LocalPostgres
+from pipeline.errors import ConfigurationError, SinkError
+from pipeline.record import Record
+from sinks.base import SinkContext
+from sinks.postgres import PostgresSink, PostgresSinkWriter
+
+pytestmark = [pytest.mark.integration, pytest.mark.postgres]
+
+REPO = Path(__file__).resolve().parent.parent
+DeadLetters = list[tuple[Any, str, int]]
+
+
+def make_table(dsn: str, name: str | None = None, extra: str = "") -> str:
+    table = name or f"totals_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE {} (customer text PRIMARY KEY, total numeric NOT NULL, "
+                "n integer, note varchar(8){})"
+            ).format(sql.Identifier(table), sql.SQL(extra))
+        )
+    return table
+
+
+def open_writer(
+    sink: PostgresSink, task: str = "orders-0", dead: DeadLetters | None = None
+) -> PostgresSinkWriter:
+    sink_dead = dead if dead is not None else []
+    context = SinkContext(
+        "pg-test",
+        task,
+        f"worker-{os.getpid()}",
+        sink.name,
+        None,  # type: ignore[arg-type]
+        lambda r, reason, epoch: sink_dead.append((r.value, reason, epoch)),
+    )
+    return sink.open(context)
+
+
+def write(writer: PostgresSinkWriter, rows: list[dict[str, Any]], epoch: int) -> None:
+    writer.write_batch([Record(r, 0, "orders", 0, i) for i, r in enumerate(rows)], epoch)
+
+
+def pre_commit(writer: PostgresSinkWriter, checkpoint: int) -> dict[str, Any]:
+    result = writer.pre_commit(checkpoint)
+    meta = result.result(timeout=60) if isinstance(result, Future) else result
+    assert meta is not None
+    return meta
+
+
+def query(dsn: str, text: str, *args: Any) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(text, args or None).fetchall()  # type: ignore[arg-type]
+
+
+def target(dsn: str, table: str) -> dict[str, tuple[Any, ...]]:
+    rows = query(dsn, f'SELECT customer, total, n, _snapline_checkpoint FROM "{table}"')
+    return {r[0]: (float(r[1]), r[2], r[3]) for r in rows}
+
+
+def staged(dsn: str, table: str) -> int:
+    return int(query(dsn, f'SELECT count(*) FROM "{table}__snapline_staging"')[0][0])
+
+
+# --------------------------------------------------------------------------- commit and fence
+
+
+def test_staged_rows_are_invisible_until_commit(postgres_dsn: str) -> None:
+    table = make_table(postgres_dsn)
+    writer = open_writer(PostgresSink(postgres_dsn, table, ["customer"]))
+    writer.recover(None, None)
+    write(
+        writer,
+        [
+            {"customer": "a", "total": 1, "n": 1},
+            {"customer": "b", "total": 2, "n": 1},
+            {"customer": "a", "total": 3, "n": 2},
+        ],
+        1,
+    )  # 'a' twice: the last one wins
+    meta = pre_commit(writer, 1)
+    assert meta["pending"][0]["checkpoint"] == 1 and meta["pending"][0]["rows"] == 3
+    assert target(postgres_dsn, table) == {} and staged(postgres_dsn, table) == 3
+    writer.commit(1)
+    assert target(postgres_dsn, table) == {"a": (3.0, 2, 1), "b": (2.0, 1, 1)}
+    assert staged(postgres_dsn, table) == 0
+    writer.commit(1)  # re-running the commit is a no-op
+    writer.recover(1, meta)
+    assert target(postgres_dsn, table) == {"a": (3.0, 2, 1), "b": (2.0, 1, 1)}
+    assert query(postgres_dsn, f'SELECT DISTINCT _snapline_task FROM "{table}"') == [
+        ("pg-test/orders-0",)
+    ]
+    writer.close()
+
+
+def test_a_replay_never_overwrites_newer_data(postgres_dsn: str) -> None:
+    table = make_table(postgres_dsn)
+    sink = PostgresSink(postgres_dsn, table, ["customer"])
+    writer = open_writer(sink)
+    writer.recover(None, None)
+    write(writer, [{"customer": "a", "total": 1, "n": 1}], 1)
+    meta1 = pre_commit(writer, 1)
+    writer.commit(1)
+    write(writer, [{"customer": "a", "total": 2, "n": 2}], 2)
+    pre_commit(writer, 2)
+    writer.commit(2)
+    # Put checkpoint 1's rows back into staging, as a late replay would find them, and run
+    # recovery of checkpoint 1 against them: the fence keeps checkpoint 2's value.
+    token = meta1["pending"][0]["token"]
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("INSERT INTO {} VALUES (%s, %s, 1, 0, %s)").format(
+                sql.Identifier(f"{table}__snapline_staging")
+            ),
+            (
+                "pg-test/orders-0",
+                token,
+                orjson.dumps({"customer": "a", "total": 1, "n": 1}).decode(),
+            ),
+        )
+    replay = open_writer(sink)
+    replay.recover(1, meta1)
+    assert target(postgres_dsn, table) == {"a": (2.0, 2, 2)}
+    assert staged(postgres_dsn, table) == 0
+    # A row from another task always wins: the key moved (rescaling), ids are per task.
+    other = open_writer(sink, task="orders-7")
+    other.recover(None, None)
+    write(other, [{"customer": "a", "total": 9, "n": 9}], 1)
+    pre_commit(other, 1)
+    other.commit(1)
+    assert target(postgres_dsn, table) == {"a": (9.0, 9, 1)}
+    for w in (writer, replay, other):
+        w.close()
+
+
+def test_crash_after_the_commit_point_is_applied_by_recovery(postgres_dsn: str) -> None:
+    table = make_table(postgres_dsn)
+    sink = PostgresSink(postgres_dsn, table, ["customer"])
+    crashed = open_writer(sink)
+    crashed.recover(None, None)
+    write(crashed, [{"customer": "a", "total": 1}], 1)
+    meta1 = pre_commit(crashed, 1)
+    write(crashed, [{"customer": "b", "total": 2}], 2)
+    meta2 = pre_commit(crashed, 2)  # commit(1) never ran: metadata names 1 and 2
+    assert [p["checkpoint"] for p in meta2["pending"]] == [1, 2]
+    write(crashed, [{"customer": "c", "total": 3}], 3)
+    pre_commit(crashed, 3)  # staged, but the commit point of 3 never came
+    crashed.close()  # the process is gone
+    successor = open_writer(sink)
+    successor.recover(2, meta2)
+    assert target(postgres_dsn, table) == {"a": (1.0, None, 1), "b": (2.0, None, 2)}
+    assert staged(postgres_dsn, table) == 0
+    again = open_writer(sink)
+    again.recover(2, meta2)  # recovery itself is re-runnable
+    assert len(target(postgres_dsn, table)) == 2
+    assert meta1["pending"][0]["token"] == meta2["pending"][0]["token"]
+    successor.close()
+    again.close()
+
+
+def test_zombie_staging_is_never_applied(postgres_dsn: str) -> None:
+    table = make_table(postgres_dsn)
+    sink = PostgresSink(postgres_dsn, table, ["customer"])
+    zombie = open_writer(sink)
+    zombie.recover(None, None)
+    write(zombie, [{"customer": "a", "total": 1}], 1)
+    meta1 = pre_commit(zombie, 1)
+    zombie.commit(1)
+    owner = open_writer(sink)
+    owner.recover(1, meta1)
+    write(zombie, [{"customer": "a", "total": 666}, {"customer": "z", "total": 666}], 2)
+    write(zombie, [{"customer": "z", "total": 667}], 3)
+    pre_commit(zombie, 3)  # the zombie stages 2 and 3 after the new owner recovered
+    write(owner, [{"customer": "b", "total": 2}], 2)
+    meta2 = pre_commit(owner, 2)
+    owner.commit(2)
+    assert target(postgres_dsn, table) == {"a": (1.0, None, 1), "b": (2.0, None, 2)}
+    assert staged(postgres_dsn, table) == 3  # the zombie's epochs 2-3, staged as checkpoint 3
+    later = open_writer(sink)
+    later.recover(2, meta2)
+    assert staged(postgres_dsn, table) == 0
+    assert target(postgres_dsn, table) == {"a": (1.0, None, 1), "b": (2.0, None, 2)}
+    for w in (zombie, owner, later):
+        w.close()
+
+
+def test_abort_discards_staged_and_buffered_rows(postgres_dsn: str) -> None:
+    table = make_table(postgres_dsn)
+    writer = open_writer(PostgresSink(postgres_dsn, table, ["customer"]))
+    writer.recover(None, None)
+    write(writer, [{"customer": "a", "total": 1}], 1)
+    pre_commit(writer, 1)
+    write(writer, [{"customer": "b", "total": 2}], 2)
+    writer.abort(1)
+    assert staged(postgres_dsn, table) == 0
+    assert writer.pre_commit(2) == {"format": 1, "pending": []}
+    write(writer, [{"customer": "c", "total": 3}], 3)
+    pre_commit(writer, 3)
+    writer.commit(3)
+    assert set(target(postgres_dsn, table)) == {"c"}
+    writer.close()
+
+
+# --------------------------------------------------------------------------- bad rows
+
+
+def test_rows_that_do_not_fit_are_dead_lettered_or_rejected(postgres_dsn: str) -> None:
+    table = make_table(postgres_dsn, extra=", CHECK (n IS NULL OR n >= 0)")
+    dead: DeadLetters = []
+    writer = open_writer(PostgresSink(postgres_dsn, table, ["customer"]), dead=dead)
+    writer.recover(None, None)
+    rows = [
+        {"customer": "ok", "total": 1, "n": 1},
+        {"customer": "text-number", "total": "2.5", "n": "3"},
+        {"total": 1},
+        {"customer": "no-total"},
+        {"customer": "bad-n", "total": 1, "n": "three"},
+        {"customer": "long-note", "total": 1, "note": "123456789"},
+        {"customer": "check-fails", "total": 1, "n": -5},  # only the database knows
+        "not a dict",
+    ]
+    write(writer, rows, 4)
+    pre_commit(writer, 4)
+    writer.commit(4)
+    assert set(target(postgres_dsn, table)) == {"ok", "text-number"}
+    assert [(v, e) for v, _, e in dead] == [(rows[i], 4) for i in (2, 3, 4, 5, 7)]
+    reasons = [reason for _, reason, _ in dead]
+    assert "missing key column 'customer'" in reasons[0]
+    assert "missing NOT NULL column 'total'" in reasons[1]
+    assert "column 'n' (integer) expects an integer" in reasons[2]
+    assert "more than 8" in reasons[3]
+    rejected = query(postgres_dsn, f'SELECT row, sqlstate FROM "{table}__snapline_rejected"')
+    assert [(r[0]["customer"], r[1]) for r in rejected] == [("check-fails", "23514")]
+    assert writer.rows_rejected == 1
+    writer.close()
+
+
+def test_configuration_errors_name_the_fix(postgres_dsn: str) -> None:
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS no_key (customer text, total numeric)")
+    missing = open_writer(PostgresSink(postgres_dsn, "does_not_exist", ["k"]))
+    with pytest.raises(ConfigurationError, match="does not exist.*CREATE TABLE"):
+        missing.recover(None, None)
+    no_key = open_writer(PostgresSink(postgres_dsn, "no_key", ["customer"]))
+    with pytest.raises(ConfigurationError, match="ADD PRIMARY KEY"):
+        no_key.recover(None, None)
+    table = make_table(postgres_dsn)
+    wrong_columns = open_writer(
+        PostgresSink(postgres_dsn, table, ["customer"], columns=["customer", "nope"])
+    )
+    with pytest.raises(ConfigurationError, match="no columns \\['nope'\\]"):
+        wrong_columns.recover(None, None)
+    for w in (missing, no_key, wrong_columns):
+        w.close()
+
+
+# --------------------------------------------------------------------------- many tasks
+
+
+def test_tasks_write_one_table_concurrently(postgres_dsn: str) -> None:
+    table = make_table(postgres_dsn)
+    sink = PostgresSink(postgres_dsn, table, ["customer"])
+    errors: list[BaseException] = []
+
+    def task(index: int) -> None:
+        try:
+            writer = open_writer(sink, task=f"orders-{index}")
+            writer.recover(None, None)
+            for n in range(1, 6):
+                rows = [
+                    {"customer": f"t{index}-k{k}", "total": n * 100 + k, "n": n} for k in range(200)
+                ]
+                write(writer, rows, n)
+                pre_commit(writer, n)
+                writer.commit(n)
+            writer.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=task, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    got = target(postgres_dsn, table)
+    assert got == {f"t{i}-k{k}": (500.0 + k, 5, 5) for i in range(4) for k in range(200)}
+
+
+# --------------------------------------------------------------------------- outage
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[LocalPostgres]:
+    """A server this test may stop and start (the session's must stay up)."""
+    server = LocalPostgres()
+    try:
+        server.start()
+    except Exception as exc:
+        server.stop()
+        pytest.fail(f"No PostgreSQL for the outage test: {exc}", pytrace=False)
+    yield server
+    server.stop()
+
+
+def test_database_outage_fails_the_checkpoint_and_loses_nothing(
+    own_postgres: LocalPostgres,
+) -> None:
+    dsn = own_postgres.dsn
+    table = make_table(dsn)
+    sink = PostgresSink(dsn, table, ["customer"], connect_timeout=2)
+    writer = open_writer(sink)
+    writer.recover(None, None)
+    write(writer, [{"customer": "a", "total": 1}], 1)
+    meta1 = pre_commit(writer, 1)
+    writer.commit(1)
+
+    # Down at pre-commit: the checkpoint fails; the runtime aborts and replays epoch 2.
+    write(writer, [{"customer": "b", "total": 2}], 2)
+    own_postgres.stop(keep_data=True)
+    with pytest.raises(SinkError, match="could not stage checkpoint 2.*retried"):
+        pre_commit(writer, 2)
+    writer.abort(2)
+    own_postgres.start()
+    writer.close()
+    writer = open_writer(sink)
+    writer.recover(1, meta1)
+    write(writer, [{"customer": "b", "total": 2}], 2)
+    meta2 = pre_commit(writer, 2)
+    writer.commit(2)
+
+    # Down at commit (after the commit point): commit raises; recovery applies it later.
+    write(writer, [{"customer": "c", "total": 3}], 3)
+    meta3 = pre_commit(writer, 3)
+    own_postgres.stop(keep_data=True)
+    with pytest.raises(SinkError, match="could not commit checkpoint 3"):
+        writer.commit(3)
+    own_postgres.start()
+    writer.close()
+    recovered = open_writer(sink)
+    recovered.recover(3, meta3)
+    assert target(dsn, table) == {"a": (1.0, None, 1), "b": (2.0, None, 2), "c": (3.0, None, 3)}
+    assert staged(dsn, table) == 0
+    assert meta2["pending"][0]["checkpoint"] == 2
+    recovered.close()
+
+
+# --------------------------------------------------------------------------- SIGKILL
+
+
+KEYS = 120
+
+
+def _aborted(checkpoint: int) -> bool:
+    return checkpoint % 4 == 3
+
+
+def _writes(checkpoint: int, key: int) -> bool:
+    return (key + checkpoint) % 3 != 0
+
+
+def _value(checkpoint: int, key: int) -> int:
+    return checkpoint * 1000 + key
+
+
+def epoch_rows(checkpoint: int) -> list[dict[str, Any]]:
+    rows = []
+    for key in range(KEYS):
+        if _writes(checkpoint, key):
+            # A wrong value first: only the last write of a key in the epoch may survive.
+            rows.append({"customer": f"k{key}", "total": -1, "n": checkpoint})
+            rows.append({"customer": f"k{key}", "total": _value(checkpoint, key), "n": checkpoint})
+    return rows
+
+
+def expected_state(committed: int | None) -> dict[str, tuple[float, int, int]]:
+    state: dict[str, tuple[float, int, int]] = {}
+    for checkpoint in range(1, (committed or 0) + 1):
+        if _aborted(checkpoint):
+            continue
+        for key in range(KEYS):
+            if _writes(checkpoint, key):
+                state[f"k{key}"] = (float(_value(checkpoint, key)), checkpoint, checkpoint)
+    return state
+
+
+def _commit_point(state: Path) -> tuple[int | None, dict[str, Any] | None]:
+    try:
+        body = orjson.loads((state / "committed.json").read_bytes())
+    except FileNotFoundError:
+        return None, None
+    return int(body["checkpoint"]), body["metadata"]
+
+
+def writer_main(dsn: str, table: str, state_dir: str, seed: str) -> None:
+    """A worker stand-in: recovers from its commit point, then checkpoints forever."""
+    state = Path(state_dir)
+    rng = random.Random(seed)
+    writer = open_writer(PostgresSink(dsn, table, ["customer"]))
+    committed, meta = _commit_point(state)
+    writer.recover(committed, meta)
+    checkpoint = (committed or 0) + 1
+    while True:
+        write(writer, epoch_rows(checkpoint), checkpoint)
+        meta = pre_commit(writer, checkpoint)
+        if _aborted(checkpoint):
+            writer.abort(checkpoint)
+        else:
+            tmp = state / f"committed.{os.getpid()}.tmp"
+            tmp.write_bytes(orjson.dumps({"checkpoint": checkpoint, "metadata": meta}))
+            with open(tmp, "rb+") as handle:
+                os.fsync(handle.fileno())
+            os.replace(tmp, state / "committed.json")  # ◀── commit point
+            writer.commit(checkpoint)
+        checkpoint += 1
+        time.sleep(rng.uniform(0, 0.02))
+
+
+def test_sigkilled_writer_under_concurrent_sql_readers(postgres_dsn: str, tmp_path: Path) -> None:
+    table = make_table(postgres_dsn)
+    setup = open_writer(PostgresSink(postgres_dsn, table, ["customer"]))
+    setup.recover(None, None)  # adds the fence columns the readers select
+    setup.close()
+    state = tmp_path / "state"
+    state.mkdir()
+    stop = threading.Event()
+    failures: list[BaseException] = []
+    reads: list[int] = []
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                rows = target(postgres_dsn, table)
+                committed, _ = _commit_point(state)  # read after the query
+                for customer, (total, n, checkpoint) in rows.items():
+                    assert checkpoint is not None and checkpoint <= (committed or 0), (
+                        f"{customer} shows checkpoint {checkpoint}, committed {committed}"
+                    )
+                    assert not _aborted(checkpoint)
+                    assert (total, n) == (float(_value(checkpoint, int(customer[1:]))), checkpoint)
+                reads.append(len(rows))
+        except BaseException as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=reader, name="sql-reader")
+    thread.start()
+    rng = random.Random(7)
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        for round_number in range(4):
+            with open(tmp_path / f"writer-{round_number}.log", "wb") as log:
+                process = subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "writer",
+                        postgres_dsn,
+                        table,
+                        str(state),
+                        str(round_number),
+                    ],
+                    env={**os.environ, "PYTHONPATH": str(REPO)},
+                    stderr=log,
+                )
+            processes.append(process)
+            time.sleep(rng.uniform(1.0, 2.5))
+            assert process.poll() is None, (tmp_path / f"writer-{round_number}.log").read_text()
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        thread.join(60)
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    if failures:
+        raise failures[0]
+    committed, meta = _commit_point(state)
+    assert committed is not None and committed > 4
+    final = open_writer(PostgresSink(postgres_dsn, table, ["customer"]))
+    final.recover(committed, meta)
+    assert target(postgres_dsn, table) == expected_state(committed)  # no loss, no duplicate
+    assert staged(postgres_dsn, table) == 0
+    assert len(reads) >= 10
+    final.close()
+
+
+# --------------------------------------------------------------------------- throughput
+
+
+def test_throughput(postgres_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    table = make_table(postgres_dsn)
+    writer = open_writer(PostgresSink(postgres_dsn, table, ["customer"]))
+    writer.recover(None, None)
+    checkpoints, per_checkpoint = 10, 5000
+    timings = {"write": 0.0, "pre_commit": 0.0, "commit": 0.0}
+    clock: Callable[[], float] = time.perf_counter
+    for n in range(1, checkpoints + 1):
+        rows = [
+            {"customer": f"c{(n * per_checkpoint + i) % 20000}", "total": i * 0.5, "n": n}
+            for i in range(per_checkpoint)
+        ]
+        records = [Record(r, 0, "orders", 0, i) for i, r in enumerate(rows)]
+        start = clock()
+        writer.write_batch(records, n)
+        staged_at = clock()
+        pre_commit(writer, n)
+        committed_at = clock()
+        writer.commit(n)
+        done = clock()
+        timings["write"] += staged_at - start
+        timings["pre_commit"] += committed_at - staged_at
+        timings["commit"] += done - committed_at
+    total_rows = checkpoints * per_checkpoint
+    rates = {k: total_rows / v for k, v in timings.items()}
+    overall = total_rows / sum(timings.values())
+    with capsys.disabled():
+        print(
+            f"\nPostgresSink {total_rows} rows: "
+            + ", ".join(f"{k} {v:,.0f} rows/s" for k, v in rates.items())
+            + f", overall {overall:,.0f} rows/s"
+        )
+    assert len(target(postgres_dsn, table)) == 20000
+    assert overall > 500  # a floor that only a broken sink misses, even on a loaded machine
+    writer.close()
+
+
+if __name__ == "__main__" and len(sys.argv) == 6 and sys.argv[1] == "writer":
+    writer_main(*sys.argv[2:])
