@@ -10,6 +10,7 @@ Threads: the task thread runs every operator.
 from __future__ import annotations
 
 import copy
+import zlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,8 +28,6 @@ from sinks.kafka import encode_key
 if TYPE_CHECKING:
     from pipeline.runtime.task import Task
 
-import zlib
-
 
 class Operator:
     """Base: forwards records and barriers to its downstream operators."""
@@ -39,6 +38,9 @@ class Operator:
         self.task = task
         self.name = name
         self.downstream: list[Operator] = []
+        #: True when no other operator sees this operator's input records, so it may update
+        #: them in place instead of copying (set by the task when it wires the graph).
+        self.owns_input = False
 
     def emit(self, records: list[Record]) -> None:
         if records:
@@ -63,7 +65,8 @@ class SourceOperator(Operator):
         self._value = decoder(source.value_format)
         self._key = decoder(source.key_format)
 
-    def process_messages(self, messages: Sequence[Any]) -> None:
+    def process_messages(self, topic: str, partition: int, messages: Sequence[Any]) -> None:
+        """Decode messages of one partition (a channel's chunk) and push them downstream."""
         decode_value = self._value
         decode_key = self._key
         out: list[Record] = []
@@ -75,11 +78,11 @@ class SourceOperator(Operator):
                 value = decode_value(raw)
                 key = decode_key(raw_key)
             except Exception as exc:
-                record = Record(None, msg.timestamp()[1], msg.topic(), msg.partition(),
-                                msg.offset(), raw=raw, raw_key=raw_key)
+                record = Record(None, msg.timestamp()[1], topic, partition, msg.offset(),
+                                raw=raw, raw_key=raw_key)
                 self.task.dead_letter(record, f"{self.name}: cannot decode: {exc!r}")
                 continue
-            append(Record(value, msg.timestamp()[1], msg.topic(), msg.partition(), msg.offset(),
+            append(Record(value, msg.timestamp()[1], topic, partition, msg.offset(),
                           key, raw_key, -1, raw, raw_key))
         self.emit(out)
 
@@ -92,11 +95,18 @@ class MapOperator(Operator):
     def process(self, records: list[Record]) -> None:
         fn = self._fn
         out: list[Record] = []
+        in_place = self.owns_input
         for r in records:
             try:
-                out.append(r.with_value(fn(r.value)))
+                value = fn(r.value)
             except Exception as exc:
                 self.task.dead_letter(r, f"{self.name} raised {exc!r}")
+                continue
+            if in_place:
+                r.value = value
+                out.append(r)
+            else:
+                out.append(r.with_value(value))
         self.emit(out)
 
 
@@ -149,6 +159,7 @@ class KeyByOperator(Operator):
         fn = self._fn
         maxp = self._max_parallelism
         crc = zlib.crc32
+        in_place = self.owns_input
         out: list[Record] = []
         for r in records:
             try:
@@ -169,7 +180,7 @@ class KeyByOperator(Operator):
                     "is a different but partition-consistent function of the Kafka key, pass "
                     "key_by(..., trust_partitioning=True)."
                 )
-            new = r.with_value(r.value)
+            new = r if in_place else r.with_value(r.value)
             new.key = key
             new.key_bytes = key_bytes
             new.key_group = crc(key_bytes) % maxp

@@ -120,6 +120,10 @@ class Task:
             self.operators.append(op)
             for upstream in node.inputs:
                 by_node[upstream.id].downstream.append(op)
+        for node in pipeline.nodes:
+            op = by_node[node.id]
+            op.owns_input = bool(node.inputs) and all(
+                len(by_node[u.id].downstream) == 1 for u in node.inputs)
 
     def _operator_for(self, node: Node, states: dict[int, Any], worker_id: str) -> Operator:
         kind = node.kind
@@ -194,7 +198,8 @@ class Task:
                     chunk = item
                 else:
                     chunk, items[0] = item[:CHUNK], item[CHUNK:]
-                self.sources[channel.tp[0]].process_messages(chunk)
+                topic, partition = channel.tp
+                self.sources[topic].process_messages(topic, partition, chunk)
 
     # ------------------------------------------------------------------ barriers
     def _on_aligned(self, barrier: Barrier) -> None:

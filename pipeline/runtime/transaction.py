@@ -88,13 +88,18 @@ class TransactionalOutput:
             self._buffer.append((epoch, topic, value, key, headers))
 
     def _send(self, topic: str, value: bytes | None, key: bytes | None, headers: Any) -> None:
+        # Exactly-once needs no per-record delivery callback: a failed delivery fails
+        # commit_transaction. At-least-once checks every delivery before committing offsets.
+        callback = None if self.exactly_once else self._on_delivery
         while True:
             try:
                 if headers:
                     self.producer.produce(topic, value, key, headers=headers,
-                                          on_delivery=self._on_delivery)
+                                          on_delivery=callback)
+                elif callback is None:
+                    self.producer.produce(topic, value, key)
                 else:
-                    self.producer.produce(topic, value, key, on_delivery=self._on_delivery)
+                    self.producer.produce(topic, value, key, on_delivery=callback)
                 break
             except BufferError:
                 self.producer.poll(0.05)

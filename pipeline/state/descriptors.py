@@ -77,7 +77,8 @@ class StateDescriptor(ABC):
 
 
 class _Bound:
-    __slots__ = ("_backend", "_scope", "_sid", "_serde", "_name")
+    __slots__ = ("_backend", "_scope", "_sid", "_serde", "_name", "_get", "_put", "_loads",
+                 "_dumps")
 
     def __init__(self, desc: StateDescriptor, backend: KeyedStateBackend, scope: KeyScope,
                  state_id: int) -> None:
@@ -86,6 +87,11 @@ class _Bound:
         self._sid = bytes([state_id])
         self._serde = desc.serde
         self._name = desc.name or "?"
+        # Bound methods cached: state access is on the per-record hot path.
+        self._get = backend.get
+        self._put = backend.put
+        self._loads = desc.serde.loads
+        self._dumps = desc.serde.dumps
 
     def _key(self) -> bytes:
         prefix = self._scope.prefix
@@ -113,22 +119,25 @@ class ValueState(StateDescriptor, Generic[T]):
 
 
 class BoundValueState(_Bound):
-    __slots__ = ("_default",)
+    __slots__ = ("_default", "_mutable_default")
 
     def __init__(self, desc: ValueState[Any], backend: KeyedStateBackend, scope: KeyScope,
                  state_id: int) -> None:
         super().__init__(desc, backend, scope, state_id)
         self._default = desc.default
+        self._mutable_default = isinstance(desc.default, list | dict | set)
 
     def value(self) -> Any:
-        raw = self._backend.get(self._key())
-        return _fresh(self._default) if raw is None else self._serde.loads(raw)
+        raw = self._get(self._key())
+        if raw is None:
+            return _fresh(self._default) if self._mutable_default else self._default
+        return self._loads(raw)
 
     def update(self, value: Any) -> None:
         if value is None:
             self._backend.delete(self._key())
         else:
-            self._backend.put(self._key(), self._serde.dumps(value))
+            self._put(self._key(), self._dumps(value))
 
 
 # ---------------------------------------------------------------- ListState
