@@ -5,8 +5,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-_SECRET_MARKERS = ("password", "secret", "jaas", "key.pem", "keystore", "token", "ssl.key",
-                   "oauthbearer.config", "api.key")
+_SECRET_MARKERS = (
+    "password",
+    "secret",
+    "jaas",
+    "key.pem",
+    "keystore",
+    "token",
+    "ssl.key",
+    "oauthbearer.config",
+    "api.key",
+)
 
 
 def is_secret(name: str) -> bool:

@@ -28,8 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--orders", type=int, default=100_000)
     parser.add_argument("--customers", type=int, default=1000)
-    parser.add_argument("--bootstrap-servers", default=None,
-                        help="use this cluster instead of the embedded broker")
+    parser.add_argument(
+        "--bootstrap-servers", default=None, help="use this cluster instead of the embedded broker"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     args = parser.parse_args(argv)
 
@@ -48,8 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         create_topics(bootstrap, {f"{prefix}orders": 4, f"{prefix}customer-totals": 4})
         env = {"SNAPLINE_EXAMPLE_PREFIX": prefix, "SNAPLINE_EXAMPLE_JOB": job}
-        workers = [WorkerProcess("examples.running_total:pipeline", f"w{i}", bootstrap,
-                                 workdir / "checkpoints", workdir, env) for i in range(2)]
+        workers = [
+            WorkerProcess(
+                "examples.running_total:pipeline",
+                f"w{i}",
+                bootstrap,
+                workdir / "checkpoints",
+                workdir,
+                env,
+            )
+            for i in range(2)
+        ]
         half = args.orders // 2
         expected = produce_orders(bootstrap, f"{prefix}orders", half, args.customers)
         say(f"produced {half} orders; starting 2 workers")
@@ -59,21 +69,25 @@ def main(argv: list[str] | None = None) -> int:
         victim = workers[1]
         say(f"SIGKILL worker {victim.worker_id} mid-run (no final checkpoint, open transaction)")
         victim.kill()
-        rest = produce_orders(bootstrap, f"{prefix}orders", args.orders - half, args.customers,
-                              start_id=half)
+        rest = produce_orders(
+            bootstrap, f"{prefix}orders", args.orders - half, args.customers, start_id=half
+        )
         for customer, amount in rest.items():
             expected[customer] = expected.get(customer, 0) + amount
         say(f"produced {args.orders - half} more orders while it was down; restarting it")
         victim.start()
         say("reading the output with an independent read_committed consumer")
-        outputs = read_committed(bootstrap, f"{prefix}customer-totals", args.orders,
-                                 timeout=240, settle=3.0)
+        outputs = read_committed(
+            bootstrap, f"{prefix}customer-totals", args.orders, timeout=240, settle=3.0
+        )
         result = verify_totals(outputs, expected, range(args.orders))
-        checkpoints = [e for e in read_events(workdir / "metrics.jsonl")
-                       if e.get("event") == "checkpoint"]
-        say(f"{len(checkpoints)} checkpoints committed; "
-            f"{sum(1 for e in read_events(workdir / 'metrics.jsonl') if e.get('event') == 'assigned')}"
-            " partition assignments (each one a restore from the committed checkpoint)")
+        events = read_events(workdir / "metrics.jsonl")
+        checkpoints = sum(1 for e in events if e.get("event") == "checkpoint")
+        assignments = sum(1 for e in events if e.get("event") == "assigned")
+        say(
+            f"{checkpoints} checkpoints committed; {assignments} partition assignments "
+            "(each one a restore from the committed checkpoint)"
+        )
         top = sorted(expected.items(), key=lambda kv: -kv[1])[:3]
         say("top customers: " + ", ".join(f"{c}={t}" for c, t in top))
         say(result.summary())

@@ -10,8 +10,8 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -30,12 +30,19 @@ def create_topics(bootstrap: str, topics: dict[str, int]) -> None:
                 raise
 
 
-def produce_orders(bootstrap: str, topic: str, count: int, customers: int, *, start_id: int = 0,
-                   seed: int = 7) -> dict[str, int]:
+def produce_orders(
+    bootstrap: str, topic: str, count: int, customers: int, *, start_id: int = 0, seed: int = 7
+) -> dict[str, int]:
     """Produce ``count`` orders keyed by customer; returns the expected total per customer."""
     rng = random.Random(seed + start_id)
-    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20,
-                         "partitioner": "murmur2_random", "compression.type": "lz4"})
+    producer = Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "linger.ms": 20,
+            "partitioner": "murmur2_random",
+            "compression.type": "lz4",
+        }
+    )
     expected: dict[str, int] = defaultdict(int)
     for i in range(start_id, start_id + count):
         customer = f"c{rng.randrange(customers):05d}"
@@ -69,19 +76,28 @@ class Verification:
     def summary(self) -> str:
         if self.ok:
             return f"OK: {self.outputs} outputs, every input counted exactly once"
-        return (f"FAILED: {self.outputs} outputs, {len(self.duplicates)} duplicates "
-                f"(e.g. {self.duplicates[:5]}), {len(self.missing)} missing "
-                f"(e.g. {self.missing[:5]}), {len(self.wrong_totals)} wrong totals "
-                f"(e.g. {list(self.wrong_totals.items())[:3]}), {len(self.bad_sequences)} "
-                f"broken sequences (e.g. {list(self.bad_sequences.items())[:3]})")
+        return (
+            f"FAILED: {self.outputs} outputs, {len(self.duplicates)} duplicates "
+            f"(e.g. {self.duplicates[:5]}), {len(self.missing)} missing "
+            f"(e.g. {self.missing[:5]}), {len(self.wrong_totals)} wrong totals "
+            f"(e.g. {list(self.wrong_totals.items())[:3]}), {len(self.bad_sequences)} "
+            f"broken sequences (e.g. {list(self.bad_sequences.items())[:3]})"
+        )
 
 
-def read_committed(bootstrap: str, topic: str, expected_count: int, *,
-                   timeout: float = 120.0, settle: float = 2.0) -> list[dict[str, Any]]:
+def read_committed(
+    bootstrap: str, topic: str, expected_count: int, *, timeout: float = 120.0, settle: float = 2.0
+) -> list[dict[str, Any]]:
     """Every committed output of ``topic`` (waits for ``expected_count``, then ``settle`` s)."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"verify-{time.time_ns()}",
-                         "isolation.level": "read_committed", "enable.auto.commit": False,
-                         "auto.offset.reset": "earliest"})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"verify-{time.time_ns()}",
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+        }
+    )
     metadata = consumer.list_topics(topic, timeout=30)
     partitions = list(metadata.topics[topic].partitions)
     consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
@@ -103,8 +119,9 @@ def read_committed(bootstrap: str, topic: str, expected_count: int, *,
     return values
 
 
-def verify_totals(outputs: list[dict[str, Any]], expected: dict[str, int],
-                  order_ids: Iterable[int]) -> Verification:
+def verify_totals(
+    outputs: list[dict[str, Any]], expected: dict[str, int], order_ids: Iterable[int]
+) -> Verification:
     """Each order appears exactly once; per customer, counts run 1..n and totals add up."""
     result = Verification(outputs=len(outputs))
     seen = Counter(o["order_id"] for o in outputs)

@@ -31,8 +31,12 @@ class RunningTotal(KeyedProcessFunction):
         count = self.count.value() + 1
         self.total.update(total)
         self.count.update(count)
-        yield {"customer": ctx.key, "total": total, "count": count,
-               "order_id": value.get("order_id")}
+        yield {
+            "customer": ctx.key,
+            "total": total,
+            "count": count,
+            "order_id": value.get("order_id"),
+        }
 
 
 def build(*, with_refunds: bool = False) -> Pipeline:

@@ -18,8 +18,15 @@ REPO = Path(__file__).resolve().parent.parent
 class WorkerProcess:
     """One ``snapline run`` worker with a stable worker id; restartable after a kill."""
 
-    def __init__(self, spec: str, worker_id: str, bootstrap: str, checkpoint_dir: Path,
-                 workdir: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        spec: str,
+        worker_id: str,
+        bootstrap: str,
+        checkpoint_dir: Path,
+        workdir: Path,
+        env: dict[str, str],
+    ) -> None:
         self.spec = spec
         self.worker_id = worker_id
         self.bootstrap = bootstrap
@@ -33,18 +40,36 @@ class WorkerProcess:
         self.fault_log = workdir / "faults.log"
 
     def start(self, extra_env: dict[str, str] | None = None) -> None:
-        env = {**os.environ, **self.env, **(extra_env or {}),
-               "SNAPLINE_METRICS_FILE": str(self.metrics_path),
-               "SNAPLINE_FAULT_LOG": str(self.fault_log),
-               "PYTHONPATH": str(REPO)}
-        log = open(self.log_path, "ab")
-        log.write(f"\n===== start {self.starts} at {time.time():.3f}\n".encode())
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli", "run", self.spec, "--bootstrap-servers",
-             self.bootstrap, "--checkpoint-dir", str(self.checkpoint_dir), "--worker-id",
-             self.worker_id],
-            cwd=str(self.workdir), env=env, stdout=log, stderr=subprocess.STDOUT,
-        )
+        env = {
+            **os.environ,
+            **self.env,
+            **(extra_env or {}),
+            "SNAPLINE_METRICS_FILE": str(self.metrics_path),
+            "SNAPLINE_FAULT_LOG": str(self.fault_log),
+            "PYTHONPATH": str(REPO),
+        }
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n===== start {self.starts} at {time.time():.3f}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "pipeline.cli",
+                    "run",
+                    self.spec,
+                    "--bootstrap-servers",
+                    self.bootstrap,
+                    "--checkpoint-dir",
+                    str(self.checkpoint_dir),
+                    "--worker-id",
+                    self.worker_id,
+                ],
+                cwd=str(self.workdir),
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         log.close()
         self.starts += 1
 

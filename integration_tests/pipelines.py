@@ -29,10 +29,12 @@ class StrictTotal(KeyedProcessFunction):
 
 def dead_letters() -> Pipeline:
     pipeline = Pipeline(f"{PREFIX}job", checkpoint_interval=0.3)
-    (pipeline.source(KafkaSource(f"{PREFIX}orders"))
-     .key_by(lambda v: v["customer"])
-     .process(StrictTotal())
-     .sink(KafkaSink(f"{PREFIX}totals")))
+    (
+        pipeline.source(KafkaSource(f"{PREFIX}orders"))
+        .key_by(lambda v: v["customer"])
+        .process(StrictTotal())
+        .sink(KafkaSink(f"{PREFIX}totals"))
+    )
     return pipeline
 
 
@@ -44,8 +46,10 @@ def missing_topic() -> Pipeline:
 
 def repartition_needed() -> Pipeline:
     pipeline = Pipeline(f"{PREFIX}job")
-    (pipeline.source(KafkaSource(f"{PREFIX}orders"))
-     .key_by(lambda v: v["region"])
-     .process(StrictTotal())
-     .sink(KafkaSink(f"{PREFIX}totals")))
+    (
+        pipeline.source(KafkaSource(f"{PREFIX}orders"))
+        .key_by(lambda v: v["region"])
+        .process(StrictTotal())
+        .sink(KafkaSink(f"{PREFIX}totals"))
+    )
     return pipeline

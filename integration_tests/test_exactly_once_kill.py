@@ -30,25 +30,43 @@ CUSTOMERS = 2000
 class Job:
     """Topics, checkpoint dir and workers of one running-total job."""
 
-    def __init__(self, bootstrap: str, name: str, tmp: Path, *, backend: str = "memory",
-                 interval: float = 0.5, workers: int = 2, extra_env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        bootstrap: str,
+        name: str,
+        tmp: Path,
+        *,
+        backend: str = "memory",
+        interval: float = 0.5,
+        workers: int = 2,
+        extra_env: dict[str, str] | None = None,
+    ):
         self.bootstrap = bootstrap
         self.name = name
         self.prefix = f"{name}-"
-        create_topics(bootstrap, {f"{self.prefix}orders": PARTITIONS,
-                                  f"{self.prefix}customer-totals": PARTITIONS})
-        env = {"SNAPLINE_EXAMPLE_PREFIX": self.prefix, "SNAPLINE_EXAMPLE_JOB": name,
-               "SNAPLINE_EXAMPLE_BACKEND": backend, "SNAPLINE_EXAMPLE_INTERVAL": str(interval),
-               **(extra_env or {})}
+        create_topics(
+            bootstrap,
+            {f"{self.prefix}orders": PARTITIONS, f"{self.prefix}customer-totals": PARTITIONS},
+        )
+        env = {
+            "SNAPLINE_EXAMPLE_PREFIX": self.prefix,
+            "SNAPLINE_EXAMPLE_JOB": name,
+            "SNAPLINE_EXAMPLE_BACKEND": backend,
+            "SNAPLINE_EXAMPLE_INTERVAL": str(interval),
+            **(extra_env or {}),
+        }
         self.workdir = tmp
-        self.workers = [WorkerProcess(SPEC, f"w{i}", bootstrap, tmp / "checkpoints", tmp, env)
-                        for i in range(workers)]
+        self.workers = [
+            WorkerProcess(SPEC, f"w{i}", bootstrap, tmp / "checkpoints", tmp, env)
+            for i in range(workers)
+        ]
         self.expected: dict[str, int] = {}
         self.produced = 0
 
     def produce(self, count: int) -> None:
-        totals = produce_orders(self.bootstrap, f"{self.prefix}orders", count, CUSTOMERS,
-                                start_id=self.produced)
+        totals = produce_orders(
+            self.bootstrap, f"{self.prefix}orders", count, CUSTOMERS, start_id=self.produced
+        )
         for customer, amount in totals.items():
             self.expected[customer] = self.expected.get(customer, 0) + amount
         self.produced += count
@@ -64,8 +82,13 @@ class Job:
         return thread
 
     def verify(self, timeout: float = 180) -> None:
-        outputs = read_committed(self.bootstrap, f"{self.prefix}customer-totals", self.produced,
-                                 timeout=timeout, settle=3.0)
+        outputs = read_committed(
+            self.bootstrap,
+            f"{self.prefix}customer-totals",
+            self.produced,
+            timeout=timeout,
+            settle=3.0,
+        )
         result = verify_totals(outputs, self.expected, range(self.produced))
         assert result.ok, result.summary() + "\n" + self.logs()
 
@@ -79,9 +102,12 @@ class Job:
         try:
             while time.monotonic() < deadline:
                 committed = consumer.committed(
-                    [TopicPartition(topic, p) for p in range(PARTITIONS)], timeout=10)
-                ends = [consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
-                        for p in range(PARTITIONS)]
+                    [TopicPartition(topic, p) for p in range(PARTITIONS)], timeout=10
+                )
+                ends = [
+                    consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+                    for p in range(PARTITIONS)
+                ]
                 done = sum(max(c.offset, 0) for c in committed) >= sum(ends) - 0
                 if done and all(c.offset >= e for c, e in zip(committed, ends, strict=True)):
                     return
@@ -104,8 +130,9 @@ def job_factory(kafka_bootstrap: str, tmp_path: Path, unique_name: str) -> Itera
     jobs: list[Job] = []
 
     def make(**kwargs: object) -> Job:
-        job = Job(kafka_bootstrap, f"{unique_name}-{len(jobs)}", tmp_path / f"job{len(jobs)}",
-                  **kwargs)  # type: ignore[arg-type]
+        job = Job(
+            kafka_bootstrap, f"{unique_name}-{len(jobs)}", tmp_path / f"job{len(jobs)}", **kwargs
+        )  # type: ignore[arg-type]
         job.workdir.mkdir(parents=True, exist_ok=True)
         jobs.append(job)
         return job
@@ -146,8 +173,12 @@ def test_random_sigkills_lose_and_duplicate_nothing(job_factory, backend: str) -
 def test_every_kill_point_is_survived(job_factory, backend: str) -> None:
     """Kill at each protocol point ≥ 3 times: sync snapshot, mid-materialization, after the
     metadata write (before the Kafka commit), after the Kafka commit (before notification)."""
-    odds = {"sync_snapshot": 0.08, "mid_materialization": 0.08,
-            "after_metadata_write": 0.15, "after_kafka_commit": 0.15}
+    odds = {
+        "sync_snapshot": 0.08,
+        "mid_materialization": 0.08,
+        "after_metadata_write": 0.15,
+        "after_kafka_commit": 0.15,
+    }
     job = job_factory(backend=backend, interval=0.3)
     fault_log = job.workers[0].fault_log
 
@@ -199,33 +230,42 @@ def test_zombie_worker_commits_nothing(job_factory) -> None:
     job.stop_all()
     events = read_events(a.metrics_path)
     a_events = [e for e in events if e.get("worker") == a.worker_id and e["time"] > frozen_at]
-    b_took_over = [e for e in events if e.get("worker") == b.worker_id
-                   and e.get("event") == "assigned" and frozen_at < e["time"] < resumed_at]
+    b_took_over = [
+        e
+        for e in events
+        if e.get("worker") == b.worker_id
+        and e.get("event") == "assigned"
+        and frozen_at < e["time"] < resumed_at
+    ]
     assert b_took_over, "the other worker never took over while a was frozen\n" + job.logs()
     reassigned = next((e["time"] for e in a_events if e.get("event") == "assigned"), None)
-    zombie_commits = [e for e in a_events if e.get("event") == "checkpoint"
-                      and (reassigned is None or e["time"] < reassigned)]
+    zombie_commits = [
+        e
+        for e in a_events
+        if e.get("event") == "checkpoint" and (reassigned is None or e["time"] < reassigned)
+    ]
     assert not zombie_commits, f"zombie committed {zombie_commits}\n{job.logs()}"
 
 
 def test_materialization_runs_while_processing_continues(job_factory) -> None:
     """Slow checkpoint storage (each write sleeps 1.5 s): records keep being read and
     processed while the snapshot is written; the output is still exactly once."""
-    job = job_factory(interval=0.3, workers=1,
-                      extra_env={"SNAPLINE_TEST_STORAGE_WRITE_DELAY": "1.5"})
+    job = job_factory(
+        interval=0.3, workers=1, extra_env={"SNAPLINE_TEST_STORAGE_WRITE_DELAY": "1.5"}
+    )
     job.workers[0].start()
     producer = job.produce_in_background(60_000, waves=30)
     producer.join()
     job.wait_until_caught_up(timeout=240)
     job.verify()
     job.stop_all()
-    checkpoints = [e for e in read_events(job.workers[0].metrics_path)
-                   if e.get("event") == "checkpoint"]
+    checkpoints = [
+        e for e in read_events(job.workers[0].metrics_path) if e.get("event") == "checkpoint"
+    ]
     assert checkpoints
     slow = [c for c in checkpoints if c["materialize_ms"] >= 1500]
     assert slow, f"storage delay not visible: {checkpoints[:3]}"
     overlapped = [c for c in slow if c["records_during_checkpoint"] > 0]
     assert overlapped, (
-        "no records were processed while a snapshot was being written: "
-        + json.dumps(slow[:5])
+        "no records were processed while a snapshot was being written: " + json.dumps(slow[:5])
     )

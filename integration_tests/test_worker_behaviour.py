@@ -27,8 +27,9 @@ def _committed(bootstrap: str, group: str, topic: str, partitions: int) -> list[
         consumer.close()
 
 
-def test_bad_records_go_to_dead_letter_topic(kafka_bootstrap: str, tmp_path: Path,
-                                             unique_name: str) -> None:
+def test_bad_records_go_to_dead_letter_topic(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
     prefix = f"{unique_name}-"
     create_topics(kafka_bootstrap, {f"{prefix}orders": 2, f"{prefix}totals": 2})
     producer = Producer({"bootstrap.servers": kafka_bootstrap, "partitioner": "murmur2_random"})
@@ -46,13 +47,24 @@ def test_bad_records_go_to_dead_letter_topic(kafka_bootstrap: str, tmp_path: Pat
             bad.append(value)
         producer.produce(f"{prefix}orders", value, customer.encode())
     producer.flush(30)
-    worker = WorkerProcess("integration_tests.pipelines:dead_letters", "w0", kafka_bootstrap,
-                           tmp_path / "chk", tmp_path, {"SNAPLINE_TEST_PREFIX": prefix})
+    worker = WorkerProcess(
+        "integration_tests.pipelines:dead_letters",
+        "w0",
+        kafka_bootstrap,
+        tmp_path / "chk",
+        tmp_path,
+        {"SNAPLINE_TEST_PREFIX": prefix},
+    )
     worker.start()
     try:
         outputs = read_committed(kafka_bootstrap, f"{prefix}totals", good, timeout=60, settle=2)
-        consumer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": "dlq-reader",
-                             "isolation.level": "read_committed"})
+        consumer = Consumer(
+            {
+                "bootstrap.servers": kafka_bootstrap,
+                "group.id": "dlq-reader",
+                "isolation.level": "read_committed",
+            }
+        )
         consumer.assign([TopicPartition(f"{prefix}job.dead-letter", 0, 0)])
         letters = []
         deadline = time.monotonic() + 30
@@ -71,14 +83,20 @@ def test_bad_records_go_to_dead_letter_topic(kafka_bootstrap: str, tmp_path: Pat
         assert ("cannot decode" in reason) or ("amount must be an int" in reason)
 
 
-def test_at_least_once_loses_nothing_across_kills(kafka_bootstrap: str, tmp_path: Path,
-                                                  unique_name: str) -> None:
+def test_at_least_once_loses_nothing_across_kills(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
     prefix = f"{unique_name}-"
     create_topics(kafka_bootstrap, {f"{prefix}orders": 2, f"{prefix}customer-totals": 2})
-    env = {"SNAPLINE_EXAMPLE_PREFIX": prefix, "SNAPLINE_EXAMPLE_JOB": unique_name,
-           "SNAPLINE_EXAMPLE_GUARANTEE": "at_least_once", "SNAPLINE_EXAMPLE_INTERVAL": "0.5"}
-    worker = WorkerProcess("examples.running_total:pipeline", "w0", kafka_bootstrap,
-                           tmp_path / "chk", tmp_path, env)
+    env = {
+        "SNAPLINE_EXAMPLE_PREFIX": prefix,
+        "SNAPLINE_EXAMPLE_JOB": unique_name,
+        "SNAPLINE_EXAMPLE_GUARANTEE": "at_least_once",
+        "SNAPLINE_EXAMPLE_INTERVAL": "0.5",
+    }
+    worker = WorkerProcess(
+        "examples.running_total:pipeline", "w0", kafka_bootstrap, tmp_path / "chk", tmp_path, env
+    )
     worker.start()
     produced = 0
     for _ in range(4):
@@ -87,21 +105,27 @@ def test_at_least_once_loses_nothing_across_kills(kafka_bootstrap: str, tmp_path
         time.sleep(1.5)
         worker.kill()
         worker.start()
-    outputs = read_committed(kafka_bootstrap, f"{prefix}customer-totals", produced,
-                             timeout=120, settle=3)
+    outputs = read_committed(
+        kafka_bootstrap, f"{prefix}customer-totals", produced, timeout=120, settle=3
+    )
     worker.stop()
     seen = {o["order_id"] for o in outputs}
     assert seen == set(range(produced)), f"lost {len(set(range(produced)) - seen)} orders"
 
 
-def test_sigterm_takes_final_checkpoint_and_exits_cleanly(kafka_bootstrap: str, tmp_path: Path,
-                                                          unique_name: str) -> None:
+def test_sigterm_takes_final_checkpoint_and_exits_cleanly(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
     prefix = f"{unique_name}-"
     create_topics(kafka_bootstrap, {f"{prefix}orders": 2, f"{prefix}customer-totals": 2})
-    env = {"SNAPLINE_EXAMPLE_PREFIX": prefix, "SNAPLINE_EXAMPLE_JOB": unique_name,
-           "SNAPLINE_EXAMPLE_INTERVAL": "30"}  # only the final checkpoint commits
-    worker = WorkerProcess("examples.running_total:pipeline", "w0", kafka_bootstrap,
-                           tmp_path / "chk", tmp_path, env)
+    env = {
+        "SNAPLINE_EXAMPLE_PREFIX": prefix,
+        "SNAPLINE_EXAMPLE_JOB": unique_name,
+        "SNAPLINE_EXAMPLE_INTERVAL": "30",
+    }  # only the final checkpoint commits
+    worker = WorkerProcess(
+        "examples.running_total:pipeline", "w0", kafka_bootstrap, tmp_path / "chk", tmp_path, env
+    )
     expected = produce_orders(kafka_bootstrap, f"{prefix}orders", 5000, 50)
     worker.start()
     deadline = time.monotonic() + 60
@@ -119,31 +143,51 @@ def test_sigterm_takes_final_checkpoint_and_exits_cleanly(kafka_bootstrap: str, 
 
 def _run_expecting_failure(spec: str, bootstrap: str, prefix: str, tmp_path: Path) -> str:
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "run", spec, "--bootstrap-servers", bootstrap,
-         "--checkpoint-dir", str(tmp_path / "chk"), "--worker-id", "w0"],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "run",
+            spec,
+            "--bootstrap-servers",
+            bootstrap,
+            "--checkpoint-dir",
+            str(tmp_path / "chk"),
+            "--worker-id",
+            "w0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
         env={**os.environ, "SNAPLINE_TEST_PREFIX": prefix, "PYTHONPATH": str(REPO)},
     )
     assert result.returncode != 0
     return result.stderr
 
 
-def test_unknown_topic_fails_at_start_naming_the_fix(kafka_bootstrap: str, tmp_path: Path,
-                                                     unique_name: str) -> None:
-    stderr = _run_expecting_failure("integration_tests.pipelines:missing_topic",
-                                    kafka_bootstrap, f"{unique_name}-", tmp_path)
+def test_unknown_topic_fails_at_start_naming_the_fix(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    stderr = _run_expecting_failure(
+        "integration_tests.pipelines:missing_topic", kafka_bootstrap, f"{unique_name}-", tmp_path
+    )
     assert "do not exist" in stderr and "create_partitions" in stderr
 
 
-def test_pipeline_needing_repartition_fails_clearly(kafka_bootstrap: str, tmp_path: Path,
-                                                    unique_name: str) -> None:
+def test_pipeline_needing_repartition_fails_clearly(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
     prefix = f"{unique_name}-"
     create_topics(kafka_bootstrap, {f"{prefix}orders": 2, f"{prefix}totals": 2})
     producer = Producer({"bootstrap.servers": kafka_bootstrap})
-    producer.produce(f"{prefix}orders",
-                     orjson.dumps({"customer": "c1", "region": "eu", "amount": 1, "order_id": 1}),
-                     b"c1")
+    producer.produce(
+        f"{prefix}orders",
+        orjson.dumps({"customer": "c1", "region": "eu", "amount": 1, "order_id": 1}),
+        b"c1",
+    )
     producer.flush(10)
-    stderr = _run_expecting_failure("integration_tests.pipelines:repartition_needed",
-                                    kafka_bootstrap, prefix, tmp_path)
+    stderr = _run_expecting_failure(
+        "integration_tests.pipelines:repartition_needed", kafka_bootstrap, prefix, tmp_path
+    )
     assert "partitioned by the key_by key" in stderr

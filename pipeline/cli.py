@@ -25,17 +25,40 @@ def main() -> None:
 
 @main.command()
 @click.argument("spec")
-@click.option("--workers", type=int, default=1, show_default=True,
-              help="Worker processes to run on this host (each a consumer-group member).")
-@click.option("--bootstrap-servers", envvar="SNAPLINE_BOOTSTRAP_SERVERS", default=None,
-              help="Kafka bootstrap servers; without it an embedded local broker is started.")
-@click.option("--checkpoint-dir", envvar="SNAPLINE_CHECKPOINT_DIR", default=None,
-              help="Checkpoint storage: a directory or a pyarrow.fs URI (s3://, gs://, hdfs://).")
-@click.option("--worker-id", envvar="SNAPLINE_WORKER_ID", default=None,
-              help="Stable id of this worker (fences its previous incarnation). Default: hostname.")
+@click.option(
+    "--workers",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Worker processes to run on this host (each a consumer-group member).",
+)
+@click.option(
+    "--bootstrap-servers",
+    envvar="SNAPLINE_BOOTSTRAP_SERVERS",
+    default=None,
+    help="Kafka bootstrap servers; without it an embedded local broker is started.",
+)
+@click.option(
+    "--checkpoint-dir",
+    envvar="SNAPLINE_CHECKPOINT_DIR",
+    default=None,
+    help="Checkpoint storage: a directory or a pyarrow.fs URI (s3://, gs://, hdfs://).",
+)
+@click.option(
+    "--worker-id",
+    envvar="SNAPLINE_WORKER_ID",
+    default=None,
+    help="Stable id of this worker (fences its previous incarnation). Default: hostname.",
+)
 @click.option("--log-level", default="INFO", show_default=True)
-def run(spec: str, workers: int, bootstrap_servers: str | None, checkpoint_dir: str | None,
-        worker_id: str | None, log_level: str) -> None:
+def run(
+    spec: str,
+    workers: int,
+    bootstrap_servers: str | None,
+    checkpoint_dir: str | None,
+    worker_id: str | None,
+    log_level: str,
+) -> None:
     """Run the pipeline SPEC (module:attribute) as one or more workers."""
     _setup_logging(log_level)
     sys.path.insert(0, os.getcwd())
@@ -49,8 +72,9 @@ def run(spec: str, workers: int, bootstrap_servers: str | None, checkpoint_dir: 
         raise click.ClickException(str(exc)) from exc
     if workers < 1:
         raise click.BadParameter("must be at least 1", param_hint="--workers")
-    checkpoint_dir = checkpoint_dir or pipeline.checkpoint_dir or os.path.join(".snapline",
-                                                                               "checkpoints")
+    checkpoint_dir = (
+        checkpoint_dir or pipeline.checkpoint_dir or os.path.join(".snapline", "checkpoints")
+    )
     broker = None
     if not bootstrap_servers:
         from connectors.local_broker import LocalKafkaBroker
@@ -70,9 +94,18 @@ def run(spec: str, workers: int, bootstrap_servers: str | None, checkpoint_dir: 
         from pipeline.supervisor import Supervisor
 
         ids = [f"{base_id}-{i}" for i in range(workers)] if workers > 1 else [base_id]
-        supervisor = Supervisor(spec, ids, ["--bootstrap-servers", bootstrap_servers,
-                                            "--checkpoint-dir", checkpoint_dir,
-                                            "--log-level", log_level])
+        supervisor = Supervisor(
+            spec,
+            ids,
+            [
+                "--bootstrap-servers",
+                bootstrap_servers,
+                "--checkpoint-dir",
+                checkpoint_dir,
+                "--log-level",
+                log_level,
+            ],
+        )
         sys.exit(supervisor.run())
     finally:
         if broker is not None:
@@ -90,15 +123,18 @@ def checkpoints(spec: str, checkpoint_dir: str | None) -> None:
     from pipeline.graph import load_pipeline
 
     pipeline = load_pipeline(spec)
-    storage = CheckpointStorage(checkpoint_dir or pipeline.checkpoint_dir
-                                or os.path.join(".snapline", "checkpoints"))
+    storage = CheckpointStorage(
+        checkpoint_dir or pipeline.checkpoint_dir or os.path.join(".snapline", "checkpoints")
+    )
     for task_id in storage.list_dir(f"{pipeline.name}/tasks"):
         for ref in list_checkpoints(storage, pipeline.name, task_id):
             try:
                 meta = TaskCheckpoint.read(storage, pipeline.name, task_id, ref)
                 size = sum(f.size for f in meta.state.files) if meta.state else 0
-                click.echo(f"{task_id}\tchk {ref.checkpoint_id}\t{ref.attempt}\t{size} B\t"
-                           f"{dict(meta.positions)}")
+                click.echo(
+                    f"{task_id}\tchk {ref.checkpoint_id}\t{ref.attempt}\t{size} B\t"
+                    f"{dict(meta.positions)}"
+                )
             except SnaplineError as exc:
                 click.echo(f"{task_id}\tchk {ref.checkpoint_id}\t{ref.attempt}\tINCOMPLETE ({exc})")
 

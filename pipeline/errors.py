@@ -1,4 +1,4 @@
-"""The one exception hierarchy of Snapline: every error a user can see derives from SnaplineError."""
+"""The one exception hierarchy of Snapline: every error a user sees derives from SnaplineError."""
 
 from __future__ import annotations
 

@@ -48,12 +48,13 @@ class Stream:
         self._pipeline = pipeline
         self.node = node
 
-    def _then(self, kind: str, fn: Any, *, keyed: bool, name: str = "",
-              **options: Any) -> Stream:
+    def _then(self, kind: str, fn: Any, *, keyed: bool, name: str = "", **options: Any) -> Stream:
         if not callable(fn) and not (kind == "key_by" and fn is None):
             raise ConfigurationError(f"{kind}() needs a function, got {fn!r}")
         _reject_state_on(kind, fn)
-        node = self._pipeline._add(Node(kind, [self.node], fn, name or kind, keyed, options=options))
+        node = self._pipeline._add(
+            Node(kind, [self.node], fn, name or kind, keyed, options=options)
+        )
         return Stream(self._pipeline, node)
 
     def map(self, fn: Callable[[Any], Any], *, name: str = "") -> Stream:
@@ -68,8 +69,13 @@ class Stream:
         """Replace each value by the zero or more values ``fn(value)`` yields."""
         return self._then("flat_map", fn, keyed=self.node.keyed, name=name)
 
-    def key_by(self, fn: Callable[[Any], Any] | None = None, *, name: str = "",
-               trust_partitioning: bool = False) -> KeyedStream:
+    def key_by(
+        self,
+        fn: Callable[[Any], Any] | None = None,
+        *,
+        name: str = "",
+        trust_partitioning: bool = False,
+    ) -> KeyedStream:
         """Key the stream by ``fn(value)``; with no function, by the Kafka message key.
 
         Records must already be partitioned by that key in Kafka (the message key equals the
@@ -78,8 +84,9 @@ class Stream:
         check off when the key is a different but partition-consistent function of the
         message key. Repartitioning through internal topics is not implemented yet.
         """
-        node = self._then("key_by", fn, keyed=True, name=name,
-                          trust_partitioning=trust_partitioning).node
+        node = self._then(
+            "key_by", fn, keyed=True, name=name, trust_partitioning=trust_partitioning
+        ).node
         return KeyedStream(self._pipeline, node)
 
     def process(self, function: KeyedProcessFunction, *, name: str = "") -> Stream:
@@ -199,7 +206,8 @@ class Pipeline:
             1 <= self.max_parallelism <= MAX_MAX_PARALLELISM
         ):
             raise ConfigurationError(
-                f"max_parallelism={self.max_parallelism!r} must be an int in 1..{MAX_MAX_PARALLELISM}"
+                f"max_parallelism={self.max_parallelism!r} must be an int in "
+                f"1..{MAX_MAX_PARALLELISM}"
             )
         if not isinstance(self.retained_checkpoints, int) or self.retained_checkpoints < 1:
             raise ConfigurationError(
@@ -213,7 +221,8 @@ class Pipeline:
             raise ConfigurationError(f"on_error={self.on_error!r}; use one of {list(ON_ERROR)}")
         if self.on_corrupt_checkpoint not in ON_CORRUPT:
             raise ConfigurationError(
-                f"on_corrupt_checkpoint={self.on_corrupt_checkpoint!r}; use one of {list(ON_CORRUPT)}"
+                f"on_corrupt_checkpoint={self.on_corrupt_checkpoint!r}; use one of "
+                f"{list(ON_CORRUPT)}"
             )
         for reserved in ("group.id", "transactional.id", "isolation.level", "enable.auto.commit"):
             if reserved in self.kafka_config:
@@ -237,8 +246,9 @@ class Pipeline:
 
         if not isinstance(source, KafkaSource):
             raise ConfigurationError(f"source() needs a KafkaSource, got {source!r}")
-        return Stream(self, self._add(Node("source", [], source, "source:" + ",".join(
-            source.topic_list))))
+        return Stream(
+            self, self._add(Node("source", [], source, "source:" + ",".join(source.topic_list)))
+        )
 
     # ----------------------------------------------------------------- queries
     def sources(self) -> list[KafkaSource]:
@@ -297,7 +307,9 @@ def load_pipeline(spec: str) -> Pipeline:
 
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
-        raise ConfigurationError(f"{spec!r} is not module:attribute, e.g. examples.word_count:pipeline")
+        raise ConfigurationError(
+            f"{spec!r} is not module:attribute, e.g. examples.word_count:pipeline"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -13,8 +13,18 @@ class Record:
     so dead letters and process functions can name them.
     """
 
-    __slots__ = ("value", "key", "key_bytes", "key_group", "timestamp", "topic", "partition",
-                 "offset", "raw", "raw_key")
+    __slots__ = (
+        "value",
+        "key",
+        "key_bytes",
+        "key_group",
+        "timestamp",
+        "topic",
+        "partition",
+        "offset",
+        "raw",
+        "raw_key",
+    )
 
     def __init__(
         self,
@@ -42,9 +52,21 @@ class Record:
         self.raw_key = raw_key
 
     def with_value(self, value: Any) -> Record:
-        return Record(value, self.timestamp, self.topic, self.partition, self.offset,
-                      self.key, self.key_bytes, self.key_group, self.raw, self.raw_key)
+        return Record(
+            value,
+            self.timestamp,
+            self.topic,
+            self.partition,
+            self.offset,
+            self.key,
+            self.key_bytes,
+            self.key_group,
+            self.raw,
+            self.raw_key,
+        )
 
     def __repr__(self) -> str:
-        return (f"Record(value={self.value!r}, key={self.key!r}, "
-                f"at={self.topic}[{self.partition}]@{self.offset})")
+        return (
+            f"Record(value={self.value!r}, key={self.key!r}, "
+            f"at={self.topic}[{self.partition}]@{self.offset})"
+        )

@@ -31,8 +31,16 @@ class Supervisor:
         self._stopping = False
 
     def _command(self, worker_id: str) -> list[str]:
-        return [sys.executable, "-m", "pipeline.cli", "run", self.spec, "--worker-id", worker_id,
-                *self.extra_args]
+        return [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "run",
+            self.spec,
+            "--worker-id",
+            worker_id,
+            *self.extra_args,
+        ]
 
     def _start(self, worker_id: str) -> None:
         self.children[worker_id] = subprocess.Popen(self._command(worker_id))
@@ -64,8 +72,9 @@ class Supervisor:
                 recent = [t for t in self.restarts[worker_id] if now - t < 60] + [now]
                 self.restarts[worker_id] = recent
                 if len(recent) > MAX_RESTARTS_PER_MINUTE:
-                    log.error("worker %s crashed %d times in a minute; giving up", worker_id,
-                              len(recent))
+                    log.error(
+                        "worker %s crashed %d times in a minute; giving up", worker_id, len(recent)
+                    )
                     self.stop()
                     exit_code = code or 1
                     continue

@@ -22,7 +22,9 @@ def encoder(fmt: str) -> Callable[[Any], bytes | None]:
         return lambda v: None if v is None else str(v).encode()
     if fmt == "bytes":
         return lambda v: v
-    raise ConfigurationError(f"unknown Kafka value format {fmt!r}; use one of {list(VALUE_FORMATS)}")
+    raise ConfigurationError(
+        f"unknown Kafka value format {fmt!r}; use one of {list(VALUE_FORMATS)}"
+    )
 
 
 def encode_key(key: Any) -> bytes | None:
@@ -87,11 +89,14 @@ class KafkaSinkWriter(SinkWriter):
             try:
                 value = encode(record.value)
                 if key_fn is None:
-                    key = record.key_bytes if record.key_bytes is not None else encode_key(record.key)
+                    key = (
+                        record.key_bytes if record.key_bytes is not None else encode_key(record.key)
+                    )
                 else:
                     key = encode_key(key_fn(record.value))
             except Exception as exc:  # a value the format cannot encode is bad input
-                self._context.dead_letter(record, f"{self._topic}: cannot encode output: {exc!r}",
-                                          epoch)
+                self._context.dead_letter(
+                    record, f"{self._topic}: cannot encode output: {exc!r}", epoch
+                )
                 continue
             produce(epoch, topic, value, key)

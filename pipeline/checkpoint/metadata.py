@@ -130,8 +130,9 @@ class TaskCheckpoint:
         return path
 
     @staticmethod
-    def read(storage: CheckpointStorage, job: str, task_id: str,
-             ref: CheckpointRef) -> TaskCheckpoint:
+    def read(
+        storage: CheckpointStorage, job: str, task_id: str, ref: CheckpointRef
+    ) -> TaskCheckpoint:
         path = f"{ref.directory(job, task_id)}/{METADATA_FILE}"
         meta = TaskCheckpoint.decode(storage.read_bytes(path), path)
         if meta.ref != ref or meta.task_id != task_id:
@@ -143,5 +144,7 @@ class TaskCheckpoint:
 
 def list_checkpoints(storage: CheckpointStorage, job: str, task_id: str) -> list[CheckpointRef]:
     """The checkpoint directories of a task, oldest first (complete or not)."""
-    refs = [CheckpointRef.parse_directory(n) for n in storage.list_dir(task_directory(job, task_id))]
+    refs = [
+        CheckpointRef.parse_directory(n) for n in storage.list_dir(task_directory(job, task_id))
+    ]
     return sorted(r for r in refs if r is not None)

@@ -7,6 +7,7 @@ checkpoint threads write while the task thread reads nothing from here during pr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
@@ -89,16 +90,28 @@ class CheckpointStorage:
         self.fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
         if self._local:
             tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
-            pafs.copy_files(local_path, tmp, source_filesystem=pafs.LocalFileSystem(),
-                            destination_filesystem=self.fs)
+            pafs.copy_files(
+                local_path,
+                tmp,
+                source_filesystem=pafs.LocalFileSystem(),
+                destination_filesystem=self.fs,
+            )
             os.replace(tmp, target)
         else:
-            pafs.copy_files(local_path, target, source_filesystem=pafs.LocalFileSystem(),
-                            destination_filesystem=self.fs)
+            pafs.copy_files(
+                local_path,
+                target,
+                source_filesystem=pafs.LocalFileSystem(),
+                destination_filesystem=self.fs,
+            )
 
     def download_file(self, path: str, local_path: str) -> None:
-        pafs.copy_files(self.full_path(path), local_path, source_filesystem=self.fs,
-                        destination_filesystem=pafs.LocalFileSystem())
+        pafs.copy_files(
+            self.full_path(path),
+            local_path,
+            source_filesystem=self.fs,
+            destination_filesystem=pafs.LocalFileSystem(),
+        )
 
     def read_bytes(self, path: str) -> bytes:
         try:
@@ -117,16 +130,12 @@ class CheckpointStorage:
         return sorted(info.base_name for info in self.fs.get_file_info(selector))
 
     def delete_dir(self, path: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.delete_dir(self.full_path(path))
-        except FileNotFoundError:
-            pass
 
     def delete_file(self, path: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.delete_file(self.full_path(path))
-        except FileNotFoundError:
-            pass
 
     def size(self, path: str) -> int:
         return int(self.fs.get_file_info(self.full_path(path)).size or 0)

@@ -154,8 +154,9 @@ class CheckpointCoordinator:
                     f"checkpoint {pending.checkpoint_id} of task {task_id} failed: {exc}"
                 ) from exc
         self.faults.point("after_metadata_write")
-        return CompletedCheckpoint(pending.checkpoint_id, tasks, pending.triggered_at,
-                                   pending.aligned_at, time.monotonic())
+        return CompletedCheckpoint(
+            pending.checkpoint_id, tasks, pending.triggered_at, pending.aligned_at, time.monotonic()
+        )
 
     def finish(self) -> None:
         self.pending = None
@@ -171,17 +172,21 @@ class CheckpointCoordinator:
 
     def _retain(self, task_id: str, committed: CheckpointRef, keep: int) -> None:
         try:
-            refs = [r for r in list_checkpoints(self.storage, self.job, task_id)
-                    if r.checkpoint_id <= committed.checkpoint_id]
+            refs = [
+                r
+                for r in list_checkpoints(self.storage, self.job, task_id)
+                if r.checkpoint_id <= committed.checkpoint_id
+            ]
             complete = [r for r in refs if r.checkpoint_id < committed.checkpoint_id]
-            retained = set(complete[-(keep - 1):] if keep > 1 else []) | {committed}
+            retained = set(complete[-(keep - 1) :] if keep > 1 else []) | {committed}
             for ref in refs:
                 if ref not in retained:
                     self.storage.delete_dir(ref.directory(self.job, task_id))
             self._discard_unreferenced(task_id, sorted(retained))
         except Exception:
-            log.exception("retention of task %s failed (retried after the next checkpoint)",
-                          task_id)
+            log.exception(
+                "retention of task %s failed (retried after the next checkpoint)", task_id
+            )
 
     def _discard_unreferenced(self, task_id: str, retained: list[CheckpointRef]) -> None:
         """Backends with shared files (rocksdb) delete what no retained checkpoint references."""

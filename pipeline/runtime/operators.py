@@ -78,12 +78,31 @@ class SourceOperator(Operator):
                 value = decode_value(raw)
                 key = decode_key(raw_key)
             except Exception as exc:
-                record = Record(None, msg.timestamp()[1], topic, partition, msg.offset(),
-                                raw=raw, raw_key=raw_key)
+                record = Record(
+                    None,
+                    msg.timestamp()[1],
+                    topic,
+                    partition,
+                    msg.offset(),
+                    raw=raw,
+                    raw_key=raw_key,
+                )
                 self.task.dead_letter(record, f"{self.name}: cannot decode: {exc!r}")
                 continue
-            append(Record(value, msg.timestamp()[1], topic, partition, msg.offset(),
-                          key, raw_key, -1, raw, raw_key))
+            append(
+                Record(
+                    value,
+                    msg.timestamp()[1],
+                    topic,
+                    partition,
+                    msg.offset(),
+                    key,
+                    raw_key,
+                    -1,
+                    raw,
+                    raw_key,
+                )
+            )
         self.emit(out)
 
 
@@ -148,8 +167,14 @@ class FlatMapOperator(Operator):
 class KeyByOperator(Operator):
     """Sets key, key bytes and key-group; checks the input is partitioned by that key."""
 
-    def __init__(self, task: Task, name: str, fn: Callable[[Any], Any] | None, max_parallelism: int,
-                 trust_partitioning: bool) -> None:
+    def __init__(
+        self,
+        task: Task,
+        name: str,
+        fn: Callable[[Any], Any] | None,
+        max_parallelism: int,
+        trust_partitioning: bool,
+    ) -> None:
         super().__init__(task, name)
         self._fn = fn
         self._max_parallelism = max_parallelism
@@ -191,8 +216,14 @@ class KeyByOperator(Operator):
 class ProcessOperator(Operator):
     """Runs a keyed process function with its state bound to the task's backend."""
 
-    def __init__(self, task: Task, name: str, function: KeyedProcessFunction,
-                 states: list[tuple[int, StateDescriptor]], backend: KeyedStateBackend) -> None:
+    def __init__(
+        self,
+        task: Task,
+        name: str,
+        function: KeyedProcessFunction,
+        states: list[tuple[int, StateDescriptor]],
+        backend: KeyedStateBackend,
+    ) -> None:
         super().__init__(task, name)
         self._scope = KeyScope()
         self._function = copy.copy(function)

@@ -123,7 +123,8 @@ class Task:
         for node in pipeline.nodes:
             op = by_node[node.id]
             op.owns_input = bool(node.inputs) and all(
-                len(by_node[u.id].downstream) == 1 for u in node.inputs)
+                len(by_node[u.id].downstream) == 1 for u in node.inputs
+            )
 
     def _operator_for(self, node: Node, states: dict[int, Any], worker_id: str) -> Operator:
         kind = node.kind
@@ -139,15 +140,26 @@ class Task:
         if kind == "flat_map":
             return FlatMapOperator(self, node.name, node.fn)
         if kind == "key_by":
-            return KeyByOperator(self, node.name, node.fn, self.pipeline.max_parallelism,
-                                 bool(node.options.get("trust_partitioning")))
+            return KeyByOperator(
+                self,
+                node.name,
+                node.fn,
+                self.pipeline.max_parallelism,
+                bool(node.options.get("trust_partitioning")),
+            )
         if kind == "process":
             return ProcessOperator(self, node.name, node.fn, states[node.id], self.backend)
         if kind == "union":
             return Operator(self, node.name)
         if kind == "sink":
-            context = SinkContext(self.pipeline.name, self.task_id, worker_id, node.fn.name,
-                                  self.output, self._sink_dead_letter)
+            context = SinkContext(
+                self.pipeline.name,
+                self.task_id,
+                worker_id,
+                node.fn.name,
+                self.output,
+                self._sink_dead_letter,
+            )
             sink_op = SinkOperator(self, node.fn.name, node.fn.open(context))
             self.sink_writers[node.fn.name] = sink_op
             return sink_op
@@ -255,8 +267,9 @@ class Task:
                 "(pipeline on_error='fail'; use on_error='dead_letter' to divert such records)"
             )
         self.dead_letters += 1
-        log.warning("dead letter %s[%d]@%d: %s", record.topic, record.partition, record.offset,
-                    reason)
+        log.warning(
+            "dead letter %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason
+        )
         headers = [
             ("snapline.error", reason.encode()[:4000]),
             ("snapline.topic", record.topic.encode()),
@@ -264,8 +277,13 @@ class Task:
             ("snapline.offset", str(record.offset).encode()),
             ("snapline.task", self.task_id.encode()),
         ]
-        self.output.produce(self.epoch, self.pipeline.dead_letter_topic,
-                            record.raw if value is None else value, record.raw_key, headers)
+        self.output.produce(
+            self.epoch,
+            self.pipeline.dead_letter_topic,
+            record.raw if value is None else value,
+            record.raw_key,
+            headers,
+        )
 
     def _sink_dead_letter(self, record: Record, reason: str, epoch: int) -> None:
         try:

@@ -78,8 +78,9 @@ class TransactionalOutput:
             else:
                 self._buffer.append(item)
 
-    def produce(self, epoch: int, topic: str, value: bytes | None, key: bytes | None,
-                headers: Any = None) -> None:
+    def produce(
+        self, epoch: int, topic: str, value: bytes | None, key: bytes | None, headers: Any = None
+    ) -> None:
         if epoch == self.open_epoch or not self.exactly_once:
             self._send(topic, value, key, headers)
         elif self.open_epoch is not None and epoch < self.open_epoch:
@@ -94,8 +95,7 @@ class TransactionalOutput:
         while True:
             try:
                 if headers:
-                    self.producer.produce(topic, value, key, headers=headers,
-                                          on_delivery=callback)
+                    self.producer.produce(topic, value, key, headers=headers, on_delivery=callback)
                 elif callback is None:
                     self.producer.produce(topic, value, key)
                 else:
@@ -110,8 +110,9 @@ class TransactionalOutput:
     def poll(self) -> None:
         self.producer.poll(0)
 
-    def commit(self, offsets: list[TopicPartition], group_metadata: Any,
-               timeout: float = 60.0) -> None:
+    def commit(
+        self, offsets: list[TopicPartition], group_metadata: Any, timeout: float = 60.0
+    ) -> None:
         """The commit point: the epoch's records and the source offsets, atomically."""
         if not self.exactly_once:
             raise CheckpointError("commit() is only for exactly-once; use flush()")

@@ -81,18 +81,32 @@ class Worker:
         self.settings = settings
         self.faults = FaultInjector()
         self.storage = CheckpointStorage(settings.checkpoint_dir)
-        self.local_dir = Path(settings.local_dir or Path(settings.checkpoint_dir).absolute()
-                              .parent / ".snapline-local" / settings.worker_id)
+        self.local_dir = Path(
+            settings.local_dir
+            or Path(settings.checkpoint_dir).absolute().parent
+            / ".snapline-local"
+            / settings.worker_id
+        )
         kafka_config = {"bootstrap.servers": settings.bootstrap_servers, **pipeline.kafka_config}
         self._kafka_config = kafka_config
-        log.info("worker %s of job %s: kafka %s, checkpoints %s", settings.worker_id,
-                 pipeline.name, redact(kafka_config), settings.checkpoint_dir)
+        log.info(
+            "worker %s of job %s: kafka %s, checkpoints %s",
+            settings.worker_id,
+            pipeline.name,
+            redact(kafka_config),
+            settings.checkpoint_dir,
+        )
         states = [
             {**desc.describe(), "id": sid, "operator": node_id}
-            for node_id, entries in pipeline.state_ids().items() for sid, desc in entries
+            for node_id, entries in pipeline.state_ids().items()
+            for sid, desc in entries
         ]
         self.coordinator = CheckpointCoordinator(
-            pipeline.name, settings.worker_id, self.storage, self.faults, states=states,
+            pipeline.name,
+            settings.worker_id,
+            self.storage,
+            self.faults,
+            states=states,
             timeout=pipeline.checkpoint_timeout,
         )
         self.tasks: dict[str, Task] = {}
@@ -106,8 +120,9 @@ class Worker:
         self._metrics_path = os.environ.get("SNAPLINE_METRICS_FILE")
         self.checkpoints_committed = 0
         self._check_topics()
-        transactional_id = (f"snapline-{pipeline.name}-{settings.worker_id}"
-                            if pipeline.exactly_once else None)
+        transactional_id = (
+            f"snapline-{pipeline.name}-{settings.worker_id}" if pipeline.exactly_once else None
+        )
         producer_config = {**kafka_config, "client.id": f"{pipeline.name}-{settings.worker_id}"}
         self.output = TransactionalOutput(producer_config, transactional_id=transactional_id)
         self.consumer = Consumer(self._consumer_config())
@@ -201,14 +216,19 @@ class Worker:
         by_task: dict[str, list[TopicPartition]] = defaultdict(list)
         for tp in partitions:
             by_task[task_id_for(tp.partition)].append(tp)
-        committed = self.consumer.committed(
-            [TopicPartition(tp.topic, tp.partition) for tp in partitions], timeout=30
-        ) if partitions else []
+        committed = (
+            self.consumer.committed(
+                [TopicPartition(tp.topic, tp.partition) for tp in partitions], timeout=30
+            )
+            if partitions
+            else []
+        )
         committed_by_tp = {(c.topic, c.partition): c for c in committed}
         seek: dict[tuple[str, int], int] = {}
         for task_id, tps in sorted(by_task.items()):
-            positions, ref = self._restore_task(task_id, [committed_by_tp[(t.topic, t.partition)]
-                                                          for t in tps])
+            positions, ref = self._restore_task(
+                task_id, [committed_by_tp[(t.topic, t.partition)] for t in tps]
+            )
             seek.update(positions)
         if self.tasks:
             self.output.begin(self.coordinator.next_id)
@@ -217,26 +237,31 @@ class Worker:
         self._last_trigger = time.monotonic()
         return seek
 
-    def _restore_task(self, task_id: str, committed: list[TopicPartition]
-                      ) -> tuple[dict[tuple[str, int], int], CheckpointRef | None]:
-        refs = {CheckpointRef.parse_offset_metadata(c.metadata) for c in committed
-                if c.offset >= 0}
+    def _restore_task(
+        self, task_id: str, committed: list[TopicPartition]
+    ) -> tuple[dict[tuple[str, int], int], CheckpointRef | None]:
+        refs = {CheckpointRef.parse_offset_metadata(c.metadata) for c in committed if c.offset >= 0}
         if len(refs) > 1:
             raise CheckpointError(
                 f"partitions of task {task_id} name different checkpoints {sorted(map(str, refs))};"
                 " were source topics added to a running pipeline? Start it under a new name"
             )
         ref = refs.pop() if refs else None
-        backend = create_backend(self.pipeline.state_backend,
-                                 task_dir=str(self.local_dir / self.pipeline.name / task_id),
-                                 options=self.pipeline.state_backend_options)
+        backend = create_backend(
+            self.pipeline.state_backend,
+            task_dir=str(self.local_dir / self.pipeline.name / task_id),
+            options=self.pipeline.state_backend_options,
+        )
         meta: TaskCheckpoint | None = None
         if ref is not None:
             meta = self._load_checkpoint(task_id, ref, backend)
         self._discard_uncommitted(task_id, ref)
         positions: dict[tuple[str, int], int] = {}
-        start = {t: (OFFSET_END if s.starting_position == "latest" else OFFSET_BEGINNING)
-                 for s in self.pipeline.sources() for t in s.topic_list}
+        start = {
+            t: (OFFSET_END if s.starting_position == "latest" else OFFSET_BEGINNING)
+            for s in self.pipeline.sources()
+            for t in s.topic_list
+        }
         for c in committed:
             tp = (c.topic, c.partition)
             if meta is not None and tp in meta.positions:
@@ -247,18 +272,31 @@ class Worker:
                 positions[tp] = start[c.topic]
         task_epoch = self.coordinator.next_id
         self.coordinator.observe_restored(ref.checkpoint_id if ref else None)
-        task = Task(task_id, self.pipeline, self._channel_positions(positions), backend,
-                    self.output, worker_id=self.settings.worker_id,
-                    epoch=max(task_epoch, self.coordinator.next_id),
-                    on_snapshot=self._on_task_snapshot, faults=self.faults)
+        task = Task(
+            task_id,
+            self.pipeline,
+            self._channel_positions(positions),
+            backend,
+            self.output,
+            worker_id=self.settings.worker_id,
+            epoch=max(task_epoch, self.coordinator.next_id),
+            on_snapshot=self._on_task_snapshot,
+            faults=self.faults,
+        )
         task.recover_sinks(ref.checkpoint_id if ref else None, meta.sinks if meta else {})
         self.tasks[task_id] = task
         self._committed[task_id] = ref
-        log.info("task %s restored from %s at %s", task_id,
-                 f"checkpoint {ref.checkpoint_id}" if ref else "no checkpoint", positions)
+        log.info(
+            "task %s restored from %s at %s",
+            task_id,
+            f"checkpoint {ref.checkpoint_id}" if ref else "no checkpoint",
+            positions,
+        )
         return positions, ref
 
-    def _channel_positions(self, positions: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
+    def _channel_positions(
+        self, positions: dict[tuple[str, int], int]
+    ) -> dict[tuple[str, int], int]:
         # Logical offsets (beginning/end) are resolved by the broker; channels start "unknown"
         # and learn the real offset from the first message or the consumer position.
         resolved = {}
@@ -286,8 +324,9 @@ class Worker:
                 ) from exc
             return self._rewind(task_id, ref, backend, exc)
 
-    def _rewind(self, task_id: str, bad: CheckpointRef, backend: Any,
-                cause: Exception) -> TaskCheckpoint:
+    def _rewind(
+        self, task_id: str, bad: CheckpointRef, backend: Any, cause: Exception
+    ) -> TaskCheckpoint:
         for ref in reversed(list_checkpoints(self.storage, self.pipeline.name, task_id)):
             if ref.checkpoint_id >= bad.checkpoint_id:
                 continue
@@ -297,9 +336,14 @@ class Worker:
                     backend.restore(meta.state, self.storage)
             except CheckpointError:
                 continue
-            log.error("task %s: checkpoint %d is corrupt (%s); REWINDING to checkpoint %d: "
-                      "output between them will be written again (at-least-once for that span)",
-                      task_id, bad.checkpoint_id, cause, ref.checkpoint_id)
+            log.error(
+                "task %s: checkpoint %d is corrupt (%s); REWINDING to checkpoint %d: "
+                "output between them will be written again (at-least-once for that span)",
+                task_id,
+                bad.checkpoint_id,
+                cause,
+                ref.checkpoint_id,
+            )
             self.coordinator.observe_restored(bad.checkpoint_id)
             return meta
         raise CorruptCheckpointError(
@@ -319,8 +363,11 @@ class Worker:
         self.coordinator.acknowledge(snapshot)
 
     def _maybe_trigger(self, now: float) -> None:
-        if (self.tasks and self.coordinator.pending is None
-                and now - self._last_trigger >= self.pipeline.checkpoint_interval):
+        if (
+            self.tasks
+            and self.coordinator.pending is None
+            and now - self._last_trigger >= self.pipeline.checkpoint_interval
+        ):
             self._trigger(now)
 
     def _trigger(self, now: float) -> None:
@@ -334,10 +381,11 @@ class Worker:
         """The commit point, then sink notification and retention."""
         n = done.checkpoint_id
         offsets = []
-        for task_id, meta in done.tasks.items():
+        for meta in done.tasks.values():
             for (topic, partition), offset in meta.positions.items():
-                offsets.append(TopicPartition(topic, partition, offset,
-                                              metadata=meta.ref.offset_metadata()))
+                offsets.append(
+                    TopicPartition(topic, partition, offset, metadata=meta.ref.offset_metadata())
+                )
         commit_start = time.monotonic()
         self._records_at_durable = self._records_in()
         if self.pipeline.exactly_once:
@@ -360,8 +408,9 @@ class Worker:
         self.checkpoints_committed += 1
         self._record_metrics(done, commit_start, committed_at)
 
-    def _record_metrics(self, done: CompletedCheckpoint, commit_start: float,
-                        committed_at: float) -> None:
+    def _record_metrics(
+        self, done: CompletedCheckpoint, commit_start: float, committed_at: float
+    ) -> None:
         entry = {
             "event": "checkpoint",
             "checkpoint": done.checkpoint_id,
@@ -370,16 +419,20 @@ class Worker:
             "materialize_ms": round((done.durable_at - done.aligned_at) * 1000, 2),
             "commit_ms": round((committed_at - commit_start) * 1000, 2),
             "total_ms": round((time.monotonic() - done.triggered_at) * 1000, 2),
-            "state_bytes": sum(f.size for m in done.tasks.values() if m.state
-                               for f in m.state.files),
+            "state_bytes": sum(
+                f.size for m in done.tasks.values() if m.state for f in m.state.files
+            ),
             "records_in": self._records_in(),
             # Records read while this checkpoint was aligning and materializing: processing
             # does not stop for a snapshot.
             "records_during_checkpoint": self._records_at_durable - self._records_at_trigger,
             "alignment_blocks": sum(t.aligner.blocked_count for t in self.tasks.values()),
         }
-        log.info("checkpoint %(checkpoint)d committed: align %(align_ms)sms, materialize "
-                 "%(materialize_ms)sms, commit %(commit_ms)sms", entry)
+        log.info(
+            "checkpoint %(checkpoint)d committed: align %(align_ms)sms, materialize "
+            "%(materialize_ms)sms, commit %(commit_ms)sms",
+            entry,
+        )
         self._event(entry)
 
     def _records_in(self) -> int:
@@ -388,8 +441,12 @@ class Worker:
     def _event(self, entry: dict[str, Any]) -> None:
         """Append a metrics event (JSON line) when SNAPLINE_METRICS_FILE is set."""
         if self._metrics_path:
-            entry = {**entry, "worker": self.settings.worker_id, "pid": os.getpid(),
-                     "time": time.time()}
+            entry = {
+                **entry,
+                "worker": self.settings.worker_id,
+                "pid": os.getpid(),
+                "time": time.time(),
+            }
             with open(self._metrics_path, "a") as fh:
                 fh.write(json.dumps(entry) + "\n")
 
@@ -402,7 +459,7 @@ class Worker:
                 f"{self._failures} checkpoints failed in a row (tolerable_checkpoint_failures="
                 f"{self.pipeline.tolerable_checkpoint_failures}); last error: {exc}"
             ) from exc
-        time.sleep(min(0.5 * 2 ** self._failures, 10))
+        time.sleep(min(0.5 * 2**self._failures, 10))
         assignment = self.consumer.assignment()
         self._drop_tasks()
         restored = self._restore(assignment)
@@ -417,8 +474,9 @@ class Worker:
         """Process until stopped (SIGTERM: final checkpoint, clean exit)."""
         self.output.init()
         topics = self.pipeline.source_topics()
-        self.consumer.subscribe(topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
-                                on_lost=self._on_revoke)
+        self.consumer.subscribe(
+            topics, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke
+        )
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
         try:
             while True:
@@ -427,8 +485,9 @@ class Worker:
                     break
                 self._step()
         except FencedError:
-            log.error("another incarnation of worker %s took over; exiting",
-                      self.settings.worker_id)
+            log.error(
+                "another incarnation of worker %s took over; exiting", self.settings.worker_id
+            )
             raise
         finally:
             self._close()

@@ -8,8 +8,9 @@ from pipeline.state.backend import KeyedStateBackend
 BACKENDS = ("memory", "rocksdb")
 
 
-def create_backend(name: str, *, task_dir: str | None = None,
-                   options: dict[str, object] | None = None) -> KeyedStateBackend:
+def create_backend(
+    name: str, *, task_dir: str | None = None, options: dict[str, object] | None = None
+) -> KeyedStateBackend:
     """A fresh backend for one task. ``task_dir`` is the task's local working directory."""
     if name == "memory":
         from pipeline.state.memory import MemoryStateBackend

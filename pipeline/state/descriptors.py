@@ -77,11 +77,21 @@ class StateDescriptor(ABC):
 
 
 class _Bound:
-    __slots__ = ("_backend", "_scope", "_sid", "_serde", "_name", "_get", "_put", "_loads",
-                 "_dumps")
+    __slots__ = (
+        "_backend",
+        "_scope",
+        "_sid",
+        "_serde",
+        "_name",
+        "_get",
+        "_put",
+        "_loads",
+        "_dumps",
+    )
 
-    def __init__(self, desc: StateDescriptor, backend: KeyedStateBackend, scope: KeyScope,
-                 state_id: int) -> None:
+    def __init__(
+        self, desc: StateDescriptor, backend: KeyedStateBackend, scope: KeyScope, state_id: int
+    ) -> None:
         self._backend = backend
         self._scope = scope
         self._sid = bytes([state_id])
@@ -109,8 +119,9 @@ class ValueState(StateDescriptor, Generic[T]):
 
     kind = "value"
 
-    def __init__(self, name: str | None = None, *, default: Any = None,
-                 serde: Serde | str | None = None) -> None:
+    def __init__(
+        self, name: str | None = None, *, default: Any = None, serde: Serde | str | None = None
+    ) -> None:
         super().__init__(name, serde=serde)
         self.default = default
 
@@ -121,8 +132,9 @@ class ValueState(StateDescriptor, Generic[T]):
 class BoundValueState(_Bound):
     __slots__ = ("_default", "_mutable_default")
 
-    def __init__(self, desc: ValueState[Any], backend: KeyedStateBackend, scope: KeyScope,
-                 state_id: int) -> None:
+    def __init__(
+        self, desc: ValueState[Any], backend: KeyedStateBackend, scope: KeyScope, state_id: int
+    ) -> None:
         super().__init__(desc, backend, scope, state_id)
         self._default = desc.default
         self._mutable_default = isinstance(desc.default, list | dict | set)
@@ -184,8 +196,13 @@ class MapState(StateDescriptor):
 
     kind = "map"
 
-    def __init__(self, name: str | None = None, *, serde: Serde | str | None = None,
-                 key_serde: Serde | str | None = None) -> None:
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        serde: Serde | str | None = None,
+        key_serde: Serde | str | None = None,
+    ) -> None:
         super().__init__(name, serde=serde)
         self.key_serde = resolve_serde(key_serde)
 
@@ -199,8 +216,9 @@ class MapState(StateDescriptor):
 class BoundMapState(_Bound):
     __slots__ = ("_kserde",)
 
-    def __init__(self, desc: MapState, backend: KeyedStateBackend, scope: KeyScope,
-                 state_id: int) -> None:
+    def __init__(
+        self, desc: MapState, backend: KeyedStateBackend, scope: KeyScope, state_id: int
+    ) -> None:
         super().__init__(desc, backend, scope, state_id)
         self._kserde = desc.key_serde
 
@@ -246,23 +264,30 @@ class ReducingState(StateDescriptor):
 
     kind = "reducing"
 
-    def __init__(self, name: str | None = None, *, reduce_fn: Callable[[Any, Any], Any],
-                 serde: Serde | str | None = None) -> None:
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        reduce_fn: Callable[[Any, Any], Any],
+        serde: Serde | str | None = None,
+    ) -> None:
         super().__init__(name, serde=serde)
         if not callable(reduce_fn):
             raise StateError(f"ReducingState {name!r} needs a callable reduce_fn")
         self.reduce_fn = reduce_fn
 
-    def bind(self, backend: KeyedStateBackend, scope: KeyScope,
-             state_id: int) -> BoundReducingState:
+    def bind(
+        self, backend: KeyedStateBackend, scope: KeyScope, state_id: int
+    ) -> BoundReducingState:
         return BoundReducingState(self, backend, scope, state_id)
 
 
 class BoundReducingState(_Bound):
     __slots__ = ("_reduce",)
 
-    def __init__(self, desc: ReducingState, backend: KeyedStateBackend, scope: KeyScope,
-                 state_id: int) -> None:
+    def __init__(
+        self, desc: ReducingState, backend: KeyedStateBackend, scope: KeyScope, state_id: int
+    ) -> None:
         super().__init__(desc, backend, scope, state_id)
         self._reduce = desc.reduce_fn
 
@@ -299,23 +324,30 @@ class AggregatingState(StateDescriptor):
 
     kind = "aggregating"
 
-    def __init__(self, name: str | None = None, *, aggregate: AggregateFunction[Any, Any, Any],
-                 serde: Serde | str | None = None) -> None:
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        aggregate: AggregateFunction[Any, Any, Any],
+        serde: Serde | str | None = None,
+    ) -> None:
         super().__init__(name, serde=serde)
         if not isinstance(aggregate, AggregateFunction):
             raise StateError(f"AggregatingState {name!r} needs an AggregateFunction instance")
         self.aggregate = aggregate
 
-    def bind(self, backend: KeyedStateBackend, scope: KeyScope,
-             state_id: int) -> BoundAggregatingState:
+    def bind(
+        self, backend: KeyedStateBackend, scope: KeyScope, state_id: int
+    ) -> BoundAggregatingState:
         return BoundAggregatingState(self, backend, scope, state_id)
 
 
 class BoundAggregatingState(_Bound):
     __slots__ = ("_agg",)
 
-    def __init__(self, desc: AggregatingState, backend: KeyedStateBackend, scope: KeyScope,
-                 state_id: int) -> None:
+    def __init__(
+        self, desc: AggregatingState, backend: KeyedStateBackend, scope: KeyScope, state_id: int
+    ) -> None:
         super().__init__(desc, backend, scope, state_id)
         self._agg = desc.aggregate
 

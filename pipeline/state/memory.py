@@ -33,8 +33,15 @@ class MemorySnapshot(SnapshotHandle):
             append(b"\x00" + pack(len(key)) + key + pack(len(value)) + value)
         for prefix, entries in self._maps.items():
             for ukey, value in entries.items():
-                append(b"\x01" + pack(len(prefix)) + prefix + pack(len(ukey)) + ukey
-                       + pack(len(value)) + value)
+                append(
+                    b"\x01"
+                    + pack(len(prefix))
+                    + prefix
+                    + pack(len(ukey))
+                    + ukey
+                    + pack(len(value))
+                    + value
+                )
         return b"".join(parts)
 
     def materialize(self, storage: CheckpointStorage, directory: str) -> StateHandle:
@@ -60,16 +67,16 @@ def decode_memory_snapshot(
             pos += 1
             (n,) = unpack(data, pos)
             pos += 4
-            key = bytes(view[pos:pos + n])
+            key = bytes(view[pos : pos + n])
             pos += n
             if kind == _MAP:
                 (n,) = unpack(data, pos)
                 pos += 4
-                ukey = bytes(view[pos:pos + n])
+                ukey = bytes(view[pos : pos + n])
                 pos += n
             (n,) = unpack(data, pos)
             pos += 4
-            value = bytes(view[pos:pos + n])
+            value = bytes(view[pos : pos + n])
             pos += n
             if kind == _VALUE:
                 values[key] = value

@@ -99,7 +99,13 @@ def test_topic_read_twice() -> None:
 
 
 def test_secrets_are_redacted() -> None:
-    cleaned = redact({"sasl.password": "hunter2", "sasl.username": "me",
-                      "ssl.key.password": "x", "bootstrap.servers": "b:9092"})
+    cleaned = redact(
+        {
+            "sasl.password": "hunter2",
+            "sasl.username": "me",
+            "ssl.key.password": "x",
+            "bootstrap.servers": "b:9092",
+        }
+    )
     assert cleaned["sasl.password"] == "***" and cleaned["ssl.key.password"] == "***"
     assert cleaned["sasl.username"] == "me" and cleaned["bootstrap.servers"] == "b:9092"

@@ -14,10 +14,14 @@ from pipeline.state.backend import StateFile, StateHandle
 
 def sample(ref: CheckpointRef = CheckpointRef(7, "abc123")) -> TaskCheckpoint:
     return TaskCheckpoint(
-        job="orders", task_id="p3", ref=ref, worker_id="w1",
+        job="orders",
+        task_id="p3",
+        ref=ref,
+        worker_id="w1",
         positions={("orders", 3): 1234, ("refunds", 3): 56},
         state=StateHandle("memory", (StateFile("orders/tasks/p3/x/state.bin", 10, "crc32:00"),)),
-        sinks={"parquet": {"files": ["a"]}}, states=[{"name": "total", "kind": "value"}],
+        sinks={"parquet": {"files": ["a"]}},
+        states=[{"name": "total", "kind": "value"}],
         created_at=1.5,
     )
 

@@ -19,10 +19,17 @@ from pipeline.keygroups import (
 
 def test_key_group_is_stable_across_processes() -> None:
     here = [key_group(f"customer-{i}".encode(), 128) for i in range(50)]
-    code = ("from pipeline.keygroups import key_group;"
-            "print([key_group(f'customer-{i}'.encode(), 128) for i in range(50)])")
-    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           check=True, env={"PYTHONHASHSEED": "123", "PATH": ""})
+    code = (
+        "from pipeline.keygroups import key_group;"
+        "print([key_group(f'customer-{i}'.encode(), 128) for i in range(50)])"
+    )
+    other = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "123", "PATH": ""},
+    )
     assert str(here) == other.stdout.strip()
 
 
