@@ -332,3 +332,82 @@ def test_concurrent_spark_reads_never_see_uncommitted_rows(
 
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "writer":
     writer_main(*sys.argv[2:])
+
+
+# --------------------------------------------------------------------------- the example
+
+
+def test_spark_analytics_example(
+    spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from examples.spark_analytics import main
+
+    table = tmp_path / "customer_totals"
+    writer = open_writer(ParquetSink(table, checkpoint_column="checkpoint"))
+    writer.recover(None, None)
+    totals: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    order = 0
+    for checkpoint in (1, 2, 3):
+        outputs = []
+        for i in range(30):
+            customer = f"c{(i * 7 + checkpoint) % 4}"
+            totals[customer] = totals.get(customer, 0) + i
+            counts[customer] = counts.get(customer, 0) + 1
+            outputs.append(
+                {
+                    "customer": customer,
+                    "total": totals[customer],
+                    "count": counts[customer],
+                    "order_id": order,
+                }
+            )
+            order += 1
+        writer.write_batch([Record(v, 0, "t", 0, i) for i, v in enumerate(outputs)], checkpoint)
+        pre_commit(writer, checkpoint)
+        writer.commit(checkpoint)
+    assert main([str(table)], spark=spark) == 0
+    out = capsys.readouterr().out
+    assert "running-total table, 90 committed rows, 4 customers" in out
+    assert "from 3 checkpoints (latest id 3)" in out
+    for customer, total in totals.items():
+        assert any(line.split()[:2] == [customer, str(total)] for line in out.splitlines())
+    assert "exactly-once check" in out and ": OK" in out
+
+    # A duplicated output (as an at-least-once sink would leave) fails the check.
+    duplicate = {
+        "customer": "c0",
+        "total": totals["c0"],
+        "count": counts["c0"],
+        "order_id": order - 1,
+    }
+    writer.write_batch([Record(duplicate, 0, "t", 0, 0)], 4)
+    pre_commit(writer, 4)
+    writer.commit(4)
+    assert main([str(table)], spark=spark) == 1
+    assert "exactly-once check FAILED for 1 customers" in capsys.readouterr().out
+    writer.close()
+
+
+def test_spark_analytics_sums_contributions(
+    spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from examples.spark_analytics import analyse, main
+
+    table = tmp_path / "contributions"
+    assert main([str(tmp_path / "nothing-yet")], spark=spark) == 2
+    writer = open_writer(ParquetSink(table, partition_by=["day"], checkpoint_column="checkpoint"))
+    rows = [
+        {"customer": f"c{i % 3}", "amount": i, "day": f"2024-01-0{1 + i % 2}"} for i in range(12)
+    ]
+    writer.write_batch([Record(r, 0, "t", 0, i) for i, r in enumerate(rows)], 1)
+    pre_commit(writer, 1)
+    writer.commit(1)
+    analysis = analyse(spark, str(table))
+    assert analysis.kind == "contributions"
+    assert {c["customer"]: c["total"] for c in analysis.customers} == {
+        "c0": 0 + 3 + 6 + 9,
+        "c1": 1 + 4 + 7 + 10,
+        "c2": 2 + 5 + 8 + 11,
+    }
+    writer.close()
