@@ -1,7 +1,8 @@
 """Launching a benchmarked system in its own process, stopping it, and reading its peak RSS.
 
-The child is reaped with ``os.wait4`` so its resource usage (peak RSS of it and the children it
-waited for) is exactly that of this run, not of every child the harness ever had.
+Peak RSS is the child's ``VmHWM`` from ``/proc/<pid>/status``, sampled by a thread until the
+child exits. ``ru_maxrss`` from ``wait4`` would be wrong here: Linux carries the high-water mark
+of the pre-exec memory map (the harness's own, copied at fork) into the child's ru_maxrss.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +52,22 @@ class Child:
                                       preexec_fn=_die_with_parent(os.getpid()))
         self.pid = self._proc.pid
         self._exit: Exit | None = None
+        self._hwm_kib = 0
+        self._sampler = threading.Thread(target=self._sample_rss, name=f"rss-{self.pid}",
+                                         daemon=True)
+        self._sampler.start()
+
+    def _sample_rss(self) -> None:
+        status = Path(f"/proc/{self.pid}/status")
+        while self._exit is None:
+            try:
+                for line in status.read_text().splitlines():
+                    if line.startswith("VmHWM:"):
+                        self._hwm_kib = max(self._hwm_kib, int(line.split()[1]))
+                        break
+            except (OSError, ValueError, IndexError):  # exited (zombie: no VmHWM line)
+                return
+            time.sleep(0.1)
 
     def running(self) -> bool:
         if self._exit is not None:
@@ -59,14 +77,14 @@ class Child:
     def _try_reap(self, block: bool, stopped_by: str = "self") -> Exit | None:
         if self._exit is not None:
             return self._exit
-        pid, status, rusage = os.wait4(self.pid, 0 if block else os.WNOHANG)
+        pid, status = os.waitpid(self.pid, 0 if block else os.WNOHANG)
         if pid == 0:
             return None
         self._proc.returncode = os.waitstatus_to_exitcode(status)  # keep Popen consistent
         self._log.close()
         self._exit = Exit(
             returncode=self._proc.returncode,
-            peak_rss_mb=rusage.ru_maxrss / 1024.0,  # KiB on Linux
+            peak_rss_mb=self._hwm_kib / 1024.0,
             wall_s=time.time() - self.started_at,
             stopped_by=stopped_by,
             log_tail=tail(self.log_path),
