@@ -85,21 +85,28 @@ def _is_sst(name: str) -> bool:
 
 
 class _LocalCheckpoints:
-    """Hard-link checkpoint directories kept on local disk for local recovery (locked)."""
+    """Hard-link checkpoint directories kept on local disk for local recovery (locked).
 
-    def __init__(self, keep: int) -> None:
+    Once a checkpoint of this instance is materialized, the files of an earlier process
+    (``previous``) have no use left and are deleted.
+    """
+
+    def __init__(self, keep: int, previous_dir: Path) -> None:
         self._keep = keep
+        self._previous_dir = previous_dir
         self._lock = threading.Lock()
         self._kept: list[tuple[int, Path]] = []
 
     def release(self, checkpoint_id: int, path: Path, materialized: bool) -> None:
         drop = [path]
-        if materialized and self._keep > 0:
-            with self._lock:
-                self._kept.append((checkpoint_id, path))
-                self._kept.sort()
-                drop = [p for _, p in self._kept[: -self._keep]]
-                self._kept = self._kept[-self._keep :]
+        if materialized:
+            drop.append(self._previous_dir)
+            if self._keep > 0:
+                with self._lock:
+                    self._kept.append((checkpoint_id, path))
+                    self._kept.sort()
+                    drop = [p for _, p in self._kept[: -self._keep]] + [self._previous_dir]
+                    self._kept = self._kept[-self._keep :]
         for p in drop:
             shutil.rmtree(p, ignore_errors=True)
 
@@ -183,7 +190,7 @@ class RocksDBStateBackend(KeyedStateBackend):
         self.checkpoints_dir = self.task_dir / "checkpoints"
         self.previous_dir = self.task_dir / "previous"
         self._registry = SharedFileRegistry()
-        self._local = _LocalCheckpoints(self.options.local_checkpoints_kept)
+        self._local = _LocalCheckpoints(self.options.local_checkpoints_kept, self.previous_dir)
         self._write_options = rocksdict.WriteOptions()
         # A property at runtime although the stub declares a method.
         self._write_options.disable_wal = self.options.disable_wal  # type: ignore[method-assign,assignment]
@@ -201,6 +208,8 @@ class RocksDBStateBackend(KeyedStateBackend):
 
         A fresh backend must start empty: only ``restore`` decides what state a task has.
         """
+        for staging in self.task_dir.glob("restore-*"):  # a restore interrupted by a crash
+            shutil.rmtree(staging, ignore_errors=True)
         leftovers = [p for p in (self.db_dir, self.checkpoints_dir) if p.exists()]
         if not leftovers:
             return

@@ -96,6 +96,24 @@ def test_a_new_backend_starts_empty_even_with_old_files(tmp_path: Path) -> None:
         new.close()
 
 
+def test_old_files_go_after_the_first_checkpoint(
+    tmp_path: Path, storage: CheckpointStorage
+) -> None:
+    task_dir = tmp_path / "task"
+    old = RocksDBStateBackend(task_dir)
+    fill(old, 100)
+    old.close()
+    (task_dir / "restore-0000dead").mkdir()  # a restore interrupted by a crash
+    new = RocksDBStateBackend(task_dir)
+    try:
+        assert not (task_dir / "restore-0000dead").exists()
+        assert (task_dir / "previous").exists()
+        take_checkpoint(new, storage, 1)
+        assert not (task_dir / "previous").exists()
+    finally:
+        new.close()
+
+
 def test_close_keeps_files_destroy_deletes_them(tmp_path: Path) -> None:
     kept = RocksDBStateBackend(tmp_path / "kept")
     fill(kept, 10)
