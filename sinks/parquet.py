@@ -416,7 +416,7 @@ def read_commit_log(table: str | os.PathLike[str]) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- the sink
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ParquetSink(Sink):
     """Writes dict rows (``record.value``) exactly once into a partitioned Parquet table.
 

@@ -384,7 +384,7 @@ def _copy_text(value: str) -> str:
 # --------------------------------------------------------------------------- the sink
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PostgresSink(Sink):
     """Upserts dict rows (``record.value``) into an existing PostgreSQL table, exactly once.
 
