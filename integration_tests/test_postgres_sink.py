@@ -140,7 +140,7 @@ def test_a_replay_never_overwrites_newer_data(postgres_dsn: str) -> None:
                 sql.Identifier(f"{table}__snapline_staging")
             ),
             (
-                "pg-test/orders-0",
+                writer.writer_key,
                 token,
                 orjson.dumps({"customer": "a", "total": 1, "n": 1}).decode(),
             ),

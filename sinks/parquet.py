@@ -4,9 +4,9 @@ Exactly-once into a Hive-style partitioned directory that ``spark.read.parquet``
 read (DESIGN §6). Table layout::
 
     <table>/<col>=<value>/part-<job>-<task>-<checkpoint>-<token>-<seq>.parquet   published
-    <table>/_staging/<job>/<task>/<checkpoint>-<token>/...                         pre-committed
-    <table>/_commits/<job>/<task>/<checkpoint>-<token>.json                        commit log
-    <table>/_schema.arrow                                                           table schema
+    <table>/_staging/<job>/<sink>/<task>/<checkpoint>-<token>/...               pre-committed
+    <table>/_commits/<job>/<sink>/<task>/<checkpoint>-<token>.json              commit log
+    <table>/_schema.arrow                                                       table schema
 
 ``pre_commit(n)`` writes and fsyncs the epoch's files under ``_staging`` (readers skip paths
 that start with ``_``); ``commit(n)`` writes the commit-log entry (the intent) and then renames
@@ -403,13 +403,13 @@ class _Pending:
 
 
 def read_commit_log(table: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every commit-log entry of a table (job, task, checkpoint, files, rows), oldest first."""
+    """Every commit-log entry of a table (job, sink, task, checkpoint, files, rows), in order."""
     root = Path(table) / COMMITS_DIR
     entries = []
-    for path in sorted(root.glob("*/*/*.json")):
+    for path in sorted(root.glob("*/*/*/*.json")):
         body = orjson.loads(path.read_bytes())
         entries.append(body)
-    entries.sort(key=lambda e: (e["job"], e["task"], e["checkpoint"]))
+    entries.sort(key=lambda e: (e["job"], e["sink"], e["task"], e["checkpoint"]))
     return entries
 
 
@@ -501,9 +501,11 @@ class ParquetSinkWriter(SinkWriter):
         self.table = Path(os.fspath(sink.path)).absolute()
         self.token = uuid.uuid4().hex[:12]
         job, task = _safe_name(context.job), _safe_name(context.task_id)
+        # Two sinks of one job may share a table: each has its own staging and commit log.
+        owner = Path(job, _safe_name(context.sink_name), task)
         self._file_prefix = f"part-{job}-{task}"
-        self.staging_root = self.table / STAGING_DIR / job / task
-        self.commits_root = self.table / COMMITS_DIR / job / task
+        self.staging_root = self.table / STAGING_DIR / owner
+        self.commits_root = self.table / COMMITS_DIR / owner
         self._job, self._task = context.job, context.task_id
         self._converter: RowConverter | None = self._open_schema()
         # epoch -> record batches of rows already converted; epoch -> rows not yet converted
@@ -716,6 +718,7 @@ class ParquetSinkWriter(SinkWriter):
             _makedirs_durable(self.commits_root)
             body = {
                 "job": self._job,
+                "sink": self._context.sink_name,
                 "task": self._task,
                 "committed_at": datetime.now(UTC).isoformat(),
                 **staged.to_json(),

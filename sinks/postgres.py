@@ -152,7 +152,8 @@ def rejected_ddl(spec: TableSpec) -> sql.Composed:
 def apply_sql(spec: TableSpec, single_row: bool = False) -> sql.Composed:
     """Upsert one checkpoint's staged rows (last per key) into the target, fenced.
 
-    Parameters: writer, token, checkpoint (and seq when ``single_row``).
+    Parameters: writer (staging key), token, checkpoint, task (the fence column's value), and
+    seq when ``single_row``.
     """
     keys = [sql.Identifier(k) for k in spec.key_columns]
     cols = [sql.Identifier(c) for c in spec.column_names]
@@ -168,13 +169,13 @@ def apply_sql(spec: TableSpec, single_row: bool = False) -> sql.Composed:
     return sql.SQL(
         "WITH src AS ("
         "SELECT DISTINCT ON ({r_keys}) {r_cols}, "
-        "s.checkpoint_id AS __snapline_checkpoint, s.writer AS __snapline_writer "
+        "s.checkpoint_id AS __snapline_checkpoint "
         "FROM {staging} AS s CROSS JOIN LATERAL jsonb_populate_record(NULL::{target}, s.row) AS r "
         "WHERE s.writer = %(writer)s AND s.token = %(token)s "
         "AND s.checkpoint_id = %(checkpoint)s{row_filter} "
         "ORDER BY {r_keys}, s.seq DESC) "
         "INSERT INTO {target} AS t ({cols}, {chk}, {task}) "
-        "SELECT {cols}, __snapline_checkpoint, __snapline_writer FROM src "
+        "SELECT {cols}, __snapline_checkpoint, %(task)s FROM src "
         "ON CONFLICT ({keys}) DO UPDATE SET {updates} "
         "WHERE t.{task} IS DISTINCT FROM EXCLUDED.{task} OR t.{chk} IS NULL "
         "OR t.{chk} <= EXCLUDED.{chk}"
@@ -457,7 +458,10 @@ class PostgresSinkWriter(SinkWriter):
     def __init__(self, sink: PostgresSink, context: SinkContext) -> None:
         self._sink = sink
         self._context = context
-        self.writer_key = f"{context.job}/{context.task_id}"
+        #: Stored in the fence column: which task wrote a row.
+        self.task_key = f"{context.job}/{context.task_id}"
+        #: Keys staged rows; two sinks of one job may share a table and must not share staging.
+        self.writer_key = f"{context.job}/{context.sink_name}/{context.task_id}"
         self.token = uuid.uuid4().hex[:12]
         self._epochs: dict[int, list[bytes]] = {}
         self._pending: list[_Pending] = []
@@ -614,7 +618,7 @@ class PostgresSinkWriter(SinkWriter):
         if connection is None or connection.closed or connection.broken:
             kwargs = {
                 "connect_timeout": max(1, int(self._sink.connect_timeout)),
-                "application_name": f"snapline:{self.writer_key}"[:63],
+                "application_name": f"snapline:{self.task_key}"[:63],
                 **dict(self._sink.connect_kwargs),
             }
             connection = psycopg.connect(self._sink.dsn, autocommit=True, **kwargs)
@@ -764,7 +768,12 @@ class PostgresSinkWriter(SinkWriter):
         """ONE transaction: upsert the checkpoint's staged rows, fenced, and delete them."""
         spec = self._spec
         assert spec is not None
-        params = {"writer": self.writer_key, "token": token, "checkpoint": checkpoint_id}
+        params = {
+            "writer": self.writer_key,
+            "token": token,
+            "checkpoint": checkpoint_id,
+            "task": self.task_key,
+        }
         try:
             connection = self._conn()
             with connection.transaction(), connection.cursor() as cursor:

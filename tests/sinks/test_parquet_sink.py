@@ -454,7 +454,7 @@ def test_odd_task_ids_make_safe_distinct_paths(table: Path, sink: ParquetSink) -
         metadata(writer.pre_commit(1))
         writer.commit(1)
         names.add(writer.staging_root.name)
-        assert writer.staging_root.parent.parent == table / "_staging"
+        assert writer.staging_root.parent.parent.parent == table / "_staging"
     assert len(names) == 4
     assert len(visible(table)) == 20
 
@@ -513,3 +513,17 @@ def test_pre_commit_hands_over_immutable_batches(
     writer.commit(1)
     assert {r["chk"] for r in visible(table)} == {1}
     writer.close()
+
+
+def test_two_sinks_of_one_job_share_a_table(table: Path) -> None:
+    orders, _ = make_writer(ParquetSink(table, name="orders-out"))
+    refunds, _ = make_writer(ParquetSink(table, name="refunds-out"))
+    orders.write_batch(records(rows_for(1)), 1)
+    refunds.write_batch(records([{**r, "id": "r" + r["id"]} for r in rows_for(1)]), 1)
+    orders_meta = metadata(orders.pre_commit(1))
+    refunds_meta = metadata(refunds.pre_commit(1))
+    # Task orders-0 restarts: each sink's writer recovers its own staging only.
+    make_writer(ParquetSink(table, name="orders-out"))[0].recover(1, orders_meta)
+    make_writer(ParquetSink(table, name="refunds-out"))[0].recover(1, refunds_meta)
+    assert len(visible(table)) == 10
+    assert {e["sink"] for e in read_commit_log(table)} == {"orders-out", "refunds-out"}

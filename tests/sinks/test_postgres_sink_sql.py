@@ -75,6 +75,7 @@ def test_apply_sql_is_one_fenced_upsert_of_the_last_row_per_key() -> None:
         't."_snapline_checkpoint" <= EXCLUDED."_snapline_checkpoint"'
     ) in text
     assert "s.writer = %(writer)s AND s.token = %(token)s" in text
+    assert "SELECT " + '"customer", "total"' in text and "__snapline_checkpoint, %(task)s" in text
     assert "%(seq)s" not in text
     assert "s.seq = %(seq)s" in render(apply_sql(SPEC, single_row=True))
 
