@@ -18,6 +18,7 @@ import platform
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -459,7 +460,9 @@ def main(argv: list[str] | None = None) -> int:
             "cores": os.cpu_count(),
             "python": platform.python_version(),
         },
-        "command": "python -m benchmarks.state_benchmark " + " ".join(argv or []),
+        "command": " ".join(
+            ["python -m benchmarks.state_benchmark", *(sys.argv[1:] if argv is None else argv)]
+        ),
         "targets": TARGETS,
         # Other work on the machine skews pauses and throughput: recorded for the reader.
         "load_average_before": load_before,
