@@ -17,10 +17,10 @@ from pipeline.functions import KeyedProcessFunction
 from pipeline.keygroups import DEFAULT_MAX_PARALLELISM, MAX_MAX_PARALLELISM
 from pipeline.state import BACKENDS
 from pipeline.state.descriptors import StateDescriptor, declared_states
-from sinks.base import Sink
 
 if TYPE_CHECKING:
     from connectors.kafka_source import KafkaSource
+    from sinks.base import Sink
 
 GUARANTEES = ("exactly_once", "at_least_once")
 ON_ERROR = ("dead_letter", "fail")
@@ -109,6 +109,8 @@ class Stream:
 
     def sink(self, sink: Sink) -> Stream:
         """Write the stream to ``sink``; returns this stream so more sinks can follow."""
+        from sinks.base import Sink
+
         if not isinstance(sink, Sink):
             raise ConfigurationError(
                 f"sink() needs a Sink (KafkaSink, ParquetSink, PostgresSink...), got {sink!r}"
