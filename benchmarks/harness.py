@@ -169,6 +169,7 @@ class Bench:
         self.topics.delete([env.out_topic])
         self.topics.delete_containing(env.group)  # the peer's changelog topics
         shutil.rmtree(env.state_dir, ignore_errors=True)
+        shutil.rmtree(Path(env.state_dir).parent / ".snapline-local", ignore_errors=True)
         return exit_
 
     # ------------------------------------------------------------------ runs

@@ -246,16 +246,17 @@ class RecoveryRun:
         return result
 
 
-def _table(results: list[RecoveryResult], title: str) -> Table:
-    table = Table(title=title)
-    for col in ("system", "state in checkpoint", "checkpoint dir", "local state", "build rec/s",
-                "restart → first output", "restart → first record", "RSS after restart"):
-        table.add_column(col, justify="left" if col == "system" else "right")
+COLUMNS = ("system", "state in checkpoint", "checkpoint dir", "local state", "build rec/s",
+           "restart → first output", "restart → first record", "RSS after restart")
+
+
+def _cells(results: list[RecoveryResult]) -> list[tuple[str, ...]]:
+    rows: list[tuple[str, ...]] = []
     for r in results:
         if r.status != "ok":
-            table.add_row(r.system, "", "", "", "", r.status, "", "")
+            rows.append((r.system, "", "", "", "", r.status, "", ""))
             continue
-        table.add_row(
+        rows.append((
             r.system,
             f"{r.state_bytes_checkpoint / 2**20:,.0f} MB" if r.state_bytes_checkpoint else "–",
             f"{r.checkpoint_storage_mb:,.0f} MB" if r.checkpoint_storage_mb else "–",
@@ -264,8 +265,24 @@ def _table(results: list[RecoveryResult], title: str) -> Table:
             f"{r.recovery_s:.2f} s" if r.recovery_s is not None else "–",
             f"{r.restart_to_first_record_s:.2f} s" if r.restart_to_first_record_s else "–",
             f"{r.peak_rss_mb_restart:,.0f} MB" if r.peak_rss_mb_restart else "–",
-        )
+        ))
+    return rows
+
+
+def _table(results: list[RecoveryResult], title: str) -> Table:
+    table = Table(title=title)
+    for col in COLUMNS:
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for cells in _cells(results):
+        table.add_row(*cells)
     return table
+
+
+def _markdown(results: list[RecoveryResult]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |",
+             "| --- |" + " ---: |" * (len(COLUMNS) - 1)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in _cells(results)]
+    return "\n".join(lines)
 
 
 def run_recovery(config: RecoveryConfig, bootstrap: str, console: Console) -> dict[str, Any]:
@@ -309,4 +326,11 @@ def run_recovery(config: RecoveryConfig, bootstrap: str, console: Console) -> di
         report.results_path(m, config.quick).stem + "-recovery.json")
     report.write_results(path, payload)
     console.print(f"results: {path}")
+    if not config.quick and config.output is None:
+        report.update_readme(
+            f"Measured {payload['date']} on {m.description}, {config.keys:,} keys:\n\n"
+            f"`{config.command}`\n\n{_markdown(results)}\n\n"
+            f"Raw results: [`results/{path.name}`](results/{path.name})",
+            marker="recovery-table")
+        console.print(f"table updated in {report.README}")
     return payload

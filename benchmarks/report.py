@@ -21,8 +21,6 @@ from benchmarks.systems import System
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 README = Path(__file__).resolve().parent / "README.md"
-TABLE_BEGIN = "<!-- results-table:begin -->"
-TABLE_END = "<!-- results-table:end -->"
 
 
 @dataclass(frozen=True)
@@ -181,11 +179,12 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def update_readme(section: str, readme: Path = README) -> None:
-    """Replace the text between the results-table markers of the README."""
-    text = readme.read_text() if readme.exists() else f"{TABLE_BEGIN}\n{TABLE_END}\n"
-    if TABLE_BEGIN not in text or TABLE_END not in text:
-        text += f"\n{TABLE_BEGIN}\n{TABLE_END}\n"
-    head, rest = text.split(TABLE_BEGIN, 1)
-    _, tail = rest.split(TABLE_END, 1)
-    readme.write_text(f"{head}{TABLE_BEGIN}\n{section.strip()}\n{TABLE_END}{tail}")
+def update_readme(section: str, readme: Path = README, marker: str = "results-table") -> None:
+    """Replace the text between the ``<!-- {marker}:begin -->`` and ``:end`` lines."""
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    text = readme.read_text() if readme.exists() else ""
+    if begin not in text or end not in text:
+        text += f"\n{begin}\n{end}\n"
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(f"{head}{begin}\n{section.strip()}\n{end}{tail}")

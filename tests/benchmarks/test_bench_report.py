@@ -7,8 +7,6 @@ from pathlib import Path
 from benchmarks.child_env import ChildEnv, StartMarker, read_start_time
 from benchmarks.harness import RunResult
 from benchmarks.report import (
-    TABLE_BEGIN,
-    TABLE_END,
     Machine,
     markdown_table,
     summarize_systems,
@@ -49,9 +47,11 @@ def test_percentile_nearest_rank() -> None:
 
 def test_update_readme_replaces_only_the_table(tmp_path: Path) -> None:
     readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{TABLE_BEGIN}\nold\n{TABLE_END}\noutro\n")
+    begin, end = "<!-- results-table:begin -->", "<!-- results-table:end -->"
+    other = "<!-- recovery-table:begin -->\nkeep\n<!-- recovery-table:end -->"
+    readme.write_text(f"intro\n{begin}\nold\n{end}\n{other}\noutro\n")
     update_readme("| new |", readme)
-    assert readme.read_text() == f"intro\n{TABLE_BEGIN}\n| new |\n{TABLE_END}\noutro\n"
+    assert readme.read_text() == f"intro\n{begin}\n| new |\n{end}\n{other}\noutro\n"
 
 
 def test_machine_short_name() -> None:
