@@ -1,8 +1,10 @@
 """The README demo: the running total, end to end, on the embedded Kafka broker.
 
-Starts the broker, produces orders, runs two workers, SIGKILLs one mid-run and restarts it,
-then reads the output with an independent read_committed consumer and prints whether every
-order was counted exactly once.  Run: ``python -m examples.demo``.
+Starts the broker, produces orders, runs two workers of ``examples.warehouse`` (Kafka output
+plus a Parquet table under ``warehouse/demo_customer_totals``), SIGKILLs one mid-run and
+restarts it, then reads the output with an independent read_committed consumer and prints
+whether every order was counted exactly once. Run: ``python -m examples.demo``; then analyse
+the table with ``python -m examples.spark_analytics warehouse/demo_customer_totals``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
         "--bootstrap-servers", default=None, help="use this cluster instead of the embedded broker"
     )
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument(
+        "--warehouse",
+        default="warehouse/demo_customer_totals",
+        help="Parquet table the demo writes (replaced on each run)",
+    )
     args = parser.parse_args(argv)
 
     workdir = Path(tempfile.mkdtemp(prefix="snapline-demo-"))
@@ -48,10 +55,16 @@ def main(argv: list[str] | None = None) -> int:
     workers: list[WorkerProcess] = []
     try:
         create_topics(bootstrap, {f"{prefix}orders": 4, f"{prefix}customer-totals": 4})
-        env = {"SNAPLINE_EXAMPLE_PREFIX": prefix, "SNAPLINE_EXAMPLE_JOB": job}
+        table = Path(args.warehouse).absolute()
+        shutil.rmtree(table, ignore_errors=True)
+        env = {
+            "SNAPLINE_EXAMPLE_PREFIX": prefix,
+            "SNAPLINE_EXAMPLE_JOB": job,
+            "SNAPLINE_WAREHOUSE": str(table),
+        }
         workers = [
             WorkerProcess(
-                "examples.running_total:pipeline",
+                "examples.warehouse:pipeline",
                 f"w{i}",
                 bootstrap,
                 workdir / "checkpoints",
@@ -91,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         top = sorted(expected.items(), key=lambda kv: -kv[1])[:3]
         say("top customers: " + ", ".join(f"{c}={t}" for c, t in top))
         say(result.summary())
+        say(
+            f"Parquet table: {table} (committed checkpoints only; try "
+            f"`python -m examples.spark_analytics {args.warehouse}`)"
+        )
         if not result.ok:
             for worker in workers:
                 print(worker.tail(), file=sys.stderr)
