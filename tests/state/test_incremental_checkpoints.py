@@ -233,7 +233,7 @@ def test_concurrent_retention_never_breaks_a_later_checkpoint(
         write_buffer_bytes=256 << 10,
         target_file_bytes=256 << 10,
         max_bytes_for_level_base=1 << 20,
-        level0_compaction_trigger=2,
+        level0_compaction_trigger=4,
     )
     committed: list[StateHandle] = []
     for checkpoint_id in range(1, 25):
@@ -244,8 +244,10 @@ def test_concurrent_retention_never_breaks_a_later_checkpoint(
         )
         snapshot = backend.snapshot(checkpoint_id)
         if committed:
-            # The retention of the previous commit runs while this checkpoint materializes.
-            discard_unreferenced_files(storage, TASK_DIR, committed[-2:])
+            # Retention runs while this checkpoint materializes; on odd ids the newest
+            # materialized checkpoint has not committed yet, so only older ones are retained.
+            retained = committed[-3:-1] if checkpoint_id % 2 else committed[-2:]
+            discard_unreferenced_files(storage, TASK_DIR, retained)
         handle = snapshot.materialize(storage, f"{TASK_DIR}/chk-{checkpoint_id:010d}-x")
         snapshot.release()
         committed.append(handle)
