@@ -66,10 +66,10 @@ def _docker_requested() -> bool:
 
 def _docker_answers() -> bool:
     try:
-        import docker
+        from testcontainers.core.docker_client import DockerClient
 
-        docker.from_env().ping()
-    except Exception:
+        DockerClient().client.ping()
+    except Exception:  # no engine, no socket, no permission: all mean "use the launcher"
         return False
     return True
 
