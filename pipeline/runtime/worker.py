@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import time
@@ -110,6 +111,7 @@ class Worker:
             timeout=pipeline.checkpoint_timeout,
         )
         self.tasks: dict[str, Task] = {}
+        self._backend_options = self._shared_backend_options()
         self._positions: dict[str, dict[tuple[str, int], int]] = {}
         self._committed: dict[str, CheckpointRef | None] = {}
         self._stopping = False
@@ -128,6 +130,16 @@ class Worker:
         self.consumer = Consumer(self._consumer_config())
 
     # ------------------------------------------------------------------ setup
+    def _shared_backend_options(self) -> dict[str, Any]:
+        """Backend options plus, for rocksdb, one block cache shared by the worker's tasks."""
+        options = dict(self.pipeline.state_backend_options)
+        if self.pipeline.state_backend == "rocksdb" and "shared_cache" not in options:
+            from pipeline.state.rocksdb_options import RocksDBResources
+
+            cache_bytes = int(options.pop("block_cache_bytes", 256 * 1024 * 1024))
+            options["shared_cache"] = RocksDBResources(cache_bytes)
+        return options
+
     def _consumer_config(self) -> dict[str, Any]:
         starts = {s.starting_position for s in self.pipeline.sources()}
         return {
@@ -197,6 +209,7 @@ class Worker:
         self._drop_tasks()
         restored = self._restore(partitions)
         consumer.assign([TopicPartition(t, p, off) for (t, p), off in restored.items()])
+        self._remove_moved_task_dirs()
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         log.info("revoked %d partitions: aborting the open epoch", len(partitions))
@@ -210,6 +223,15 @@ class Worker:
         for task in self.tasks.values():
             task.close()
         self.tasks = {}
+
+    def _remove_moved_task_dirs(self) -> None:
+        """Local state of tasks that moved to another worker is deleted (kept ones are reused
+        for local recovery when they match the checkpoint)."""
+        root = self.local_dir / self.pipeline.name
+        if root.is_dir():
+            for entry in root.iterdir():
+                if entry.is_dir() and entry.name not in self.tasks:
+                    shutil.rmtree(entry, ignore_errors=True)
 
     def _restore(self, partitions: list[TopicPartition]) -> dict[tuple[str, int], int]:
         """Rebuild the tasks of ``partitions`` from their committed checkpoints."""
@@ -250,7 +272,7 @@ class Worker:
         backend = create_backend(
             self.pipeline.state_backend,
             task_dir=str(self.local_dir / self.pipeline.name / task_id),
-            options=self.pipeline.state_backend_options,
+            options=self._backend_options,
         )
         meta: TaskCheckpoint | None = None
         if ref is not None:
