@@ -513,7 +513,7 @@ class ParquetSinkWriter(SinkWriter):
         self._unconverted: dict[int, tuple[list[Any], list[Record]]] = {}
         self._pending: list[_Pending] = []
         self._executor: ThreadPoolExecutor | None = None
-        self.rows_written = 0
+        self.rows_staged = 0
         self.rows_dead_lettered = 0
 
     # ------------------------------------------------------------------ task thread: rows
@@ -604,7 +604,7 @@ class ParquetSinkWriter(SinkWriter):
                 compression=self._sink.compression,
             )
             staged = self._pool().submit(_stage, job)
-            self.rows_written += sum(b.num_rows for b in batches)
+            self.rows_staged += sum(b.num_rows for b in batches)
             self._pending.append(_Pending(checkpoint_id, staged))
             prior = (*prior, staged)
         return _metadata_future(prior)
@@ -680,12 +680,13 @@ class ParquetSinkWriter(SinkWriter):
                     shutil.rmtree(directory, ignore_errors=True)
                 found.add(name)
         for name, staged in listed.items():
-            if name not in found and not self._intent_path(name).exists():
-                raise SinkError(
-                    f"{self._sink.name}: committed checkpoint {staged.checkpoint_id} of task "
-                    f"{self._task} names staged files under {self.staging_root / name} that are "
-                    "gone and were never published; were _staging directories deleted by hand?"
-                )
+            if name in found or all((self.table / f).is_file() for f in staged.files):
+                continue  # published before (with or without its commit-log entry)
+            raise SinkError(
+                f"{self._sink.name}: committed checkpoint {staged.checkpoint_id} of task "
+                f"{self._task} names staged files under {self.staging_root / name} that are "
+                "gone and were never published; were _staging directories deleted by hand?"
+            )
 
     def close(self) -> None:
         self._drain()

@@ -527,3 +527,15 @@ def test_two_sinks_of_one_job_share_a_table(table: Path) -> None:
     make_writer(ParquetSink(table, name="refunds-out"))[0].recover(1, refunds_meta)
     assert len(visible(table)) == 10
     assert {e["sink"] for e in read_commit_log(table)} == {"orders-out", "refunds-out"}
+
+
+def test_recovery_after_the_commit_log_was_pruned(table: Path, sink: ParquetSink) -> None:
+    writer, _ = make_writer(sink)
+    writer.write_batch(records(rows_for(1)), 1)
+    meta = metadata(writer.pre_commit(1))
+    writer.commit(1)
+    for entry in (table / "_commits").rglob("*.json"):
+        entry.unlink()  # old commit-log entries are history
+    successor, _ = make_writer(sink)
+    successor.recover(1, meta)
+    assert len(visible(table)) == 5
