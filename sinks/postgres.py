@@ -580,7 +580,9 @@ class PostgresSinkWriter(SinkWriter):
     # ------------------------------------------------------------------ task-thread plumbing
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="postgres-sink")
+            self._executor = ThreadPoolExecutor(
+                1, thread_name_prefix=f"postgres-sink-{self._context.task_id}"
+            )
         return self._executor
 
     def _drain(self) -> None:
