@@ -257,6 +257,7 @@ class Worker:
             for task in self.tasks.values():
                 task.epoch = self.coordinator.next_id
         self._last_trigger = time.monotonic()
+        self._records_at_trigger = 0
         return seek
 
     def _restore_task(
@@ -390,6 +391,11 @@ class Worker:
             and self.coordinator.pending is None
             and now - self._last_trigger >= self.pipeline.checkpoint_interval
         ):
+            if self._records_in() == self._records_at_trigger:
+                # Nothing read since the last checkpoint: state, positions and output are
+                # unchanged, so an idle pipeline writes no checkpoint files.
+                self._last_trigger = now
+                return
             self._trigger(now)
 
     def _trigger(self, now: float) -> None:
