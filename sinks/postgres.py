@@ -36,6 +36,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from pipeline.errors import ConfigurationError, SinkError
 from pipeline.record import Record
+from pipeline.state.serde import json_bytes
 from sinks.base import PreCommitResult, Sink, SinkContext, SinkWriter
 
 __all__ = ["ColumnSpec", "PostgresSink", "PostgresSinkWriter", "RowEncoder", "TableSpec"]
@@ -367,7 +368,7 @@ class RowEncoder:
             except _Misfit as exc:
                 return f"column {name!r} ({display}) {exc}"
         try:
-            data = orjson.dumps(out, default=_json_default)
+            data = json_bytes(out, default=_json_default)
         except (TypeError, orjson.JSONEncodeError) as exc:
             return f"cannot encode the row as JSON: {exc}"
         if b"\\u0000" in data:

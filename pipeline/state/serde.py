@@ -15,6 +15,16 @@ import orjson
 from pipeline.errors import ConfigurationError, StateError
 
 
+def json_bytes(value: Any, default: Any = None) -> bytes:
+    """``orjson.dumps`` as an exact-size bytes object.
+
+    orjson hands back bytes with a 4 KiB allocation behind even a 2-byte value; whatever keeps
+    many of them (state, per-epoch sink buffers) must keep an exact-size copy instead
+    (measured: 1.1 GB peak RSS instead of ~0.35 GB for a worker holding 100k keys).
+    """
+    return b"%b" % orjson.dumps(value, default=default)
+
+
 class Serde(ABC):
     """Turns values into bytes and back."""
 
@@ -34,7 +44,7 @@ class JsonSerde(Serde):
 
     def dumps(self, value: Any) -> bytes:
         try:
-            return orjson.dumps(value)
+            return json_bytes(value)
         except TypeError as exc:
             raise StateError(
                 f"value {value!r:.80} is not JSON-serializable ({exc}); store plain JSON types "
