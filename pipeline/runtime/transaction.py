@@ -86,7 +86,10 @@ class TransactionalOutput:
         elif self.open_epoch is not None and epoch < self.open_epoch:
             raise CheckpointError(f"record of epoch {epoch} after epoch {self.open_epoch} opened")
         else:
-            self._buffer.append((epoch, topic, value, key, headers))
+            # Held records live until the checkpoint commits: keep exact-size copies, not
+            # the encoder's (orjson's) 4 KiB buffers behind each small value.
+            held = None if value is None else b"%b" % value
+            self._buffer.append((epoch, topic, held, key, headers))
 
     def _send(self, topic: str, value: bytes | None, key: bytes | None, headers: Any) -> None:
         # Exactly-once needs no per-record delivery callback: a failed delivery fails
