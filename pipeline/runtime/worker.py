@@ -112,8 +112,6 @@ class Worker:
         )
         self.tasks: dict[str, Task] = {}
         self._backend_options = self._shared_backend_options()
-        self._positions: dict[str, dict[tuple[str, int], int]] = {}
-        self._committed: dict[str, CheckpointRef | None] = {}
         self._stopping = False
         self._failures = 0
         self._last_trigger = time.monotonic()
@@ -308,7 +306,6 @@ class Worker:
         )
         task.recover_sinks(ref.checkpoint_id if ref else None, meta.sinks if meta else {})
         self.tasks[task_id] = task
-        self._committed[task_id] = ref
         log.info(
             "task %s restored from %s at %s",
             task_id,
@@ -428,7 +425,6 @@ class Worker:
             task = self.tasks.get(task_id)
             if task is not None:
                 task.notify_committed(n)
-            self._committed[task_id] = meta.ref
             self.coordinator.retain(task_id, meta.ref, self.pipeline.retained_checkpoints)
         if self.pipeline.exactly_once and self.tasks:
             self.output.begin(self.coordinator.next_id)
