@@ -6,7 +6,8 @@ customer. Output ``<prefix>customer-totals`` JSON {"customer", "total", "count",
 
 Topic prefix, job name and backend come from the environment so tests and the demo can run
 several copies side by side: SNAPLINE_EXAMPLE_PREFIX, SNAPLINE_EXAMPLE_JOB,
-SNAPLINE_EXAMPLE_BACKEND, SNAPLINE_EXAMPLE_GUARANTEE, SNAPLINE_EXAMPLE_INTERVAL.
+SNAPLINE_EXAMPLE_BACKEND, SNAPLINE_EXAMPLE_GUARANTEE, SNAPLINE_EXAMPLE_INTERVAL,
+SNAPLINE_EXAMPLE_ON_CORRUPT.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def build(*, with_refunds: bool = False) -> Pipeline:
         checkpoint_interval=float(env("SNAPLINE_EXAMPLE_INTERVAL", "1.0")),
         state_backend=env("SNAPLINE_EXAMPLE_BACKEND", "memory"),
         guarantee=env("SNAPLINE_EXAMPLE_GUARANTEE", "exactly_once"),
+        on_corrupt_checkpoint=env("SNAPLINE_EXAMPLE_ON_CORRUPT", "fail"),
     )
     orders = pipeline.source(KafkaSource(f"{prefix}orders", value_format="json"))
     if with_refunds:
