@@ -2,7 +2,8 @@
 
 Input ``chat`` (string values, Kafka key = channel name). Output ``word-counts``: one
 {"channel", "word", "count"} per word occurrence, with the running count of that word in
-that channel. Run: ``snapline run examples.word_count:pipeline``.
+that channel. Run: ``snapline run examples.word_count:pipeline`` (SNAPLINE_EXAMPLE_PREFIX
+prefixes the topic names, SNAPLINE_EXAMPLE_JOB names the job).
 
 (A global word count needs records re-keyed by word, i.e. a repartition topic; until
 Snapline has those, key_by must follow the input's partitioning — here, the channel.)
@@ -10,6 +11,7 @@ Snapline has those, key_by must follow the input's partitioning — here, the ch
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -31,12 +33,13 @@ class CountWords(KeyedProcessFunction):
             yield {"channel": ctx.key, "word": word, "count": count}
 
 
-pipeline = Pipeline("word-count", checkpoint_interval=1.0)
+_prefix = os.environ.get("SNAPLINE_EXAMPLE_PREFIX", "")
+pipeline = Pipeline(os.environ.get("SNAPLINE_EXAMPLE_JOB", "word-count"), checkpoint_interval=1.0)
 (
-    pipeline.source(KafkaSource("chat", value_format="string", create_partitions=4))
+    pipeline.source(KafkaSource(f"{_prefix}chat", value_format="string", create_partitions=4))
     .filter(lambda line: bool(line.strip()))
     .map(lambda line: {"words": WORD.findall(line.lower())})
     .key_by(name="channel")  # the Kafka message key
     .process(CountWords())
-    .sink(KafkaSink("word-counts", create_partitions=4))
+    .sink(KafkaSink(f"{_prefix}word-counts", create_partitions=4))
 )
