@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint, list_checkpoints
+from pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint
+from pipeline.checkpoint.restore import restore_committed
 from pipeline.checkpoint.storage import CheckpointStorage
-from pipeline.errors import CheckpointError, CorruptCheckpointError
+from pipeline.errors import CorruptCheckpointError
 from pipeline.state.rocksdb import RocksDBStateBackend, discard_unreferenced_files
 
 pytestmark = pytest.mark.integration
@@ -69,28 +70,8 @@ def checkpoint(
 def recover(
     backend: RocksDBStateBackend, storage: CheckpointStorage, committed: CheckpointRef, policy: str
 ) -> TaskCheckpoint:
-    """The runtime's rule: the committed checkpoint, or fail; earlier ones only on 'rewind'."""
-    try:
-        meta = TaskCheckpoint.read(storage, JOB, TASK, committed)
-        assert meta.state is not None
-        backend.restore(meta.state, storage)
-        return meta
-    except CorruptCheckpointError:
-        if policy != "rewind":
-            raise
-    for ref in reversed(list_checkpoints(storage, JOB, TASK)):
-        if ref.checkpoint_id >= committed.checkpoint_id:
-            continue
-        try:
-            meta = TaskCheckpoint.read(storage, JOB, TASK, ref)
-            assert meta.state is not None
-            backend.restore(meta.state, storage)
-            return meta
-        except CheckpointError:
-            continue
-    raise CorruptCheckpointError(
-        f"checkpoint {committed.checkpoint_id} is corrupt and no earlier one is readable"
-    )
+    """The runtime's rule itself (the worker calls the same function)."""
+    return restore_committed(storage, JOB, TASK, committed, backend, on_corrupt=policy)
 
 
 def flip_bytes(storage: CheckpointStorage, path: str) -> None:
@@ -184,7 +165,7 @@ def test_a_corrupt_shared_file_breaks_every_checkpoint_that_references_it(
     flip_bytes(storage, shared[0])
 
     worker_b = open_backend(backends, tmp_path / "worker-b")
-    with pytest.raises(CorruptCheckpointError, match="no earlier one is readable"):
+    with pytest.raises(CorruptCheckpointError, match="no earlier readable checkpoint is retained"):
         recover(worker_b, storage, c2.ref, policy="rewind")
 
 

@@ -39,8 +39,9 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from connectors.config import redact
 from pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint, list_checkpoints
+from pipeline.checkpoint.restore import restore_committed
 from pipeline.checkpoint.storage import CheckpointStorage
-from pipeline.errors import CheckpointError, ConfigurationError, CorruptCheckpointError
+from pipeline.errors import CheckpointError, ConfigurationError
 from pipeline.graph import Pipeline
 from pipeline.runtime.coordinator import CheckpointCoordinator, CompletedCheckpoint
 from pipeline.runtime.faults import FaultInjector
@@ -275,7 +276,14 @@ class Worker:
         )
         meta: TaskCheckpoint | None = None
         if ref is not None:
-            meta = self._load_checkpoint(task_id, ref, backend)
+            meta = restore_committed(
+                self.storage,
+                self.pipeline.name,
+                task_id,
+                ref,
+                backend,
+                on_corrupt=self.pipeline.on_corrupt_checkpoint,
+            )
         self._discard_uncommitted(task_id, ref)
         positions: dict[tuple[str, int], int] = {}
         start = {
@@ -326,50 +334,6 @@ class Worker:
                 offset = low if offset == OFFSET_BEGINNING else high
             resolved[tp] = offset
         return resolved
-
-    def _load_checkpoint(self, task_id: str, ref: CheckpointRef, backend: Any) -> TaskCheckpoint:
-        try:
-            meta = TaskCheckpoint.read(self.storage, self.pipeline.name, task_id, ref)
-            if meta.state is not None:
-                backend.restore(meta.state, self.storage)
-            return meta
-        except CorruptCheckpointError as exc:
-            if self.pipeline.on_corrupt_checkpoint != "rewind":
-                raise CorruptCheckpointError(
-                    f"task {task_id}: committed checkpoint {ref.checkpoint_id} is unusable "
-                    f"({exc}). Its Kafka offsets are committed, so no earlier checkpoint is "
-                    "consistent with the output already written. Restore the file from a "
-                    "backup, or set on_corrupt_checkpoint='rewind' to restart from an earlier "
-                    "checkpoint and accept duplicate output for the records in between."
-                ) from exc
-            return self._rewind(task_id, ref, backend, exc)
-
-    def _rewind(
-        self, task_id: str, bad: CheckpointRef, backend: Any, cause: Exception
-    ) -> TaskCheckpoint:
-        for ref in reversed(list_checkpoints(self.storage, self.pipeline.name, task_id)):
-            if ref.checkpoint_id >= bad.checkpoint_id:
-                continue
-            try:
-                meta = TaskCheckpoint.read(self.storage, self.pipeline.name, task_id, ref)
-                if meta.state is not None:
-                    backend.restore(meta.state, self.storage)
-            except CheckpointError:
-                continue
-            log.error(
-                "task %s: checkpoint %d is corrupt (%s); REWINDING to checkpoint %d: "
-                "output between them will be written again (at-least-once for that span)",
-                task_id,
-                bad.checkpoint_id,
-                cause,
-                ref.checkpoint_id,
-            )
-            self.coordinator.observe_restored(bad.checkpoint_id)
-            return meta
-        raise CorruptCheckpointError(
-            f"task {task_id}: checkpoint {bad.checkpoint_id} is corrupt ({cause}) and no "
-            "earlier readable checkpoint is retained"
-        ) from cause
 
     def _discard_uncommitted(self, task_id: str, committed: CheckpointRef | None) -> None:
         """A checkpoint that never reached the commit point leaves no trace."""
