@@ -111,7 +111,7 @@ def _launched_kafka(request: pytest.FixtureRequest) -> Iterator[KafkaInfo]:
         description = f"launched local broker {broker.version} at {broker.bootstrap_servers}"
         say(f"kafka: {description} (log {broker.log_path})")
         yield KafkaInfo(broker.bootstrap_servers, description)
-        if request.session.testsfailed and config.cache is not None:
+        if request.session.testsfailed and getattr(config, "cache", None) is not None:
             # The temporary data dir goes away with the broker; its log may explain a failure.
             kept = config.cache.mkdir("snapline") / "kafka-server.log"
             shutil.copyfile(broker.log_path, kept)

@@ -44,11 +44,19 @@ def test_corrupt_committed_checkpoint_fails_or_rewinds(
     )
     worker.start()
     produced = 0
-    for _ in range(3):  # several committed checkpoints, so an earlier one is retained
-        produce_orders(kafka_bootstrap, topic, 2000, 50, start_id=produced)
-        produced += 2000
-        time.sleep(1.5)
+
+    def checkpoints() -> int:
+        return sum(e.get("event") == "checkpoint" for e in read_events(worker.metrics_path))
+
+    # Input until two checkpoints committed, so an earlier one is retained to rewind to.
+    for _ in range(40):
+        produce_orders(kafka_bootstrap, topic, 500, 50, start_id=produced)
+        produced += 500
+        time.sleep(1.0)
+        if checkpoints() >= 2:
+            break
     assert worker.stop() == 0, worker.tail()
+    assert checkpoints() >= 2, "the test needs an earlier checkpoint to rewind to"
     ref = _committed_ref(kafka_bootstrap, unique_name, topic)
     storage_root = tmp_path / "chk"
     from pipeline.checkpoint.storage import CheckpointStorage
@@ -70,11 +78,16 @@ def test_corrupt_committed_checkpoint_fails_or_rewinds(
 
     worker.env["SNAPLINE_EXAMPLE_ON_CORRUPT"] = "rewind"
     worker.start()
-    outputs = read_committed(
-        kafka_bootstrap, f"{prefix}customer-totals", produced, timeout=60, settle=3
-    )
+    # The rewind re-emits the span between the two checkpoints, so the output count reaches
+    # `produced` before every order has come through: wait for the orders, not the count.
+    seen: set[int] = set()
+    deadline = time.monotonic() + 90
+    while seen != set(range(produced)) and time.monotonic() < deadline:
+        outputs = read_committed(
+            kafka_bootstrap, f"{prefix}customer-totals", produced, timeout=30, settle=2
+        )
+        seen = {o["order_id"] for o in outputs}
     worker.stop()
-    seen = {o["order_id"] for o in outputs}
     assert seen == set(range(produced)), "the rewind lost orders"
     assert "REWINDING" in worker.log_path.read_text()
     assert any(e.get("event") == "checkpoint" for e in read_events(worker.metrics_path))
