@@ -120,28 +120,43 @@ def test_kafka_parquet_postgres_exactly_once_under_sigkills(
     reader.start()
     rng = random.Random(5)
     kills = 0
+
+    def produce(n: int) -> None:
+        nonlocal produced
+        for customer, amount in produce_orders(
+            kafka_bootstrap, f"{prefix}orders", n, CUSTOMERS, start_id=produced
+        ).items():
+            expected[customer] = expected.get(customer, 0) + amount
+        produced += n
+
+    def restart_dead() -> None:
+        for worker in workers:  # restart the ones a kill point took down
+            if not worker.alive:
+                worker.start(fault())
+
     try:
-        while (
-            kills < 20
-            or produced < 100_000
-            or fault_hits(fault_log).get("after_kafka_commit", 0) < 3
-        ):
+        # phase 1: 100k orders while a random worker is SIGKILLed at random moments
+        while kills < 20 or produced < 100_000:
             if produced < 100_000:
-                for customer, amount in produce_orders(
-                    kafka_bootstrap, f"{prefix}orders", 5000, CUSTOMERS, start_id=produced
-                ).items():
-                    expected[customer] = expected.get(customer, 0) + amount
-                produced += 5000
+                produce(5000)
             time.sleep(rng.uniform(0.3, 1.5))
-            for worker in workers:  # restart the ones a kill point took down
-                if not worker.alive:
-                    worker.start(fault())
+            restart_dead()
             if kills < 20:
                 victim = rng.choice(workers)
                 victim.kill()
                 kills += 1
                 victim.start(fault())
-            assert kills + produced < 10**7
+        # phase 2: keep checkpoints coming (an idle pipeline writes none) until the kill
+        # point after the Kafka commit has been hit 3 times; on a slow machine the random
+        # kills above leave few commits for it to hit
+        deadline = time.monotonic() + 420
+        while fault_hits(fault_log).get("after_kafka_commit", 0) < 3:
+            assert time.monotonic() < deadline, (
+                f"kill point after_kafka_commit hit {fault_hits(fault_log)} times in 420 s"
+            )
+            produce(500)
+            time.sleep(0.5)
+            restart_dead()
         for worker in workers:
             if worker.alive:
                 worker.kill()
