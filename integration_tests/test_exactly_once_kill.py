@@ -247,6 +247,72 @@ def test_zombie_worker_commits_nothing(job_factory) -> None:
     assert not zombie_commits, f"zombie committed {zombie_commits}\n{job.logs()}"
 
 
+def _process_state(pid: int) -> str:
+    """The one-letter state of /proc/<pid>/stat (T = stopped)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.parametrize("point", ["after_metadata_write", "after_offsets_sent"])
+def test_zombie_woken_inside_the_commit_protocol(job_factory, point: str) -> None:
+    """Worker a freezes itself (SIGSTOP) inside the commit protocol, b takes its partitions,
+    then a is woken and carries on from exactly that point.
+
+    - ``after_metadata_write``: a has not sent its offsets yet; when it does, the group
+      coordinator rejects its stale generation, so nothing of that epoch commits.
+    - ``after_offsets_sent``: a's offsets were accepted while it was still a member and wait
+      in its open transaction; b's offset fetch for those partitions must wait for that
+      transaction (KIP-447 stable offsets) instead of starting from the older offsets, and
+      a's late commit then stands. Either way: every order's effect exactly once.
+    """
+    job = job_factory(interval=0.5)
+    a, b = job.workers
+    b.start()
+    job.produce(10_000)
+    time.sleep(3)
+    a.start({"SNAPLINE_FAULT": f"{point}:1:stop"})
+    producer = job.produce_in_background(40_000, waves=40)
+    deadline = time.monotonic() + 120
+    while not fault_hits(a.fault_log).get(point) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert fault_hits(a.fault_log).get(point), f"a never reached {point}\n" + job.logs()
+    assert a.proc is not None
+    time.sleep(0.5)
+    assert _process_state(a.proc.pid) == "T", "a did not freeze itself"
+    frozen_at = time.time()
+    time.sleep(20)  # > session.timeout.ms (10 s), < transaction.timeout.ms (60 s)
+    a.signal(signal.SIGCONT)
+    resumed_at = time.time()
+    producer.join()
+    job.wait_until_caught_up()
+    job.verify()
+    job.stop_all()
+
+    events = read_events(a.metrics_path)
+    mine = [e for e in events if e.get("worker") == a.worker_id]
+    theirs = [e for e in events if e.get("worker") == b.worker_id]
+    after_wake = [e for e in mine if e["time"] > resumed_at]
+    first = next((e for e in after_wake if e["event"] in ("checkpoint", "checkpoint_failed")), None)
+    b_assigned = [e for e in theirs if e["event"] == "assigned" and e["time"] > frozen_at]
+    assert b_assigned, "b never took over while a was frozen\n" + job.logs()
+    if point == "after_metadata_write":
+        assert first is not None and first["event"] == "checkpoint_failed", (
+            f"the zombie's first act after waking was {first}, not a failed commit\n" + job.logs()
+        )
+    else:
+        assert first is not None and first["event"] == "checkpoint", (
+            f"a's offsets were accepted while it was a member, so its commit stands; "
+            f"its first act after waking was {first}\n" + job.logs()
+        )
+        b_restored = next(
+            e for e in theirs if e["event"] == "restored" and e["time"] > b_assigned[0]["time"]
+        )
+        assert b_restored["time"] >= resumed_at, (
+            "b started on a's partitions before a's pending transactional offsets were "
+            f"resolved: restored at {b_restored['time']:.1f}, a woke at {resumed_at:.1f}"
+        )
+
+
 def test_materialization_runs_while_processing_continues(job_factory) -> None:
     """Slow checkpoint storage (each write sleeps 1.5 s): records keep being read and
     processed while the snapshot is written; the output is still exactly once."""

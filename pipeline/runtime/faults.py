@@ -1,8 +1,13 @@
-"""Fault injection for tests: SIGKILL this worker at a named point of the checkpoint protocol.
+"""Fault injection for tests: SIGKILL (or freeze) this worker at a named point of the
+checkpoint protocol.
 
 ``SNAPLINE_FAULT="after_kafka_commit:0.3,sync_snapshot:0.05"`` kills the process with
-probability p each time it passes that point; ``SNAPLINE_FAULT_LOG`` names a file where each
-hit is appended first (so tests can count hits). Without the variable this is a no-op.
+probability p each time it passes that point; ``name:p:stop`` sends it SIGSTOP instead (it
+carries on from that very point when a SIGCONT comes, and a stop fires at most once per
+process, which is how the zombie tests make a
+worker wake up in the middle of the commit protocol). ``SNAPLINE_FAULT_LOG`` names a file
+where each hit is appended first (so tests can count hits). Without the variable this is a
+no-op.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ KILL_POINTS = (
     "sync_snapshot",  # right after the synchronous part of a task's snapshot
     "mid_materialization",  # state written to storage, metadata not yet
     "after_metadata_write",  # all metadata durable, Kafka transaction not committed
+    "after_offsets_sent",  # source offsets sent to the transaction, not committed yet
     "after_kafka_commit",  # commit point passed, sinks not yet notified
 )
 
@@ -27,11 +33,16 @@ class FaultInjector:
         spec = os.environ.get("SNAPLINE_FAULT", "") if spec is None else spec
         self._log_path = os.environ.get("SNAPLINE_FAULT_LOG") if log_path is None else log_path
         self._odds: dict[str, float] = {}
+        self._actions: dict[str, signal.Signals] = {}
         for part in filter(None, (p.strip() for p in spec.split(","))):
-            name, _, prob = part.partition(":")
+            name, _, rest = part.partition(":")
+            prob, _, action = rest.partition(":")
             if name not in KILL_POINTS:
                 raise ValueError(f"unknown kill point {name!r}; use one of {KILL_POINTS}")
+            if action not in ("", "kill", "stop"):
+                raise ValueError(f"unknown fault action {action!r} for {name}; use kill or stop")
             self._odds[name] = float(prob or 1.0)
+            self._actions[name] = signal.SIGSTOP if action == "stop" else signal.SIGKILL
         self._random = random.Random()
 
     @property
@@ -47,4 +58,7 @@ class FaultInjector:
                 fh.write(f"{time.time():.3f} {os.getpid()} {name}\n")
                 fh.flush()
                 os.fsync(fh.fileno())
-        os.kill(os.getpid(), signal.SIGKILL)
+        action = self._actions[name]
+        if action == signal.SIGSTOP:
+            del self._odds[name]
+        os.kill(os.getpid(), action)

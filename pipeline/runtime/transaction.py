@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
@@ -114,14 +115,26 @@ class TransactionalOutput:
         self.producer.poll(0)
 
     def commit(
-        self, offsets: list[TopicPartition], group_metadata: Any, timeout: float = 60.0
+        self,
+        offsets: list[TopicPartition],
+        group_metadata: Any,
+        timeout: float = 60.0,
+        offsets_sent: Callable[[], None] | None = None,
     ) -> None:
-        """The commit point: the epoch's records and the source offsets, atomically."""
+        """The commit point: the epoch's records and the source offsets, atomically.
+
+        The group coordinator checks the consumer generation in ``group_metadata`` when the
+        offsets are sent, so a worker that lost its partitions (a zombie) fails here. One
+        that sent them while still a member and then stalled holds the partitions' committed
+        offsets "unstable": the new owner's offset fetch (read_committed, KIP-447) waits until
+        this transaction commits or times out."""
         if not self.exactly_once:
             raise CheckpointError("commit() is only for exactly-once; use flush()")
         try:
             if offsets:
                 self.producer.send_offsets_to_transaction(offsets, group_metadata, timeout)
+            if offsets_sent is not None:
+                offsets_sent()
             self.producer.commit_transaction(timeout)
         except KafkaException as exc:
             error = exc.args[0]

@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 BATCH_SIZE = 2000
 #: Output records held for later epochs before the worker stops reading and waits.
 MAX_HELD_RECORDS = 500_000
+# Longer than the default transaction.timeout.ms (60 s): the longest a previous owner's
+# pending transactional offsets can keep a partition's committed offset unreadable.
+COMMITTED_OFFSETS_WAIT = 90.0
 
 
 @dataclass(frozen=True)
@@ -206,9 +209,11 @@ class Worker:
         log.info("assigned %s", sorted((p.topic, p.partition) for p in partitions))
         self._event({"event": "assigned", "partitions": len(partitions)})
         self._drop_tasks()
+        started = time.monotonic()
         restored = self._restore(partitions)
         consumer.assign([TopicPartition(t, p, off) for (t, p), off in restored.items()])
         self._remove_moved_task_dirs()
+        self._event({"event": "restored", "seconds": round(time.monotonic() - started, 3)})
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         log.info("revoked %d partitions: aborting the open epoch", len(partitions))
@@ -237,13 +242,7 @@ class Worker:
         by_task: dict[str, list[TopicPartition]] = defaultdict(list)
         for tp in partitions:
             by_task[task_id_for(tp.partition)].append(tp)
-        committed = (
-            self.consumer.committed(
-                [TopicPartition(tp.topic, tp.partition) for tp in partitions], timeout=30
-            )
-            if partitions
-            else []
-        )
+        committed = self._committed_offsets(partitions) if partitions else []
         committed_by_tp = {(c.topic, c.partition): c for c in committed}
         seek: dict[tuple[str, int], int] = {}
         for task_id, tps in sorted(by_task.items()):
@@ -258,6 +257,28 @@ class Worker:
         self._last_trigger = time.monotonic()
         self._records_at_trigger = 0
         return seek
+
+    def _committed_offsets(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        """The committed offsets (and checkpoint names) of ``partitions``.
+
+        A previous owner that sent its offsets to a transaction and then stalled leaves them
+        pending; the broker answers an offset fetch for them only once that transaction has
+        committed or been aborted (at the latest after its transaction.timeout.ms), so this
+        waits rather than start from offsets that are about to change."""
+        request = [TopicPartition(tp.topic, tp.partition) for tp in partitions]
+        deadline = time.monotonic() + COMMITTED_OFFSETS_WAIT
+        while True:
+            try:
+                return list(self.consumer.committed(request, timeout=20))
+            except KafkaException as exc:
+                if time.monotonic() > deadline:
+                    raise CheckpointError(
+                        f"could not read the committed offsets of {len(request)} partitions "
+                        f"in {COMMITTED_OFFSETS_WAIT:.0f}s: {exc}; is a previous owner's "
+                        "transaction still open, or the group coordinator unreachable?"
+                    ) from exc
+                log.warning("committed offsets not available yet (%s); retrying", exc)
+                self._event({"event": "offsets_pending", "error": str(exc)[:200]})
 
     def _restore_task(
         self, task_id: str, committed: list[TopicPartition]
@@ -378,7 +399,11 @@ class Worker:
         commit_start = time.monotonic()
         self._records_at_durable = self._records_in()
         if self.pipeline.exactly_once:
-            self.output.commit(offsets, self.consumer.consumer_group_metadata())
+            self.output.commit(
+                offsets,
+                self.consumer.consumer_group_metadata(),
+                offsets_sent=self._offsets_sent,
+            )
         else:
             self.output.flush()
             self.consumer.commit(offsets=offsets, asynchronous=False)
@@ -395,6 +420,9 @@ class Worker:
         self._failures = 0
         self.checkpoints_committed += 1
         self._record_metrics(done, commit_start, committed_at)
+
+    def _offsets_sent(self) -> None:
+        self.faults.point("after_offsets_sent")
 
     def _record_metrics(
         self, done: CompletedCheckpoint, commit_start: float, committed_at: float
