@@ -50,6 +50,13 @@ def main() -> None:
     default=None,
     help="Stable id of this worker (fences its previous incarnation). Default: hostname.",
 )
+@click.option(
+    "--local-dir",
+    envvar="SNAPLINE_LOCAL_DIR",
+    default=None,
+    help="Scratch directory for local state (RocksDB) and local recovery. Default: beside a "
+    "local checkpoint dir, or ~/.cache/snapline/local for a remote one.",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def run(
     spec: str,
@@ -57,6 +64,7 @@ def run(
     bootstrap_servers: str | None,
     checkpoint_dir: str | None,
     worker_id: str | None,
+    local_dir: str | None,
     log_level: str,
 ) -> None:
     """Run the pipeline SPEC (module:attribute) as one or more workers."""
@@ -85,7 +93,7 @@ def run(
     base_id = worker_id or WorkerSettings.default_worker_id()
     try:
         if workers == 1 and broker is None:
-            settings = WorkerSettings(bootstrap_servers, base_id, checkpoint_dir)
+            settings = WorkerSettings(bootstrap_servers, base_id, checkpoint_dir, local_dir or "")
             try:
                 run_worker(pipeline, settings)
             except SnaplineError as exc:
@@ -104,6 +112,7 @@ def run(
                 checkpoint_dir,
                 "--log-level",
                 log_level,
+                *(["--local-dir", local_dir] if local_dir else []),
             ],
         )
         sys.exit(supervisor.run())

@@ -68,6 +68,18 @@ class WorkerSettings:
     checkpoint_dir: str
     local_dir: str = ""
 
+    def resolved_local_dir(self) -> Path:
+        """Where tasks keep local state: ``local_dir``, else beside a local checkpoint
+        directory, else (checkpoints in an object store) under the user's cache directory."""
+        if self.local_dir:
+            return Path(self.local_dir)
+        scheme, sep, rest = self.checkpoint_dir.partition("://")
+        if not sep or scheme == "file":
+            base = Path(rest if sep else self.checkpoint_dir).absolute().parent
+            return base / ".snapline-local" / self.worker_id
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+        return Path(cache) / "snapline" / "local" / self.worker_id
+
     @staticmethod
     def default_worker_id() -> str:
         return os.environ.get("SNAPLINE_WORKER_ID") or socket.gethostname()
@@ -86,12 +98,7 @@ class Worker:
         self.settings = settings
         self.faults = FaultInjector()
         self.storage = CheckpointStorage(settings.checkpoint_dir)
-        self.local_dir = Path(
-            settings.local_dir
-            or Path(settings.checkpoint_dir).absolute().parent
-            / ".snapline-local"
-            / settings.worker_id
-        )
+        self.local_dir = settings.resolved_local_dir()
         kafka_config = {"bootstrap.servers": settings.bootstrap_servers, **pipeline.kafka_config}
         self._kafka_config = kafka_config
         log.info(

@@ -19,14 +19,25 @@ from benchmarks.systems import BASELINE_A, QUIX
 
 
 def run(system: str, rate: float | None, status: str = "ok") -> RunResult:
-    return RunResult(system=system, kind="throughput", repetition=1, status=status,
-                     records_per_s=rate, peak_rss_mb=100.0,
-                     problems=[] if status == "ok" else ["wrong output: 3 outputs for 2"])
+    return RunResult(
+        system=system,
+        kind="throughput",
+        repetition=1,
+        status=status,
+        records_per_s=rate,
+        peak_rss_mb=100.0,
+        problems=[] if status == "ok" else ["wrong output: 3 outputs for 2"],
+    )
 
 
 def test_ratios_use_medians_and_failed_runs_have_no_number() -> None:
-    results = [run("baseline-a", 100.0), run("baseline-a", 120.0), run("baseline-a", 110.0),
-               run("quix", 20.0), run("quix", 30.0, status="FAILED")]
+    results = [
+        run("baseline-a", 100.0),
+        run("baseline-a", 120.0),
+        run("baseline-a", 110.0),
+        run("quix", 20.0),
+        run("quix", 30.0, status="FAILED"),
+    ]
     rows = {r["system"]: r for r in summarize_systems([BASELINE_A, QUIX], results)}
     assert rows["baseline-a"]["records_per_s"] == 110.0
     assert rows["baseline-a"]["vs_baseline_a"] == 1.0
@@ -60,8 +71,18 @@ def test_machine_short_name() -> None:
 
 
 def test_child_env_round_trip_and_start_marker(tmp_path: Path) -> None:
-    env = ChildEnv("b:1", "in", "out", "g", str(tmp_path / "s"), str(tmp_path / "st"),
-                   str(tmp_path / "state"), 0.5, "rocksdb", "at_least_once")
+    env = ChildEnv(
+        "b:1",
+        "in",
+        "out",
+        "g",
+        str(tmp_path / "s"),
+        str(tmp_path / "st"),
+        str(tmp_path / "state"),
+        0.5,
+        "rocksdb",
+        "at_least_once",
+    )
     assert ChildEnv.from_environ(env.to_environ()) == env
     assert read_start_time(env.start_file) is None
     first, second = StartMarker(env.start_file), StartMarker(env.start_file)
@@ -73,8 +94,10 @@ def test_child_env_round_trip_and_start_marker(tmp_path: Path) -> None:
 
 def test_checkpoint_metrics(tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
-    path.write_text('{"event": "checkpoint", "commit_ms": 5.0, "total_ms": 40.0, '
-                    '"state_bytes": 10}\nnot json\n{"event": "checkpoint_failed"}\n')
+    path.write_text(
+        '{"event": "checkpoint", "commit_ms": 5.0, "total_ms": 40.0, '
+        '"state_bytes": 10}\nnot json\n{"event": "checkpoint_failed"}\n'
+    )
     metrics = checkpoint_metrics(path)
     assert metrics["commit"] == [0.005] and metrics["checkpoint"] == [0.04]
     assert metrics["failed"] == [1.0]

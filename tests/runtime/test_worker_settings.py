@@ -1,0 +1,29 @@
+"""Where a worker keeps its local state, for local and remote checkpoint storage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.runtime.worker import WorkerSettings
+
+
+def test_local_dir_beside_a_local_checkpoint_dir(tmp_path: Path) -> None:
+    settings = WorkerSettings("k:9092", "w1", str(tmp_path / "checkpoints"))
+    assert settings.resolved_local_dir() == tmp_path / ".snapline-local" / "w1"
+    uri = WorkerSettings("k:9092", "w1", f"file://{tmp_path}/checkpoints")
+    assert uri.resolved_local_dir() == tmp_path / ".snapline-local" / "w1"
+
+
+def test_local_dir_for_an_object_store_is_under_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    settings = WorkerSettings("k:9092", "w2", "s3://bucket/checkpoints?endpoint_override=m:9000")
+    assert settings.resolved_local_dir() == tmp_path / "cache" / "snapline" / "local" / "w2"
+
+
+def test_explicit_local_dir_wins(tmp_path: Path) -> None:
+    settings = WorkerSettings("k:9092", "w3", "s3://bucket/c", str(tmp_path / "scratch"))
+    assert settings.resolved_local_dir() == tmp_path / "scratch"
