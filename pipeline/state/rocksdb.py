@@ -288,7 +288,7 @@ class RocksDBStateBackend(KeyedStateBackend):
         rocksdict.Checkpoint(self.db).create_checkpoint(str(path))
         self.last_snapshot_pause = time.perf_counter() - started
         return RocksDBSnapshot(
-            checkpoint_id, path, self._registry, self._local, self.options.transfer_threads
+            checkpoint_id, path, self._registry, self._local, self.options.upload_threads
         )
 
     def restore(self, handle: StateHandle, storage: CheckpointStorage) -> None:
@@ -307,7 +307,7 @@ class RocksDBStateBackend(KeyedStateBackend):
                 handle.files,
                 staging,
                 local_candidates=self._local_candidates(),
-                threads=self.options.transfer_threads,
+                threads=self.options.download_threads,
             )
             if not (staging / "CURRENT").exists():
                 raise CorruptCheckpointError(

@@ -53,8 +53,11 @@ class RocksDBOptions:
     block_bytes: int = 16 * 1024
     #: State is recovered from checkpoints, never from the WAL: writing it is wasted I/O.
     disable_wal: bool = True
-    #: Threads per task that upload or download checkpoint files.
-    transfer_threads: int = 4
+    #: Threads per task that upload checkpoint files in the background. One leaves the other
+    #: core to the task thread (the upload competes with processing while it runs).
+    upload_threads: int = 1
+    #: Threads per task that download checkpoint files on restore (the task waits anyway).
+    download_threads: int = 4
     #: Hard-link copies of the newest local checkpoints kept for local recovery.
     local_checkpoints_kept: int = 1
 
@@ -78,10 +81,12 @@ class RocksDBOptions:
                 "rocksdb option max_write_buffers must be at least 2 "
                 "(one memtable is flushed while the next one fills)"
             )
-        if self.transfer_threads < 1 or self.local_checkpoints_kept < 0:
+        if self.upload_threads < 1 or self.download_threads < 1:
             raise ConfigurationError(
-                "rocksdb options transfer_threads must be >= 1 and local_checkpoints_kept >= 0"
+                "rocksdb options upload_threads and download_threads must be >= 1"
             )
+        if self.local_checkpoints_kept < 0:
+            raise ConfigurationError("rocksdb option local_checkpoints_kept must be >= 0")
 
     @staticmethod
     def from_kwargs(kwargs: dict[str, Any]) -> RocksDBOptions:
