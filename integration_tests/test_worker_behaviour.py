@@ -141,6 +141,63 @@ def test_sigterm_takes_final_checkpoint_and_exits_cleanly(
     assert verify_totals(outputs, expected, range(5000)).ok
 
 
+def test_rebalance_commits_the_work_done_instead_of_redoing_it(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """A second worker joins long before the first one's next periodic checkpoint: the first
+    commits everything it read while its partitions are revoked, so the group's committed
+    offsets cover all input at once and nothing is processed twice."""
+    prefix = f"{unique_name}-"
+    create_topics(kafka_bootstrap, {f"{prefix}orders": 4, f"{prefix}customer-totals": 4})
+    env = {
+        "SNAPLINE_EXAMPLE_PREFIX": prefix,
+        "SNAPLINE_EXAMPLE_JOB": unique_name,
+        "SNAPLINE_EXAMPLE_INTERVAL": "300",
+    }  # no periodic checkpoint during the test
+    a, b = (
+        WorkerProcess(
+            "examples.running_total:pipeline", w, kafka_bootstrap, tmp_path / "chk", tmp_path, env
+        )
+        for w in ("a", "b")
+    )
+    expected = produce_orders(kafka_bootstrap, f"{prefix}orders", 5000, 50)
+    a.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not any(e.get("event") == "restored" for e in read_events(a.metrics_path)):
+            assert time.monotonic() < deadline, a.tail()
+            time.sleep(0.3)
+        time.sleep(3)  # a reads and processes the 5000 orders; nothing is committed yet
+        assert (
+            sum(
+                max(c.offset, 0)
+                for c in _committed(kafka_bootstrap, unique_name, f"{prefix}orders", 4)
+            )
+            == 0
+        )
+        b.start()  # the group rebalances: a's partitions are revoked
+        deadline = time.monotonic() + 60
+        committed = 0
+        while committed < 5000 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            committed = sum(
+                max(c.offset, 0)
+                for c in _committed(kafka_bootstrap, unique_name, f"{prefix}orders", 4)
+            )
+        assert committed == 5000, f"committed {committed} of 5000 offsets\n{a.tail()}"
+        events = read_events(a.metrics_path)
+        revokes = [e for e in events if e["event"] == "revoke_checkpoint"]
+        assert revokes and revokes[0]["committed"], events
+        outputs = read_committed(kafka_bootstrap, f"{prefix}customer-totals", 5000, timeout=30)
+        assert verify_totals(outputs, expected, range(5000)).ok
+        # b restored a's checkpoint and found nothing left to do: no order was processed twice
+        b_checkpoints = [e for e in events if e["event"] == "checkpoint" and e["worker"] == "b"]
+        assert not b_checkpoints, b_checkpoints
+    finally:
+        for worker in (a, b):
+            worker.stop()
+
+
 def _run_expecting_failure(spec: str, bootstrap: str, prefix: str, tmp_path: Path) -> str:
     result = subprocess.run(
         [

@@ -139,10 +139,12 @@ class TransactionalOutput:
         except KafkaException as exc:
             error = exc.args[0]
             if isinstance(error, KafkaError) and error.fatal():
+                self.open_epoch = None
                 raise FencedError(f"producer fenced or fatally failed: {error}") from exc
+            # The transaction stays open (open_epoch is kept) so that abort() aborts it;
+            # otherwise the next begin_transaction would fail in the abortable-error state.
             raise CheckpointError(f"Kafka commit failed: {error}") from exc
-        finally:
-            self.open_epoch = None
+        self.open_epoch = None
         if self._delivery_errors:
             errors, self._delivery_errors = self._delivery_errors, []
             raise CheckpointError(f"records failed delivery: {errors[:3]}")

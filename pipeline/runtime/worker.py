@@ -223,8 +223,32 @@ class Worker:
         self._event({"event": "restored", "seconds": round(time.monotonic() - started, 3)})
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        log.info("revoked %d partitions: aborting the open epoch", len(partitions))
+        """A rebalance takes the partitions away: commit the work done so far first.
+
+        During an eager rebalance this member's generation is still current while the
+        callback runs, so a checkpoint of everything read so far can still commit; the new
+        owners then start where this worker stopped instead of redoing up to one interval.
+        If that checkpoint fails (or the generation moved on), the epoch is aborted as
+        before and the new owners restore the previous checkpoint: correct either way."""
         self._event({"event": "revoked", "partitions": len(partitions)})
+        if self.tasks:
+            started = time.monotonic()
+            before = self.checkpoints_committed
+            log.info("revoked %d partitions: committing the open epoch first", len(partitions))
+            self._final_checkpoint(reason="revoke")
+            self._event(
+                {
+                    "event": "revoke_checkpoint",
+                    "committed": self.checkpoints_committed > before,
+                    "seconds": round(time.monotonic() - started, 3),
+                }
+            )
+        self._drop_tasks()
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """The partitions already belong to other members: nothing of the epoch may commit."""
+        log.warning("lost %d partitions: aborting the open epoch", len(partitions))
+        self._event({"event": "lost", "partitions": len(partitions)})
         self._drop_tasks()
 
     def _drop_tasks(self) -> None:
@@ -498,7 +522,7 @@ class Worker:
         self.output.init()
         topics = self.pipeline.source_topics()
         self.consumer.subscribe(
-            topics, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke
+            topics, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
         try:
@@ -561,10 +585,13 @@ class Worker:
                 continue  # fetched before a revoke; the new owner reads it again
             task.enqueue((topic, partition), batch)
 
-    def _final_checkpoint(self) -> None:
+    def _final_checkpoint(self, reason: str = "stop") -> None:
+        """Checkpoint and commit everything read so far (SIGTERM, or partitions revoked)."""
         if not self.tasks:
             return
-        log.info("stopping: taking a final checkpoint")
+        if self.coordinator.pending is None and self._records_in() == self._records_at_trigger:
+            return  # nothing read since the last committed checkpoint
+        log.info("%s: taking a final checkpoint", reason)
         deadline = time.monotonic() + self.pipeline.checkpoint_timeout
         target = None
         while time.monotonic() < deadline:
@@ -578,13 +605,16 @@ class Worker:
             self.output.poll()
             try:
                 done = self.coordinator.poll()
+                if done is not None:
+                    self._complete(done)
+            except FencedError:
+                raise
             except CheckpointError as exc:
-                log.error("final checkpoint failed: %s", exc)
+                log.error("%s: final checkpoint failed (the epoch is aborted): %s", reason, exc)
+                self._event({"event": "checkpoint_failed", "error": str(exc)[:500]})
                 return
-            if done is not None:
-                self._complete(done)
-                if done.checkpoint_id == target:
-                    return
+            if done is not None and done.checkpoint_id == target:
+                return
             time.sleep(0.001)
 
     def _close(self) -> None:
