@@ -296,7 +296,8 @@ class RocksDBStateBackend(KeyedStateBackend):
         if handle.backend != BACKEND_NAME:
             raise CheckpointError(
                 f"the checkpoint was written by the {handle.backend!r} state backend, this task "
-                f"uses {BACKEND_NAME!r}: switch back, or move state with a savepoint"
+                f"uses {BACKEND_NAME!r}: switch back, or start the pipeline under a new name "
+                "(moving state between backends needs savepoints, which Snapline lacks yet)"
             )
         checkpoint_id = int(handle.extra.get("checkpoint_id", -1))
         staging = self.task_dir / f"restore-{uuid.uuid4().hex[:8]}"
