@@ -404,7 +404,7 @@ class Worker:
             and self.coordinator.pending is None
             and now - self._last_trigger >= self.pipeline.checkpoint_interval
         ):
-            if self._records_in() == self._records_at_trigger:
+            if self._nothing_read_since_trigger():
                 # Nothing read since the last checkpoint: state, positions and output are
                 # unchanged, so an idle pipeline writes no checkpoint files.
                 self._last_trigger = now
@@ -484,6 +484,10 @@ class Worker:
 
     def _records_in(self) -> int:
         return sum(t.records_in for t in self.tasks.values())
+
+    def _nothing_read_since_trigger(self) -> bool:
+        """State, positions and output are those of the last checkpoint triggered."""
+        return self._records_in() == self._records_at_trigger
 
     def _event(self, entry: dict[str, Any]) -> None:
         """Append a metrics event (JSON line) when SNAPLINE_METRICS_FILE is set."""
@@ -589,7 +593,7 @@ class Worker:
         """Checkpoint and commit everything read so far (SIGTERM, or partitions revoked)."""
         if not self.tasks:
             return
-        if self.coordinator.pending is None and self._records_in() == self._records_at_trigger:
+        if self.coordinator.pending is None and self._nothing_read_since_trigger():
             return  # nothing read since the last committed checkpoint
         log.info("%s: taking a final checkpoint", reason)
         deadline = time.monotonic() + self.pipeline.checkpoint_timeout
