@@ -9,10 +9,12 @@ import sys
 
 def main() -> None:
     try:
-        from pipeline.cli import main as snapline_main
+        from snapline.pipeline.cli import main as snapline_main
     except ImportError as exc:
-        sys.exit(f"the Snapline runtime is not available yet (pipeline.cli: {exc}); "
-                 "run the benchmark with --only baseline-a,baseline-b,quix")
+        sys.exit(
+            f"the Snapline runtime is not available yet (snapline.pipeline.cli: {exc}); "
+            "run the benchmark with --only baseline-a,baseline-b,quix"
+        )
     snapline_main()
 
 

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from benchmarks.child_env import ChildEnv, StartMarker
-from connectors import KafkaSource
-from pipeline import KeyedProcessFunction, Pipeline, ValueState
-from pipeline.functions import Context
-from sinks import KafkaSink
+from snapline.connectors import KafkaSource
+from snapline.pipeline import KeyedProcessFunction, Pipeline, ValueState
+from snapline.pipeline.functions import Context
+from snapline.sinks import KafkaSink
 
 
 class RunningTotal(KeyedProcessFunction):
@@ -61,20 +61,24 @@ def _pipeline(env: ChildEnv) -> Pipeline:
 def running_total() -> Pipeline:
     env = ChildEnv.from_environ()
     pipeline = _pipeline(env)
-    (pipeline.source(KafkaSource(env.in_topic, value_format="json"))
+    (
+        pipeline.source(KafkaSource(env.in_topic, value_format="json"))
         .key_by(lambda v: v["customer"])
         .process(RunningTotal(env.start_file))
-        .sink(KafkaSink(env.out_topic, value_format="json")))
+        .sink(KafkaSink(env.out_topic, value_format="json"))
+    )
     return pipeline
 
 
 def running_total_with_note() -> Pipeline:
     env = ChildEnv.from_environ()
     pipeline = _pipeline(env)
-    (pipeline.source(KafkaSource(env.in_topic, value_format="json"))
+    (
+        pipeline.source(KafkaSource(env.in_topic, value_format="json"))
         .key_by(lambda v: v["customer"])
         .process(RunningTotalWithNote(env.start_file))
-        .sink(KafkaSink(env.out_topic, value_format="json")))
+        .sink(KafkaSink(env.out_topic, value_format="json"))
+    )
     return pipeline
 
 
@@ -87,7 +91,9 @@ def stateless_map() -> Pipeline:
         marker.mark()
         return {"customer": value["customer"], "amount": value["amount"], "ts": value["ts"]}
 
-    (pipeline.source(KafkaSource(env.in_topic, value_format="json"))
+    (
+        pipeline.source(KafkaSource(env.in_topic, value_format="json"))
         .map(project)
-        .sink(KafkaSink(env.out_topic, key=lambda v: v["customer"], value_format="json")))
+        .sink(KafkaSink(env.out_topic, key=lambda v: v["customer"], value_format="json"))
+    )
     return pipeline

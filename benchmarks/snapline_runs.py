@@ -17,48 +17,87 @@ _ENTRY = "benchmarks.snapline_entry"
 
 
 def _worker_args(factory: str) -> tuple[str, ...]:
-    return ("run", f"benchmarks.snapline_pipelines:{factory}",
-            "--bootstrap-servers", "{bootstrap}", "--worker-id", "0")
+    return (
+        "run",
+        f"benchmarks.snapline_pipelines:{factory}",
+        "--bootstrap-servers",
+        "{bootstrap}",
+        "--worker-id",
+        "0",
+    )
 
 
-def _system(name: str, label: str, factory: str, backend: str, guarantee: str,
-            mode: str = "total") -> System:
+def _system(
+    name: str, label: str, factory: str, backend: str, guarantee: str, mode: str = "total"
+) -> System:
     return System(
-        name=name, label=label, role="snapline", module=_ENTRY, args=_worker_args(factory),
-        mode="map" if mode == "map" else "total", exactly_once=guarantee == "exactly_once",
-        backend=backend, guarantee=guarantee,
+        name=name,
+        label=label,
+        role="snapline",
+        module=_ENTRY,
+        args=_worker_args(factory),
+        mode="map" if mode == "map" else "total",
+        exactly_once=guarantee == "exactly_once",
+        backend=backend,
+        guarantee=guarantee,
         notes=f"{factory}, state_backend={backend}, guarantee={guarantee}, checkpoint every 1 s",
     )
 
 
 SNAPLINE_SYSTEMS: tuple[System, ...] = (
-    _system("snapline-map", "Snapline stateless map, exactly-once", "stateless_map",
-            "memory", "exactly_once", mode="map"),
-    _system("snapline-memory", "Snapline running total, memory, exactly-once", "running_total",
-            "memory", "exactly_once"),
-    _system("snapline-rocksdb", "Snapline running total, rocksdb, exactly-once",
-            "running_total", "rocksdb", "exactly_once"),
-    _system("snapline-memory-alo", "Snapline running total, memory, at-least-once",
-            "running_total", "memory", "at_least_once"),
-    _system("snapline-rocksdb-alo", "Snapline running total, rocksdb, at-least-once",
-            "running_total", "rocksdb", "at_least_once"),
+    _system(
+        "snapline-map",
+        "Snapline stateless map, exactly-once",
+        "stateless_map",
+        "memory",
+        "exactly_once",
+        mode="map",
+    ),
+    _system(
+        "snapline-memory",
+        "Snapline running total, memory, exactly-once",
+        "running_total",
+        "memory",
+        "exactly_once",
+    ),
+    _system(
+        "snapline-rocksdb",
+        "Snapline running total, rocksdb, exactly-once",
+        "running_total",
+        "rocksdb",
+        "exactly_once",
+    ),
+    _system(
+        "snapline-memory-alo",
+        "Snapline running total, memory, at-least-once",
+        "running_total",
+        "memory",
+        "at_least_once",
+    ),
+    _system(
+        "snapline-rocksdb-alo",
+        "Snapline running total, rocksdb, at-least-once",
+        "running_total",
+        "rocksdb",
+        "at_least_once",
+    ),
 )
 
 
 def runtime_missing() -> str:
     """Why the Snapline runtime cannot be benchmarked yet, or "" when it can."""
     try:
-        pipeline = importlib.import_module("pipeline")
+        pipeline = importlib.import_module("snapline.pipeline")
     except ImportError as exc:
-        return f"cannot import pipeline: {exc}"
+        return f"cannot import snapline.pipeline: {exc}"
     if not hasattr(pipeline, "Pipeline"):
-        return "pipeline/__init__.py does not export Pipeline yet"
+        return "snapline/pipeline/__init__.py does not export Pipeline yet"
     try:
-        cli = importlib.import_module("pipeline.cli")
+        cli = importlib.import_module("snapline.pipeline.cli")
     except ImportError as exc:
-        return f"pipeline.cli is missing: {exc}"
+        return f"snapline.pipeline.cli is missing: {exc}"
     if not hasattr(cli, "main"):
-        return "pipeline.cli has no main() yet"
+        return "snapline.pipeline.cli has no main() yet"
     return ""
 
 
@@ -69,8 +108,7 @@ def checkpoint_metrics(path: Path) -> dict[str, list[float]]:
     """Per-checkpoint measurements from the worker's metrics file (JSON lines written when
     ``SNAPLINE_METRICS_FILE`` is set): seconds for ``commit`` (the Kafka transaction commit)
     and ``checkpoint`` (trigger → committed), bytes for ``state_bytes``."""
-    out: dict[str, list[float]] = {"commit": [], "checkpoint": [], "state_bytes": [],
-                                   "failed": []}
+    out: dict[str, list[float]] = {"commit": [], "checkpoint": [], "state_bytes": [], "failed": []}
     try:
         lines = path.read_text(errors="replace").splitlines()
     except FileNotFoundError:

@@ -27,10 +27,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pipeline.checkpoint.storage import CheckpointStorage
-from pipeline.keygroups import key_group, state_key_prefix
-from pipeline.state import create_backend
-from pipeline.state.backend import KeyedStateBackend, StateHandle
+from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.keygroups import key_group, state_key_prefix
+from snapline.pipeline.state import create_backend
+from snapline.pipeline.state.backend import KeyedStateBackend, StateHandle
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 VALUE_BYTES = 150
@@ -99,7 +99,7 @@ def retain(
     for checkpoint_id, _ in handles[:-keep]:
         storage.delete_dir(directory(task, checkpoint_id))
     if backend_name == "rocksdb":
-        from pipeline.state.rocksdb import discard_unreferenced_files
+        from snapline.pipeline.state.rocksdb import discard_unreferenced_files
 
         discard_unreferenced_files(storage, f"bench/tasks/{task}", [h for _, h in handles[-keep:]])
     del handles[:-keep]

@@ -17,9 +17,9 @@ import time
 import uuid
 from pathlib import Path
 
-from connectors.local_broker import LocalKafkaBroker
 from examples.orders import create_topics, produce_orders, read_committed, verify_totals
 from examples.workers import WorkerProcess, read_events
+from snapline import LocalKafkaBroker
 
 
 def say(message: str) -> None:

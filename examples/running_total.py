@@ -16,9 +16,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from connectors import KafkaSource
-from pipeline import Context, KeyedProcessFunction, Pipeline, ValueState
-from sinks import KafkaSink
+from snapline import Context, KafkaSink, KafkaSource, KeyedProcessFunction, Pipeline, ValueState
 
 
 class RunningTotal(KeyedProcessFunction):

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import os
 
-from connectors import KafkaSource
 from examples.running_total import RunningTotal
-from pipeline import Pipeline
-from sinks import KafkaSink, ParquetSink, PostgresSink
+from snapline import KafkaSink, KafkaSource, ParquetSink, Pipeline, PostgresSink
 
 
 def build() -> Pipeline:

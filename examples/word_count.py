@@ -16,9 +16,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from connectors import KafkaSource
-from pipeline import Context, KeyedProcessFunction, MapState, Pipeline
-from sinks import KafkaSink
+from snapline import Context, KafkaSink, KafkaSource, KeyedProcessFunction, MapState, Pipeline
 
 WORD = re.compile(r"[a-z0-9']+")
 

@@ -55,7 +55,7 @@ class WorkerProcess:
                 [
                     sys.executable,
                     "-m",
-                    "pipeline.cli",
+                    "snapline.pipeline.cli",
                     "run",
                     self.spec,
                     "--bootstrap-servers",

@@ -6,9 +6,9 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from connectors import KafkaSource
-from pipeline import Context, KeyedProcessFunction, Pipeline, ValueState
-from sinks import KafkaSink
+from snapline.connectors import KafkaSource
+from snapline.pipeline import Context, KeyedProcessFunction, Pipeline, ValueState
+from snapline.sinks import KafkaSink
 
 PREFIX = os.environ.get("SNAPLINE_TEST_PREFIX", "test-")
 

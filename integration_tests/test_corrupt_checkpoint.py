@@ -12,7 +12,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from examples.orders import create_topics, produce_orders, read_committed
 from examples.workers import WorkerProcess, read_events
-from pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint
+from snapline.pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +59,7 @@ def test_corrupt_committed_checkpoint_fails_or_rewinds(
     assert checkpoints() >= 2, "the test needs an earlier checkpoint to rewind to"
     ref = _committed_ref(kafka_bootstrap, unique_name, topic)
     storage_root = tmp_path / "chk"
-    from pipeline.checkpoint.storage import CheckpointStorage
+    from snapline.pipeline.checkpoint.storage import CheckpointStorage
 
     meta = TaskCheckpoint.read(CheckpointStorage(str(storage_root)), unique_name, "p0", ref)
     assert meta.state is not None

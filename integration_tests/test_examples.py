@@ -29,7 +29,7 @@ def _run(
         [
             sys.executable,
             "-m",
-            "pipeline.cli",
+            "snapline.pipeline.cli",
             "run",
             spec,
             "--bootstrap-servers",

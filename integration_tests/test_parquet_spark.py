@@ -26,10 +26,10 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
 
-from pipeline.record import Record
-from sinks import parquet as parquet_module
-from sinks.base import SinkContext
-from sinks.parquet import ParquetSink, ParquetSinkWriter
+from snapline.pipeline.record import Record
+from snapline.sinks import parquet as parquet_module
+from snapline.sinks.base import SinkContext
+from snapline.sinks.parquet import ParquetSink, ParquetSinkWriter
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 

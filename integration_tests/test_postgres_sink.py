@@ -1,4 +1,5 @@
-"""PostgresSink against a real PostgreSQL (Debian's server, started by connectors.postgres_local).
+"""PostgresSink against a real PostgreSQL (Debian's server, started by
+snapline.connectors.postgres_local).
 
 The sink is driven through the contract (write / pre_commit / commit / abort / recover) with
 crashes simulated by abandoning writers, a database outage, and a writer process that is
@@ -25,11 +26,11 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from connectors.postgres_local import LocalPostgres
-from pipeline.errors import ConfigurationError, SinkError
-from pipeline.record import Record
-from sinks.base import SinkContext
-from sinks.postgres import PostgresSink, PostgresSinkWriter
+from snapline.connectors.postgres_local import LocalPostgres
+from snapline.pipeline.errors import ConfigurationError, SinkError
+from snapline.pipeline.record import Record
+from snapline.sinks.base import SinkContext
+from snapline.sinks.postgres import PostgresSink, PostgresSinkWriter
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]
 

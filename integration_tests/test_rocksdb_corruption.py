@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint
-from pipeline.checkpoint.restore import restore_committed
-from pipeline.checkpoint.storage import CheckpointStorage
-from pipeline.errors import CorruptCheckpointError
-from pipeline.state.rocksdb import RocksDBStateBackend, discard_unreferenced_files
+from snapline.pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint
+from snapline.pipeline.checkpoint.restore import restore_committed
+from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.errors import CorruptCheckpointError
+from snapline.pipeline.state.rocksdb import RocksDBStateBackend, discard_unreferenced_files
 
 pytestmark = pytest.mark.integration
 

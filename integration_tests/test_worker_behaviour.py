@@ -203,7 +203,7 @@ def _run_expecting_failure(spec: str, bootstrap: str, prefix: str, tmp_path: Pat
         [
             sys.executable,
             "-m",
-            "pipeline.cli",
+            "snapline.pipeline.cli",
             "run",
             spec,
             "--bootstrap-servers",

@@ -27,9 +27,9 @@ import pyarrow.fs as pafs
 import pytest
 import yaml
 
-from pipeline.cli import main as snapline_cli
-from pipeline.graph import Pipeline, load_pipeline
-from sinks import KafkaSink, ParquetSink
+from snapline.pipeline.cli import main as snapline_cli
+from snapline.pipeline.graph import Pipeline, load_pipeline
+from snapline.sinks import KafkaSink, ParquetSink
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -37,7 +37,7 @@ DOCKERFILE = DOCKER / "Dockerfile"
 DOCKERIGNORE = DOCKER / "Dockerfile.dockerignore"
 COMPOSE_FILE = DOCKER / "compose.yaml"
 #: Where the code that reads SNAPLINE_* variables lives (not tests: this file names them too).
-CODE_DIRS = ("pipeline", "connectors", "sinks", "examples")
+CODE_DIRS = ("snapline", "examples")
 
 EXPECTED_SERVICES = {
     "kafka",

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from connectors import KafkaSource
-from connectors.config import redact
-from pipeline import ConfigurationError, KeyedProcessFunction, Pipeline, StateError, ValueState
-from sinks import KafkaSink
+from snapline.connectors import KafkaSource
+from snapline.connectors.config import redact
+from snapline.pipeline import (
+    ConfigurationError,
+    KeyedProcessFunction,
+    Pipeline,
+    StateError,
+    ValueState,
+)
+from snapline.sinks import KafkaSink
 
 
 class Counter(KeyedProcessFunction):

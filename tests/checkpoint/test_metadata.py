@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint, list_checkpoints
-from pipeline.checkpoint.storage import CheckpointStorage
-from pipeline.errors import CheckpointError, CorruptCheckpointError
-from pipeline.state.backend import StateFile, StateHandle
+from snapline.pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint, list_checkpoints
+from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.errors import CheckpointError, CorruptCheckpointError
+from snapline.pipeline.state.backend import StateFile, StateHandle
 
 
 def sample(ref: CheckpointRef = CheckpointRef(7, "abc123")) -> TaskCheckpoint:

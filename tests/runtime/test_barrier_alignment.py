@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.runtime.barrier import Barrier, BarrierAligner
+from snapline.pipeline.runtime.barrier import Barrier, BarrierAligner
 
 
 def test_single_channel_releases_at_once() -> None:
@@ -55,7 +55,7 @@ def test_task_drains_union_inputs_with_alignment() -> None:
     """A task with two input channels: records behind the barrier on the fast channel wait
     until the slow channel delivers its barrier, then the snapshot sees exactly the records
     before the barrier positions."""
-    from pipeline.runtime.task import Channel  # noqa: F401 - the task's channel type
+    from snapline.pipeline.runtime.task import Channel  # noqa: F401 - the task's channel type
 
     aligner = BarrierAligner(["a", "b"])
     channels = {"a": ["a1", "a2", Barrier(1), "a3"], "b": ["b1", Barrier(1), "b2"]}

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.runtime import faults
-from pipeline.runtime.faults import KILL_POINTS, FaultInjector
+from snapline.pipeline.runtime import faults
+from snapline.pipeline.runtime.faults import KILL_POINTS, FaultInjector
 
 
 def test_empty_spec_is_a_no_op() -> None:

@@ -8,7 +8,7 @@ import sys
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.keygroups import (
+from snapline.pipeline.keygroups import (
     key_group,
     key_group_of_state_key,
     key_group_range,
@@ -20,7 +20,7 @@ from pipeline.keygroups import (
 def test_key_group_is_stable_across_processes() -> None:
     here = [key_group(f"customer-{i}".encode(), 128) for i in range(50)]
     code = (
-        "from pipeline.keygroups import key_group;"
+        "from snapline.pipeline.keygroups import key_group;"
         "print([key_group(f'customer-{i}'.encode(), 128) for i in range(50)])"
     )
     other = subprocess.run(

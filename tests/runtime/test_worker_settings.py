@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.runtime.worker import WorkerSettings
+from snapline.pipeline.runtime.worker import WorkerSettings
 
 
 def test_local_dir_beside_a_local_checkpoint_dir(tmp_path: Path) -> None:

@@ -13,11 +13,11 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
 
-from pipeline.errors import ConfigurationError, SinkError
-from pipeline.record import Record
-from sinks import parquet as parquet_module
-from sinks.base import SinkContext
-from sinks.parquet import (
+from snapline.pipeline.errors import ConfigurationError, SinkError
+from snapline.pipeline.record import Record
+from snapline.sinks import parquet as parquet_module
+from snapline.sinks.base import SinkContext
+from snapline.sinks.parquet import (
     ParquetSink,
     ParquetSinkWriter,
     hive_partition_dir,

@@ -11,8 +11,8 @@ from typing import Any
 import orjson
 import pytest
 
-from pipeline.errors import ConfigurationError
-from sinks.postgres import (
+from snapline.pipeline.errors import ConfigurationError
+from snapline.sinks.postgres import (
     MAX_IDENTIFIER,
     ColumnSpec,
     PostgresSink,

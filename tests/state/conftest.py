@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from pipeline.checkpoint.storage import CheckpointStorage
-from pipeline.state import BACKENDS, create_backend
-from pipeline.state.backend import KeyedStateBackend
+from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.state import BACKENDS, create_backend
+from snapline.pipeline.state.backend import KeyedStateBackend
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ def backend(make_backend: Callable[..., KeyedStateBackend]) -> KeyedStateBackend
 @pytest.fixture
 def make_rocksdb(tmp_path: Path) -> Iterator[Callable[..., Any]]:
     """Creates rocksdb backends (for the rocksdb-only tests)."""
-    from pipeline.state.rocksdb import RocksDBStateBackend
+    from snapline.pipeline.state.rocksdb import RocksDBStateBackend
 
     created: list[RocksDBStateBackend] = []
     counter = itertools.count()

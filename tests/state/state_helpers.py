@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.checkpoint.storage import CheckpointStorage
-from pipeline.keygroups import key_group, state_key_prefix
-from pipeline.state.backend import KeyedStateBackend, StateHandle
-from pipeline.state.descriptors import KeyScope, StateDescriptor
+from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.keygroups import key_group, state_key_prefix
+from snapline.pipeline.state.backend import KeyedStateBackend, StateHandle
+from snapline.pipeline.state.descriptors import KeyScope, StateDescriptor
 
 JOB = "job"
 MAX_PARALLELISM = 128

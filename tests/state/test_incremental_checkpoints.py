@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from state_helpers import take_checkpoint
 
-from pipeline.checkpoint.incremental import (
+from snapline.pipeline.checkpoint.incremental import (
     MANIFEST_FILE,
     SharedFileRegistry,
     StateManifest,
@@ -19,10 +19,10 @@ from pipeline.checkpoint.incremental import (
     shared_directory,
     shared_file_name,
 )
-from pipeline.checkpoint.storage import CheckpointStorage, crc32_checksum
-from pipeline.errors import CheckpointError, CorruptCheckpointError
-from pipeline.state.backend import StateFile, StateHandle
-from pipeline.state.rocksdb import RocksDBStateBackend
+from snapline.pipeline.checkpoint.storage import CheckpointStorage, crc32_checksum
+from snapline.pipeline.errors import CheckpointError, CorruptCheckpointError
+from snapline.pipeline.state.backend import StateFile, StateHandle
+from snapline.pipeline.state.rocksdb import RocksDBStateBackend
 
 MakeRocks = Callable[..., RocksDBStateBackend]
 TASK_DIR = "job/tasks/t0"

@@ -10,12 +10,17 @@ import pytest
 import rocksdict
 from state_helpers import take_checkpoint
 
-from pipeline.checkpoint.storage import CheckpointStorage
-from pipeline.errors import CheckpointError, ConfigurationError, CorruptCheckpointError, StateError
-from pipeline.state import create_backend
-from pipeline.state.backend import StateHandle
-from pipeline.state.memory import MemoryStateBackend
-from pipeline.state.rocksdb import RocksDBResources, RocksDBStateBackend
+from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.errors import (
+    CheckpointError,
+    ConfigurationError,
+    CorruptCheckpointError,
+    StateError,
+)
+from snapline.pipeline.state import create_backend
+from snapline.pipeline.state.backend import StateHandle
+from snapline.pipeline.state.memory import MemoryStateBackend
+from snapline.pipeline.state.rocksdb import RocksDBResources, RocksDBStateBackend
 
 MakeRocks = Callable[..., RocksDBStateBackend]
 

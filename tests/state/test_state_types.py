@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from state_helpers import Keyed, checkpoint_directory, take_checkpoint
 
-from pipeline.checkpoint.storage import CheckpointStorage
-from pipeline.errors import CheckpointError, CorruptCheckpointError, StateError
-from pipeline.state.backend import KeyedStateBackend
-from pipeline.state.descriptors import (
+from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.errors import CheckpointError, CorruptCheckpointError, StateError
+from snapline.pipeline.state.backend import KeyedStateBackend
+from snapline.pipeline.state.descriptors import (
     AggregateFunction,
     AggregatingState,
     ListState,
@@ -409,7 +409,7 @@ def _observe(backend: KeyedStateBackend) -> dict[bytes, Any]:
 def test_backends_agree_on_random_operations(
     ops: list[tuple[Any, ...]], tmp_path_factory: Any
 ) -> None:
-    from pipeline.state import create_backend
+    from snapline.pipeline.state import create_backend
 
     root = tmp_path_factory.mktemp("model")
     storage = CheckpointStorage(str(root / "storage"))

@@ -1,0 +1,79 @@
+"""Snapline: exactly-once stream pipelines on Apache Kafka.
+
+The public API is importable from here: ``from snapline import Pipeline, KafkaSource, ...``.
+Everything under ``snapline.pipeline``, ``snapline.connectors`` and ``snapline.sinks`` that
+is not re-exported here may change between releases.
+"""
+
+from typing import Any
+
+from snapline.connectors.kafka_source import KafkaSource
+from snapline.pipeline.errors import (
+    CheckpointError,
+    ConfigurationError,
+    CorruptCheckpointError,
+    SinkError,
+    SnaplineError,
+    StateError,
+)
+from snapline.pipeline.functions import Context, KeyedProcessFunction
+from snapline.pipeline.graph import KeyedStream, Pipeline, Stream
+from snapline.pipeline.state.descriptors import (
+    AggregateFunction,
+    AggregatingState,
+    ListState,
+    MapState,
+    ReducingState,
+    ValueState,
+)
+from snapline.pipeline.state.serde import JsonSerde, PickleSerde, Serde
+from snapline.sinks.base import Sink, SinkContext, SinkWriter
+from snapline.sinks.kafka import KafkaSink
+from snapline.sinks.parquet import ParquetSink
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AggregateFunction",
+    "AggregatingState",
+    "CheckpointError",
+    "ConfigurationError",
+    "Context",
+    "CorruptCheckpointError",
+    "JsonSerde",
+    "KafkaSink",
+    "KafkaSource",
+    "KeyedProcessFunction",
+    "KeyedStream",
+    "ListState",
+    "LocalKafkaBroker",
+    "MapState",
+    "ParquetSink",
+    "PickleSerde",
+    "Pipeline",
+    "PostgresSink",
+    "ReducingState",
+    "Serde",
+    "Sink",
+    "SinkContext",
+    "SinkError",
+    "SinkWriter",
+    "SnaplineError",
+    "StateError",
+    "Stream",
+    "ValueState",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # Optional or heavy pieces load on first use: PostgresSink needs the 'postgres' extra
+    # (psycopg), the broker launcher pulls in subprocess/ctypes machinery.
+    if name == "PostgresSink":
+        from snapline import sinks
+
+        return sinks.PostgresSink
+    if name == "LocalKafkaBroker":
+        from snapline.connectors.local_broker import LocalKafkaBroker
+
+        return LocalKafkaBroker
+    raise AttributeError(name)

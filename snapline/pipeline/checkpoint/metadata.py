@@ -1,0 +1,150 @@
+"""Checkpoint metadata: what one task's checkpoint holds, and how Kafka offset commits name it.
+
+The metadata file is JSON with a CRC-32 over its canonical body, written atomically after all
+of the task's state files are durable. The Kafka offset commit of the same checkpoint (the
+commit point) carries ``snapline:1:<checkpoint_id>:<attempt>`` so recovery can find it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from snapline.pipeline.checkpoint.storage import CheckpointStorage, crc32_checksum
+from snapline.pipeline.errors import CheckpointError, CorruptCheckpointError
+from snapline.pipeline.state.backend import StateHandle
+
+FORMAT_VERSION = 1
+METADATA_FILE = "_metadata.json"
+_OFFSET_META = re.compile(r"^snapline:1:(\d+):([0-9a-f]{1,32})$")
+_CHK_DIR = re.compile(r"^chk-(\d{10})-([0-9a-f]{1,32})$")
+
+
+@dataclass(frozen=True, order=True)
+class CheckpointRef:
+    """Names one checkpoint of one task: the id plus the attempt token of the writer."""
+
+    checkpoint_id: int
+    attempt: str
+
+    def offset_metadata(self) -> str:
+        return f"snapline:1:{self.checkpoint_id}:{self.attempt}"
+
+    def directory(self, job: str, task_id: str) -> str:
+        return f"{task_directory(job, task_id)}/chk-{self.checkpoint_id:010d}-{self.attempt}"
+
+    @staticmethod
+    def parse_offset_metadata(text: str | None) -> CheckpointRef | None:
+        """The checkpoint named by a committed offset's metadata (None if empty)."""
+        if not text:
+            return None
+        match = _OFFSET_META.match(text)
+        if match is None:
+            raise CheckpointError(
+                f"committed offset metadata {text!r} was not written by Snapline; another "
+                "application uses this consumer group: give the pipeline a different name"
+            )
+        return CheckpointRef(int(match.group(1)), match.group(2))
+
+    @staticmethod
+    def parse_directory(name: str) -> CheckpointRef | None:
+        match = _CHK_DIR.match(name)
+        return None if match is None else CheckpointRef(int(match.group(1)), match.group(2))
+
+
+def task_directory(job: str, task_id: str) -> str:
+    return f"{job}/tasks/{task_id}"
+
+
+@dataclass(frozen=True)
+class TaskCheckpoint:
+    """The metadata of one task's checkpoint."""
+
+    job: str
+    task_id: str
+    ref: CheckpointRef
+    worker_id: str
+    #: Barrier positions: next offset to read, per (topic, partition).
+    positions: dict[tuple[str, int], int]
+    state: StateHandle | None
+    sinks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    states: list[dict[str, Any]] = field(default_factory=list)
+    created_at: float = 0.0
+
+    @property
+    def checkpoint_id(self) -> int:
+        return self.ref.checkpoint_id
+
+    def _body(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION,
+            "job": self.job,
+            "task": self.task_id,
+            "checkpoint_id": self.ref.checkpoint_id,
+            "attempt": self.ref.attempt,
+            "worker": self.worker_id,
+            "positions": [[t, p, o] for (t, p), o in sorted(self.positions.items())],
+            "state": None if self.state is None else self.state.to_json(),
+            "sinks": self.sinks,
+            "states": self.states,
+            "created_at": self.created_at,
+        }
+
+    def encode(self) -> bytes:
+        body = orjson.dumps(self._body(), option=orjson.OPT_SORT_KEYS)
+        return orjson.dumps({"body": orjson.Fragment(body), "checksum": crc32_checksum(body)})
+
+    @staticmethod
+    def decode(data: bytes, what: str) -> TaskCheckpoint:
+        try:
+            outer = orjson.loads(data)
+            body_bytes = orjson.dumps(outer["body"], option=orjson.OPT_SORT_KEYS)
+            checksum = outer["checksum"]
+        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CorruptCheckpointError(f"{what} is not valid checkpoint metadata: {exc}") from exc
+        if crc32_checksum(body_bytes) != checksum:
+            raise CorruptCheckpointError(f"{what} failed its checksum ({checksum})")
+        body = outer["body"]
+        if body.get("format") != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{what} has format {body.get('format')}; this Snapline reads {FORMAT_VERSION}"
+            )
+        return TaskCheckpoint(
+            job=body["job"],
+            task_id=body["task"],
+            ref=CheckpointRef(int(body["checkpoint_id"]), body["attempt"]),
+            worker_id=body["worker"],
+            positions={(t, int(p)): int(o) for t, p, o in body["positions"]},
+            state=None if body["state"] is None else StateHandle.from_json(body["state"]),
+            sinks=body.get("sinks", {}),
+            states=body.get("states", []),
+            created_at=float(body.get("created_at", 0.0)),
+        )
+
+    def write(self, storage: CheckpointStorage) -> str:
+        path = f"{self.ref.directory(self.job, self.task_id)}/{METADATA_FILE}"
+        storage.write_bytes(path, self.encode())
+        return path
+
+    @staticmethod
+    def read(
+        storage: CheckpointStorage, job: str, task_id: str, ref: CheckpointRef
+    ) -> TaskCheckpoint:
+        path = f"{ref.directory(job, task_id)}/{METADATA_FILE}"
+        meta = TaskCheckpoint.decode(storage.read_bytes(path), path)
+        if meta.ref != ref or meta.task_id != task_id:
+            raise CorruptCheckpointError(
+                f"{path} describes {meta.task_id}/{meta.ref}, expected {task_id}/{ref}"
+            )
+        return meta
+
+
+def list_checkpoints(storage: CheckpointStorage, job: str, task_id: str) -> list[CheckpointRef]:
+    """The checkpoint directories of a task, oldest first (complete or not)."""
+    refs = [
+        CheckpointRef.parse_directory(n) for n in storage.list_dir(task_directory(job, task_id))
+    ]
+    return sorted(r for r in refs if r is not None)

@@ -1,0 +1,162 @@
+"""The ``snapline`` command: run pipelines, manage the embedded broker, inspect checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import click
+
+from snapline.pipeline.errors import SnaplineError
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s",
+    )
+
+
+@click.group()
+def main() -> None:
+    """Snapline: exactly-once stream pipelines on Apache Kafka."""
+
+
+@main.command()
+@click.argument("spec")
+@click.option(
+    "--workers",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Worker processes to run on this host (each a consumer-group member).",
+)
+@click.option(
+    "--bootstrap-servers",
+    envvar="SNAPLINE_BOOTSTRAP_SERVERS",
+    default=None,
+    help="Kafka bootstrap servers; without it an embedded local broker is started.",
+)
+@click.option(
+    "--checkpoint-dir",
+    envvar="SNAPLINE_CHECKPOINT_DIR",
+    default=None,
+    help="Checkpoint storage: a directory or a pyarrow.fs URI (s3://, gs://, hdfs://).",
+)
+@click.option(
+    "--worker-id",
+    envvar="SNAPLINE_WORKER_ID",
+    default=None,
+    help="Stable id of this worker (fences its previous incarnation). Default: hostname.",
+)
+@click.option(
+    "--local-dir",
+    envvar="SNAPLINE_LOCAL_DIR",
+    default=None,
+    help="Scratch directory for local state (RocksDB) and local recovery. Default: beside a "
+    "local checkpoint dir, or ~/.cache/snapline/local for a remote one.",
+)
+@click.option("--log-level", default="INFO", show_default=True)
+def run(
+    spec: str,
+    workers: int,
+    bootstrap_servers: str | None,
+    checkpoint_dir: str | None,
+    worker_id: str | None,
+    local_dir: str | None,
+    log_level: str,
+) -> None:
+    """Run the pipeline SPEC (module:attribute) as one or more workers."""
+    _setup_logging(log_level)
+    sys.path.insert(0, os.getcwd())
+    from snapline.pipeline.graph import load_pipeline
+    from snapline.pipeline.runtime.worker import WorkerSettings, run_worker
+
+    try:
+        pipeline = load_pipeline(spec)
+        pipeline.validate()
+    except SnaplineError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if workers < 1:
+        raise click.BadParameter("must be at least 1", param_hint="--workers")
+    checkpoint_dir = (
+        checkpoint_dir or pipeline.checkpoint_dir or os.path.join(".snapline", "checkpoints")
+    )
+    broker = None
+    if not bootstrap_servers:
+        from snapline.connectors.local_broker import LocalKafkaBroker
+
+        broker = LocalKafkaBroker()
+        bootstrap_servers = broker.start()
+        click.echo(f"embedded Kafka broker at {bootstrap_servers}", err=True)
+    base_id = worker_id or WorkerSettings.default_worker_id()
+    try:
+        if workers == 1 and broker is None:
+            settings = WorkerSettings(bootstrap_servers, base_id, checkpoint_dir, local_dir or "")
+            try:
+                run_worker(pipeline, settings)
+            except SnaplineError as exc:
+                raise click.ClickException(str(exc)) from exc
+            return
+        from snapline.pipeline.supervisor import Supervisor
+
+        ids = [f"{base_id}-{i}" for i in range(workers)] if workers > 1 else [base_id]
+        supervisor = Supervisor(
+            spec,
+            ids,
+            [
+                "--bootstrap-servers",
+                bootstrap_servers,
+                "--checkpoint-dir",
+                checkpoint_dir,
+                "--log-level",
+                log_level,
+                *(["--local-dir", local_dir] if local_dir else []),
+            ],
+        )
+        sys.exit(supervisor.run())
+    finally:
+        if broker is not None:
+            broker.stop()
+
+
+@main.command()
+@click.argument("spec")
+@click.option("--checkpoint-dir", envvar="SNAPLINE_CHECKPOINT_DIR", default=None)
+def checkpoints(spec: str, checkpoint_dir: str | None) -> None:
+    """List the stored checkpoints of each task of the pipeline SPEC."""
+    sys.path.insert(0, os.getcwd())
+    from snapline.pipeline.checkpoint.metadata import TaskCheckpoint, list_checkpoints
+    from snapline.pipeline.checkpoint.storage import CheckpointStorage
+    from snapline.pipeline.graph import load_pipeline
+
+    pipeline = load_pipeline(spec)
+    storage = CheckpointStorage(
+        checkpoint_dir or pipeline.checkpoint_dir or os.path.join(".snapline", "checkpoints")
+    )
+    for task_id in storage.list_dir(f"{pipeline.name}/tasks"):
+        for ref in list_checkpoints(storage, pipeline.name, task_id):
+            try:
+                meta = TaskCheckpoint.read(storage, pipeline.name, task_id, ref)
+                size = sum(f.size for f in meta.state.files) if meta.state else 0
+                click.echo(
+                    f"{task_id}\tchk {ref.checkpoint_id}\t{ref.attempt}\t{size} B\t"
+                    f"{dict(meta.positions)}"
+                )
+            except SnaplineError as exc:
+                click.echo(f"{task_id}\tchk {ref.checkpoint_id}\t{ref.attempt}\tINCOMPLETE ({exc})")
+
+
+def _register_optional() -> None:
+    try:
+        from snapline.connectors.broker_cli import kafka
+    except ImportError:
+        return
+    main.add_command(kafka)
+
+
+_register_optional()
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,327 @@
+"""The declared dataflow: ``Pipeline`` and ``Stream`` build a graph of nodes; nothing runs here.
+
+``Pipeline.validate()`` checks everything that can be checked without a broker, so a broken
+pipeline fails at start with a message that names the fix.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from snapline.pipeline.errors import ConfigurationError
+from snapline.pipeline.functions import KeyedProcessFunction
+from snapline.pipeline.keygroups import DEFAULT_MAX_PARALLELISM, MAX_MAX_PARALLELISM
+from snapline.pipeline.state import BACKENDS
+from snapline.pipeline.state.descriptors import StateDescriptor, declared_states
+
+if TYPE_CHECKING:
+    from snapline.connectors.kafka_source import KafkaSource
+    from snapline.sinks.base import Sink
+
+GUARANTEES = ("exactly_once", "at_least_once")
+ON_ERROR = ("dead_letter", "fail")
+ON_CORRUPT = ("fail", "rewind")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
+
+
+@dataclass(eq=False)
+class Node:
+    """One operator of the graph."""
+
+    kind: str  # source | map | filter | flat_map | key_by | process | union | sink
+    inputs: list[Node]
+    fn: Any = None
+    name: str = ""
+    keyed: bool = False
+    id: int = -1
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class Stream:
+    """A stream of records in a pipeline; every method returns a new stream."""
+
+    def __init__(self, pipeline: Pipeline, node: Node) -> None:
+        self._pipeline = pipeline
+        self.node = node
+
+    def _then(self, kind: str, fn: Any, *, keyed: bool, name: str = "", **options: Any) -> Stream:
+        if not callable(fn) and not (kind == "key_by" and fn is None):
+            raise ConfigurationError(f"{kind}() needs a function, got {fn!r}")
+        _reject_state_on(kind, fn)
+        node = self._pipeline._add(
+            Node(kind, [self.node], fn, name or kind, keyed, options=options)
+        )
+        return Stream(self._pipeline, node)
+
+    def map(self, fn: Callable[[Any], Any], *, name: str = "") -> Stream:
+        """Replace each value by ``fn(value)``."""
+        return self._then("map", fn, keyed=self.node.keyed, name=name)
+
+    def filter(self, fn: Callable[[Any], bool], *, name: str = "") -> Stream:
+        """Keep values for which ``fn(value)`` is true."""
+        return self._then("filter", fn, keyed=self.node.keyed, name=name)
+
+    def flat_map(self, fn: Callable[[Any], Iterable[Any]], *, name: str = "") -> Stream:
+        """Replace each value by the zero or more values ``fn(value)`` yields."""
+        return self._then("flat_map", fn, keyed=self.node.keyed, name=name)
+
+    def key_by(
+        self,
+        fn: Callable[[Any], Any] | None = None,
+        *,
+        name: str = "",
+        trust_partitioning: bool = False,
+    ) -> KeyedStream:
+        """Key the stream by ``fn(value)``; with no function, by the Kafka message key.
+
+        Records must already be partitioned by that key in Kafka (the message key equals the
+        key_by key): each partition is one task with its own state. Snapline checks it per
+        record and fails with a clear error otherwise; ``trust_partitioning=True`` turns the
+        check off when the key is a different but partition-consistent function of the
+        message key. Repartitioning through internal topics is not implemented yet.
+        """
+        node = self._then(
+            "key_by", fn, keyed=True, name=name, trust_partitioning=trust_partitioning
+        ).node
+        return KeyedStream(self._pipeline, node)
+
+    def process(self, function: KeyedProcessFunction, *, name: str = "") -> Stream:
+        raise ConfigurationError(
+            f"process({type(function).__name__}) needs a keyed stream: call "
+            ".key_by(lambda value: <key>) before .process(...)"
+        )
+
+    def union(self, *others: Stream) -> Stream:
+        """Merge this stream with others (from co-partitioned topics); barriers are aligned."""
+        if not others:
+            raise ConfigurationError("union() needs at least one other stream")
+        for other in others:
+            if other._pipeline is not self._pipeline:
+                raise ConfigurationError("union() of streams from different pipelines")
+        nodes = [self.node, *(o.node for o in others)]
+        keyed = all(n.keyed for n in nodes)
+        node = self._pipeline._add(Node("union", nodes, None, "union", keyed))
+        return KeyedStream(self._pipeline, node) if keyed else Stream(self._pipeline, node)
+
+    def sink(self, sink: Sink) -> Stream:
+        """Write the stream to ``sink``; returns this stream so more sinks can follow."""
+        from snapline.sinks.base import Sink
+
+        if not isinstance(sink, Sink):
+            raise ConfigurationError(
+                f"sink() needs a Sink (KafkaSink, ParquetSink, PostgresSink...), got {sink!r}"
+            )
+        self._pipeline._add(Node("sink", [self.node], sink, sink.name, self.node.keyed))
+        return self
+
+
+class KeyedStream(Stream):
+    """A stream whose records carry a key; ``process`` may use keyed state."""
+
+    def process(self, function: KeyedProcessFunction, *, name: str = "") -> Stream:
+        if not isinstance(function, KeyedProcessFunction):
+            raise ConfigurationError(
+                f"process() needs a KeyedProcessFunction instance, got {function!r}"
+            )
+        node = self._pipeline._add(
+            Node("process", [self.node], function, name or type(function).__name__, True)
+        )
+        return KeyedStream(self._pipeline, node)
+
+
+def _reject_state_on(kind: str, fn: Any) -> None:
+    owner = fn if isinstance(fn, type) else type(fn)
+    if fn is not None and kind != "sink" and declared_states(owner):
+        raise ConfigurationError(
+            f"{kind}() got {owner.__name__}, which declares keyed state; state works only in "
+            "a KeyedProcessFunction used as .key_by(...).process(fn)"
+        )
+
+
+class Pipeline:
+    """A declared dataflow plus its fault-tolerance settings.
+
+    ``name`` keys the consumer group, the transactional ids and the checkpoint directory.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        checkpoint_interval: float = 1.0,
+        state_backend: str = "memory",
+        guarantee: str = "exactly_once",
+        max_parallelism: int = DEFAULT_MAX_PARALLELISM,
+        checkpoint_dir: str | None = None,
+        retained_checkpoints: int = 3,
+        checkpoint_timeout: float = 60.0,
+        tolerable_checkpoint_failures: int = 3,
+        on_error: str = "dead_letter",
+        dead_letter_topic: str | None = None,
+        on_corrupt_checkpoint: str = "fail",
+        kafka_config: dict[str, Any] | None = None,
+        state_backend_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.name = name
+        self.checkpoint_interval = checkpoint_interval
+        self.state_backend = state_backend
+        self.guarantee = guarantee
+        self.max_parallelism = max_parallelism
+        self.checkpoint_dir = checkpoint_dir
+        self.retained_checkpoints = retained_checkpoints
+        self.checkpoint_timeout = checkpoint_timeout
+        self.tolerable_checkpoint_failures = tolerable_checkpoint_failures
+        self.on_error = on_error
+        self.dead_letter_topic = dead_letter_topic or f"{name}.dead-letter"
+        self.on_corrupt_checkpoint = on_corrupt_checkpoint
+        self.kafka_config = dict(kafka_config or {})
+        self.state_backend_options = dict(state_backend_options or {})
+        self.nodes: list[Node] = []
+        self._ids = itertools.count()
+        self._check_settings()
+
+    def _check_settings(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ConfigurationError(
+                f"pipeline name {self.name!r} must be 1-100 characters of letters, digits, "
+                "'.', '_' or '-' (it names the consumer group and the checkpoint directory)"
+            )
+        interval = self.checkpoint_interval
+        if not isinstance(interval, int | float) or not 0.05 <= interval <= 3600:
+            raise ConfigurationError(
+                f"checkpoint_interval={interval!r} must be seconds between 0.05 and 3600 "
+                "(1.0 is a good default)"
+            )
+        if self.state_backend not in BACKENDS:
+            raise ConfigurationError(
+                f"state_backend={self.state_backend!r} is unknown; use one of {list(BACKENDS)}"
+            )
+        if self.guarantee not in GUARANTEES:
+            raise ConfigurationError(
+                f"guarantee={self.guarantee!r} is unknown; use one of {list(GUARANTEES)}"
+            )
+        if not isinstance(self.max_parallelism, int) or not (
+            1 <= self.max_parallelism <= MAX_MAX_PARALLELISM
+        ):
+            raise ConfigurationError(
+                f"max_parallelism={self.max_parallelism!r} must be an int in "
+                f"1..{MAX_MAX_PARALLELISM}"
+            )
+        if not isinstance(self.retained_checkpoints, int) or self.retained_checkpoints < 1:
+            raise ConfigurationError(
+                f"retained_checkpoints={self.retained_checkpoints!r} must be an int >= 1"
+            )
+        if not 1 <= self.checkpoint_timeout <= 600:
+            raise ConfigurationError(
+                f"checkpoint_timeout={self.checkpoint_timeout!r} must be 1..600 seconds"
+            )
+        if self.on_error not in ON_ERROR:
+            raise ConfigurationError(f"on_error={self.on_error!r}; use one of {list(ON_ERROR)}")
+        if self.on_corrupt_checkpoint not in ON_CORRUPT:
+            raise ConfigurationError(
+                f"on_corrupt_checkpoint={self.on_corrupt_checkpoint!r}; use one of "
+                f"{list(ON_CORRUPT)}"
+            )
+        for reserved in ("group.id", "transactional.id", "isolation.level", "enable.auto.commit"):
+            if reserved in self.kafka_config:
+                raise ConfigurationError(
+                    f"kafka_config sets {reserved!r}, which Snapline manages for exactly-once; "
+                    "remove it"
+                )
+
+    @property
+    def exactly_once(self) -> bool:
+        return self.guarantee == "exactly_once"
+
+    def _add(self, node: Node) -> Node:
+        node.id = next(self._ids)
+        self.nodes.append(node)
+        return node
+
+    def source(self, source: KafkaSource) -> Stream:
+        """Start a stream from a Kafka source."""
+        from snapline.connectors.kafka_source import KafkaSource
+
+        if not isinstance(source, KafkaSource):
+            raise ConfigurationError(f"source() needs a KafkaSource, got {source!r}")
+        return Stream(
+            self, self._add(Node("source", [], source, "source:" + ",".join(source.topic_list)))
+        )
+
+    # ----------------------------------------------------------------- queries
+    def sources(self) -> list[KafkaSource]:
+        return [n.fn for n in self.nodes if n.kind == "source"]
+
+    def source_topics(self) -> list[str]:
+        return [t for s in self.sources() for t in s.topic_list]
+
+    def sinks(self) -> list[Sink]:
+        return [n.fn for n in self.nodes if n.kind == "sink"]
+
+    def downstream(self, node: Node) -> list[Node]:
+        return [n for n in self.nodes if node in n.inputs]
+
+    def state_ids(self) -> dict[int, list[tuple[int, StateDescriptor]]]:
+        """State id per declared state, per process node: ids are unique within the pipeline."""
+        result: dict[int, list[tuple[int, StateDescriptor]]] = {}
+        next_id = 1
+        for node in self.nodes:
+            if node.kind == "process":
+                result[node.id] = []
+                for desc in declared_states(type(node.fn)):
+                    result[node.id].append((next_id, desc))
+                    next_id += 1
+        if next_id > 256:
+            raise ConfigurationError("a pipeline may declare at most 255 keyed states")
+        return result
+
+    def validate(self) -> None:
+        """Check the graph; raises ConfigurationError naming the fix."""
+        self._check_settings()
+        if not self.sources():
+            raise ConfigurationError(
+                f"pipeline {self.name!r} has no source; add pipeline.source(KafkaSource(...))"
+            )
+        if not self.sinks():
+            raise ConfigurationError(
+                f"pipeline {self.name!r} has no sink; add .sink(KafkaSink(...)) to a stream"
+            )
+        topics = self.source_topics()
+        duplicates = sorted({t for t in topics if topics.count(t) > 1})
+        if duplicates:
+            raise ConfigurationError(f"topics {duplicates} are read by more than one source")
+        names = [s.name for s in self.sinks()]
+        dup_sinks = sorted({n for n in names if names.count(n) > 1})
+        if dup_sinks:
+            raise ConfigurationError(
+                f"sink names {dup_sinks} are used twice; pass name=... to tell them apart"
+            )
+        self.state_ids()
+
+
+def load_pipeline(spec: str) -> Pipeline:
+    """Import ``module:attribute`` and return the Pipeline it names."""
+    import importlib
+
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ConfigurationError(
+            f"{spec!r} is not module:attribute, e.g. examples.word_count:pipeline"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"cannot import {module_name!r}: {exc}") from exc
+    try:
+        value = getattr(module, attribute)
+    except AttributeError:
+        raise ConfigurationError(f"module {module_name!r} has no attribute {attribute!r}") from None
+    if callable(value) and not isinstance(value, Pipeline):
+        value = value()
+    if not isinstance(value, Pipeline):
+        raise ConfigurationError(f"{spec} is a {type(value).__name__}, not a Pipeline")
+    return value

@@ -1,0 +1,212 @@
+"""The worker's checkpoint coordinator: trigger, collect task snapshots, materialize them in
+the background, and decide when checkpoint n is durable enough to commit.
+
+Threads: the task thread calls ``trigger``, ``acknowledge``, ``poll`` and ``finish``; the
+materialization pool runs ``_materialize`` on the immutable ``TaskSnapshot`` of one task
+(snapshot views, pre-commit futures) and touches nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from snapline.pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint, list_checkpoints
+from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.errors import CheckpointError
+from snapline.pipeline.runtime.faults import FaultInjector
+from snapline.pipeline.runtime.task import TaskSnapshot
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingCheckpoint:
+    """A triggered checkpoint that has not committed yet."""
+
+    checkpoint_id: int
+    expected: set[str]
+    triggered_at: float
+    snapshots: dict[str, TaskSnapshot] = field(default_factory=dict)
+    futures: dict[str, Future[TaskCheckpoint]] = field(default_factory=dict)
+    aligned_at: float = 0.0
+
+    @property
+    def all_acknowledged(self) -> bool:
+        return set(self.futures) >= self.expected
+
+
+@dataclass(frozen=True)
+class CompletedCheckpoint:
+    checkpoint_id: int
+    tasks: dict[str, TaskCheckpoint]
+    triggered_at: float
+    aligned_at: float
+    durable_at: float
+
+
+class CheckpointCoordinator:
+    """One per worker; at most one checkpoint in flight (later epochs keep processing)."""
+
+    def __init__(
+        self,
+        job: str,
+        worker_id: str,
+        storage: CheckpointStorage,
+        faults: FaultInjector,
+        *,
+        states: list[dict[str, Any]],
+        timeout: float,
+        threads: int = 2,
+    ) -> None:
+        self.job = job
+        self.worker_id = worker_id
+        self.storage = storage
+        self.faults = faults
+        self.timeout = timeout
+        self._states = states
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="materialize")
+        #: A token unique to this worker incarnation: storage paths of two writers never clash.
+        self.attempt = uuid.uuid4().hex[:8]
+        self.next_id = 1
+        self.pending: PendingCheckpoint | None = None
+
+    # ----------------------------------------------------------------- trigger
+    def observe_restored(self, checkpoint_id: int | None) -> None:
+        """Checkpoint ids continue after the newest id any restored task committed."""
+        if checkpoint_id is not None and checkpoint_id >= self.next_id:
+            self.next_id = checkpoint_id + 1
+
+    def trigger(self, task_ids: set[str]) -> int:
+        if self.pending is not None:
+            raise CheckpointError("a checkpoint is already in flight")
+        n = self.next_id
+        self.next_id += 1
+        self.pending = PendingCheckpoint(n, set(task_ids), time.monotonic())
+        return n
+
+    def acknowledge(self, snapshot: TaskSnapshot) -> None:
+        """A task passed barrier n: materialize its snapshot in the background."""
+        pending = self.pending
+        if pending is None or snapshot.checkpoint_id != pending.checkpoint_id:
+            raise CheckpointError(
+                f"task {snapshot.task_id} acknowledged checkpoint {snapshot.checkpoint_id}, "
+                f"in flight: {pending.checkpoint_id if pending else None}"
+            )
+        pending.snapshots[snapshot.task_id] = snapshot
+        pending.futures[snapshot.task_id] = self._pool.submit(self._materialize, snapshot)
+        if pending.all_acknowledged:
+            pending.aligned_at = time.monotonic()
+
+    def _materialize(self, snapshot: TaskSnapshot) -> TaskCheckpoint:
+        ref = CheckpointRef(snapshot.checkpoint_id, self.attempt)
+        directory = ref.directory(self.job, snapshot.task_id)
+        handle = None
+        if snapshot.state is not None:
+            try:
+                handle = snapshot.state.materialize(self.storage, directory)
+            finally:
+                snapshot.state.release()
+        self.faults.point("mid_materialization")
+        sinks: dict[str, dict[str, Any]] = {}
+        for name, result in snapshot.sinks.items():
+            if isinstance(result, Future):
+                result = result.result(timeout=self.timeout)
+            if result:
+                sinks[name] = result
+        meta = TaskCheckpoint(
+            job=self.job,
+            task_id=snapshot.task_id,
+            ref=ref,
+            worker_id=self.worker_id,
+            positions=snapshot.positions,
+            state=handle,
+            sinks=sinks,
+            states=self._states,
+            created_at=time.time(),
+        )
+        meta.write(self.storage)
+        return meta
+
+    # ----------------------------------------------------------------- completion
+    def poll(self) -> CompletedCheckpoint | None:
+        """The in-flight checkpoint once every task's metadata is durable; raises on failure."""
+        pending = self.pending
+        if pending is None:
+            return None
+        if time.monotonic() - pending.triggered_at > self.timeout:
+            raise CheckpointError(
+                f"checkpoint {pending.checkpoint_id} did not complete within {self.timeout}s "
+                "(raise checkpoint_timeout, or look for a slow checkpoint storage or sink)"
+            )
+        if not pending.all_acknowledged or not all(f.done() for f in pending.futures.values()):
+            return None
+        tasks = {}
+        for task_id, future in pending.futures.items():
+            try:
+                tasks[task_id] = future.result()
+            except Exception as exc:
+                raise CheckpointError(
+                    f"checkpoint {pending.checkpoint_id} of task {task_id} failed: {exc}"
+                ) from exc
+        self.faults.point("after_metadata_write")
+        return CompletedCheckpoint(
+            pending.checkpoint_id, tasks, pending.triggered_at, pending.aligned_at, time.monotonic()
+        )
+
+    def finish(self) -> None:
+        self.pending = None
+
+    def cancel(self) -> None:
+        """Forget the in-flight checkpoint (its files are never committed; recovery drops them)."""
+        self.pending = None
+
+    # ----------------------------------------------------------------- retention
+    def retain(self, task_id: str, committed: CheckpointRef, keep: int) -> None:
+        """Delete the task's checkpoints older than the newest ``keep`` committed (background)."""
+        self._pool.submit(self._retain, task_id, committed, keep)
+
+    def _retain(self, task_id: str, committed: CheckpointRef, keep: int) -> None:
+        try:
+            refs = [
+                r
+                for r in list_checkpoints(self.storage, self.job, task_id)
+                if r.checkpoint_id <= committed.checkpoint_id
+            ]
+            complete = [r for r in refs if r.checkpoint_id < committed.checkpoint_id]
+            retained = set(complete[-(keep - 1) :] if keep > 1 else []) | {committed}
+            for ref in refs:
+                if ref not in retained:
+                    self.storage.delete_dir(ref.directory(self.job, task_id))
+            self._discard_unreferenced(task_id, sorted(retained))
+        except Exception:
+            log.exception(
+                "retention of task %s failed (retried after the next checkpoint)", task_id
+            )
+
+    def _discard_unreferenced(self, task_id: str, retained: list[CheckpointRef]) -> None:
+        """Backends with shared files (rocksdb) delete what no retained checkpoint references."""
+        try:
+            from snapline.pipeline.state import rocksdb
+        except ImportError:
+            return
+        discard = getattr(rocksdb, "discard_unreferenced_files", None)
+        if discard is None:
+            return
+        handles = []
+        for ref in retained:
+            try:
+                meta = TaskCheckpoint.read(self.storage, self.job, task_id, ref)
+            except CheckpointError:
+                continue
+            if meta.state is not None:
+                handles.append(meta.state)
+        if handles and all(h.backend == "rocksdb" for h in handles):
+            discard(self.storage, f"{self.job}/tasks/{task_id}", handles)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=False)

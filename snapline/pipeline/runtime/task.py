@@ -1,0 +1,293 @@
+"""A task: one input partition number of the stage (co-partitioned topics share it), its
+input channels, its operators, its keyed state and its sink writers.
+
+Flow of one record: the worker appends fetched messages to the task's channel for their
+partition; ``run`` drains channels (round robin, in chunks) through the source operator and
+down the operator graph. Flow of one barrier: ``inject_barrier(n)`` puts ``Barrier(n)`` at the
+end of every channel and records the barrier positions; when a channel reaches it, the
+aligner blocks that channel (exactly-once) until all channels reached it; then the barrier
+passes every operator in topological order — keyed operators take the synchronous snapshot,
+sinks pre-commit — and the task hands the checkpoint to the coordinator.
+
+Threads: everything here runs on the worker's task thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from snapline.pipeline.errors import ConfigurationError, SnaplineError
+from snapline.pipeline.graph import Node, Pipeline
+from snapline.pipeline.record import Record
+from snapline.pipeline.runtime.barrier import Barrier, BarrierAligner
+from snapline.pipeline.runtime.faults import FaultInjector
+from snapline.pipeline.runtime.operators import (
+    FilterOperator,
+    FlatMapOperator,
+    KeyByOperator,
+    MapOperator,
+    Operator,
+    ProcessOperator,
+    SinkOperator,
+    SourceOperator,
+)
+from snapline.pipeline.runtime.transaction import TransactionalOutput
+from snapline.pipeline.state.backend import KeyedStateBackend, SnapshotHandle
+from snapline.sinks.base import PreCommitResult, SinkContext
+
+log = logging.getLogger(__name__)
+
+TopicPartitionKey = tuple[str, int]
+#: Records processed from one channel before the task looks at the next one.
+CHUNK = 512
+
+
+class UserCodeError(SnaplineError):
+    """User code raised (or a record was undecodable) and the pipeline says on_error='fail'."""
+
+
+@dataclass
+class Channel:
+    """Fetched but not yet processed messages of one source partition, and barriers."""
+
+    tp: TopicPartitionKey
+    next_offset: int
+    items: deque[Any] = field(default_factory=deque)
+
+
+@dataclass
+class TaskSnapshot:
+    """What a task hands to the coordinator when barrier n has passed all its operators."""
+
+    task_id: str
+    checkpoint_id: int
+    positions: dict[TopicPartitionKey, int]
+    state: SnapshotHandle | None
+    sinks: dict[str, PreCommitResult]
+
+
+class Task:
+    """See module docstring."""
+
+    def __init__(
+        self,
+        task_id: str,
+        pipeline: Pipeline,
+        positions: dict[TopicPartitionKey, int],
+        backend: KeyedStateBackend,
+        output: TransactionalOutput,
+        *,
+        worker_id: str,
+        epoch: int,
+        on_snapshot: Callable[[TaskSnapshot], None],
+        faults: FaultInjector,
+    ) -> None:
+        self.task_id = task_id
+        self.pipeline = pipeline
+        self.backend = backend
+        self.output = output
+        self.epoch = epoch
+        self._on_snapshot = on_snapshot
+        self._faults = faults
+        self._fail_on_error = pipeline.on_error == "fail"
+        self.channels = {tp: Channel(tp, offset) for tp, offset in positions.items()}
+        self._channel_list = list(self.channels.values())
+        self.aligner = BarrierAligner(self.channels, exactly_once=pipeline.exactly_once)
+        self._barrier_positions: dict[int, dict[TopicPartitionKey, int]] = {}
+        self._state_snapshot: tuple[int, SnapshotHandle] | None = None
+        self.sink_results: dict[str, PreCommitResult] = {}
+        self.records_in = 0
+        self.dead_letters = 0
+        self.operators: list[Operator] = []
+        self.sources: dict[str, SourceOperator] = {}
+        self.sink_writers: dict[str, SinkOperator] = {}
+        self._build(worker_id)
+
+    # ------------------------------------------------------------------ building
+    def _build(self, worker_id: str) -> None:
+        pipeline = self.pipeline
+        states = pipeline.state_ids()
+        by_node: dict[int, Operator] = {}
+        for node in pipeline.nodes:  # nodes are in topological order by construction
+            op = self._operator_for(node, states, worker_id)
+            by_node[node.id] = op
+            self.operators.append(op)
+            for upstream in node.inputs:
+                by_node[upstream.id].downstream.append(op)
+        for node in pipeline.nodes:
+            op = by_node[node.id]
+            op.owns_input = bool(node.inputs) and all(
+                len(by_node[u.id].downstream) == 1 for u in node.inputs
+            )
+
+    def _operator_for(self, node: Node, states: dict[int, Any], worker_id: str) -> Operator:
+        kind = node.kind
+        if kind == "source":
+            op = SourceOperator(self, node.name, node.fn)
+            for topic in node.fn.topic_list:
+                self.sources[topic] = op
+            return op
+        if kind == "map":
+            return MapOperator(self, node.name, node.fn)
+        if kind == "filter":
+            return FilterOperator(self, node.name, node.fn)
+        if kind == "flat_map":
+            return FlatMapOperator(self, node.name, node.fn)
+        if kind == "key_by":
+            return KeyByOperator(
+                self,
+                node.name,
+                node.fn,
+                self.pipeline.max_parallelism,
+                bool(node.options.get("trust_partitioning")),
+            )
+        if kind == "process":
+            return ProcessOperator(self, node.name, node.fn, states[node.id], self.backend)
+        if kind == "union":
+            return Operator(self, node.name)
+        if kind == "sink":
+            context = SinkContext(
+                self.pipeline.name,
+                self.task_id,
+                worker_id,
+                node.fn.name,
+                self.output,
+                self._sink_dead_letter,
+            )
+            sink_op = SinkOperator(self, node.fn.name, node.fn.open(context))
+            self.sink_writers[node.fn.name] = sink_op
+            return sink_op
+        raise ConfigurationError(f"unknown node kind {kind!r}")
+
+    # ------------------------------------------------------------------ input
+    def enqueue(self, tp: TopicPartitionKey, messages: list[Any]) -> None:
+        channel = self.channels[tp]
+        channel.items.append(messages)
+        channel.next_offset = messages[-1].offset() + 1
+        self.records_in += len(messages)
+
+    def inject_barrier(self, checkpoint_id: int) -> None:
+        """Trigger: barrier n goes behind the last fetched record of every channel."""
+        positions = {}
+        barrier = Barrier(checkpoint_id)
+        for channel in self._channel_list:
+            channel.items.append(barrier)
+            positions[channel.tp] = channel.next_offset
+        self._barrier_positions[checkpoint_id] = positions
+
+    @property
+    def backlog(self) -> int:
+        return sum(len(c.items) for c in self._channel_list)
+
+    def run(self) -> None:
+        """Process until every channel is empty or blocked by alignment."""
+        channels = self._channel_list
+        aligner = self.aligner
+        single = len(channels) == 1
+        progress = True
+        while progress:
+            progress = False
+            for channel in channels:
+                items = channel.items
+                if not items or aligner.is_blocked(channel.tp):
+                    continue
+                item = items[0]
+                progress = True
+                if isinstance(item, Barrier):
+                    items.popleft()
+                    released = aligner.on_barrier(channel.tp, item)
+                    if released is not None:
+                        self._on_aligned(released)
+                    continue
+                if single or len(item) <= CHUNK:
+                    items.popleft()
+                    chunk = item
+                else:
+                    chunk, items[0] = item[:CHUNK], item[CHUNK:]
+                topic, partition = channel.tp
+                self.sources[topic].process_messages(topic, partition, chunk)
+
+    # ------------------------------------------------------------------ barriers
+    def _on_aligned(self, barrier: Barrier) -> None:
+        n = barrier.checkpoint_id
+        self.sink_results = {}
+        self._state_snapshot = None
+        for op in self.operators:
+            op.on_barrier(barrier)
+        state = self._state_snapshot[1] if self._state_snapshot is not None else None
+        self._faults.point("sync_snapshot")
+        self.epoch = n + 1
+        self._on_snapshot(
+            TaskSnapshot(self.task_id, n, self._barrier_positions.pop(n), state, self.sink_results)
+        )
+        self.sink_results = {}
+
+    def snapshot_state(self, checkpoint_id: int) -> None:
+        """Synchronous part of the state snapshot, once per barrier for the task's backend."""
+        if self._state_snapshot is None or self._state_snapshot[0] != checkpoint_id:
+            self._state_snapshot = (checkpoint_id, self.backend.snapshot(checkpoint_id))
+
+    # ------------------------------------------------------------------ after commit
+    def notify_committed(self, checkpoint_id: int) -> None:
+        for sink_op in self.sink_writers.values():
+            sink_op.writer.commit(checkpoint_id)
+
+    def recover_sinks(self, committed: int | None, metadata: dict[str, dict[str, Any]]) -> None:
+        for name, sink_op in self.sink_writers.items():
+            sink_op.writer.recover(committed, metadata.get(name))
+
+    def abort_sinks(self, checkpoint_id: int) -> None:
+        for sink_op in self.sink_writers.values():
+            sink_op.writer.abort(checkpoint_id)
+
+    def close(self) -> None:
+        for op in self.operators:
+            try:
+                op.close()
+            except Exception:  # closing must not hide the error that brought us here
+                log.exception("closing %s of task %s", op.name, self.task_id)
+        self.backend.close()
+
+    # ------------------------------------------------------------------ bad input
+    def dead_letter(self, record: Record, reason: str, value: bytes | None = None) -> None:
+        """Send ``record`` to the dead-letter topic (in this epoch's transaction) or fail.
+
+        The dead letter carries the original Kafka bytes (or ``value``, e.g. the row a sink
+        rejected) and headers naming the error and the source position.
+        """
+        if self._fail_on_error:
+            raise UserCodeError(
+                f"{reason} at {record.topic}[{record.partition}]@{record.offset} "
+                "(pipeline on_error='fail'; use on_error='dead_letter' to divert such records)"
+            )
+        self.dead_letters += 1
+        log.warning(
+            "dead letter %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason
+        )
+        headers = [
+            ("snapline.error", reason.encode()[:4000]),
+            ("snapline.topic", record.topic.encode()),
+            ("snapline.partition", str(record.partition).encode()),
+            ("snapline.offset", str(record.offset).encode()),
+            ("snapline.task", self.task_id.encode()),
+        ]
+        self.output.produce(
+            self.epoch,
+            self.pipeline.dead_letter_topic,
+            record.raw if value is None else value,
+            record.raw_key,
+            headers,
+        )
+
+    def _sink_dead_letter(self, record: Record, reason: str, epoch: int) -> None:
+        try:
+            row = orjson.dumps(record.value, default=str)
+        except TypeError:
+            row = repr(record.value).encode()
+        self.dead_letter(record, reason, row)

@@ -1,0 +1,644 @@
+"""A worker: one OS process, one member of the job's consumer group, running its tasks.
+
+Read top to bottom to follow a record and a barrier:
+
+1. ``run`` polls a batch from the consumer and appends each partition's messages to the
+   channel of its task (``Task.enqueue``).
+2. Every ``checkpoint_interval`` (and only when no checkpoint is in flight) the coordinator
+   triggers checkpoint n: every task gets ``Barrier(n)`` behind its fetched records; the
+   barrier positions are the next offsets to read.
+3. Tasks process their channels; at the aligned barrier they snapshot state synchronously and
+   pre-commit their sinks, then hand the snapshot to the coordinator, which materializes it on
+   background threads while the task processes epoch n+1 (its Kafka output is held back).
+4. When all tasks' metadata is durable, the worker commits the Kafka transaction of epoch n
+   with the source offsets (metadata names checkpoint n): the COMMIT POINT. Then the other
+   sinks commit n, old checkpoints are retired, and transaction n+1 begins.
+5. On partition assignment (and after any failed checkpoint) tasks are restored from the
+   checkpoint named by the committed offsets and the consumer seeks to its positions.
+
+Threads: this module runs on the main (task) thread; only the coordinator's pool runs
+elsewhere. librdkafka runs its own threads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from snapline.connectors.config import redact
+from snapline.pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint, list_checkpoints
+from snapline.pipeline.checkpoint.restore import restore_committed
+from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.errors import CheckpointError, ConfigurationError
+from snapline.pipeline.graph import Pipeline
+from snapline.pipeline.runtime.coordinator import CheckpointCoordinator, CompletedCheckpoint
+from snapline.pipeline.runtime.faults import FaultInjector
+from snapline.pipeline.runtime.task import Task, TaskSnapshot
+from snapline.pipeline.runtime.transaction import FencedError, TransactionalOutput
+from snapline.pipeline.state import create_backend
+
+log = logging.getLogger(__name__)
+
+BATCH_SIZE = 2000
+#: Output records held for later epochs before the worker stops reading and waits.
+MAX_HELD_RECORDS = 500_000
+# Longer than the default transaction.timeout.ms (60 s): the longest a previous owner's
+# pending transactional offsets can keep a partition's committed offset unreadable.
+COMMITTED_OFFSETS_WAIT = 90.0
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """How one worker process connects and identifies itself."""
+
+    bootstrap_servers: str
+    worker_id: str
+    checkpoint_dir: str
+    local_dir: str = ""
+
+    def resolved_local_dir(self) -> Path:
+        """Where tasks keep local state: ``local_dir``, else beside a local checkpoint
+        directory, else (checkpoints in an object store) under the user's cache directory."""
+        if self.local_dir:
+            return Path(self.local_dir)
+        scheme, sep, rest = self.checkpoint_dir.partition("://")
+        if not sep or scheme == "file":
+            base = Path(rest if sep else self.checkpoint_dir).absolute().parent
+            return base / ".snapline-local" / self.worker_id
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+        return Path(cache) / "snapline" / "local" / self.worker_id
+
+    @staticmethod
+    def default_worker_id() -> str:
+        return os.environ.get("SNAPLINE_WORKER_ID") or socket.gethostname()
+
+
+def task_id_for(partition: int) -> str:
+    return f"p{partition}"
+
+
+class Worker:
+    """See module docstring."""
+
+    def __init__(self, pipeline: Pipeline, settings: WorkerSettings) -> None:
+        pipeline.validate()
+        self.pipeline = pipeline
+        self.settings = settings
+        self.faults = FaultInjector()
+        self.storage = CheckpointStorage(settings.checkpoint_dir)
+        self.local_dir = settings.resolved_local_dir()
+        kafka_config = {"bootstrap.servers": settings.bootstrap_servers, **pipeline.kafka_config}
+        self._kafka_config = kafka_config
+        log.info(
+            "worker %s of job %s: kafka %s, checkpoints %s",
+            settings.worker_id,
+            pipeline.name,
+            redact(kafka_config),
+            settings.checkpoint_dir,
+        )
+        states = [
+            {**desc.describe(), "id": sid, "operator": node_id}
+            for node_id, entries in pipeline.state_ids().items()
+            for sid, desc in entries
+        ]
+        self.coordinator = CheckpointCoordinator(
+            pipeline.name,
+            settings.worker_id,
+            self.storage,
+            self.faults,
+            states=states,
+            timeout=pipeline.checkpoint_timeout,
+        )
+        self.tasks: dict[str, Task] = {}
+        self._backend_options = self._shared_backend_options()
+        self._stopping = False
+        self._failures = 0
+        self._last_trigger = time.monotonic()
+        self._records_at_trigger = 0
+        self._records_at_durable = 0
+        self._metrics_path = os.environ.get("SNAPLINE_METRICS_FILE")
+        self.checkpoints_committed = 0
+        self._check_topics()
+        transactional_id = (
+            f"snapline-{pipeline.name}-{settings.worker_id}" if pipeline.exactly_once else None
+        )
+        producer_config = {**kafka_config, "client.id": f"{pipeline.name}-{settings.worker_id}"}
+        self.output = TransactionalOutput(producer_config, transactional_id=transactional_id)
+        self.consumer = Consumer(self._consumer_config())
+
+    # ------------------------------------------------------------------ setup
+    def _shared_backend_options(self) -> dict[str, Any]:
+        """Backend options plus, for rocksdb, one block cache shared by the worker's tasks."""
+        options = dict(self.pipeline.state_backend_options)
+        if self.pipeline.state_backend == "rocksdb" and "shared_cache" not in options:
+            from snapline.pipeline.state.rocksdb_options import RocksDBResources
+
+            cache_bytes = int(options.pop("block_cache_bytes", 256 * 1024 * 1024))
+            options["shared_cache"] = RocksDBResources(cache_bytes)
+        return options
+
+    def _consumer_config(self) -> dict[str, Any]:
+        starts = {s.starting_position for s in self.pipeline.sources()}
+        return {
+            "session.timeout.ms": 10000,
+            "heartbeat.interval.ms": 1000,
+            "max.poll.interval.ms": 300000,
+            "fetch.wait.max.ms": 50,
+            **self._kafka_config,
+            "group.id": self.pipeline.name,
+            "group.instance.id": f"{self.pipeline.name}-{self.settings.worker_id}",
+            "client.id": f"{self.pipeline.name}-{self.settings.worker_id}",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "isolation.level": "read_committed",
+            "partition.assignment.strategy": "range",
+            "auto.offset.reset": "latest" if starts == {"latest"} else "earliest",
+        }
+
+    def _check_topics(self) -> None:
+        """Fail at start, naming the fix, when a topic is missing or not co-partitioned."""
+        admin = AdminClient(self._kafka_config)
+        try:
+            metadata = admin.list_topics(timeout=30)
+        except KafkaException as exc:
+            raise ConfigurationError(
+                f"cannot reach Kafka at {self.settings.bootstrap_servers}: {exc}; check "
+                "--bootstrap-servers and kafka_config (security settings)"
+            ) from exc
+        wanted: dict[str, int | None] = {}
+        for source in self.pipeline.sources():
+            for topic in source.topic_list:
+                wanted[topic] = source.create_partitions
+        from snapline.sinks.kafka import KafkaSink
+
+        for sink in self.pipeline.sinks():
+            if isinstance(sink, KafkaSink):
+                wanted[sink.topic] = sink.create_partitions
+        wanted.setdefault(self.pipeline.dead_letter_topic, 1)
+        missing = [t for t in wanted if t not in metadata.topics]
+        creatable = [NewTopic(t, wanted[t] or 1, 1) for t in missing if wanted[t]]
+        if creatable:
+            for topic, future in admin.create_topics(creatable).items():
+                try:
+                    future.result()
+                    log.info("created topic %s", topic)
+                except KafkaException as exc:
+                    if "TOPIC_ALREADY_EXISTS" not in str(exc):
+                        raise ConfigurationError(f"cannot create topic {topic}: {exc}") from exc
+        still_missing = [t for t in missing if not wanted[t]]
+        if still_missing:
+            raise ConfigurationError(
+                f"topics {still_missing} do not exist on {self.settings.bootstrap_servers}; "
+                "create them, or pass create_partitions=N to the KafkaSource/KafkaSink"
+            )
+        metadata = admin.list_topics(timeout=30)
+        counts = {t: len(metadata.topics[t].partitions) for t in self.pipeline.source_topics()}
+        if len(set(counts.values())) > 1:
+            raise ConfigurationError(
+                f"source topics are not co-partitioned (partitions per topic: {counts}); "
+                "a pipeline's source topics need the same number of partitions and the same key"
+            )
+
+    # ------------------------------------------------------------------ rebalance
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        log.info("assigned %s", sorted((p.topic, p.partition) for p in partitions))
+        self._event({"event": "assigned", "partitions": len(partitions)})
+        self._drop_tasks()
+        started = time.monotonic()
+        restored = self._restore(partitions)
+        consumer.assign([TopicPartition(t, p, off) for (t, p), off in restored.items()])
+        self._remove_moved_task_dirs()
+        self._event({"event": "restored", "seconds": round(time.monotonic() - started, 3)})
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """A rebalance takes the partitions away: commit the work done so far first.
+
+        During an eager rebalance this member's generation is still current while the
+        callback runs, so a checkpoint of everything read so far can still commit; the new
+        owners then start where this worker stopped instead of redoing up to one interval.
+        If that checkpoint fails (or the generation moved on), the epoch is aborted as
+        before and the new owners restore the previous checkpoint: correct either way."""
+        self._event({"event": "revoked", "partitions": len(partitions)})
+        if self.tasks:
+            started = time.monotonic()
+            before = self.checkpoints_committed
+            log.info("revoked %d partitions: committing the open epoch first", len(partitions))
+            self._final_checkpoint(reason="revoke")
+            self._event(
+                {
+                    "event": "revoke_checkpoint",
+                    "committed": self.checkpoints_committed > before,
+                    "seconds": round(time.monotonic() - started, 3),
+                }
+            )
+        self._drop_tasks()
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """The partitions already belong to other members: nothing of the epoch may commit."""
+        log.warning("lost %d partitions: aborting the open epoch", len(partitions))
+        self._event({"event": "lost", "partitions": len(partitions)})
+        self._drop_tasks()
+
+    def _drop_tasks(self) -> None:
+        """Uncommitted work is discarded; its owner restores from the committed checkpoint."""
+        self.output.abort()
+        self.coordinator.cancel()
+        for task in self.tasks.values():
+            task.close()
+        self.tasks = {}
+
+    def _remove_moved_task_dirs(self) -> None:
+        """Local state of tasks that moved to another worker is deleted (kept ones are reused
+        for local recovery when they match the checkpoint)."""
+        root = self.local_dir / self.pipeline.name
+        if root.is_dir():
+            for entry in root.iterdir():
+                if entry.is_dir() and entry.name not in self.tasks:
+                    shutil.rmtree(entry, ignore_errors=True)
+
+    def _restore(self, partitions: list[TopicPartition]) -> dict[tuple[str, int], int]:
+        """Rebuild the tasks of ``partitions`` from their committed checkpoints."""
+        by_task: dict[str, list[TopicPartition]] = defaultdict(list)
+        for tp in partitions:
+            by_task[task_id_for(tp.partition)].append(tp)
+        committed = self._committed_offsets(partitions) if partitions else []
+        committed_by_tp = {(c.topic, c.partition): c for c in committed}
+        seek: dict[tuple[str, int], int] = {}
+        for task_id, tps in sorted(by_task.items()):
+            positions, ref = self._restore_task(
+                task_id, [committed_by_tp[(t.topic, t.partition)] for t in tps]
+            )
+            seek.update(positions)
+        if self.tasks:
+            self.output.begin(self.coordinator.next_id)
+            for task in self.tasks.values():
+                task.epoch = self.coordinator.next_id
+        self._last_trigger = time.monotonic()
+        self._records_at_trigger = 0
+        return seek
+
+    def _committed_offsets(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        """The committed offsets (and checkpoint names) of ``partitions``.
+
+        A previous owner that sent its offsets to a transaction and then stalled leaves them
+        pending; the broker answers an offset fetch for them only once that transaction has
+        committed or been aborted (at the latest after its transaction.timeout.ms), so this
+        waits rather than start from offsets that are about to change."""
+        request = [TopicPartition(tp.topic, tp.partition) for tp in partitions]
+        deadline = time.monotonic() + COMMITTED_OFFSETS_WAIT
+        while True:
+            try:
+                return list(self.consumer.committed(request, timeout=20))
+            except KafkaException as exc:
+                if time.monotonic() > deadline:
+                    raise CheckpointError(
+                        f"could not read the committed offsets of {len(request)} partitions "
+                        f"in {COMMITTED_OFFSETS_WAIT:.0f}s: {exc}; is a previous owner's "
+                        "transaction still open, or the group coordinator unreachable?"
+                    ) from exc
+                log.warning("committed offsets not available yet (%s); retrying", exc)
+                self._event({"event": "offsets_pending", "error": str(exc)[:200]})
+
+    def _restore_task(
+        self, task_id: str, committed: list[TopicPartition]
+    ) -> tuple[dict[tuple[str, int], int], CheckpointRef | None]:
+        refs = {CheckpointRef.parse_offset_metadata(c.metadata) for c in committed if c.offset >= 0}
+        if len(refs) > 1:
+            raise CheckpointError(
+                f"partitions of task {task_id} name different checkpoints {sorted(map(str, refs))};"
+                " were source topics added to a running pipeline? Start it under a new name"
+            )
+        ref = refs.pop() if refs else None
+        backend = create_backend(
+            self.pipeline.state_backend,
+            task_dir=str(self.local_dir / self.pipeline.name / task_id),
+            options=self._backend_options,
+        )
+        meta: TaskCheckpoint | None = None
+        if ref is not None:
+            meta = restore_committed(
+                self.storage,
+                self.pipeline.name,
+                task_id,
+                ref,
+                backend,
+                on_corrupt=self.pipeline.on_corrupt_checkpoint,
+            )
+        self._discard_uncommitted(task_id, ref)
+        positions: dict[tuple[str, int], int] = {}
+        start = {
+            t: (OFFSET_END if s.starting_position == "latest" else OFFSET_BEGINNING)
+            for s in self.pipeline.sources()
+            for t in s.topic_list
+        }
+        for c in committed:
+            tp = (c.topic, c.partition)
+            if meta is not None and tp in meta.positions:
+                positions[tp] = meta.positions[tp]
+            elif c.offset >= 0:
+                positions[tp] = c.offset
+            else:
+                positions[tp] = start[c.topic]
+        task_epoch = self.coordinator.next_id
+        self.coordinator.observe_restored(ref.checkpoint_id if ref else None)
+        task = Task(
+            task_id,
+            self.pipeline,
+            self._channel_positions(positions),
+            backend,
+            self.output,
+            worker_id=self.settings.worker_id,
+            epoch=max(task_epoch, self.coordinator.next_id),
+            on_snapshot=self._on_task_snapshot,
+            faults=self.faults,
+        )
+        task.recover_sinks(ref.checkpoint_id if ref else None, meta.sinks if meta else {})
+        self.tasks[task_id] = task
+        log.info(
+            "task %s restored from %s at %s",
+            task_id,
+            f"checkpoint {ref.checkpoint_id}" if ref else "no checkpoint",
+            positions,
+        )
+        return positions, ref
+
+    def _channel_positions(
+        self, positions: dict[tuple[str, int], int]
+    ) -> dict[tuple[str, int], int]:
+        # Logical offsets (beginning/end) are resolved by the broker; channels start "unknown"
+        # and learn the real offset from the first message or the consumer position.
+        resolved = {}
+        for tp, offset in positions.items():
+            if offset < 0:
+                low, high = self.consumer.get_watermark_offsets(TopicPartition(*tp), timeout=30)
+                offset = low if offset == OFFSET_BEGINNING else high
+            resolved[tp] = offset
+        return resolved
+
+    def _discard_uncommitted(self, task_id: str, committed: CheckpointRef | None) -> None:
+        """A checkpoint that never reached the commit point leaves no trace."""
+        newest = committed.checkpoint_id if committed else 0
+        for ref in list_checkpoints(self.storage, self.pipeline.name, task_id):
+            if ref.checkpoint_id > newest:
+                self.storage.delete_dir(ref.directory(self.pipeline.name, task_id))
+
+    # ------------------------------------------------------------------ checkpoints
+    def _on_task_snapshot(self, snapshot: TaskSnapshot) -> None:
+        self.coordinator.acknowledge(snapshot)
+
+    def _maybe_trigger(self, now: float) -> None:
+        if (
+            self.tasks
+            and self.coordinator.pending is None
+            and now - self._last_trigger >= self.pipeline.checkpoint_interval
+        ):
+            if self._nothing_read_since_trigger():
+                # Nothing read since the last checkpoint: state, positions and output are
+                # unchanged, so an idle pipeline writes no checkpoint files.
+                self._last_trigger = now
+                return
+            self._trigger(now)
+
+    def _trigger(self, now: float) -> None:
+        n = self.coordinator.trigger(set(self.tasks))
+        self._last_trigger = now
+        self._records_at_trigger = self._records_in()
+        for task in self.tasks.values():
+            task.inject_barrier(n)
+
+    def _complete(self, done: CompletedCheckpoint) -> None:
+        """The commit point, then sink notification and retention."""
+        n = done.checkpoint_id
+        offsets = []
+        for meta in done.tasks.values():
+            for (topic, partition), offset in meta.positions.items():
+                offsets.append(
+                    TopicPartition(topic, partition, offset, metadata=meta.ref.offset_metadata())
+                )
+        commit_start = time.monotonic()
+        self._records_at_durable = self._records_in()
+        if self.pipeline.exactly_once:
+            self.output.commit(
+                offsets,
+                self.consumer.consumer_group_metadata(),
+                offsets_sent=self._offsets_sent,
+            )
+        else:
+            self.output.flush()
+            self.consumer.commit(offsets=offsets, asynchronous=False)
+        committed_at = time.monotonic()
+        self.faults.point("after_kafka_commit")
+        self.coordinator.finish()
+        for task_id, meta in done.tasks.items():
+            task = self.tasks.get(task_id)
+            if task is not None:
+                task.notify_committed(n)
+            self.coordinator.retain(task_id, meta.ref, self.pipeline.retained_checkpoints)
+        if self.pipeline.exactly_once and self.tasks:
+            self.output.begin(self.coordinator.next_id)
+        self._failures = 0
+        self.checkpoints_committed += 1
+        self._record_metrics(done, commit_start, committed_at)
+
+    def _offsets_sent(self) -> None:
+        self.faults.point("after_offsets_sent")
+
+    def _record_metrics(
+        self, done: CompletedCheckpoint, commit_start: float, committed_at: float
+    ) -> None:
+        entry = {
+            "event": "checkpoint",
+            "checkpoint": done.checkpoint_id,
+            "tasks": len(done.tasks),
+            "align_ms": round((done.aligned_at - done.triggered_at) * 1000, 2),
+            "materialize_ms": round((done.durable_at - done.aligned_at) * 1000, 2),
+            "commit_ms": round((committed_at - commit_start) * 1000, 2),
+            "total_ms": round((time.monotonic() - done.triggered_at) * 1000, 2),
+            "state_bytes": sum(
+                f.size for m in done.tasks.values() if m.state for f in m.state.files
+            ),
+            "records_in": self._records_in(),
+            # Records read while this checkpoint was aligning and materializing: processing
+            # does not stop for a snapshot.
+            "records_during_checkpoint": self._records_at_durable - self._records_at_trigger,
+            "alignment_blocks": sum(t.aligner.blocked_count for t in self.tasks.values()),
+        }
+        log.info(
+            "checkpoint %(checkpoint)d committed: align %(align_ms)sms, materialize "
+            "%(materialize_ms)sms, commit %(commit_ms)sms",
+            entry,
+        )
+        self._event(entry)
+
+    def _records_in(self) -> int:
+        return sum(t.records_in for t in self.tasks.values())
+
+    def _nothing_read_since_trigger(self) -> bool:
+        """State, positions and output are those of the last checkpoint triggered."""
+        return self._records_in() == self._records_at_trigger
+
+    def _event(self, entry: dict[str, Any]) -> None:
+        """Append a metrics event (JSON line) when SNAPLINE_METRICS_FILE is set."""
+        if self._metrics_path:
+            entry = {
+                **entry,
+                "worker": self.settings.worker_id,
+                "pid": os.getpid(),
+                "time": time.time(),
+            }
+            with open(self._metrics_path, "a") as fh:
+                fh.write(json.dumps(entry) + "\n")
+
+    def _fail_checkpoint(self, exc: Exception) -> None:
+        """Abort the epoch and restore every task from its committed checkpoint."""
+        self._failures += 1
+        log.error("checkpoint failed (%d in a row): %s", self._failures, exc)
+        if self._failures > self.pipeline.tolerable_checkpoint_failures:
+            raise CheckpointError(
+                f"{self._failures} checkpoints failed in a row (tolerable_checkpoint_failures="
+                f"{self.pipeline.tolerable_checkpoint_failures}); last error: {exc}"
+            ) from exc
+        time.sleep(min(0.5 * 2**self._failures, 10))
+        assignment = self.consumer.assignment()
+        self._drop_tasks()
+        restored = self._restore(assignment)
+        for (topic, partition), offset in restored.items():
+            self.consumer.seek(TopicPartition(topic, partition, offset))
+
+    # ------------------------------------------------------------------ main loop
+    def request_stop(self, *_: Any) -> None:
+        self._stopping = True
+
+    def run(self, *, max_seconds: float | None = None) -> None:
+        """Process until stopped (SIGTERM: final checkpoint, clean exit)."""
+        self.output.init()
+        topics = self.pipeline.source_topics()
+        self.consumer.subscribe(
+            topics, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
+        )
+        deadline = None if max_seconds is None else time.monotonic() + max_seconds
+        try:
+            while True:
+                if self._stopping or (deadline is not None and time.monotonic() > deadline):
+                    self._final_checkpoint()
+                    break
+                self._step()
+        except FencedError:
+            log.error(
+                "another incarnation of worker %s took over; exiting", self.settings.worker_id
+            )
+            raise
+        finally:
+            self._close()
+
+    def _step(self) -> None:
+        pending = self.coordinator.pending
+        held = len(self.output._buffer)
+        if held < MAX_HELD_RECORDS:
+            messages = self.consumer.consume(BATCH_SIZE, 0.005 if pending else 0.05)
+            if messages:
+                self._route(messages)
+        else:
+            time.sleep(0.002)
+        now = time.monotonic()
+        self._maybe_trigger(now)
+        for task in self.tasks.values():
+            task.run()
+        self.output.poll()
+        if self.coordinator.pending is not None:
+            try:
+                done = self.coordinator.poll()
+                if done is not None:
+                    self._complete(done)
+            except FencedError:
+                raise
+            except CheckpointError as exc:
+                self._event({"event": "checkpoint_failed", "error": str(exc)[:500]})
+                self._fail_checkpoint(exc)
+
+    def _route(self, messages: list[Any]) -> None:
+        groups: dict[tuple[str, int], list[Any]] = {}
+        for msg in messages:
+            if msg.error():
+                error = msg.error()
+                if error.fatal():
+                    raise KafkaException(error)
+                log.warning("consumer: %s", error)
+                continue
+            key = (msg.topic(), msg.partition())
+            group = groups.get(key)
+            if group is None:
+                groups[key] = [msg]
+            else:
+                group.append(msg)
+        for (topic, partition), batch in groups.items():
+            task = self.tasks.get(task_id_for(partition))
+            if task is None or (topic, partition) not in task.channels:
+                continue  # fetched before a revoke; the new owner reads it again
+            task.enqueue((topic, partition), batch)
+
+    def _final_checkpoint(self, reason: str = "stop") -> None:
+        """Checkpoint and commit everything read so far (SIGTERM, or partitions revoked)."""
+        if not self.tasks:
+            return
+        if self.coordinator.pending is None and self._nothing_read_since_trigger():
+            return  # nothing read since the last committed checkpoint
+        log.info("%s: taking a final checkpoint", reason)
+        deadline = time.monotonic() + self.pipeline.checkpoint_timeout
+        target = None
+        while time.monotonic() < deadline:
+            if self.coordinator.pending is None:
+                if target is not None and self.coordinator.next_id > target:
+                    return
+                target = self.coordinator.next_id
+                self._trigger(time.monotonic())
+            for task in self.tasks.values():
+                task.run()
+            self.output.poll()
+            try:
+                done = self.coordinator.poll()
+                if done is not None:
+                    self._complete(done)
+            except FencedError:
+                raise
+            except CheckpointError as exc:
+                log.error("%s: final checkpoint failed (the epoch is aborted): %s", reason, exc)
+                self._event({"event": "checkpoint_failed", "error": str(exc)[:500]})
+                return
+            if done is not None and done.checkpoint_id == target:
+                return
+            time.sleep(0.001)
+
+    def _close(self) -> None:
+        try:
+            self.output.abort()
+        except Exception:
+            log.exception("abort on close")
+        for task in self.tasks.values():
+            task.close()
+        self.tasks = {}
+        self.coordinator.shutdown()
+        try:
+            self.consumer.close()
+        except Exception:
+            log.exception("consumer close")
+
+
+def run_worker(pipeline: Pipeline, settings: WorkerSettings) -> None:
+    """Entry point of a worker process: SIGTERM/SIGINT take a final checkpoint and exit."""
+    worker = Worker(pipeline, settings)
+    signal.signal(signal.SIGTERM, worker.request_stop)
+    signal.signal(signal.SIGINT, worker.request_stop)
+    worker.run()

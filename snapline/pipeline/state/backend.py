@@ -1,0 +1,108 @@
+"""The keyed state backend interface: a byte key-value store per task plus snapshot and restore.
+
+Threads: the task thread owns a backend and calls every method except
+``SnapshotHandle.materialize``, which a checkpoint thread runs on an immutable view.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from snapline.pipeline.checkpoint.storage import CheckpointStorage
+
+
+@dataclass(frozen=True)
+class StateFile:
+    """One file of a materialized snapshot, relative to the job's checkpoint root."""
+
+    path: str
+    size: int
+    checksum: str  # "crc32:<hex>"
+
+
+@dataclass(frozen=True)
+class StateHandle:
+    """What a checkpoint's metadata records about one task's state: enough to restore it."""
+
+    backend: str
+    files: tuple[StateFile, ...]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "files": [{"path": f.path, "size": f.size, "checksum": f.checksum} for f in self.files],
+            "extra": self.extra,
+        }
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> StateHandle:
+        return StateHandle(
+            backend=data["backend"],
+            files=tuple(StateFile(f["path"], int(f["size"]), f["checksum"]) for f in data["files"]),
+            extra=dict(data.get("extra", {})),
+        )
+
+
+class SnapshotHandle(ABC):
+    """The result of the synchronous part of a snapshot: an immutable view to materialize."""
+
+    @abstractmethod
+    def materialize(self, storage: CheckpointStorage, directory: str) -> StateHandle:
+        """Write the view to ``directory`` in storage (runs on a checkpoint thread)."""
+
+    def release(self) -> None:  # noqa: B027 - optional hook
+        """Free local resources held by the view (hard links, copies)."""
+
+
+class KeyedStateBackend(ABC):
+    """A task's keyed state as sorted-or-not byte keys; state types are built on top of it.
+
+    Keys are ``key_group(2 bytes) | key_len(4) | key | state_id(1)``; map entries append the
+    serialized user key. Backends only see bytes.
+    """
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def get(self, key: bytes) -> bytes | None: ...
+
+    @abstractmethod
+    def put(self, key: bytes, value: bytes) -> None: ...
+
+    @abstractmethod
+    def delete(self, key: bytes) -> None: ...
+
+    @abstractmethod
+    def map_get(self, prefix: bytes, user_key: bytes) -> bytes | None: ...
+
+    @abstractmethod
+    def map_put(self, prefix: bytes, user_key: bytes, value: bytes) -> None: ...
+
+    @abstractmethod
+    def map_delete(self, prefix: bytes, user_key: bytes) -> None: ...
+
+    @abstractmethod
+    def map_items(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        """All (user_key, value) pairs under ``prefix`` (order unspecified)."""
+
+    @abstractmethod
+    def map_clear(self, prefix: bytes) -> None: ...
+
+    @abstractmethod
+    def snapshot(self, checkpoint_id: int) -> SnapshotHandle:
+        """Synchronous part of a snapshot: must be fast; returns an immutable view."""
+
+    @abstractmethod
+    def restore(self, handle: StateHandle, storage: CheckpointStorage) -> None:
+        """Replace all state with the snapshot described by ``handle`` (checksums verified)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources; local files of a task that moved away are deleted."""
+
+    def entry_count(self) -> int:
+        """Number of stored entries (for metrics and tests); backends may estimate."""
+        return -1

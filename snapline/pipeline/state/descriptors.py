@@ -1,0 +1,372 @@
+"""Keyed state types declared on a keyed process function, with Flink's semantics.
+
+A descriptor (``ValueState("total", default=0)``) is a class attribute of a
+``KeyedProcessFunction``. When a task starts, the runtime binds each descriptor to the
+task's state backend; the bound object reads and writes the state of the *current key*
+(the key of the record being processed). All five types work on any ``KeyedStateBackend``.
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Generic, TypeVar
+
+from snapline.pipeline.errors import StateError
+from snapline.pipeline.state.backend import KeyedStateBackend
+from snapline.pipeline.state.serde import Serde, resolve_serde
+
+T = TypeVar("T")
+ACC = TypeVar("ACC")
+R = TypeVar("R")
+
+
+class KeyScope:
+    """The current key of a task: set by the keyed operator before each record."""
+
+    __slots__ = ("prefix", "key")
+
+    def __init__(self) -> None:
+        self.prefix: bytes | None = None
+        self.key: Any = None
+
+    def require(self, state_name: str) -> bytes:
+        if self.prefix is None:
+            raise StateError(
+                f"state {state_name!r} was used with no current key; keyed state is only "
+                "available inside process() of a function applied after key_by()"
+            )
+        return self.prefix
+
+
+def _fresh(default: Any) -> Any:
+    # A mutable default must not be shared between keys.
+    return copy.deepcopy(default) if isinstance(default, list | dict | set) else default
+
+
+class StateDescriptor(ABC):
+    """Declares one keyed state; bound per task by the runtime."""
+
+    kind = "abstract"
+
+    def __init__(self, name: str | None = None, *, serde: Serde | str | None = None) -> None:
+        self.name = name
+        self.serde = resolve_serde(serde)
+        self.attribute: str | None = None
+
+    def __set_name__(self, owner: type, attribute: str) -> None:
+        self.attribute = attribute
+        if self.name is None:
+            self.name = attribute
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        raise StateError(
+            f"state {self.name!r} of {type(instance).__name__} is not bound: keyed state works "
+            "only while the function runs in a pipeline after key_by().process(...)"
+        )
+
+    @abstractmethod
+    def bind(self, backend: KeyedStateBackend, scope: KeyScope, state_id: int) -> Any:
+        """Return the live state object for one task."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "serde": self.serde.name}
+
+
+class _Bound:
+    __slots__ = (
+        "_backend",
+        "_scope",
+        "_sid",
+        "_serde",
+        "_name",
+        "_get",
+        "_put",
+        "_loads",
+        "_dumps",
+    )
+
+    def __init__(
+        self, desc: StateDescriptor, backend: KeyedStateBackend, scope: KeyScope, state_id: int
+    ) -> None:
+        self._backend = backend
+        self._scope = scope
+        self._sid = bytes([state_id])
+        self._serde = desc.serde
+        self._name = desc.name or "?"
+        # Bound methods cached: state access is on the per-record hot path.
+        self._get = backend.get
+        self._put = backend.put
+        self._loads = desc.serde.loads
+        self._dumps = desc.serde.dumps
+
+    def _key(self) -> bytes:
+        prefix = self._scope.prefix
+        if prefix is None:
+            prefix = self._scope.require(self._name)
+        return prefix + self._sid
+
+    def clear(self) -> None:
+        self._backend.delete(self._key())
+
+
+# ---------------------------------------------------------------- ValueState
+class ValueState(StateDescriptor, Generic[T]):
+    """One value per key. ``value()`` returns the default until ``update`` is called."""
+
+    kind = "value"
+
+    def __init__(
+        self, name: str | None = None, *, default: Any = None, serde: Serde | str | None = None
+    ) -> None:
+        super().__init__(name, serde=serde)
+        self.default = default
+
+    def bind(self, backend: KeyedStateBackend, scope: KeyScope, state_id: int) -> BoundValueState:
+        return BoundValueState(self, backend, scope, state_id)
+
+
+class BoundValueState(_Bound):
+    __slots__ = ("_default", "_mutable_default")
+
+    def __init__(
+        self, desc: ValueState[Any], backend: KeyedStateBackend, scope: KeyScope, state_id: int
+    ) -> None:
+        super().__init__(desc, backend, scope, state_id)
+        self._default = desc.default
+        self._mutable_default = isinstance(desc.default, list | dict | set)
+
+    def value(self) -> Any:
+        raw = self._get(self._key())
+        if raw is None:
+            return _fresh(self._default) if self._mutable_default else self._default
+        return self._loads(raw)
+
+    def update(self, value: Any) -> None:
+        if value is None:
+            self._backend.delete(self._key())
+        else:
+            self._put(self._key(), self._dumps(value))
+
+
+# ---------------------------------------------------------------- ListState
+class ListState(StateDescriptor):
+    """A list per key: ``add``, ``add_all``, ``update`` (replace), ``get`` (empty if none)."""
+
+    kind = "list"
+
+    def bind(self, backend: KeyedStateBackend, scope: KeyScope, state_id: int) -> BoundListState:
+        return BoundListState(self, backend, scope, state_id)
+
+
+class BoundListState(_Bound):
+    __slots__ = ()
+
+    def get(self) -> list[Any]:
+        raw = self._backend.get(self._key())
+        return [] if raw is None else list(self._serde.loads(raw))
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.get())
+
+    def add(self, value: Any) -> None:
+        items = self.get()
+        items.append(value)
+        self._backend.put(self._key(), self._serde.dumps(items))
+
+    def add_all(self, values: Iterable[Any]) -> None:
+        items = self.get()
+        items.extend(values)
+        self._backend.put(self._key(), self._serde.dumps(items))
+
+    def update(self, values: Iterable[Any]) -> None:
+        items = list(values)
+        if items:
+            self._backend.put(self._key(), self._serde.dumps(items))
+        else:
+            self._backend.delete(self._key())
+
+
+# ---------------------------------------------------------------- MapState
+class MapState(StateDescriptor):
+    """A map per key. User keys are serialized with ``key_serde`` (JSON by default)."""
+
+    kind = "map"
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        serde: Serde | str | None = None,
+        key_serde: Serde | str | None = None,
+    ) -> None:
+        super().__init__(name, serde=serde)
+        self.key_serde = resolve_serde(key_serde)
+
+    def bind(self, backend: KeyedStateBackend, scope: KeyScope, state_id: int) -> BoundMapState:
+        return BoundMapState(self, backend, scope, state_id)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "key_serde": self.key_serde.name}
+
+
+class BoundMapState(_Bound):
+    __slots__ = ("_kserde",)
+
+    def __init__(
+        self, desc: MapState, backend: KeyedStateBackend, scope: KeyScope, state_id: int
+    ) -> None:
+        super().__init__(desc, backend, scope, state_id)
+        self._kserde = desc.key_serde
+
+    def get(self, user_key: Any, default: Any = None) -> Any:
+        raw = self._backend.map_get(self._key(), self._kserde.dumps(user_key))
+        return default if raw is None else self._serde.loads(raw)
+
+    def put(self, user_key: Any, value: Any) -> None:
+        self._backend.map_put(self._key(), self._kserde.dumps(user_key), self._serde.dumps(value))
+
+    def put_all(self, mapping: dict[Any, Any]) -> None:
+        for k, v in mapping.items():
+            self.put(k, v)
+
+    def remove(self, user_key: Any) -> None:
+        self._backend.map_delete(self._key(), self._kserde.dumps(user_key))
+
+    def contains(self, user_key: Any) -> bool:
+        return self._backend.map_get(self._key(), self._kserde.dumps(user_key)) is not None
+
+    def items(self) -> Iterator[tuple[Any, Any]]:
+        for k, v in self._backend.map_items(self._key()):
+            yield self._kserde.loads(k), self._serde.loads(v)
+
+    def keys(self) -> Iterator[Any]:
+        for k, _ in self.items():
+            yield k
+
+    def values(self) -> Iterator[Any]:
+        for _, v in self.items():
+            yield v
+
+    def is_empty(self) -> bool:
+        return next(iter(self._backend.map_items(self._key())), None) is None
+
+    def clear(self) -> None:
+        self._backend.map_clear(self._key())
+
+
+# ---------------------------------------------------------------- ReducingState
+class ReducingState(StateDescriptor):
+    """Keeps one value per key, combined on ``add`` by ``reduce_fn(current, new)``."""
+
+    kind = "reducing"
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        reduce_fn: Callable[[Any, Any], Any],
+        serde: Serde | str | None = None,
+    ) -> None:
+        super().__init__(name, serde=serde)
+        if not callable(reduce_fn):
+            raise StateError(f"ReducingState {name!r} needs a callable reduce_fn")
+        self.reduce_fn = reduce_fn
+
+    def bind(
+        self, backend: KeyedStateBackend, scope: KeyScope, state_id: int
+    ) -> BoundReducingState:
+        return BoundReducingState(self, backend, scope, state_id)
+
+
+class BoundReducingState(_Bound):
+    __slots__ = ("_reduce",)
+
+    def __init__(
+        self, desc: ReducingState, backend: KeyedStateBackend, scope: KeyScope, state_id: int
+    ) -> None:
+        super().__init__(desc, backend, scope, state_id)
+        self._reduce = desc.reduce_fn
+
+    def get(self) -> Any:
+        raw = self._backend.get(self._key())
+        return None if raw is None else self._serde.loads(raw)
+
+    def add(self, value: Any) -> None:
+        key = self._key()
+        raw = self._backend.get(key)
+        merged = value if raw is None else self._reduce(self._serde.loads(raw), value)
+        self._backend.put(key, self._serde.dumps(merged))
+
+
+# ---------------------------------------------------------------- AggregatingState
+class AggregateFunction(ABC, Generic[T, ACC, R]):
+    """Flink's AggregateFunction: an accumulator built from inputs, then a result."""
+
+    @abstractmethod
+    def create_accumulator(self) -> ACC: ...
+
+    @abstractmethod
+    def add(self, value: T, accumulator: ACC) -> ACC: ...
+
+    @abstractmethod
+    def get_result(self, accumulator: ACC) -> R: ...
+
+    def merge(self, a: ACC, b: ACC) -> ACC:
+        raise NotImplementedError(f"{type(self).__name__} does not implement merge()")
+
+
+class AggregatingState(StateDescriptor):
+    """Aggregates inputs into an accumulator per key; ``get`` returns ``get_result(acc)``."""
+
+    kind = "aggregating"
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        aggregate: AggregateFunction[Any, Any, Any],
+        serde: Serde | str | None = None,
+    ) -> None:
+        super().__init__(name, serde=serde)
+        if not isinstance(aggregate, AggregateFunction):
+            raise StateError(f"AggregatingState {name!r} needs an AggregateFunction instance")
+        self.aggregate = aggregate
+
+    def bind(
+        self, backend: KeyedStateBackend, scope: KeyScope, state_id: int
+    ) -> BoundAggregatingState:
+        return BoundAggregatingState(self, backend, scope, state_id)
+
+
+class BoundAggregatingState(_Bound):
+    __slots__ = ("_agg",)
+
+    def __init__(
+        self, desc: AggregatingState, backend: KeyedStateBackend, scope: KeyScope, state_id: int
+    ) -> None:
+        super().__init__(desc, backend, scope, state_id)
+        self._agg = desc.aggregate
+
+    def get(self) -> Any:
+        raw = self._backend.get(self._key())
+        return None if raw is None else self._agg.get_result(self._serde.loads(raw))
+
+    def add(self, value: Any) -> None:
+        key = self._key()
+        raw = self._backend.get(key)
+        acc = self._agg.create_accumulator() if raw is None else self._serde.loads(raw)
+        self._backend.put(key, self._serde.dumps(self._agg.add(value, acc)))
+
+
+def declared_states(function_type: type) -> list[StateDescriptor]:
+    """The state descriptors declared on a class (and its bases), in a stable order."""
+    found: dict[str, StateDescriptor] = {}
+    for klass in reversed(function_type.__mro__):
+        for attr, value in vars(klass).items():
+            if isinstance(value, StateDescriptor):
+                found[attr] = value
+    return [found[a] for a in sorted(found)]

@@ -1,0 +1,380 @@
+"""The ``rocksdb`` state backend: one RocksDB database per task, asynchronous incremental
+checkpoints (a hard-link RocksDB checkpoint, then new SST files only), verified fast restore.
+
+Threads
+    The task thread owns the database: every get/put/map operation, ``snapshot`` (the
+    synchronous part: RocksDB flushes the memtable and hard-links the live files into
+    ``<task_dir>/checkpoints/chk-<n>-<token>``; nothing else), ``restore`` and ``close``.
+    A checkpoint thread runs ``RocksDBSnapshot.materialize``: it reads only that hard-linked
+    directory, whose files are immutable, uploads the SST files storage does not hold yet to
+    ``<job>/tasks/<task>/shared/``, the small private files (MANIFEST, CURRENT, OPTIONS) to the
+    checkpoint's own directory, and a manifest of every file with size and CRC-32. ``release``
+    (same checkpoint thread) removes the hard links, or keeps the newest for local recovery.
+    The one object both threads touch is the locked ``SharedFileRegistry``.
+
+Write-ahead log
+    Disabled by default (``disable_wal=True``). State is only ever recovered from a completed
+    checkpoint, never from the local database after a crash: a restarted task always restores
+    the checkpoint its committed Kafka offsets name, and RocksDB's checkpoint flushes the
+    memtable itself, so a WAL would be written and never read.
+
+Key layout
+    A plain value lives under its key ``key_group(2) | len(4) | key | state_id(1)``; a map entry
+    under ``prefix | 0x01 | user_key``. Keys built that way are self-delimiting, so a value key
+    never equals a map entry key and one map's entries never fall into another map's range.
+    Every key starts with its key-group, so a key-group range is one contiguous key range.
+
+Corrupt checkpoints
+    Restore verifies the size and CRC-32 of every file and raises ``CorruptCheckpointError``
+    naming the first missing or corrupt file. What happens next is the runtime's rule (DESIGN
+    §3): the committed Kafka offsets name checkpoint c, and only c's state is consistent with
+    the outputs already committed. An earlier checkpoint c' < c is consistent with the *input*
+    only if the input is rewound to c''s barrier positions, and then the outputs of the span
+    (c', c] are produced a second time: Kafka already committed them (read_committed consumers
+    see duplicates) and sinks fenced by checkpoint id may drop or overwrite them. So by default
+    the task FAILS with an error naming the file; ``on_corrupt_checkpoint="rewind"`` is the
+    explicit opt-in to restore the newest readable earlier checkpoint and accept at-least-once
+    delivery for that span. See docs/state-backends.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import rocksdict
+
+from snapline.pipeline.checkpoint.incremental import (
+    FetchResult,
+    SharedFileRegistry,
+    UploadResult,
+    discard_unreferenced_files,
+    fetch_files,
+    local_name,
+    upload_incremental,
+)
+from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.errors import CheckpointError, CorruptCheckpointError, StateError
+from snapline.pipeline.state.backend import KeyedStateBackend, SnapshotHandle, StateHandle
+from snapline.pipeline.state.rocksdb_options import (
+    RocksDBOptions,
+    RocksDBResources,
+    build_db_options,
+)
+
+__all__ = [
+    "RocksDBResources",
+    "RocksDBOptions",
+    "RocksDBSnapshot",
+    "RocksDBStateBackend",
+    "discard_unreferenced_files",
+]
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "rocksdb"
+_MAP_TAG = b"\x01"
+_MAP_END = b"\x02"
+
+
+def _is_sst(name: str) -> bool:
+    return name.endswith(".sst")
+
+
+class _LocalCheckpoints:
+    """Hard-link checkpoint directories kept on local disk for local recovery (locked).
+
+    Once a checkpoint of this instance is materialized, the files of an earlier process
+    (``previous``) have no use left and are deleted.
+    """
+
+    def __init__(self, keep: int, previous_dir: Path) -> None:
+        self._keep = keep
+        self._previous_dir = previous_dir
+        self._lock = threading.Lock()
+        self._kept: list[tuple[int, Path]] = []
+
+    def release(self, checkpoint_id: int, path: Path, materialized: bool) -> None:
+        drop = [path]
+        if materialized:
+            drop.append(self._previous_dir)
+            if self._keep > 0:
+                with self._lock:
+                    self._kept.append((checkpoint_id, path))
+                    self._kept.sort()
+                    drop = [p for _, p in self._kept[: -self._keep]] + [self._previous_dir]
+                    self._kept = self._kept[-self._keep :]
+        for p in drop:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+class RocksDBSnapshot(SnapshotHandle):
+    """A hard-linked RocksDB checkpoint directory, immutable, waiting to be materialized."""
+
+    def __init__(
+        self,
+        checkpoint_id: int,
+        local_dir: Path,
+        registry: SharedFileRegistry,
+        local: _LocalCheckpoints,
+        transfer_threads: int,
+    ) -> None:
+        self.checkpoint_id = checkpoint_id
+        self.local_dir = local_dir
+        self._registry = registry
+        self._local = local
+        self._threads = transfer_threads
+        self._materialized = False
+        self._released = False
+        #: Set by ``materialize``: bytes and files uploaded versus reused (for metrics).
+        self.result: UploadResult | None = None
+
+    def materialize(self, storage: CheckpointStorage, directory: str) -> StateHandle:
+        if self._released:
+            raise CheckpointError(f"snapshot {self.checkpoint_id} was released before upload")
+        started = time.perf_counter()
+        result = upload_incremental(
+            storage,
+            self.local_dir,
+            directory,
+            self.checkpoint_id,
+            self._registry,
+            backend=BACKEND_NAME,
+            is_shared=_is_sst,
+            threads=self._threads,
+        )
+        self.result = result
+        self._materialized = True
+        log.debug(
+            "checkpoint %d materialized in %.3fs: %d new files (%d bytes), %d reused (%d bytes)",
+            self.checkpoint_id,
+            time.perf_counter() - started,
+            result.uploaded_files,
+            result.uploaded_bytes,
+            result.reused_files,
+            result.reused_bytes,
+        )
+        return result.handle
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._local.release(self.checkpoint_id, self.local_dir, self._materialized)
+
+
+class RocksDBStateBackend(KeyedStateBackend):
+    """A task's keyed state in one RocksDB database under ``<task_dir>/db``.
+
+    ``options`` are the fields of ``RocksDBOptions`` as keywords (``write_buffer_bytes=...``);
+    ``shared_cache`` is the worker's ``RocksDBResources`` (or a bare ``rocksdict.Cache``) so
+    all tasks of a worker share one block cache.
+    """
+
+    name = BACKEND_NAME
+
+    def __init__(self, task_dir: str | Path, *, shared_cache: Any = None, **options: Any) -> None:
+        self.options = RocksDBOptions.from_kwargs(options)
+        if isinstance(shared_cache, rocksdict.Cache):
+            shared_cache = RocksDBResources(cache=shared_cache)
+        if shared_cache is not None and not isinstance(shared_cache, RocksDBResources):
+            raise StateError(
+                f"shared_cache must be a RocksDBResources (or rocksdict.Cache), got "
+                f"{type(shared_cache).__name__}"
+            )
+        self.resources: RocksDBResources | None = shared_cache
+        self.task_dir = Path(task_dir)
+        self.db_dir = self.task_dir / "db"
+        self.checkpoints_dir = self.task_dir / "checkpoints"
+        self.previous_dir = self.task_dir / "previous"
+        self._registry = SharedFileRegistry()
+        self._local = _LocalCheckpoints(self.options.local_checkpoints_kept, self.previous_dir)
+        self._write_options = rocksdict.WriteOptions()
+        # A property at runtime although the stub declares a method.
+        self._write_options.disable_wal = self.options.disable_wal  # type: ignore[method-assign,assignment]
+        #: Statistics of the last ``restore`` and the pause of the last ``snapshot``.
+        self.last_restore: FetchResult | None = None
+        self.last_snapshot_pause: float = 0.0
+        self.task_dir.mkdir(parents=True, exist_ok=True)
+        self._stash_previous_incarnation()
+        self.checkpoints_dir.mkdir(exist_ok=True)
+        self._db: Any = self._open()
+
+    # ------------------------------------------------------------------ lifecycle
+    def _stash_previous_incarnation(self) -> None:
+        """Files left by an earlier process become local-recovery sources, never live state.
+
+        A fresh backend must start empty: only ``restore`` decides what state a task has.
+        """
+        for staging in self.task_dir.glob("restore-*"):  # a restore interrupted by a crash
+            shutil.rmtree(staging, ignore_errors=True)
+        leftovers = [p for p in (self.db_dir, self.checkpoints_dir) if p.exists()]
+        if not leftovers:
+            return
+        target = self.previous_dir / uuid.uuid4().hex[:8]
+        target.mkdir(parents=True)
+        for path in leftovers:
+            path.rename(target / path.name)
+
+    def _open(self) -> rocksdict.Rdict:
+        db = rocksdict.Rdict(str(self.db_dir), build_db_options(self.options, self.resources))
+        db.set_write_options(self._write_options)
+        return db
+
+    @property
+    def db(self) -> rocksdict.Rdict:
+        """The live database (task thread only)."""
+        return self._db
+
+    def close(self, *, delete: bool = False) -> None:
+        """Close the database. Local files stay for local recovery unless ``delete``."""
+        if not isinstance(self._db, _ClosedDB):
+            self._db.close()
+            self._db = _ClosedDB(self.task_dir)
+        if delete:
+            shutil.rmtree(self.task_dir, ignore_errors=True)
+
+    def destroy(self) -> None:
+        """Close and delete every local file of the task (it moved to another worker)."""
+        self.close(delete=True)
+
+    # ------------------------------------------------------------------ values
+    def get(self, key: bytes) -> bytes | None:
+        return self._db.get(key)
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self._db.put(key, value)
+
+    def delete(self, key: bytes) -> None:
+        self._db.delete(key)
+
+    # ------------------------------------------------------------------ maps
+    def map_get(self, prefix: bytes, user_key: bytes) -> bytes | None:
+        return self._db.get(prefix + _MAP_TAG + user_key)
+
+    def map_put(self, prefix: bytes, user_key: bytes, value: bytes) -> None:
+        self._db.put(prefix + _MAP_TAG + user_key, value)
+
+    def map_delete(self, prefix: bytes, user_key: bytes) -> None:
+        self._db.delete(prefix + _MAP_TAG + user_key)
+
+    def _map_range(self, prefix: bytes) -> tuple[bytes, rocksdict.ReadOptions]:
+        read = rocksdict.ReadOptions()
+        read.set_iterate_upper_bound(prefix + _MAP_END)
+        return prefix + _MAP_TAG, read
+
+    def map_items(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        start, read = self._map_range(prefix)
+        skip = len(start)
+        # A list, like the memory backend: callers may mutate the map while iterating.
+        items = cast(Iterator[tuple[bytes, bytes]], self.db.items(from_key=start, read_opt=read))
+        return iter([(k[skip:], v) for k, v in items])
+
+    def map_clear(self, prefix: bytes) -> None:
+        start, read = self._map_range(prefix)
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        for key in self.db.keys(from_key=start, read_opt=read):
+            batch.delete(key)
+        if not batch.is_empty():
+            self.db.write(batch, self._write_options)
+
+    # ------------------------------------------------------------------ snapshots
+    def snapshot(self, checkpoint_id: int) -> RocksDBSnapshot:
+        """Flush the memtable and hard-link the live files: the only work the task waits for."""
+        path = self.checkpoints_dir / f"chk-{checkpoint_id}-{uuid.uuid4().hex[:8]}"
+        started = time.perf_counter()
+        rocksdict.Checkpoint(self.db).create_checkpoint(str(path))
+        self.last_snapshot_pause = time.perf_counter() - started
+        return RocksDBSnapshot(
+            checkpoint_id, path, self._registry, self._local, self.options.upload_threads
+        )
+
+    def restore(self, handle: StateHandle, storage: CheckpointStorage) -> None:
+        """Replace all state with ``handle``'s: fetch (or reuse locally) and verify every file."""
+        if handle.backend != BACKEND_NAME:
+            raise CheckpointError(
+                f"the checkpoint was written by the {handle.backend!r} state backend, this task "
+                f"uses {BACKEND_NAME!r}: switch back, or start the pipeline under a new name "
+                "(moving state between backends needs savepoints, which Snapline lacks yet)"
+            )
+        checkpoint_id = int(handle.extra.get("checkpoint_id", -1))
+        staging = self.task_dir / f"restore-{uuid.uuid4().hex[:8]}"
+        started = time.perf_counter()
+        try:
+            result = fetch_files(
+                storage,
+                handle.files,
+                staging,
+                local_candidates=self._local_candidates(),
+                threads=self.options.download_threads,
+            )
+            if not (staging / "CURRENT").exists():
+                raise CorruptCheckpointError(
+                    f"rocksdb checkpoint {handle.extra.get('manifest', '?')} has no CURRENT file"
+                )
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        self.close()
+        shutil.rmtree(self.db_dir, ignore_errors=True)
+        staging.rename(self.db_dir)
+        try:
+            self._db = self._open()
+        except Exception as exc:
+            shutil.rmtree(self.db_dir, ignore_errors=True)
+            self._db = self._open()
+            raise CorruptCheckpointError(
+                f"rocksdb could not open checkpoint {handle.extra.get('manifest', '?')} although "
+                f"every file passed its checksum: {exc}"
+            ) from exc
+        shared = [f for f in handle.files if _is_sst(local_name(f.path))]
+        if shared:
+            location = storage.full_path(shared[0].path.rsplit("/", 1)[0])
+            self._registry.reset(location, checkpoint_id, {local_name(f.path): f for f in shared})
+        shutil.rmtree(self.previous_dir, ignore_errors=True)
+        self.last_restore = result
+        log.info(
+            "restored checkpoint %d in %.2fs: %d files (%d bytes) downloaded, %d files "
+            "(%d bytes) reused locally",
+            checkpoint_id,
+            time.perf_counter() - started,
+            result.downloaded_files,
+            result.downloaded_bytes,
+            result.reused_files,
+            result.reused_bytes,
+        )
+
+    def _local_candidates(self) -> dict[str, list[Path]]:
+        """Local SST files by name: the live DB, kept checkpoints, an earlier incarnation's."""
+        found: dict[str, list[Path]] = {}
+        for root in (self.db_dir, self.checkpoints_dir, self.previous_dir):
+            # os.walk ignores directories that vanish meanwhile (a checkpoint thread's release).
+            for parent, _, names in os.walk(root):
+                for name in names:
+                    if _is_sst(name):
+                        found.setdefault(name, []).append(Path(parent) / name)
+        return found
+
+    def entry_count(self) -> int:
+        """RocksDB's estimate (exact only without overwrites and deletes)."""
+        count = self.db.property_int_value("rocksdb.estimate-num-keys")
+        return -1 if count is None else int(count)
+
+
+class _ClosedDB:
+    """Stands in for the database after ``close``: any use is a clear error."""
+
+    def __init__(self, task_dir: Path) -> None:
+        self._task_dir = task_dir
+
+    def __getattr__(self, name: str) -> Any:
+        raise StateError(
+            f"the rocksdb state backend in {self._task_dir} is closed; state is only available "
+            "while its task runs"
+        )

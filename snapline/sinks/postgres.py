@@ -1,0 +1,946 @@
+"""The PostgreSQL sink: exactly-once effect through staged rows and a checkpoint-fenced upsert.
+
+``pre_commit(n)`` copies the epoch's rows (as JSON) into ``<table>__snapline_staging`` in one
+transaction, so they are durable before the Kafka commit point. ``commit(n)`` runs ONE
+transaction that upserts checkpoint n's staged rows into the table — the last row per key
+within the checkpoint wins — and deletes them from staging. Every target row carries
+``_snapline_checkpoint`` and ``_snapline_task``; the upsert only overwrites a row written by
+the same task at a checkpoint ≤ n, so a replay never overwrites newer data. Re-running a commit
+finds nothing staged: a no-op. Rows the database refuses at commit (a CHECK constraint, a
+foreign key...) go, in the same transaction, to ``<table>__snapline_rejected``.
+
+Threads: the task thread validates and encodes rows (dead-lettering those that do not fit the
+table) and waits for commit/abort/recover. One background thread per writer owns the database
+connection and runs every statement in order: the staging COPYs (whose futures ``pre_commit``
+returns), the applies and the deletions. It reads only immutable encoded rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import uuid
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import date, datetime, time
+from decimal import Decimal
+from typing import Any, TypeVar
+
+import orjson
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+
+from snapline.pipeline.errors import ConfigurationError, SinkError
+from snapline.pipeline.record import Record
+from snapline.pipeline.state.serde import json_bytes
+from snapline.sinks.base import PreCommitResult, Sink, SinkContext, SinkWriter
+
+__all__ = ["ColumnSpec", "PostgresSink", "PostgresSinkWriter", "RowEncoder", "TableSpec"]
+
+log = logging.getLogger(__name__)
+
+METADATA_FORMAT = 1
+CHECKPOINT_COLUMN = "_snapline_checkpoint"
+TASK_COLUMN = "_snapline_task"
+FENCE_COLUMNS = (CHECKPOINT_COLUMN, TASK_COLUMN)
+STAGING_SUFFIX = "__snapline_staging"
+REJECTED_SUFFIX = "__snapline_rejected"
+#: PostgreSQL truncates identifiers to 63 bytes; longer derived names are shortened with a hash.
+MAX_IDENTIFIER = 63
+_COPY_CHUNK = 1 << 20
+_INT_RANGES = {"int2": 2**15, "int4": 2**31, "int8": 2**63}
+_T = TypeVar("_T")
+
+
+class _Misfit(Exception):
+    """A value that the column cannot take; the message is the dead-letter reason."""
+
+
+# --------------------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class ColumnSpec:
+    """One column of the target table as the sink sees it."""
+
+    name: str
+    type_name: str  #: pg_type.typname of the column's (base) type, e.g. "int4", "varchar"
+    display_type: str  #: format_type(), e.g. "character varying(20)"
+    not_null: bool = False
+    has_default: bool = False
+    max_length: int | None = None  #: characters of varchar(n)/char(n)
+    is_array: bool = False
+    is_key: bool = False
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """The target table, its staging and rejected tables, and the columns the sink writes."""
+
+    schema: str
+    table: str
+    columns: tuple[ColumnSpec, ...]
+    key_columns: tuple[str, ...]
+
+    @property
+    def target(self) -> sql.Identifier:
+        return sql.Identifier(self.schema, self.table)
+
+    @property
+    def staging(self) -> sql.Identifier:
+        return sql.Identifier(self.schema, derived_name(self.table, STAGING_SUFFIX))
+
+    @property
+    def rejected(self) -> sql.Identifier:
+        return sql.Identifier(self.schema, derived_name(self.table, REJECTED_SUFFIX))
+
+    @property
+    def column_names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns)
+
+
+def derived_name(table: str, suffix: str) -> str:
+    """``<table><suffix>``, shortened with a hash of the table name if PostgreSQL would
+    truncate it (two long table names must not share a staging table)."""
+    name = table + suffix
+    if len(name.encode()) <= MAX_IDENTIFIER:
+        return name
+    digest = f"{zlib.crc32(table.encode()):08x}"
+    room = MAX_IDENTIFIER - len(suffix) - len(digest) - 1
+    head = table.encode()[:room].decode("utf-8", "ignore")
+    return f"{head}_{digest}{suffix}"
+
+
+def split_table_name(table: str) -> tuple[str, str]:
+    """``"schema.table"`` or ``"table"`` (schema ``public``) as (schema, table)."""
+    parts = table.split(".")
+    if len(parts) == 1 and parts[0]:
+        return "public", parts[0]
+    if len(parts) == 2 and all(parts):
+        return parts[0], parts[1]
+    raise ConfigurationError(
+        f"PostgresSink table {table!r} must be 'table' or 'schema.table' without quotes"
+    )
+
+
+def staging_ddl(spec: TableSpec) -> list[sql.Composed]:
+    """The staging table; indexed by (writer, checkpoint) only, which keeps COPY fast."""
+    return [
+        sql.SQL(
+            "CREATE TABLE IF NOT EXISTS {} ("
+            "writer text NOT NULL, token text NOT NULL, checkpoint_id bigint NOT NULL, "
+            "seq integer NOT NULL, row jsonb NOT NULL)"
+        ).format(spec.staging),
+        sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (writer, checkpoint_id)").format(
+            sql.Identifier(derived_name(spec.table, STAGING_SUFFIX + "_idx")), spec.staging
+        ),
+    ]
+
+
+def rejected_ddl(spec: TableSpec) -> sql.Composed:
+    return sql.SQL(
+        "CREATE TABLE IF NOT EXISTS {} ("
+        "writer text NOT NULL, checkpoint_id bigint NOT NULL, seq integer NOT NULL, "
+        "row jsonb NOT NULL, sqlstate text, error text NOT NULL, "
+        "rejected_at timestamptz NOT NULL DEFAULT now())"
+    ).format(spec.rejected)
+
+
+def apply_sql(spec: TableSpec, single_row: bool = False) -> sql.Composed:
+    """Upsert one checkpoint's staged rows (last per key) into the target, fenced.
+
+    Parameters: writer (staging key), token, checkpoint, task (the fence column's value), and
+    seq when ``single_row``.
+    """
+    keys = [sql.Identifier(k) for k in spec.key_columns]
+    cols = [sql.Identifier(c) for c in spec.column_names]
+    r_cols = sql.SQL(", ").join(sql.SQL("r.{}").format(c) for c in cols)
+    r_keys = sql.SQL(", ").join(sql.SQL("r.{}").format(k) for k in keys)
+    updates = [
+        sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(c.name))
+        for c in spec.columns
+        if not c.is_key
+    ]
+    updates += [sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(c)) for c in FENCE_COLUMNS]
+    row_filter = sql.SQL(" AND s.seq = %(seq)s") if single_row else sql.SQL("")
+    return sql.SQL(
+        "WITH src AS ("
+        "SELECT DISTINCT ON ({r_keys}) {r_cols}, "
+        "s.checkpoint_id AS __snapline_checkpoint "
+        "FROM {staging} AS s CROSS JOIN LATERAL jsonb_populate_record(NULL::{target}, s.row) AS r "
+        "WHERE s.writer = %(writer)s AND s.token = %(token)s "
+        "AND s.checkpoint_id = %(checkpoint)s{row_filter} "
+        "ORDER BY {r_keys}, s.seq DESC) "
+        "INSERT INTO {target} AS t ({cols}, {chk}, {task}) "
+        "SELECT {cols}, __snapline_checkpoint, %(task)s FROM src "
+        "ON CONFLICT ({keys}) DO UPDATE SET {updates} "
+        "WHERE t.{task} IS DISTINCT FROM EXCLUDED.{task} OR t.{chk} IS NULL "
+        "OR t.{chk} <= EXCLUDED.{chk}"
+    ).format(
+        r_keys=r_keys,
+        r_cols=r_cols,
+        staging=spec.staging,
+        target=spec.target,
+        row_filter=row_filter,
+        cols=sql.SQL(", ").join(cols),
+        chk=sql.Identifier(CHECKPOINT_COLUMN),
+        task=sql.Identifier(TASK_COLUMN),
+        keys=sql.SQL(", ").join(keys),
+        updates=sql.SQL(", ").join(updates),
+    )
+
+
+# --------------------------------------------------------------------------- row checks
+
+
+def _check_int(limit: int) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        elif isinstance(value, str):
+            try:
+                value = int(value.strip())
+            except ValueError:
+                raise _Misfit(f"expects an integer, got {value[:100]!r}") from None
+        if type(value) is bool or not isinstance(value, int):
+            raise _Misfit(f"expects an integer, got {type(value).__name__}")
+        if not -limit <= value < limit:
+            raise _Misfit(f"{value} is out of range")
+        return value
+
+    return check
+
+
+def _non_finite(value: float) -> str:
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+
+
+def _check_float(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            Decimal(value.strip())
+        except ArithmeticError:
+            raise _Misfit(f"expects a number, got {value[:100]!r}") from None
+        return value
+    if type(value) is bool or not isinstance(value, int | float | Decimal):
+        raise _Misfit(f"expects a number, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        return _non_finite(value)  # JSON has no NaN; PostgreSQL parses these strings
+    if isinstance(value, int) and abs(value) >= 2**63:
+        return str(value)
+    return value
+
+
+def _check_bool(value: Any) -> Any:
+    if type(value) is not bool:
+        raise _Misfit(f"expects a boolean, got {type(value).__name__}")
+    return value
+
+
+def _check_text(max_length: int | None) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        if not isinstance(value, str):
+            raise _Misfit(f"expects a string, got {type(value).__name__}")
+        if max_length is not None and len(value) > max_length:
+            raise _Misfit(f"is {len(value)} characters long, more than {max_length}")
+        return value
+
+    return check
+
+
+def _check_parsed(
+    kind: str, types: tuple[type, ...], parse: Callable[[str], Any], exclude: tuple[type, ...] = ()
+) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        if isinstance(value, types) and not isinstance(value, exclude):
+            return value
+        if isinstance(value, str):
+            try:
+                parse(value)
+            except ValueError as exc:
+                raise _Misfit(f"{value!r} is not a {kind}: {exc}") from None
+            return value
+        raise _Misfit(f"expects a {kind}, got {type(value).__name__}")
+
+    return check
+
+
+def _check_bytes(value: Any) -> Any:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return "\\x" + bytes(value).hex()
+    raise _Misfit(f"expects bytes, got {type(value).__name__}")
+
+
+def _check_array(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return list(value)
+    raise _Misfit(f"expects a list, got {type(value).__name__}")
+
+
+def _check_scalar(value: Any) -> Any:
+    # Types the sink does not know (enums, intervals, inet...): PostgreSQL parses the text.
+    if isinstance(value, str | int | float | bool | Decimal):
+        return value
+    raise _Misfit(f"expects a string or number, got {type(value).__name__}")
+
+
+def _passthrough(value: Any) -> Any:
+    return value
+
+
+def _uuid(text: str) -> Any:
+    return uuid.UUID(text)
+
+
+def column_check(column: ColumnSpec) -> Callable[[Any], Any]:
+    """The function that checks and normalises a value for ``column`` (raises ``_Misfit``)."""
+    name = column.type_name
+    if column.is_array:
+        return _check_array
+    if name in _INT_RANGES:
+        return _check_int(_INT_RANGES[name])
+    if name in ("float4", "float8", "numeric"):
+        return _check_float
+    if name == "bool":
+        return _check_bool
+    if name in ("text", "varchar", "bpchar", "name", "citext"):
+        return _check_text(column.max_length)
+    if name in ("json", "jsonb"):
+        return _passthrough
+    if name == "date":
+        return _check_parsed("date", (date,), date.fromisoformat, exclude=(datetime,))
+    if name in ("timestamp", "timestamptz"):
+        return _check_parsed("timestamp", (datetime, date), datetime.fromisoformat)
+    if name in ("time", "timetz"):
+        return _check_parsed("time", (time,), time.fromisoformat)
+    if name == "uuid":
+        return _check_parsed("uuid", (uuid.UUID,), _uuid)
+    if name == "bytea":
+        return _check_bytes
+    return _check_scalar
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, Decimal):
+        return str(value)
+    if isinstance(value, bytes | bytearray | memoryview):
+        return "\\x" + bytes(value).hex()
+    if isinstance(value, set | frozenset | tuple):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+class RowEncoder:
+    """Checks a dict row against the table's columns and encodes it as a JSON object."""
+
+    def __init__(self, columns: Sequence[ColumnSpec]) -> None:
+        self._checks = [
+            (
+                c.name,
+                column_check(c),
+                c.is_key or (c.not_null and not c.has_default),
+                c.is_key,
+                c.display_type,
+            )
+            for c in columns
+        ]
+        self._names = frozenset(c.name for c in columns)
+
+    def encode(self, row: Any) -> bytes | str:
+        """The JSON bytes of the row, or the reason it does not fit."""
+        if not isinstance(row, dict):
+            return f"row is a {type(row).__name__}, a PostgreSQL table needs a dict"
+        out: dict[str, Any] = {}
+        for name, check, required, is_key, display in self._checks:
+            value = row.get(name)
+            if value is None:
+                if required:
+                    what = "key column" if is_key else "NOT NULL column"
+                    return f"missing {what} {name!r} ({display})"
+                out[name] = None
+                continue
+            try:
+                out[name] = check(value)
+            except _Misfit as exc:
+                return f"column {name!r} ({display}) {exc}"
+        try:
+            data = json_bytes(out, default=_json_default)
+        except (TypeError, orjson.JSONEncodeError) as exc:
+            return f"cannot encode the row as JSON: {exc}"
+        if b"\\u0000" in data:
+            return "a value contains a NUL character, which PostgreSQL text cannot store"
+        return data
+
+
+def _copy_text(value: str) -> str:
+    """``value`` escaped for COPY's text format."""
+    return (
+        value.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
+    )
+
+
+# --------------------------------------------------------------------------- the sink
+
+
+@dataclass(frozen=True, eq=False)
+class PostgresSink(Sink):
+    """Upserts dict rows (``record.value``) into an existing PostgreSQL table, exactly once.
+
+    ``table``: ``"table"`` or ``"schema.table"``; it must exist with a primary key or unique
+    index on exactly ``key_columns``. The sink adds two columns if missing,
+    ``_snapline_checkpoint bigint`` and ``_snapline_task text`` (the fence), and creates
+    ``<table>__snapline_staging`` and ``<table>__snapline_rejected`` next to it.
+    ``columns``: the columns a row sets (default: every column except the fence and generated
+    ones); a column missing from a row is set to NULL.
+    ``connect_kwargs``: passed to ``psycopg.connect`` (e.g. ``options="-c statement_timeout=60s"``).
+    """
+
+    dsn: str
+    table: str
+    key_columns: Sequence[str]
+    columns: Sequence[str] | None = None
+    name: str = ""
+    connect_timeout: float = 10.0
+    connect_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.key_columns, str):
+            object.__setattr__(self, "key_columns", (self.key_columns,))
+        object.__setattr__(self, "key_columns", tuple(self.key_columns))
+        if self.columns is not None:
+            if isinstance(self.columns, str):
+                object.__setattr__(self, "columns", (self.columns,))
+            object.__setattr__(self, "columns", tuple(self.columns))
+        if not self.name:
+            object.__setattr__(self, "name", f"postgres:{self.table}")
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.dsn, str) or not self.dsn:
+            raise ConfigurationError("PostgresSink needs a dsn, e.g. 'postgresql://host/db'")
+        split_table_name(self.table)
+        if not self.key_columns:
+            raise ConfigurationError(
+                f"PostgresSink for {self.table!r} needs key_columns: the table's primary key "
+                "(the upsert and the checkpoint fence are per key)"
+            )
+        for column in (*self.key_columns, *(self.columns or ())):
+            if not isinstance(column, str) or not column:
+                raise ConfigurationError(f"PostgresSink column names must be strings: {column!r}")
+            if column in FENCE_COLUMNS:
+                raise ConfigurationError(
+                    f"PostgresSink column {column!r} is the sink's own fence column; remove it"
+                )
+        if self.columns is not None:
+            missing = [k for k in self.key_columns if k not in self.columns]
+            if missing:
+                raise ConfigurationError(
+                    f"PostgresSink columns {list(self.columns)} lack the key columns {missing}"
+                )
+
+    def open(self, context: SinkContext) -> PostgresSinkWriter:
+        return PostgresSinkWriter(self, context)
+
+
+@dataclass
+class _Pending:
+    checkpoint_id: int
+    rows: int
+    future: Future[int]
+
+
+class PostgresSinkWriter(SinkWriter):
+    """One task's writer: encodes rows per epoch, stages them, applies them on commit."""
+
+    def __init__(self, sink: PostgresSink, context: SinkContext) -> None:
+        self._sink = sink
+        self._context = context
+        #: Stored in the fence column: which task wrote a row.
+        self.task_key = f"{context.job}/{context.task_id}"
+        #: Keys staged rows; two sinks of one job may share a table and must not share staging.
+        self.writer_key = f"{context.job}/{context.sink_name}/{context.task_id}"
+        self.token = uuid.uuid4().hex[:12]
+        self._epochs: dict[int, list[bytes]] = {}
+        self._pending: list[_Pending] = []
+        self._spec: TableSpec | None = None
+        self._encoder: RowEncoder | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._connection: psycopg.Connection[Any] | None = None  # background thread only
+        self.rows_staged = 0
+        self.rows_dead_lettered = 0
+        self.rows_rejected = 0
+
+    # ------------------------------------------------------------------ task thread: rows
+    def write(self, record: Record, epoch: int) -> None:
+        self.write_batch((record,), epoch)
+
+    def write_batch(self, records: Sequence[Record], epoch: int) -> None:
+        if not records:
+            return
+        encode = (self._encoder or self._open()).encode
+        rows = self._epochs.setdefault(epoch, [])
+        for record in records:
+            data = encode(record.value)
+            if isinstance(data, bytes):
+                rows.append(data)
+            else:
+                self.rows_dead_lettered += 1
+                self._context.dead_letter(record, f"{self._sink.name}: {data}", epoch)
+
+    def _open(self) -> RowEncoder:
+        spec = self._call(self._setup)
+        self._spec = spec
+        self._encoder = RowEncoder(spec.columns)
+        return self._encoder
+
+    # ------------------------------------------------------------------ two-phase commit
+    def pre_commit(self, checkpoint_id: int) -> PreCommitResult:
+        """Stage epochs ≤ n in one transaction on the background thread."""
+        rows: list[bytes] = []
+        for epoch in sorted(e for e in self._epochs if e <= checkpoint_id):
+            rows.extend(self._epochs.pop(epoch))
+        prior = tuple(self._pending)
+        if not rows and not prior:
+            return {"format": METADATA_FORMAT, "pending": []}
+        if rows:
+            staged_rows = tuple(rows)
+            future = self._pool().submit(self._stage, checkpoint_id, staged_rows)
+            self.rows_staged += len(staged_rows)
+            prior = (*prior, _Pending(checkpoint_id, len(staged_rows), future))
+            self._pending.append(prior[-1])
+        return _metadata_future(self.token, prior)
+
+    def commit(self, checkpoint_id: int) -> None:
+        """Apply each staged checkpoint ≤ n in its own transaction. Idempotent."""
+        while self._pending and self._pending[0].checkpoint_id <= checkpoint_id:
+            pending = self._pending[0]
+            try:
+                pending.future.result()
+            except Exception as exc:
+                raise SinkError(
+                    f"{self._sink.name}: checkpoint {pending.checkpoint_id} was committed but "
+                    f"its rows were never staged: {exc}"
+                ) from exc
+            self._call(self._apply, self.token, pending.checkpoint_id)
+            self._pending.pop(0)
+
+    def abort(self, checkpoint_id: int) -> None:
+        """Drop epochs ≥ n and delete this writer's staged rows of checkpoints ≥ n."""
+        aborted = [p for p in self._pending if p.checkpoint_id >= checkpoint_id]
+        self._pending = [p for p in self._pending if p.checkpoint_id < checkpoint_id]
+        for epoch in [e for e in self._epochs if e >= checkpoint_id]:
+            del self._epochs[epoch]
+        for pending in aborted:
+            with contextlib.suppress(Exception):
+                pending.future.result()
+        if aborted:
+            try:
+                self._call(self._delete_staged, checkpoint_id)
+            except SinkError as exc:
+                # Staged rows no committed metadata names are never applied; recovery
+                # deletes them. Nothing is lost by leaving them now.
+                log.warning(
+                    "%s: could not delete aborted staged rows (recovery will): %s",
+                    self._sink.name,
+                    exc,
+                )
+
+    def recover(self, committed: int | None, metadata: dict[str, Any] | None) -> None:
+        """Apply the staged checkpoints ``committed`` names; delete every other staged row."""
+        self._drain()
+        self._pending = []
+        self._epochs.clear()
+        entries: list[tuple[int, str]] = []
+        if metadata is not None and committed is not None:
+            for body in metadata.get("pending", ()):
+                if int(body["checkpoint"]) <= committed:
+                    entries.append((int(body["checkpoint"]), str(body["token"])))
+        if self._encoder is None:
+            self._open()
+
+        def run() -> None:
+            for checkpoint_id, token in sorted(entries):
+                self._apply(token, checkpoint_id)
+            self._delete_staged(None)
+
+        self._call(run)
+
+    def close(self) -> None:
+        self._drain()
+        self._epochs.clear()
+        if self._executor is not None:
+            with contextlib.suppress(Exception):
+                self._executor.submit(self._disconnect).result()
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    # ------------------------------------------------------------------ task-thread plumbing
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                1, thread_name_prefix=f"postgres-sink-{self._context.task_id}"
+            )
+        return self._executor
+
+    def _drain(self) -> None:
+        for pending in self._pending:
+            with contextlib.suppress(Exception):
+                pending.future.result()
+
+    def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run ``fn`` on the background thread (after queued stagings) and wait for it."""
+        return self._pool().submit(fn, *args).result()
+
+    # ------------------------------------------------------------------ background thread
+    def _where(self) -> str:
+        try:
+            info = conninfo_to_dict(self._sink.dsn)
+        except psycopg.ProgrammingError:
+            return "PostgreSQL"
+        return f"PostgreSQL at {info.get('host', 'localhost')}:{info.get('port', 5432)}" + (
+            f"/{info['dbname']}" if info.get("dbname") else ""
+        )
+
+    def _fail(self, exc: BaseException, what: str) -> SinkError:
+        if isinstance(exc, psycopg.OperationalError) or (
+            self._connection is not None and self._connection.broken
+        ):
+            self._disconnect()
+        return SinkError(
+            f"{self._sink.name}: could not {what} {self._where()} table {self._sink.table!r}: "
+            f"{str(exc).strip() or type(exc).__name__} (the checkpoint fails and is retried; "
+            "staged rows are kept)"
+        )
+
+    def _conn(self) -> psycopg.Connection[Any]:
+        connection = self._connection
+        if connection is None or connection.closed or connection.broken:
+            kwargs = {
+                "connect_timeout": max(1, int(self._sink.connect_timeout)),
+                "application_name": f"snapline:{self.task_key}"[:63],
+                **dict(self._sink.connect_kwargs),
+            }
+            connection = psycopg.connect(self._sink.dsn, autocommit=True, **kwargs)
+            # Staged rows must be durable when pre_commit reports success.
+            connection.execute("SET synchronous_commit = on")
+            self._connection = connection
+        return connection
+
+    def _disconnect(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                connection.close()
+
+    def _setup(self) -> TableSpec:
+        try:
+            return self._setup_table()
+        except ConfigurationError:
+            raise
+        except psycopg.Error as exc:
+            raise self._fail(exc, "connect to") from exc
+
+    def _setup_table(self) -> TableSpec:
+        sink = self._sink
+        schema, table = split_table_name(sink.table)
+        connection = self._conn()
+        with connection.transaction():
+            qualified = sql.Identifier(schema, table).as_string(connection)
+            oid = connection.execute("SELECT to_regclass(%s)::oid", (qualified,)).fetchone()
+            if oid is None or oid[0] is None:
+                keys = ", ".join(f"{k} ... " for k in sink.key_columns)
+                raise ConfigurationError(
+                    f"{sink.name}: table {qualified} does not exist in {self._where()}; create "
+                    f"it first, e.g. CREATE TABLE {qualified} ({keys}PRIMARY KEY "
+                    f"({', '.join(sink.key_columns)}))"
+                )
+            relid = oid[0]
+            connection.execute(
+                "SELECT pg_advisory_xact_lock(hashtext(%s))", (f"snapline-sink:{qualified}",)
+            )
+            columns = _read_columns(connection, relid)
+            self._check_key_index(connection, relid, qualified)
+            present = {c.name: c for c in columns}
+            fence = []
+            if CHECKPOINT_COLUMN not in present:
+                fence.append(
+                    sql.SQL("ADD COLUMN IF NOT EXISTS {} bigint").format(
+                        sql.Identifier(CHECKPOINT_COLUMN)
+                    )
+                )
+            if TASK_COLUMN not in present:
+                fence.append(
+                    sql.SQL("ADD COLUMN IF NOT EXISTS {} text").format(sql.Identifier(TASK_COLUMN))
+                )
+            if fence:
+                connection.execute(
+                    sql.SQL("ALTER TABLE {} ").format(sql.Identifier(schema, table))
+                    + sql.SQL(", ").join(fence)
+                )
+            else:
+                _check_fence_types(present, qualified)
+            spec = self._spec_from(schema, table, columns, qualified)
+            for statement in staging_ddl(spec):
+                connection.execute(statement)
+            connection.execute(rejected_ddl(spec))
+        return spec
+
+    def _check_key_index(
+        self, connection: psycopg.Connection[Any], relid: int, qualified: str
+    ) -> None:
+        keys = set(self._sink.key_columns)
+        rows = connection.execute(
+            "SELECT array(SELECT a.attname::text FROM unnest(i.indkey) AS k "
+            "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k) "
+            "FROM pg_index i WHERE i.indrelid = %s AND i.indisunique "
+            "AND i.indpred IS NULL AND i.indexprs IS NULL",
+            (relid,),
+        ).fetchall()
+        if not any(set(r[0]) == keys for r in rows):
+            columns = ", ".join(self._sink.key_columns)
+            raise ConfigurationError(
+                f"{self._sink.name}: {qualified} has no primary key or unique index on exactly "
+                f"({columns}); the upsert needs one: ALTER TABLE {qualified} ADD PRIMARY KEY "
+                f"({columns})"
+            )
+
+    def _spec_from(
+        self, schema: str, table: str, columns: list[_Column], qualified: str
+    ) -> TableSpec:
+        sink = self._sink
+        by_name = {c.name: c for c in columns}
+        wanted = (
+            list(sink.columns)
+            if sink.columns is not None
+            else [c.name for c in columns if c.name not in FENCE_COLUMNS and not c.generated]
+        )
+        missing = [c for c in (*sink.key_columns, *wanted) if c not in by_name]
+        if missing:
+            raise ConfigurationError(
+                f"{sink.name}: {qualified} has no columns {missing}; its columns are "
+                f"{[c.name for c in columns]}"
+            )
+        generated = [c for c in wanted if by_name[c].generated]
+        if generated:
+            raise ConfigurationError(
+                f"{sink.name}: columns {generated} of {qualified} are generated and cannot be "
+                "written; leave them out of columns="
+            )
+        specs = tuple(by_name[c].spec(is_key=c in sink.key_columns) for c in wanted)
+        return TableSpec(schema, table, specs, tuple(sink.key_columns))
+
+    def _stage(self, checkpoint_id: int, rows: tuple[bytes, ...]) -> int:
+        """COPY the rows into staging and commit: durable before the Kafka commit."""
+        spec = self._spec
+        assert spec is not None
+        try:
+            connection = self._conn()
+            prefix = f"{_copy_text(self.writer_key)}\t{self.token}\t{checkpoint_id}\t".encode()
+            with connection.transaction(), connection.cursor() as cursor:
+                # A failed earlier attempt of this writer for the same id must not add rows.
+                cursor.execute(
+                    sql.SQL(
+                        "DELETE FROM {} WHERE writer = %s AND checkpoint_id = %s AND token = %s"
+                    ).format(spec.staging),
+                    (self.writer_key, checkpoint_id, self.token),
+                )
+                copy_sql = sql.SQL(
+                    "COPY {} (writer, token, checkpoint_id, seq, row) FROM STDIN"
+                ).format(spec.staging)
+                with cursor.copy(copy_sql) as copy:
+                    chunk: list[bytes] = []
+                    size = 0
+                    for seq, data in enumerate(rows):
+                        line = b"%s%d\t%s\n" % (prefix, seq, data.replace(b"\\", b"\\\\"))
+                        chunk.append(line)
+                        size += len(line)
+                        if size >= _COPY_CHUNK:
+                            copy.write(b"".join(chunk))
+                            chunk, size = [], 0
+                    if chunk:
+                        copy.write(b"".join(chunk))
+            return len(rows)
+        except psycopg.Error as exc:
+            raise self._fail(exc, f"stage checkpoint {checkpoint_id} into") from exc
+
+    def _apply(self, token: str, checkpoint_id: int) -> None:
+        """ONE transaction: upsert the checkpoint's staged rows, fenced, and delete them."""
+        spec = self._spec
+        assert spec is not None
+        params = {
+            "writer": self.writer_key,
+            "token": token,
+            "checkpoint": checkpoint_id,
+            "task": self.task_key,
+        }
+        try:
+            connection = self._conn()
+            with connection.transaction(), connection.cursor() as cursor:
+                try:
+                    with connection.transaction():  # a savepoint
+                        cursor.execute(apply_sql(spec), params)
+                except (psycopg.errors.DataError, psycopg.errors.IntegrityError) as exc:
+                    log.warning(
+                        "%s: checkpoint %d has rows PostgreSQL refuses (%s); applying row by row",
+                        self._sink.name,
+                        checkpoint_id,
+                        exc.sqlstate,
+                    )
+                    self._apply_row_by_row(cursor, spec, params)
+                cursor.execute(
+                    sql.SQL(
+                        "DELETE FROM {} WHERE writer = %(writer)s AND ("
+                        "(token = %(token)s AND checkpoint_id = %(checkpoint)s) OR "
+                        "(token <> %(mine)s AND checkpoint_id <= %(checkpoint)s))"
+                    ).format(spec.staging),
+                    {**params, "mine": self.token},
+                )
+        except psycopg.Error as exc:
+            raise self._fail(exc, f"commit checkpoint {checkpoint_id} into") from exc
+
+    def _apply_row_by_row(
+        self, cursor: psycopg.Cursor[Any], spec: TableSpec, params: dict[str, Any]
+    ) -> None:
+        seqs = cursor.execute(
+            sql.SQL(
+                "SELECT seq FROM {} WHERE writer = %(writer)s AND token = %(token)s "
+                "AND checkpoint_id = %(checkpoint)s ORDER BY seq"
+            ).format(spec.staging),
+            params,
+        ).fetchall()
+        single = apply_sql(spec, single_row=True)
+        connection = cursor.connection
+        for (seq,) in seqs:
+            try:
+                with connection.transaction():
+                    cursor.execute(single, {**params, "seq": seq})
+            except (psycopg.errors.DataError, psycopg.errors.IntegrityError) as exc:
+                self.rows_rejected += 1
+                cursor.execute(
+                    sql.SQL(
+                        "INSERT INTO {} (writer, checkpoint_id, seq, row, sqlstate, error) "
+                        "SELECT writer, checkpoint_id, seq, row, %(state)s, %(error)s "
+                        "FROM {} WHERE writer = %(writer)s AND token = %(token)s "
+                        "AND checkpoint_id = %(checkpoint)s AND seq = %(seq)s"
+                    ).format(spec.rejected, spec.staging),
+                    {**params, "seq": seq, "state": exc.sqlstate, "error": str(exc)[:2000]},
+                )
+                log.warning(
+                    "%s: row %d of checkpoint %d rejected by PostgreSQL (%s); kept in %s",
+                    self._sink.name,
+                    seq,
+                    params["checkpoint"],
+                    exc.sqlstate,
+                    spec.rejected.as_string(connection),
+                )
+
+    def _delete_staged(self, from_checkpoint: int | None) -> None:
+        """Delete this writer's staged rows of checkpoints ≥ n (None: every staged row of the
+        task, whatever writer instance staged it)."""
+        spec = self._spec
+        assert spec is not None
+        try:
+            connection = self._conn()
+            with connection.transaction():
+                if from_checkpoint is None:
+                    connection.execute(
+                        sql.SQL("DELETE FROM {} WHERE writer = %s").format(spec.staging),
+                        (self.writer_key,),
+                    )
+                else:
+                    connection.execute(
+                        sql.SQL(
+                            "DELETE FROM {} WHERE writer = %s AND token = %s "
+                            "AND checkpoint_id >= %s"
+                        ).format(spec.staging),
+                        (self.writer_key, self.token, from_checkpoint),
+                    )
+        except psycopg.Error as exc:
+            raise self._fail(exc, "delete staged rows in") from exc
+
+
+# --------------------------------------------------------------------------- catalog
+
+
+@dataclass(frozen=True)
+class _Column:
+    name: str
+    type_name: str
+    display_type: str
+    not_null: bool
+    has_default: bool
+    typmod: int
+    is_array: bool
+    generated: bool
+
+    def spec(self, is_key: bool) -> ColumnSpec:
+        max_length = None
+        if self.type_name in ("varchar", "bpchar") and self.typmod > 4:
+            max_length = self.typmod - 4
+        return ColumnSpec(
+            self.name,
+            self.type_name,
+            self.display_type,
+            self.not_null,
+            self.has_default,
+            max_length,
+            self.is_array,
+            is_key,
+        )
+
+
+def _read_columns(connection: psycopg.Connection[Any], relid: int) -> list[_Column]:
+    rows = connection.execute(
+        "SELECT a.attname::text, "
+        "CASE WHEN t.typtype = 'd' THEN bt.typname ELSE t.typname END::text, "
+        "format_type(a.atttypid, a.atttypmod), a.attnotnull, a.atthasdef, "
+        "CASE WHEN t.typtype = 'd' THEN t.typtypmod ELSE a.atttypmod END, "
+        "(CASE WHEN t.typtype = 'd' THEN bt.typcategory ELSE t.typcategory END) = 'A', "
+        "a.attgenerated <> '' OR a.attidentity = 'a' "
+        "FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid "
+        "LEFT JOIN pg_type bt ON bt.oid = t.typbasetype "
+        "WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
+        (relid,),
+    ).fetchall()
+    return [_Column(*row) for row in rows]
+
+
+def _check_fence_types(present: dict[str, _Column], qualified: str) -> None:
+    expected = {CHECKPOINT_COLUMN: "int8", TASK_COLUMN: "text"}
+    for name, type_name in expected.items():
+        if present[name].type_name != type_name:
+            raise ConfigurationError(
+                f"{qualified}.{name} is {present[name].display_type}; the sink's fence column "
+                f"must be {'bigint' if type_name == 'int8' else 'text'}: ALTER TABLE "
+                f"{qualified} ALTER COLUMN {name} TYPE "
+                f"{'bigint' if type_name == 'int8' else 'text'}"
+            )
+
+
+def _metadata_future(token: str, pending: Sequence[_Pending]) -> Future[dict[str, Any]]:
+    """The checkpoint metadata once every staged-but-unapplied checkpoint is durable. One FIFO
+    background thread stages them, so the last future completes last."""
+    result: Future[dict[str, Any]] = Future()
+
+    def done(_: Future[int]) -> None:
+        try:
+            for p in pending:
+                p.future.result()
+        except Exception as exc:
+            result.set_exception(exc)
+            return
+        result.set_result(
+            {
+                "format": METADATA_FORMAT,
+                "pending": [
+                    {"checkpoint": p.checkpoint_id, "token": token, "rows": p.rows} for p in pending
+                ],
+            }
+        )
+
+    pending[-1].future.add_done_callback(done)
+    return result
