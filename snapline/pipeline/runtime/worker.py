@@ -40,6 +40,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from snapline.connectors.config import redact
 from snapline.pipeline.checkpoint.identity import JobIdentity, check_storage_identity
 from snapline.pipeline.checkpoint.metadata import (
+    METADATA_FILE,
     CheckpointRef,
     TaskCheckpoint,
     is_marked_committed,
@@ -143,6 +144,8 @@ class Worker:
         #: A failed checkpoint left the tasks dropped; they are rebuilt on the next step,
         #: after the consumer has had a chance to report a lost assignment.
         self._restore_pending = False
+        #: An exception raised in a rebalance callback, re-raised after the poll (_consume).
+        self._callback_error: Exception | None = None
         self._metrics_path = os.environ.get("SNAPLINE_METRICS_FILE")
         self.checkpoints_committed = 0
         self._check_topics()
@@ -361,13 +364,29 @@ class Worker:
     def _restore_task(
         self, task_id: str, committed: list[TopicPartition]
     ) -> tuple[dict[tuple[str, int], int], CheckpointRef | None]:
-        refs = {CheckpointRef.parse_offset_metadata(c.metadata) for c in committed if c.offset >= 0}
-        if len(refs) > 1:
-            raise CheckpointError(
-                f"partitions of task {task_id} name different checkpoints {sorted(map(str, refs))};"
-                " were source topics added to a running pipeline? Start it under a new name"
+        ref = self._named_checkpoint(task_id, committed)
+        for _ in range(3):
+            if ref is None or self.storage.exists(
+                f"{ref.directory(self.pipeline.name, task_id)}/{METADATA_FILE}"
+            ):
+                break
+            # Retention deletes a checkpoint only after a newer one committed, so offsets that
+            # name a deleted checkpoint were stale when read (this worker may be a zombie
+            # that read them before freezing). Read them again rather than fail.
+            committed = self._committed_offsets(
+                [TopicPartition(c.topic, c.partition) for c in committed]
             )
-        ref = refs.pop() if refs else None
+            fresh = self._named_checkpoint(task_id, committed)
+            if fresh == ref or fresh is None:
+                break  # really missing: restore_committed below says so
+            log.warning(
+                "task %s: the committed offsets read named checkpoint %d, which is deleted: "
+                "they were stale; now they name %d",
+                task_id,
+                ref.checkpoint_id,
+                fresh.checkpoint_id,
+            )
+            ref = fresh
         stored = list_checkpoints(self.storage, self.pipeline.name, task_id)
         if ref is None and stored:
             ref = self._missing_offsets(task_id, stored)
@@ -433,6 +452,17 @@ class Worker:
             positions,
         )
         return positions, ref
+
+    @staticmethod
+    def _named_checkpoint(task_id: str, committed: list[TopicPartition]) -> CheckpointRef | None:
+        """The checkpoint the task's committed offsets name (None: no commit yet)."""
+        refs = {CheckpointRef.parse_offset_metadata(c.metadata) for c in committed if c.offset >= 0}
+        if len(refs) > 1:
+            raise CheckpointError(
+                f"partitions of task {task_id} name different checkpoints {sorted(map(str, refs))};"
+                " were source topics added to a running pipeline? Start it under a new name"
+            )
+        return refs.pop() if refs else None
 
     def _channel_positions(
         self, positions: dict[tuple[str, int], int]
@@ -619,7 +649,7 @@ class Worker:
         restores whatever it owns now), instead of re-running recovery on partitions that
         belong to another worker. Messages fetched meanwhile are dropped: every partition is
         sought to its restored position below."""
-        self.consumer.consume(BATCH_SIZE, 0.2)
+        self._consume(0.2)
         if not self._restore_pending:
             return  # a rebalance callback rebuilt the tasks
         self._restore_pending = False
@@ -637,7 +667,10 @@ class Worker:
         self.output.init()
         topics = self.pipeline.source_topics()
         self.consumer.subscribe(
-            topics, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
+            topics,
+            on_assign=self._guarded(self._on_assign),
+            on_revoke=self._guarded(self._on_revoke),
+            on_lost=self._guarded(self._on_lost),
         )
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
         try:
@@ -661,7 +694,7 @@ class Worker:
         pending = self.coordinator.pending
         held = len(self.output._buffer)
         if held < MAX_HELD_RECORDS:
-            messages = self.consumer.consume(BATCH_SIZE, 0.005 if pending else 0.05)
+            messages = self._consume(0.005 if pending else 0.05)
             if messages:
                 self._route(messages)
         else:
@@ -681,6 +714,28 @@ class Worker:
             except CheckpointError as exc:
                 self._event({"event": "checkpoint_failed", "error": str(exc)[:500]})
                 self._fail_checkpoint(exc)
+
+    def _guarded(self, callback: Any) -> Any:
+        """A rebalance callback whose exception is re-raised by ``_consume`` after the poll
+        returns: librdkafka may run further callbacks in the same poll, and an exception
+        left pending across them surfaces as an unrelated SystemError."""
+
+        def run(consumer: Consumer, partitions: list[TopicPartition]) -> None:
+            if self._callback_error is not None:
+                return  # an earlier callback of this poll failed; the worker is stopping
+            try:
+                callback(consumer, partitions)
+            except Exception as exc:
+                self._callback_error = exc
+
+        return run
+
+    def _consume(self, timeout: float) -> list[Any]:
+        messages = self.consumer.consume(BATCH_SIZE, timeout)
+        error, self._callback_error = self._callback_error, None
+        if error is not None:
+            raise error
+        return messages
 
     def _route(self, messages: list[Any]) -> None:
         groups: dict[tuple[str, int], list[Any]] = {}
