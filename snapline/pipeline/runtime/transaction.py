@@ -71,6 +71,17 @@ class TransactionalOutput:
         """Open the transaction of ``epoch`` and send the records held for it."""
         if self.exactly_once:
             self.producer.begin_transaction()
+        self._open(epoch)
+
+    def continue_epoch(self, epoch: int) -> None:
+        """The checkpoint of the open epoch failed before the commit point, but its
+        transaction is intact: it takes ``epoch`` too (the records held for it are sent now),
+        and the next checkpoint commits both."""
+        if self.exactly_once and self.open_epoch is None:
+            raise CheckpointError("no open transaction to continue")
+        self._open(epoch)
+
+    def _open(self, epoch: int) -> None:
         self.open_epoch = epoch
         held, self._buffer = self._buffer, []
         for item in held:
