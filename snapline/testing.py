@@ -32,16 +32,16 @@ from typing import Any, cast
 
 from snapline.connectors.kafka_source import KafkaSource
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.formats import encode_key, encoder
 from snapline.pipeline.graph import Node, Pipeline
 from snapline.pipeline.record import Record
 from snapline.pipeline.runtime.faults import FaultInjector
 from snapline.pipeline.runtime.operators import KeyByOperator
 from snapline.pipeline.runtime.task import Task, TaskSnapshot
 from snapline.pipeline.runtime.transaction import TransactionalOutput
+from snapline.pipeline.sink import PreCommitResult, Sink, SinkContext, SinkWriter
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.backend import StateHandle
-from snapline.sinks.base import PreCommitResult, Sink, SinkContext, SinkWriter
-from snapline.sinks.kafka import encode_key, encoder
 
 __all__ = ["Message", "TestRun", "run_pipeline"]
 

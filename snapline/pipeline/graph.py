@@ -20,7 +20,7 @@ from snapline.pipeline.state.descriptors import StateDescriptor, declared_states
 
 if TYPE_CHECKING:
     from snapline.connectors.kafka_source import KafkaSource
-    from snapline.sinks.base import Sink
+    from snapline.pipeline.sink import Sink
 
 GUARANTEES = ("exactly_once", "at_least_once")
 ON_ERROR = ("dead_letter", "fail")
@@ -109,7 +109,7 @@ class Stream:
 
     def sink(self, sink: Sink) -> Stream:
         """Write the stream to ``sink``; returns this stream so more sinks can follow."""
-        from snapline.sinks.base import Sink
+        from snapline.pipeline.sink import Sink
 
         if not isinstance(sink, Sink):
             raise ConfigurationError(
