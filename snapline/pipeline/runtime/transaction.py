@@ -53,6 +53,11 @@ class TransactionalOutput:
         self._buffer: list[tuple[int, str, bytes | None, bytes | None, Any]] = []
         self.produced = 0
 
+    @property
+    def held(self) -> int:
+        """Records held for epochs whose transaction has not begun yet."""
+        return len(self._buffer)
+
     def _on_error(self, err: KafkaError) -> None:
         if err.fatal():
             self._delivery_errors.append(str(err))

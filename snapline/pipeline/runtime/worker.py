@@ -716,7 +716,7 @@ class Worker:
             self._restore_after_failure()
             return
         pending = self.coordinator.pending
-        held = len(self.output._buffer)
+        held = self.output.held
         if held < MAX_HELD_RECORDS:
             messages = self._consume(0.005 if pending else 0.05)
             if messages:
