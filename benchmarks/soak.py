@@ -5,7 +5,8 @@ run the keyed running total (``benchmarks.snapline_pipelines:running_total``, ex
 checkpoint every second) while one producer thread writes a steady ``--rate`` records/s to
 each backend's input topic. Every ``--sample-seconds`` the harness reads, per worker process,
 RSS, threads and open file descriptors from ``/proc/<pid>`` and the size of its local state
-directory, and per job the size of its checkpoint storage. The verdict per series is
+directory, and per job the size of its checkpoint storage and its consumer lag (records
+produced minus the offsets the job committed). The verdict per series is
 ``soak_analysis.verdict`` (last third's max within 10 % of the middle third's max).
 
 Writes JSON (and a PNG plot when matplotlib is installed) to ``benchmarks/results/`` (runs
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-from confluent_kafka import Producer
+from confluent_kafka import Consumer, Producer, TopicPartition
 from rich.console import Console
 from rich.table import Table
 
@@ -161,6 +162,27 @@ class SteadyProducer:
         self._producer.flush(30)
 
 
+class LagReader:
+    """Committed offsets of a job's consumer group on its input topic, read without joining
+    the group: lag = records produced - records whose offsets the job committed."""
+
+    def __init__(self, bootstrap: str, env: ChildEnv, partitions: int) -> None:
+        self._consumer = Consumer(
+            {"bootstrap.servers": bootstrap, "group.id": env.group, "enable.auto.commit": False}
+        )
+        self._partitions = [TopicPartition(env.in_topic, p) for p in range(partitions)]
+
+    def committed(self) -> int | None:
+        try:
+            offsets = self._consumer.committed(self._partitions, timeout=5)
+        except Exception:  # a sample is skipped, the run goes on
+            return None
+        return sum(max(0, tp.offset) for tp in offsets)
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
 def _start_worker(
     config: SoakConfig, bootstrap: str, backend: str, index: int, env: ChildEnv, base: Path
 ) -> Worker:
@@ -213,6 +235,7 @@ def run_soak(config: SoakConfig, bootstrap: str, console: Console, command: str)
     producer = SteadyProducer(
         bootstrap, [e.in_topic for e in envs.values()], config.rate, config.keys
     )
+    lag_readers = {b: LagReader(bootstrap, e, config.partitions) for b, e in envs.items()}
     workers: list[Worker] = []
     series: dict[tuple[str, str, str], Series] = {}
     problems: list[str] = []
@@ -250,11 +273,20 @@ def run_soak(config: SoakConfig, bootstrap: str, console: Console, command: str)
                     s = series.setdefault(key, Series(w.backend, w.worker_id, metric, unit))
                     s.points.append((t, float(stats[metric])))
                 w.count_checkpoints()
+            produced = producer.produced
             for backend, env in envs.items():
+                committed = lag_readers[backend].committed()
+                job_values = {
+                    "checkpoint_storage": dir_mib(Path(env.state_dir)),
+                    "lag": None if committed is None else float(produced - committed),
+                }
                 for metric, unit, _label in JOB_METRICS:
+                    value = job_values[metric]
+                    if value is None:
+                        continue
                     key = (backend, "job", metric)
                     s = series.setdefault(key, Series(backend, "job", metric, unit))
-                    s.points.append((t, dir_mib(Path(env.state_dir))))
+                    s.points.append((t, value))
                 total = sum(w.checkpoints for w in workers if w.backend == backend)
                 since, seen = last_progress[backend]
                 if total > seen:
@@ -272,6 +304,8 @@ def run_soak(config: SoakConfig, bootstrap: str, console: Console, command: str)
         exits = {f"{w.backend}/{w.worker_id}": w.child.stop(grace=40) for w in workers}
         for w in workers:
             w.count_checkpoints()
+        for reader in lag_readers.values():
+            reader.close()
         topics.delete(list(topics.created))
         shutil.rmtree(base, ignore_errors=True)
     all_series = list(series.values())

@@ -31,10 +31,12 @@ WORKER_METRICS: tuple[tuple[str, str, str], ...] = (
 #: The per-job series (both workers share one checkpoint storage).
 JOB_METRICS: tuple[tuple[str, str, str], ...] = (
     ("checkpoint_storage", "MiB", "checkpoint storage"),
+    ("lag", "records", "consumer lag"),
 )
 
-#: Absolute slack per unit on top of the relative tolerance.
-SLACK: dict[str, float] = {"MiB": 1.0, "count": 2.0}
+#: Absolute slack per unit on top of the relative tolerance (a lag of a few seconds of input
+#: comes and goes with each checkpoint's commit).
+SLACK: dict[str, float] = {"MiB": 1.0, "count": 2.0, "records": 5000.0}
 
 
 @dataclass
@@ -116,7 +118,7 @@ def summary_rows(series: list[Series]) -> list[tuple[str, ...]]:
 def _fmt(value: float | None, unit: str) -> str:
     if value is None:
         return "–"
-    return f"{value:,.1f} {unit}" if unit == "MiB" else f"{value:,.0f}"
+    return f"{value:,.1f} MiB" if unit == "MiB" else f"{value:,.0f}"
 
 
 def plot(series: list[Series], duration: float, path: Path, title: str) -> Path | None:
@@ -141,7 +143,7 @@ def plot(series: list[Series], duration: float, path: Path, title: str) -> Path 
             ax.plot(xs, ys, label=f"{s.backend} {s.worker}{mark}", linewidth=1.2)
         for third in (duration / 3, 2 * duration / 3):
             ax.axvline(third / 60, color="grey", linestyle="--", linewidth=0.8)
-        ax.set_ylabel(f"{label}\n[{unit}]" if unit != "count" else label)
+        ax.set_ylabel(f"{label}\n[{unit}]" if unit == "MiB" else label)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

@@ -51,7 +51,7 @@ def test_soak_smoke(kafka_bootstrap: str, tmp_path: Path) -> None:
     series = {(s["backend"], s["worker"], s["metric"]): s for s in payload["series"]}
     expected = {
         (b, w, m) for b, w in workers for m in ("rss", "threads", "open_files", "local_state")
-    } | {(b, "job", "checkpoint_storage") for b in ("memory", "rocksdb")}
+    } | {(b, "job", m) for b in ("memory", "rocksdb") for m in ("checkpoint_storage", "lag")}
     assert set(series) == expected
     for key, s in series.items():
         # one sample every 5 s for a minute; a slow start may cost one or two
