@@ -17,7 +17,7 @@ from typing import NoReturn
 import click
 
 from snapline.pipeline.errors import ConfigurationError, SnaplineError
-from snapline.pipeline.supervisor import EX_CONFIG, MESSAGE_FILE_ENV
+from snapline.pipeline.supervisor import EX_CONFIG, EX_TEMPFAIL, MESSAGE_FILE_ENV
 
 log = logging.getLogger("snapline.pipeline.cli")  # also when run as __main__
 
@@ -143,10 +143,17 @@ def run(
             settings = WorkerSettings(
                 bootstrap_servers, base_id, checkpoint_dir, local_dir or "", on_missing
             )
+            from snapline.pipeline.runtime.topics import KafkaUnavailableError
+
             try:
                 run_worker(pipeline, settings)
             except ConfigurationError as exc:
                 _configuration_error(exc)
+            except KafkaUnavailableError as exc:
+                # The broker may be down for a while: "restart me", not a configuration error.
+                error = click.ClickException(str(exc))
+                error.exit_code = EX_TEMPFAIL
+                raise error from exc
             except SnaplineError as exc:
                 raise click.ClickException(str(exc)) from exc
             return

@@ -7,7 +7,14 @@ import pytest
 
 from snapline import KafkaSink, KafkaSource, Pipeline
 from snapline.pipeline.errors import ConfigurationError
-from snapline.pipeline.runtime.topics import Role, TopicSpec, pipeline_topics, plan
+from snapline.pipeline.runtime.topics import (
+    KafkaUnavailableError,
+    Role,
+    TopicManager,
+    TopicSpec,
+    pipeline_topics,
+    plan,
+)
 
 WHERE = "kafka:9092"
 
@@ -100,3 +107,12 @@ def test_bad_names_and_partition_counts_fail_before_anything_is_created() -> Non
         plan([TopicSpec("in", Role.SOURCE), TopicSpec("bad name", Role.OUTPUT)], {"in": 1}, WHERE)
     with pytest.raises(ConfigurationError, match="create_partitions=0"):
         plan([TopicSpec("in", Role.SOURCE), TopicSpec("o", Role.OUTPUT, 0)], {"in": 1}, WHERE)
+
+
+def test_unreachable_cluster_is_not_a_configuration_error() -> None:
+    # Nothing listens on port 1: the broker may be down for a while, so the worker exits
+    # with "restart me" (75) rather than "fix your configuration" (78).
+    manager = TopicManager({"bootstrap.servers": "127.0.0.1:1", "log_level": 0}, "here", 1.0)
+    with pytest.raises(KafkaUnavailableError, match="cannot reach Kafka at here") as err:
+        manager.ensure([TopicSpec("in", Role.SOURCE)])
+    assert not isinstance(err.value, ConfigurationError)
