@@ -64,7 +64,7 @@ class SoakConfig:
     backends: tuple[str, ...] = ("memory", "rocksdb")
     workers: int = 2
     rate: float = 1000.0
-    keys: int = 20_000
+    keys: int = 100_000
     partitions: int = 4
     sample_seconds: float = 10.0
     checkpoint_interval: float = 1.0
@@ -390,7 +390,9 @@ def default_output(minutes: float) -> Path:
 @click.option("--backends", default="memory,rocksdb", show_default=True)
 @click.option("--workers", type=int, default=2, show_default=True, help="workers per backend")
 @click.option("--rate", type=float, default=1000.0, show_default=True, help="records/s per job")
-@click.option("--keys", type=int, default=20_000, show_default=True)
+@click.option(
+    "--keys", type=int, default=100_000, show_default=True, help="all seen within keys/rate s"
+)
 @click.option("--partitions", type=int, default=4, show_default=True)
 @click.option("--sample-seconds", type=float, default=10.0, show_default=True)
 @click.option("--tolerance", type=float, default=DEFAULT_TOLERANCE, show_default=True)
