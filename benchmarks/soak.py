@@ -49,6 +49,7 @@ from benchmarks.soak_analysis import (
     WORKER_METRICS,
     Series,
     judge,
+    markdown_summary,
     plot,
     summary_rows,
 )
@@ -443,6 +444,10 @@ def main(
     payload["plot"] = png.name if png else None
     report.write_results(path, payload)
     print_summary(payload, console)
+    if output is None and path.parent == report.RESULTS_DIR and payload["status"] == "ok":
+        section = markdown_summary(payload, path.name, png.name if png else None)
+        report.update_readme(section, marker="soak-summary")
+        console.print("soak: updated the Soak section of benchmarks/README.md")
     console.print(f"soak: wrote {path}" + (f" and {png}" if png else " (no matplotlib: no plot)"))
     if payload["status"] != "ok":
         sys.exit(1)

@@ -155,3 +155,48 @@ def plot(series: list[Series], duration: float, path: Path, title: str) -> Path 
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def markdown_summary(payload: dict[str, Any], json_name: str, png_name: str | None) -> str:
+    """The README section of a run: one row per worker (and per job), one column per metric;
+    a cell is "middle-third max → last-third max", marked when the series is growing."""
+    config = payload["config"]
+    machine = payload["machine"]
+    metrics = [*WORKER_METRICS, *JOB_METRICS]
+    rows: dict[tuple[str, str], dict[str, str]] = {}
+    for s in payload["series"]:
+        v = s["verdict"]
+        if "last_max" in v:
+            cell = f"{_fmt(v['middle_max'], s['unit'])} → {_fmt(v['last_max'], s['unit'])}"
+            if v["verdict"] != "bounded":
+                cell += f" **{v['verdict']}**"
+        else:
+            cell = str(v.get("verdict", "–"))
+        rows.setdefault((s["backend"], s["worker"]), {})[s["metric"]] = cell
+    lines = [
+        f"Measured {payload['measured_at']} on {machine['cpu']}, {machine['cores']} cores, "
+        f"{machine['ram_gb']:.0f} GB RAM, Python {machine['python']}: "
+        f"{payload['duration_s'] / 60:.1f} min, {config['rate']:,.0f} records/s per job, "
+        f"{config['keys']:,} keys, {config['partitions']} partitions, "
+        f"{config['workers']} workers per backend, status {payload['status']}:",
+        "",
+        f"`{payload['command']}`",
+        "",
+        "| backend | worker | " + " | ".join(label for _, _, label in metrics) + " |",
+        "| --- | --- | " + " | ".join("---:" for _ in metrics) + " |",
+    ]
+    for (backend, worker), cells in sorted(
+        rows.items(), key=lambda kv: (kv[0][0], kv[0][1] == "job", kv[0][1])
+    ):
+        lines.append(
+            f"| {backend} | {worker} | "
+            + " | ".join(cells.get(metric, "") for metric, _, _ in metrics)
+            + " |"
+        )
+    lines += ["", "Cells: max of the middle third → max of the last third."]
+    links = f"Raw results: [`results/{json_name}`](results/{json_name})"
+    if png_name:
+        links += f"; plot: [`results/{png_name}`](results/{png_name})\n\n"
+        links += f"![soak curves](results/{png_name})"
+    lines += ["", links]
+    return "\n".join(lines)

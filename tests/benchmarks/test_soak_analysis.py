@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.soak_analysis import Series, judge, plot, summary_rows, verdict
+from benchmarks.soak_analysis import Series, judge, markdown_summary, plot, summary_rows, verdict
 
 
 def ramp(values: list[float], duration: float = 90.0) -> list[tuple[float, float]]:
@@ -63,3 +63,25 @@ def test_judge_table_and_plot(tmp_path: Path) -> None:
     assert series[1].to_json()["points"][-1] == [80.0, 9.0]
     png = plot(series, 90.0, tmp_path / "soak.png", "test")
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_markdown_summary_marks_growing_series() -> None:
+    series = [
+        Series("memory", "w0", "rss", "MiB", ramp([10, 80, 90, 90, 90, 90, 90, 90, 90])),
+        Series("memory", "job", "checkpoint_storage", "MiB", ramp([1, 2, 3, 4, 5, 6, 7, 8, 9])),
+    ]
+    judge(series, 90.0, 0.10)
+    payload = {
+        "config": {"rate": 1000.0, "keys": 100_000, "partitions": 4, "workers": 2},
+        "machine": {"cpu": "CPU", "cores": 2, "ram_gb": 24.0, "python": "3.11"},
+        "measured_at": "2026-11-22T15:40:00+00:00",
+        "duration_s": 1800.0,
+        "status": "ok",
+        "command": "python -m benchmarks.soak --minutes 30",
+        "series": [s.to_json() for s in series],
+    }
+    text = markdown_summary(payload, "soak.json", "soak.png")
+    rows = [line for line in text.splitlines() if line.startswith("| memory")]
+    assert rows[0].startswith("| memory | w0 | 90.0 MiB → 90.0 MiB |")  # workers first
+    assert "6.0 MiB → 9.0 MiB **growing**" in rows[1]
+    assert "![soak curves](results/soak.png)" in text
