@@ -116,3 +116,15 @@ def test_unreachable_cluster_is_not_a_configuration_error() -> None:
     with pytest.raises(KafkaUnavailableError, match="cannot reach Kafka at here") as err:
         manager.ensure([TopicSpec("in", Role.SOURCE)])
     assert not isinstance(err.value, ConfigurationError)
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [({"foo.bar": "1"}, '"foo.bar"'), ({"security.protocol": "bogus"}, '"bogus"')],
+)
+def test_invalid_kafka_setting_is_a_configuration_error(
+    setting: dict[str, str], named: str
+) -> None:
+    with pytest.raises(ConfigurationError, match="invalid Kafka settings") as err:
+        TopicManager({"bootstrap.servers": "127.0.0.1:1", **setting}, "here")
+    assert named in str(err.value) and "kafka_config" in str(err.value)

@@ -176,7 +176,17 @@ class TopicManager:
     """Checks and creates the job's topics on the cluster (see the module's rule)."""
 
     def __init__(self, kafka_config: Mapping[str, Any], where: str, timeout: float = 30.0) -> None:
-        self._admin = AdminClient(dict(kafka_config))
+        try:
+            self._admin = AdminClient(dict(kafka_config))
+        except KafkaException as exc:
+            # The first Kafka client a worker creates: an unknown setting or a bad value
+            # surfaces here, and no restart can fix it.
+            error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else exc
+            reason = error.str() if isinstance(error, KafkaError) else str(error)
+            raise ConfigurationError(
+                f"invalid Kafka settings: {reason}; fix or remove it in the pipeline's "
+                "kafka_config (settings: librdkafka's CONFIGURATION.md)"
+            ) from exc
         self._where = where
         self._timeout = timeout
 
