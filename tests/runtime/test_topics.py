@@ -97,9 +97,12 @@ def test_sources_must_be_co_partitioned() -> None:
 
 
 def test_a_topic_read_and_written_keeps_its_source_role() -> None:
-    specs = [TopicSpec("loop", Role.SOURCE), TopicSpec("loop", Role.OUTPUT)]
-    with pytest.raises(ConfigurationError, match="source topics"):
-        plan(specs, {}, WHERE)
+    for specs in (
+        [TopicSpec("loop", Role.SOURCE), TopicSpec("loop", Role.OUTPUT)],
+        [TopicSpec("loop", Role.OUTPUT), TopicSpec("loop", Role.SOURCE)],
+    ):
+        with pytest.raises(ConfigurationError, match="source topics"):
+            plan(specs, {}, WHERE)
 
 
 def test_bad_names_and_partition_counts_fail_before_anything_is_created() -> None:

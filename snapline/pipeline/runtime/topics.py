@@ -123,9 +123,9 @@ def plan(specs: Iterable[TopicSpec], existing: Mapping[str, int], where: str) ->
     partitions) of the cluster at ``where``. Raises ConfigurationError, before anything is
     created, when a source topic is missing or the sources are not co-partitioned."""
     by_name: dict[str, TopicSpec] = {}
-    for spec in specs:
-        # A topic that is both read and written (or declared twice) keeps its first role:
-        # sources come first, so a missing source is never created as an output.
+    # A topic that is both read and written (or declared twice) keeps one role, the source
+    # role first: a missing source is never created as if it were an output.
+    for spec in sorted(specs, key=lambda s: s.role is not Role.SOURCE):
         by_name.setdefault(spec.name, spec)
     for spec in by_name.values():
         if spec.partitions is not None and (
