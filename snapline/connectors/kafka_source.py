@@ -16,7 +16,12 @@ class KafkaSource:
 
     Records are read ``read_committed``. Without a committed checkpoint a partition starts at
     ``starting_position``; with one it starts at the checkpoint's barrier position.
-    ``create_partitions`` creates missing topics (handy with the embedded broker).
+
+    Snapline does not create the topics it reads: a missing topic stops the worker at start
+    with an error naming it, unless ``create_partitions=N`` is given, which creates missing
+    topics with N partitions (handy with the embedded broker). Existing topics are used as
+    they are. A KafkaSink's missing topic, by contrast, is created (see its docstring and
+    ``snapline.pipeline.runtime.topics``).
     """
 
     topics: tuple[str, ...] | str

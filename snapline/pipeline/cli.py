@@ -1,14 +1,25 @@
-"""The ``snapline`` command: run pipelines, manage the embedded broker, inspect checkpoints."""
+"""The ``snapline`` command: run pipelines, manage the embedded broker, inspect checkpoints.
+
+Exit codes of ``snapline run``: 0 after a stop; 78 (EX_CONFIG) on a configuration error (a
+missing topic, a bad setting: restarting cannot help; the message says what to fix); 75
+(EX_TEMPFAIL) when a worker asks to be restarted; 1 on other errors. The supervisor
+(``--workers``) acts on them: see ``snapline.pipeline.supervisor``.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+from pathlib import Path
+from typing import NoReturn
 
 import click
 
-from snapline.pipeline.errors import SnaplineError
+from snapline.pipeline.errors import ConfigurationError, SnaplineError
+from snapline.pipeline.supervisor import EX_CONFIG, EX_TEMPFAIL, MESSAGE_FILE_ENV
+
+log = logging.getLogger("snapline.pipeline.cli")  # also when run as __main__
 
 
 def _setup_logging(level: str) -> None:
@@ -16,6 +27,19 @@ def _setup_logging(level: str) -> None:
         level=getattr(logging, level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s",
     )
+
+
+def _configuration_error(exc: ConfigurationError) -> NoReturn:
+    """Exit EX_CONFIG with the message: printed here, or, in a supervised worker, handed to
+    the supervisor, which stops the job and prints it once for all its workers."""
+    message_file = os.environ.get(MESSAGE_FILE_ENV)
+    if message_file:
+        Path(message_file).write_text(str(exc))
+        log.error("configuration error: exiting with %d (the supervisor prints why)", EX_CONFIG)
+        sys.exit(EX_CONFIG)
+    error = click.ClickException(str(exc))
+    error.exit_code = EX_CONFIG
+    raise error
 
 
 @click.group()
@@ -81,7 +105,11 @@ def run(
     reset_state: bool,
     log_level: str,
 ) -> None:
-    """Run the pipeline SPEC (module:attribute) as one or more workers."""
+    """Run the pipeline SPEC (module:attribute) as one or more workers.
+
+    Exit codes: 0 stopped; 78 configuration error (fix what the message names; a supervisor
+    stops all workers); 75 restart me (a supervisor restarts the worker with backoff);
+    1 other errors (restarted with backoff, given up after 5 failures in a row)."""
     _setup_logging(log_level)
     sys.path.insert(0, os.getcwd())
     from snapline.pipeline.graph import load_pipeline
@@ -90,6 +118,8 @@ def run(
     try:
         pipeline = load_pipeline(spec)
         pipeline.validate()
+    except ConfigurationError as exc:
+        _configuration_error(exc)
     except SnaplineError as exc:
         raise click.ClickException(str(exc)) from exc
     if workers < 1:
@@ -113,8 +143,17 @@ def run(
             settings = WorkerSettings(
                 bootstrap_servers, base_id, checkpoint_dir, local_dir or "", on_missing
             )
+            from snapline.pipeline.runtime.topics import KafkaUnavailableError
+
             try:
                 run_worker(pipeline, settings)
+            except ConfigurationError as exc:
+                _configuration_error(exc)
+            except KafkaUnavailableError as exc:
+                # The broker may be down for a while: "restart me", not a configuration error.
+                error = click.ClickException(str(exc))
+                error.exit_code = EX_TEMPFAIL
+                raise error from exc
             except SnaplineError as exc:
                 raise click.ClickException(str(exc)) from exc
             return
@@ -135,7 +174,10 @@ def run(
                 *([f"--{on_missing}"] if on_missing != "fail" else []),
             ],
         )
-        sys.exit(supervisor.run())
+        code = supervisor.run()
+        if supervisor.failure_message:
+            click.echo(f"Error: {supervisor.failure_message}", err=True)
+        sys.exit(code)
     finally:
         if broker is not None:
             broker.stop()

@@ -3,32 +3,135 @@
 Each child is ``snapline run <spec> --worker-id <base>-<i>`` (a stable id, so a restarted
 worker fences its previous incarnation). SIGTERM/SIGINT are forwarded; the children take a
 final checkpoint and exit.
+
+What a worker's exit code means (``decide`` is the whole policy, unit-tested alone):
+
+- ``0``: the worker stopped cleanly (it was told to); it is not restarted.
+- ``EX_CONFIG`` (78): a configuration error that no restart can fix (a missing topic, a bad
+  setting). The supervisor stops every worker and exits 78; the worker's message (passed in
+  the file named by ``MESSAGE_FILE_ENV``) is printed once by the CLI.
+- ``EX_TEMPFAIL`` (75): "restart me" (e.g. the broker is unreachable): restarted with backoff,
+  never given up on.
+- anything else (an exception, a signal such as SIGKILL or the OOM killer): restarted with
+  backoff; after ``max_failures`` failures in a row without a healthy run the supervisor gives
+  up, stops the others and exits with that code.
+
+Backoff: ``initial_backoff * 2**(n-1)`` seconds before the n-th restart in a row, capped at
+``max_backoff``; a worker that ran ``healthy_after`` seconds starts again from n = 1.
+
+Threads: everything runs on the main thread (signal handlers only set a flag and forward
+SIGTERM).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
-RESTART_BACKOFF = 1.0
-MAX_RESTARTS_PER_MINUTE = 10
+#: sysexits.h: a configuration error; restarting cannot help.
+EX_CONFIG = 78
+#: sysexits.h: a temporary failure; restart the worker (it recovers from its checkpoint).
+EX_TEMPFAIL = 75
+#: A supervised worker writes the message of its EX_CONFIG exit to this file (the
+#: supervisor prints it once instead of every worker printing it).
+MESSAGE_FILE_ENV = "SNAPLINE_SUPERVISOR_MESSAGE_FILE"
+POLL_INTERVAL = 0.2
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How eagerly crashed workers are restarted."""
+
+    initial_backoff: float = 1.0
+    max_backoff: float = 30.0
+    #: A run at least this long counts as healthy: the backoff and failure count reset.
+    healthy_after: float = 30.0
+    #: Failures in a row (without a healthy run, EX_TEMPFAIL excepted) before giving up.
+    max_failures: int = 5
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do about one worker's exit."""
+
+    action: Literal["restart", "done", "stop_all"]
+    #: Failures in a row of this worker, including this one (0 after a clean exit).
+    failures: int = 0
+    #: Seconds to wait before the restart.
+    delay: float = 0.0
+    #: The supervisor's exit code when ``action`` is "stop_all".
+    exit_code: int = 0
+    reason: str = ""
+
+
+def decide(
+    code: int, ran_for: float, failures_before: int, policy: RestartPolicy, stopping: bool
+) -> Decision:
+    """The restart policy of the module docstring, for a worker that exited with ``code``
+    after running ``ran_for`` seconds, having failed ``failures_before`` times in a row."""
+    if stopping:
+        return Decision("done", exit_code=code, reason="stopping")
+    if code == 0:
+        return Decision("done", reason="exited cleanly; not restarted")
+    if code == EX_CONFIG:
+        return Decision(
+            "stop_all",
+            exit_code=EX_CONFIG,
+            reason="configuration error, which a restart cannot fix",
+        )
+    failures = (0 if ran_for >= policy.healthy_after else failures_before) + 1
+    if code != EX_TEMPFAIL and failures > policy.max_failures:
+        return Decision(
+            "stop_all",
+            failures=failures,
+            exit_code=code if code > 0 else 1,
+            reason=f"failed {failures} times in a row without running {policy.healthy_after:g} "
+            "s; giving up",
+        )
+    delay = min(policy.max_backoff, policy.initial_backoff * 2 ** (failures - 1))
+    what = "asked to be restarted" if code == EX_TEMPFAIL else "crashed"
+    return Decision(
+        "restart",
+        failures=failures,
+        delay=delay,
+        reason=f"{what} (failure {failures} in a row); restarting in {delay:g} s",
+    )
 
 
 class Supervisor:
-    def __init__(self, spec: str, worker_ids: Sequence[str], extra_args: Sequence[str]) -> None:
+    """Starts the workers, applies ``decide`` to every exit, forwards SIGTERM/SIGINT."""
+
+    def __init__(
+        self,
+        spec: str,
+        worker_ids: Sequence[str],
+        extra_args: Sequence[str],
+        policy: RestartPolicy | None = None,
+    ) -> None:
         self.spec = spec
         self.worker_ids = list(worker_ids)
         self.extra_args = list(extra_args)
+        self.policy = policy or RestartPolicy()
         self.children: dict[str, subprocess.Popen[bytes]] = {}
-        self.restarts: dict[str, list[float]] = {w: [] for w in worker_ids}
+        self.started_at: dict[str, float] = {}
+        self.failures: dict[str, int] = {w: 0 for w in worker_ids}
+        #: Worker id -> monotonic time of its scheduled restart.
+        self.restart_due: dict[str, float] = {}
+        #: The message of the configuration error that stopped the job (printed by the CLI).
+        self.failure_message: str | None = None
         self._stopping = False
+        self._messages = Path(tempfile.mkdtemp(prefix="snapline-supervisor-"))
 
     def _command(self, worker_id: str) -> list[str]:
         return [
@@ -42,12 +145,19 @@ class Supervisor:
             *self.extra_args,
         ]
 
+    def _message_file(self, worker_id: str) -> Path:
+        return self._messages / f"{worker_id}.message"
+
     def _start(self, worker_id: str) -> None:
-        self.children[worker_id] = subprocess.Popen(self._command(worker_id))
+        self._message_file(worker_id).unlink(missing_ok=True)
+        env = {**os.environ, MESSAGE_FILE_ENV: str(self._message_file(worker_id))}
+        self.children[worker_id] = subprocess.Popen(self._command(worker_id), env=env)
+        self.started_at[worker_id] = time.monotonic()
         log.info("started worker %s (pid %d)", worker_id, self.children[worker_id].pid)
 
     def stop(self, *_: Any) -> None:
         self._stopping = True
+        self.restart_due.clear()
         for child in self.children.values():
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
@@ -55,30 +165,60 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
+        try:
+            return self._run()
+        finally:
+            for path in self._messages.glob("*"):
+                path.unlink(missing_ok=True)
+            self._messages.rmdir()
+
+    def _run(self) -> int:
         for worker_id in self.worker_ids:
             self._start(worker_id)
         exit_code = 0
-        while self.children:
-            time.sleep(0.2)
+        while self.children or self.restart_due:
+            time.sleep(POLL_INTERVAL)
+            now = time.monotonic()
+            for worker_id, due in list(self.restart_due.items()):
+                if now >= due and not self._stopping:
+                    del self.restart_due[worker_id]
+                    self._start(worker_id)
             for worker_id, child in list(self.children.items()):
                 code = child.poll()
                 if code is None:
                     continue
                 del self.children[worker_id]
-                if self._stopping:
-                    exit_code = exit_code or code
-                    continue
-                now = time.monotonic()
-                recent = [t for t in self.restarts[worker_id] if now - t < 60] + [now]
-                self.restarts[worker_id] = recent
-                if len(recent) > MAX_RESTARTS_PER_MINUTE:
-                    log.error(
-                        "worker %s crashed %d times in a minute; giving up", worker_id, len(recent)
-                    )
-                    self.stop()
-                    exit_code = code or 1
-                    continue
-                log.warning("worker %s exited with %s; restarting", worker_id, code)
-                time.sleep(RESTART_BACKOFF)
-                self._start(worker_id)
+                decision = decide(
+                    code,
+                    now - self.started_at[worker_id],
+                    self.failures[worker_id],
+                    self.policy,
+                    self._stopping,
+                )
+                self.failures[worker_id] = decision.failures
+                if decision.action == "restart":
+                    log.warning("worker %s exited with %s: %s", worker_id, code, decision.reason)
+                    self.restart_due[worker_id] = now + decision.delay
+                elif decision.action == "stop_all":
+                    if code == EX_CONFIG and self.failure_message is None:
+                        self.failure_message = self._read_message(worker_id)
+                    if not self._stopping:
+                        log.error(
+                            "worker %s exited with %s: %s; stopping all workers",
+                            worker_id,
+                            code,
+                            decision.reason,
+                        )
+                        self.stop()
+                    exit_code = exit_code or decision.exit_code
+                else:
+                    if decision.reason != "stopping":
+                        log.info("worker %s %s", worker_id, decision.reason)
+                    exit_code = exit_code or decision.exit_code
         return exit_code
+
+    def _read_message(self, worker_id: str) -> str:
+        try:
+            return self._message_file(worker_id).read_text().strip()
+        except FileNotFoundError:
+            return f"worker {worker_id} exited with a configuration error (see its log above)"

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
 
 from snapline.connectors.config import redact
 from snapline.pipeline.checkpoint.identity import JobIdentity, check_storage_identity
@@ -187,48 +187,13 @@ class Worker:
         }
 
     def _check_topics(self) -> None:
-        """Fail at start, naming the fix, when a topic is missing or not co-partitioned."""
-        admin = AdminClient(self._kafka_config)
-        try:
-            metadata = admin.list_topics(timeout=30)
-        except KafkaException as exc:
-            raise ConfigurationError(
-                f"cannot reach Kafka at {self.settings.bootstrap_servers}: {exc}; check "
-                "--bootstrap-servers and kafka_config (security settings)"
-            ) from exc
-        wanted: dict[str, int | None] = {}
-        for source in self.pipeline.sources():
-            for topic in source.topic_list:
-                wanted[topic] = source.create_partitions
-        from snapline.sinks.kafka import KafkaSink
+        """Fail at start, naming the fix, when a source topic is missing or the sources are
+        not co-partitioned; create missing output and dead-letter topics (the rule:
+        snapline/pipeline/runtime/topics.py)."""
+        from snapline.pipeline.runtime.topics import TopicManager, pipeline_topics
 
-        for sink in self.pipeline.sinks():
-            if isinstance(sink, KafkaSink):
-                wanted[sink.topic] = sink.create_partitions
-        wanted.setdefault(self.pipeline.dead_letter_topic, 1)
-        missing = [t for t in wanted if t not in metadata.topics]
-        creatable = [NewTopic(t, wanted[t] or 1, 1) for t in missing if wanted[t]]
-        if creatable:
-            for topic, future in admin.create_topics(creatable).items():
-                try:
-                    future.result()
-                    log.info("created topic %s", topic)
-                except KafkaException as exc:
-                    if "TOPIC_ALREADY_EXISTS" not in str(exc):
-                        raise ConfigurationError(f"cannot create topic {topic}: {exc}") from exc
-        still_missing = [t for t in missing if not wanted[t]]
-        if still_missing:
-            raise ConfigurationError(
-                f"topics {still_missing} do not exist on {self.settings.bootstrap_servers}; "
-                "create them, or pass create_partitions=N to the KafkaSource/KafkaSink"
-            )
-        metadata = admin.list_topics(timeout=30)
-        counts = {t: len(metadata.topics[t].partitions) for t in self.pipeline.source_topics()}
-        if len(set(counts.values())) > 1:
-            raise ConfigurationError(
-                f"source topics are not co-partitioned (partitions per topic: {counts}); "
-                "a pipeline's source topics need the same number of partitions and the same key"
-            )
+        manager = TopicManager(self._kafka_config, self.settings.bootstrap_servers)
+        manager.ensure(pipeline_topics(self.pipeline))
 
     def _check_identity(self) -> str:
         """The Kafka cluster id, checked against the one the job's checkpoints were made on."""

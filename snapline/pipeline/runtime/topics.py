@@ -1,0 +1,278 @@
+"""The one owner of a job's Kafka topics: which must exist, which Snapline creates, and how.
+
+The rule (also in the README, "Writing a pipeline", and the KafkaSource/KafkaSink docstrings):
+
+- **Source topics** belong to whoever writes them. A missing one stops the worker at start
+  with a ConfigurationError naming the topic and the fix, unless its KafkaSource has
+  ``create_partitions=N``, which creates it with N partitions.
+- **Output topics** (KafkaSink) are created when missing: with the sink's
+  ``create_partitions``, else with as many partitions as the source topics (keyed output then
+  stays partitioned like the input and the state).
+- **Topics Snapline owns** are created when missing: the dead-letter topic (1 partition; only
+  when ``on_error="dead_letter"``, the default) and internal topics (``Role.INTERNAL``, e.g.
+  repartition topics: as many partitions as the source topics).
+- Existing topics are used as they are, never altered; the source topics of a pipeline must
+  have the same number of partitions. New topics get the cluster's default replication factor
+  and topic settings (``default.replication.factor`` and the broker's topic defaults).
+
+``plan`` applies the rule to what the cluster has (pure, unit-tested); ``TopicManager`` asks
+the cluster and creates what the plan says. Threads: the worker's main thread, at start.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import re
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from snapline.pipeline.errors import ConfigurationError, SnaplineError
+from snapline.pipeline.graph import Pipeline
+
+log = logging.getLogger(__name__)
+
+#: Kafka's own limits on topic names (kafka.common.internals.Topic).
+_TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+#: Use the cluster's default.replication.factor / num.partitions (Kafka 2.4+, KIP-464).
+BROKER_DEFAULT = -1
+DEAD_LETTER_PARTITIONS = 1
+#: How long a just-created topic may take to have a leader for every partition.
+LEADER_WAIT = 30.0
+
+# Errors of a create request that say "the cluster is busy or unreachable": try again later
+# (the worker exits and is restarted), as opposed to a request that can never succeed.
+_TRANSIENT = {
+    KafkaError._TIMED_OUT,
+    KafkaError._TRANSPORT,
+    KafkaError._ALL_BROKERS_DOWN,
+    KafkaError.REQUEST_TIMED_OUT,
+    KafkaError.NOT_CONTROLLER,
+    KafkaError.NETWORK_EXCEPTION,
+    KafkaError.LEADER_NOT_AVAILABLE,
+}
+
+
+class KafkaUnavailableError(SnaplineError):
+    """The cluster did not answer (or not in time): a later attempt may succeed. Not a
+    ConfigurationError, so a supervised worker is restarted instead of stopping the job."""
+
+
+class Role(enum.Enum):
+    """Why the job uses a topic; the role decides whether a missing topic is created."""
+
+    SOURCE = "source"
+    OUTPUT = "output"
+    DEAD_LETTER = "dead-letter"
+    INTERNAL = "internal"
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    """A topic the job needs. ``partitions``: for a missing topic, how many to create it
+    with (None: the rule's default; for a source, None means "do not create")."""
+
+    name: str
+    role: Role
+    partitions: int | None = None
+    declared_by: str = ""
+
+
+@dataclass(frozen=True)
+class TopicPlan:
+    """What to create (name -> partitions) and the partitions of every topic afterwards."""
+
+    create: Mapping[str, int]
+    partitions: Mapping[str, int]
+
+
+def pipeline_topics(pipeline: Pipeline) -> list[TopicSpec]:
+    """The topics ``pipeline`` reads and writes, each with its role."""
+    # The sinks package depends on pipeline contracts, not the reverse: import at use.
+    from snapline.sinks.kafka import KafkaSink
+
+    specs = [
+        TopicSpec(topic, Role.SOURCE, source.create_partitions, "KafkaSource")
+        for source in pipeline.sources()
+        for topic in source.topic_list
+    ]
+    specs += [
+        TopicSpec(sink.topic, Role.OUTPUT, sink.create_partitions, f"KafkaSink {sink.name!r}")
+        for sink in pipeline.sinks()
+        if isinstance(sink, KafkaSink)
+    ]
+    if pipeline.on_error == "dead_letter":
+        specs.append(
+            TopicSpec(
+                pipeline.dead_letter_topic,
+                Role.DEAD_LETTER,
+                DEAD_LETTER_PARTITIONS,
+                "the pipeline's dead_letter_topic",
+            )
+        )
+    return specs
+
+
+def plan(specs: Iterable[TopicSpec], existing: Mapping[str, int], where: str) -> TopicPlan:
+    """Apply the module's rule to ``specs`` given the ``existing`` topics (name ->
+    partitions) of the cluster at ``where``. Raises ConfigurationError, before anything is
+    created, when a source topic is missing or the sources are not co-partitioned."""
+    by_name: dict[str, TopicSpec] = {}
+    # A topic that is both read and written (or declared twice) keeps one role, the source
+    # role first: a missing source is never created as if it were an output.
+    for spec in sorted(specs, key=lambda s: s.role is not Role.SOURCE):
+        by_name.setdefault(spec.name, spec)
+    for spec in by_name.values():
+        if spec.partitions is not None and (
+            not isinstance(spec.partitions, int) or spec.partitions < 1
+        ):
+            raise ConfigurationError(
+                f"{spec.declared_by or spec.role.value}: create_partitions="
+                f"{spec.partitions!r} for topic {spec.name!r} must be an int >= 1"
+            )
+    sources = [s for s in by_name.values() if s.role is Role.SOURCE]
+    missing = [s.name for s in sources if s.name not in existing and s.partitions is None]
+    if missing:
+        raise ConfigurationError(
+            f"source topics {missing} do not exist on {where}. Snapline does not create the "
+            "topics it reads: create them (e.g. kafka-topics.sh --create --topic NAME "
+            "--partitions N), or pass create_partitions=N to the KafkaSource to have them "
+            "created"
+        )
+    source_partitions = {s.name: existing.get(s.name) or int(s.partitions or 0) for s in sources}
+    if len(set(source_partitions.values())) > 1:
+        raise ConfigurationError(
+            f"source topics are not co-partitioned (partitions per topic: "
+            f"{source_partitions}); a pipeline's source topics need the same number of "
+            "partitions and the same key"
+        )
+    default = next(iter(source_partitions.values()), 1)
+    create: dict[str, int] = {}
+    for spec in by_name.values():
+        if spec.name in existing:
+            continue
+        if not _TOPIC_NAME.match(spec.name) or spec.name in (".", ".."):
+            raise ConfigurationError(
+                f"{spec.declared_by or spec.role.value}: {spec.name!r} is not a valid Kafka "
+                "topic name (1-249 characters of letters, digits, '.', '_', '-')"
+            )
+        if spec.partitions is not None:
+            create[spec.name] = spec.partitions
+        elif spec.role is Role.DEAD_LETTER:
+            create[spec.name] = DEAD_LETTER_PARTITIONS
+        else:  # OUTPUT, INTERNAL: like the sources
+            create[spec.name] = default
+    partitions = {name: existing[name] for name in by_name if name in existing}
+    partitions.update(create)
+    return TopicPlan(create=create, partitions=partitions)
+
+
+class TopicManager:
+    """Checks and creates the job's topics on the cluster (see the module's rule)."""
+
+    def __init__(self, kafka_config: Mapping[str, Any], where: str, timeout: float = 30.0) -> None:
+        try:
+            self._admin = AdminClient(dict(kafka_config))
+        except KafkaException as exc:
+            # The first Kafka client a worker creates: an unknown setting or a bad value
+            # surfaces here, and no restart can fix it.
+            error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else exc
+            reason = error.str() if isinstance(error, KafkaError) else str(error)
+            raise ConfigurationError(
+                f"invalid Kafka settings: {reason}; fix or remove it in the pipeline's "
+                "kafka_config (settings: librdkafka's CONFIGURATION.md)"
+            ) from exc
+        self._where = where
+        self._timeout = timeout
+
+    def existing(self) -> dict[str, int]:
+        """Partitions per topic on the cluster."""
+        try:
+            metadata = self._admin.list_topics(timeout=self._timeout)
+        except KafkaException as exc:
+            raise KafkaUnavailableError(
+                f"cannot reach Kafka at {self._where}: {exc}; check --bootstrap-servers and "
+                "kafka_config (security settings), or wait until the broker is back"
+            ) from exc
+        # A topic in a transient error state (no leader yet) exists all the same.
+        return {
+            name: len(topic.partitions)
+            for name, topic in metadata.topics.items()
+            if topic.error is None or topic.error.code() != KafkaError.UNKNOWN_TOPIC_OR_PART
+        }
+
+    def ensure(self, specs: Iterable[TopicSpec]) -> TopicPlan:
+        """Create what the rule says is missing and wait until it is usable."""
+        result = plan(specs, self.existing(), self._where)
+        if not result.create:
+            return result
+        new = [
+            NewTopic(name, num_partitions=n, replication_factor=BROKER_DEFAULT)
+            for name, n in result.create.items()
+        ]
+        futures = self._admin.create_topics(
+            new, operation_timeout=self._timeout, request_timeout=self._timeout
+        )
+        for name, future in futures.items():
+            try:
+                future.result(timeout=self._timeout + 5)
+                log.info("created topic %s (%d partitions)", name, result.create[name])
+            except KafkaException as exc:
+                self._raise_create_error(name, result.create[name], exc)
+        self._wait_for_leaders(result.create)
+        return result
+
+    def _raise_create_error(self, name: str, partitions: int, exc: KafkaException) -> None:
+        error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+        code = error.code() if error is not None else None
+        if code == KafkaError.TOPIC_ALREADY_EXISTS:
+            return  # another worker of the job created it first
+        if code in _TRANSIENT:
+            raise KafkaUnavailableError(f"creating topic {name} on {self._where}: {exc}") from exc
+        if code in (
+            KafkaError.TOPIC_AUTHORIZATION_FAILED,
+            KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+        ):
+            raise ConfigurationError(
+                f"not allowed to create topic {name!r} on {self._where} ({exc}): create it "
+                f"yourself with {partitions} partitions, or grant this client CREATE on it"
+            ) from exc
+        raise ConfigurationError(
+            f"cannot create topic {name!r} with {partitions} partitions on {self._where}: "
+            f"{exc}; create it yourself, or fix the cluster setting the error names"
+        ) from exc
+
+    def _wait_for_leaders(self, created: Mapping[str, int]) -> None:
+        """A just-created topic takes a moment to have a leader for every partition; producing
+        or assigning before that only fails with retriable errors, but waiting here keeps the
+        first checkpoint's timing sane."""
+        deadline = time.monotonic() + LEADER_WAIT
+        waiting = dict(created)
+        while waiting:
+            try:
+                metadata = self._admin.list_topics(timeout=self._timeout)
+            except KafkaException:
+                metadata = None
+            if metadata is not None:
+                for name, partitions in list(waiting.items()):
+                    topic = metadata.topics.get(name)
+                    if (
+                        topic is not None
+                        and topic.error is None
+                        and len(topic.partitions) >= partitions
+                        and all(p.leader >= 0 for p in topic.partitions.values())
+                    ):
+                        del waiting[name]
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                raise KafkaUnavailableError(
+                    f"topics {sorted(waiting)} were created on {self._where} but have no "
+                    f"leader for every partition after {LEADER_WAIT:.0f}s"
+                )
+            time.sleep(0.1)

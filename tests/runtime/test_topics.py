@@ -1,0 +1,133 @@
+"""The topic rule (snapline/pipeline/runtime/topics.py) applied to what a cluster has: which
+topics are created, with how many partitions, and which absences stop the worker."""
+
+from __future__ import annotations
+
+import pytest
+
+from snapline import KafkaSink, KafkaSource, Pipeline
+from snapline.pipeline.errors import ConfigurationError
+from snapline.pipeline.runtime.topics import (
+    KafkaUnavailableError,
+    Role,
+    TopicManager,
+    TopicSpec,
+    pipeline_topics,
+    plan,
+)
+
+WHERE = "kafka:9092"
+
+
+def readme_pipeline(**kwargs: object) -> Pipeline:
+    pipeline = Pipeline("orders", **kwargs)  # type: ignore[arg-type]
+    (
+        pipeline.source(KafkaSource("orders"))
+        .key_by(lambda o: o["customer"])
+        .sink(KafkaSink("customer-totals"))
+    )
+    return pipeline
+
+
+def test_roles_of_a_pipelines_topics() -> None:
+    specs = pipeline_topics(readme_pipeline())
+    assert [(s.name, s.role, s.partitions) for s in specs] == [
+        ("orders", Role.SOURCE, None),
+        ("customer-totals", Role.OUTPUT, None),
+        ("orders.dead-letter", Role.DEAD_LETTER, 1),
+    ]
+
+
+def test_no_dead_letter_topic_when_errors_fail_the_job() -> None:
+    specs = pipeline_topics(readme_pipeline(on_error="fail"))
+    assert [s.role for s in specs] == [Role.SOURCE, Role.OUTPUT]
+
+
+def test_missing_output_topic_is_created_like_the_sources() -> None:
+    result = plan(pipeline_topics(readme_pipeline()), {"orders": 6}, WHERE)
+    assert result.create == {"customer-totals": 6, "orders.dead-letter": 1}
+    assert result.partitions == {"orders": 6, "customer-totals": 6, "orders.dead-letter": 1}
+
+
+def test_create_partitions_wins_for_a_missing_topic_only() -> None:
+    specs = [
+        TopicSpec("in", Role.SOURCE),
+        TopicSpec("out", Role.OUTPUT, 3),
+        TopicSpec("kept", Role.OUTPUT, 3),
+    ]
+    result = plan(specs, {"in": 8, "kept": 1}, WHERE)
+    assert result.create == {"out": 3}  # an existing topic is never altered
+    assert result.partitions == {"in": 8, "out": 3, "kept": 1}
+
+
+def test_existing_topics_are_not_created() -> None:
+    assert (
+        plan(
+            pipeline_topics(readme_pipeline()),
+            {"orders": 2, "customer-totals": 4, "orders.dead-letter": 1},
+            WHERE,
+        ).create
+        == {}
+    )
+
+
+def test_missing_source_topic_is_an_error_naming_the_fix() -> None:
+    with pytest.raises(ConfigurationError) as err:
+        plan(pipeline_topics(readme_pipeline()), {}, WHERE)
+    message = str(err.value)
+    assert "['orders']" in message and WHERE in message
+    assert "create_partitions=N to the KafkaSource" in message
+    assert "customer-totals" not in message  # outputs are not the problem
+
+
+def test_missing_source_with_create_partitions_is_created_and_sets_the_default() -> None:
+    specs = [TopicSpec("in", Role.SOURCE, 5), TopicSpec("out", Role.OUTPUT)]
+    assert plan(specs, {}, WHERE).create == {"in": 5, "out": 5}
+
+
+def test_internal_topics_get_the_source_partitions() -> None:
+    specs = [TopicSpec("in", Role.SOURCE), TopicSpec("job.repartition-1", Role.INTERNAL)]
+    assert plan(specs, {"in": 12}, WHERE).create == {"job.repartition-1": 12}
+
+
+def test_sources_must_be_co_partitioned() -> None:
+    specs = [TopicSpec("a", Role.SOURCE), TopicSpec("b", Role.SOURCE, 4)]
+    with pytest.raises(ConfigurationError, match="not co-partitioned"):
+        plan(specs, {"a": 2}, WHERE)
+
+
+def test_a_topic_read_and_written_keeps_its_source_role() -> None:
+    for specs in (
+        [TopicSpec("loop", Role.SOURCE), TopicSpec("loop", Role.OUTPUT)],
+        [TopicSpec("loop", Role.OUTPUT), TopicSpec("loop", Role.SOURCE)],
+    ):
+        with pytest.raises(ConfigurationError, match="source topics"):
+            plan(specs, {}, WHERE)
+
+
+def test_bad_names_and_partition_counts_fail_before_anything_is_created() -> None:
+    with pytest.raises(ConfigurationError, match="not a valid Kafka topic name"):
+        plan([TopicSpec("in", Role.SOURCE), TopicSpec("bad name", Role.OUTPUT)], {"in": 1}, WHERE)
+    with pytest.raises(ConfigurationError, match="create_partitions=0"):
+        plan([TopicSpec("in", Role.SOURCE), TopicSpec("o", Role.OUTPUT, 0)], {"in": 1}, WHERE)
+
+
+def test_unreachable_cluster_is_not_a_configuration_error() -> None:
+    # Nothing listens on port 1: the broker may be down for a while, so the worker exits
+    # with "restart me" (75) rather than "fix your configuration" (78).
+    manager = TopicManager({"bootstrap.servers": "127.0.0.1:1", "log_level": 0}, "here", 1.0)
+    with pytest.raises(KafkaUnavailableError, match="cannot reach Kafka at here") as err:
+        manager.ensure([TopicSpec("in", Role.SOURCE)])
+    assert not isinstance(err.value, ConfigurationError)
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [({"foo.bar": "1"}, '"foo.bar"'), ({"security.protocol": "bogus"}, '"bogus"')],
+)
+def test_invalid_kafka_setting_is_a_configuration_error(
+    setting: dict[str, str], named: str
+) -> None:
+    with pytest.raises(ConfigurationError, match="invalid Kafka settings") as err:
+        TopicManager({"bootstrap.servers": "127.0.0.1:1", **setting}, "here")
+    assert named in str(err.value) and "kafka_config" in str(err.value)
