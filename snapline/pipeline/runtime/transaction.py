@@ -16,6 +16,7 @@ helper thread that the task thread waits for (see ``kafka_calls``).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,8 +49,10 @@ INIT_TIMEOUT = 120.0
 
 
 class FencedError(KafkaClientError, CheckpointError):
-    """The producer hit a fatal error (fenced by another incarnation of this worker, or its
-    epoch bumped by the broker); the worker exits with EX_TEMPFAIL and a restart recovers."""
+    """The producer hit a fatal error: fenced by another incarnation of this worker, or its
+    epoch bumped by the broker when it aborted a transaction that outlived
+    ``transaction.timeout.ms`` (a long broker outage). The checkpoint fails; the next abort or
+    begin replaces the producer (its ``init_transactions`` aborts whatever is left open)."""
 
 
 class TransactionalOutput:
@@ -83,6 +86,9 @@ class TransactionalOutput:
         self._stopping = stopping
         self._call = BoundedCall("producer")
         self.producer = Producer(conf)
+        #: Why the producer failed fatally; it is replaced before its next transaction.
+        self._fatal: str | None = None
+        self.replaced = 0
         self.open_epoch: int | None = None
         #: An abort that could not reach the broker; completed before the next begin.
         self._abort_pending = False
@@ -118,6 +124,7 @@ class TransactionalOutput:
                     raise CheckpointError(f"Kafka {what} failed: {exc}") from exc
                 kind = classify(error)
                 if kind is ErrorClass.FATAL:
+                    self._fatal = f"{what}: {error}"
                     raise FencedError(f"producer: {what} failed fatally: {error}") from exc
                 out_of_time = time.monotonic() + backoff(attempt) >= deadline or self._stopping()
                 if kind is ErrorClass.RETRIABLE and not out_of_time:
@@ -148,6 +155,8 @@ class TransactionalOutput:
     def begin(self, epoch: int) -> None:
         """Open the transaction of ``epoch`` and send the records held for it."""
         if self.exactly_once:
+            if self._fatal is not None:
+                self._replace_producer()
             if self._abort_pending:
                 self._finish_abort(INIT_TIMEOUT)
             try:
@@ -155,6 +164,7 @@ class TransactionalOutput:
             except KafkaException as exc:
                 error = kafka_error(exc)
                 if error is not None and classify(error) is ErrorClass.FATAL:
+                    self._fatal = f"begin_transaction: {error}"
                     raise FencedError(f"producer: begin_transaction: {error}") from exc
                 raise CheckpointError(f"Kafka begin_transaction failed: {exc}") from exc
         self.open_epoch = epoch
@@ -259,23 +269,47 @@ class TransactionalOutput:
         timed the transaction out during an outage) raises FencedError."""
         self._buffer = []
         self._delivery_errors = []
+        if self.exactly_once and self._fatal is not None:
+            self._replace_producer()  # its init_transactions aborts the open transaction
         if self.exactly_once and (self.open_epoch is not None or self._abort_pending):
             self.open_epoch = None
             self._abort_pending = True
             self._finish_abort(self.abort_timeout, leave_pending=True)
         self.open_epoch = None
 
+    def _replace_producer(self) -> None:
+        """A fresh producer with the same transactional id instead of one that failed fatally.
+
+        Its init_transactions bumps the epoch, aborting the transaction the old one left open,
+        so nothing of the failed epoch becomes visible. Should another live incarnation of this
+        worker own the id, it is fenced in turn; its consumer (same static group.instance.id)
+        is fenced by the group coordinator and that worker exits."""
+        log.warning("producer failed fatally (%s); replacing it", self._fatal)
+        old = self.producer
+        self.producer = Producer(self._conf)
+        self._call = BoundedCall("producer")
+        self.open_epoch = None
+        self._abort_pending = False
+        self._fatal = None
+        self.replaced += 1
+        # librdkafka's destructor may block; never on the task thread
+        holder: list[object] = [old]
+        del old
+        threading.Thread(target=_release, args=(holder,), name="kafka-release", daemon=True).start()
+        self.init()
+
     def _finish_abort(self, timeout: float, *, leave_pending: bool = False) -> None:
         try:
             self._retry("abort_transaction", timeout, self.producer.abort_transaction)
+        except FencedError:
+            self._replace_producer()
+            return
         except BrokerOutageError as exc:
             if not leave_pending:
                 raise
             log.warning("%s; the abort completes when the broker is back", exc)
             return
         except CheckpointError as exc:
-            if isinstance(exc, FencedError):
-                raise
             # e.g. no transaction in progress: nothing left to abort
             log.warning("abort_transaction: %s", exc)
         self._abort_pending = False
@@ -284,6 +318,12 @@ class TransactionalOutput:
         start = time.monotonic()
         try:
             self._call("flush", timeout + HANG_GRACE, self.producer.flush, timeout)
-        except KafkaClientError as exc:
+        except (KafkaClientError, KafkaException) as exc:
             log.warning("producer close: %s", exc)
         log.debug("producer closed in %.3fs", time.monotonic() - start)
+
+
+def _release(holder: list[object]) -> None:
+    """Runs on a helper thread, which takes and drops the last reference to a retired client."""
+    client = holder.pop()
+    del client

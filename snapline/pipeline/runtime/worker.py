@@ -684,9 +684,9 @@ class Worker:
                 done = self.coordinator.poll()
                 if done is not None:
                     self._complete(done)
-            except FencedError:
-                raise
             except CheckpointError as exc:
+                # FencedError too: the abort replaces the producer; a fenced consumer ends the
+                # process on its next poll (_route).
                 self._event({"event": "checkpoint_failed", "error": str(exc)[:500]})
                 self._fail_checkpoint(exc)
 
