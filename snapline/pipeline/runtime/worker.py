@@ -84,6 +84,9 @@ STOP_BOUND = 30.0
 FINAL_CHECKPOINT_BOUND = 15.0
 #: A worker waits this long for an unreachable broker before it exits with EX_TEMPFAIL.
 BROKER_OUTAGE_LIMIT = 900.0
+#: A fenced consumer is replaced in place at most this often per 10 minutes; more means two
+#: live workers share an id, and the worker exits with EX_TEMPFAIL.
+MAX_CONSUMER_REPLACEMENTS = 5
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,7 @@ class Worker:
         self.consumer = Consumer(self._consumer_config())
         self._consumer_call = BoundedCall("consumer")
         self._outage: BrokerOutageError | None = None
+        self._consumer_replaced: list[float] = []
 
     # ------------------------------------------------------------------ setup
     def _shared_backend_options(self) -> dict[str, Any]:
@@ -343,7 +347,7 @@ class Worker:
             except KafkaException as exc:
                 error = kafka_error(exc)
                 if error is not None and classify(error) is ErrorClass.FATAL:
-                    raise KafkaClientError(f"consumer: committed() failed: {error}") from exc
+                    raise ConsumerFencedError(f"consumer: committed() failed: {error}") from exc
                 if time.monotonic() > deadline or self._stopping:
                     # Exit 75: a fresh worker waits again; nothing is lost by the restart.
                     raise KafkaClientError(
@@ -608,6 +612,40 @@ class Worker:
         log.warning("broker reachable again after %.1fs; aborting the epoch and restoring", waited)
         self._event({"event": "broker_back", "waited": round(waited, 3)})
 
+    def _replace_consumer(self, exc: ConsumerFencedError) -> None:
+        """A fresh consumer (same group.instance.id) instead of one that failed fatally.
+
+        The epoch is aborted first: nothing read under the old membership may commit. The new
+        consumer joins the group, replacing the stale static member, and its assignment
+        restores the tasks from the committed checkpoint (_on_assign)."""
+        now = time.monotonic()
+        self._consumer_replaced = [t for t in self._consumer_replaced if now - t < 600] + [now]
+        if len(self._consumer_replaced) > MAX_CONSUMER_REPLACEMENTS:
+            raise KafkaClientError(
+                f"{exc}; the consumer was replaced {MAX_CONSUMER_REPLACEMENTS} times in 10 "
+                "minutes: does another live worker use the id "
+                f"{self.settings.worker_id!r}?"
+            ) from exc
+        log.warning("%s; replacing the consumer", exc)
+        self._event({"event": "consumer_replaced", "error": str(exc)[:300]})
+        self._drop_tasks()
+        old = self.consumer
+        try:
+            self._consumer_call("close", 10.0, old.close)
+        except Exception as close_exc:  # a fenced consumer may fail to close; it is dropped
+            log.warning("closing the fenced consumer: %s", close_exc)
+        self._consumer_call = BoundedCall("consumer")
+        self.consumer = Consumer(self._consumer_config())
+        self.consumer.subscribe(
+            self.pipeline.source_topics(),
+            on_assign=self._on_assign,
+            on_revoke=self._on_revoke,
+            on_lost=self._on_lost,
+        )
+        holder: list[object] = [old]
+        del old
+        threading.Thread(target=_release, args=(holder,), name="kafka-release", daemon=True).start()
+
     # ------------------------------------------------------------------ main loop
     def request_stop(self, *_: Any) -> None:
         """SIGTERM/SIGINT: final checkpoint if possible; the process ends within STOP_BOUND s
@@ -645,6 +683,8 @@ class Worker:
                         self._step()
                 except BrokerOutageError as exc:
                     self._outage = exc
+                except ConsumerFencedError as exc:
+                    self._replace_consumer(exc)
         except _StopNow as exc:
             log.warning(
                 "%s: exiting without a final checkpoint; recovery restores the last "
@@ -685,8 +725,8 @@ class Worker:
                 if done is not None:
                     self._complete(done)
             except CheckpointError as exc:
-                # FencedError too: the abort replaces the producer; a fenced consumer ends the
-                # process on its next poll (_route).
+                # FencedError too: the abort replaces the producer; a fenced consumer is
+                # replaced on its next poll (_route).
                 self._event({"event": "checkpoint_failed", "error": str(exc)[:500]})
                 self._fail_checkpoint(exc)
 
@@ -698,7 +738,7 @@ class Worker:
                 if classify(error) is ErrorClass.FATAL:
                     # e.g. "Static consumer fenced by other consumer with same
                     # group.instance.id" after a broker restart: the consumer is unusable.
-                    raise KafkaClientError(f"consumer failed fatally: {error}")
+                    raise ConsumerFencedError(f"consumer failed fatally: {error}")
                 log.warning("consumer: %s", error)
                 continue
             key = (msg.topic(), msg.partition())
@@ -766,8 +806,21 @@ class Worker:
         self.output.close(timeout=2.0 if self._stopping else 10.0)
 
 
+class ConsumerFencedError(KafkaClientError):
+    """The consumer failed fatally, typically "Static consumer fenced by other consumer with
+    same group.instance.id" after its session timed out during a broker outage (librdkafka
+    #3437); the worker replaces the consumer (``MAX_CONSUMER_REPLACEMENTS``)."""
+
+
 class _StopNow(Exception):
     """A stop was requested while the broker is unreachable: exit without a final checkpoint."""
+
+
+def _release(holder: list[object]) -> None:
+    """Runs on a helper thread, which takes and drops the last reference to a retired client
+    (librdkafka's destructor may block)."""
+    client = holder.pop()
+    del client
 
 
 def _exit_now(code: int) -> None:
