@@ -77,7 +77,16 @@ class Cluster:
     """The test's own broker: kept data dir, same port across restarts."""
 
     def __init__(self, data_dir: Path) -> None:
-        self.broker = LocalKafkaBroker(data_dir=data_dir)
+        # A crashed KRaft node cannot register again until the controller timed out its
+        # previous session (broker.session.timeout.ms, 9 s by default): 3 s keeps restarts
+        # after a SIGKILL short, so the test fits CI. It changes nothing for the workers.
+        self.broker = LocalKafkaBroker(
+            data_dir=data_dir,
+            server_overrides={
+                "broker.session.timeout.ms": "3000",
+                "broker.heartbeat.interval.ms": "1000",
+            },
+        )
         self.start_seconds: list[float] = []
         self.bootstrap = self.broker.start()
 

@@ -46,6 +46,8 @@ COMMIT_TIMEOUT = 30.0
 ABORT_TIMEOUT = 10.0
 #: Bound of init_transactions (also when completing a pending abort after an outage).
 INIT_TIMEOUT = 120.0
+#: librdkafka timeout of one attempt of a transactional call.
+ATTEMPT_TIMEOUT = 5.0
 
 
 class FencedError(KafkaClientError, CheckpointError):
@@ -114,7 +116,9 @@ class TransactionalOutput:
         deadline = time.monotonic() + timeout
         attempt = 0
         while True:
-            left = max(deadline - time.monotonic(), 1.0)
+            # Short attempts: a stop request is noticed between them (a timed-out call is
+            # retriable and resumes where it was).
+            left = min(max(deadline - time.monotonic(), 1.0), ATTEMPT_TIMEOUT)
             try:
                 self._call(what, left + HANG_GRACE, fn, left)
                 return

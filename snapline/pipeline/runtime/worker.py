@@ -686,6 +686,7 @@ class Worker:
                 except ConsumerFencedError as exc:
                     self._replace_consumer(exc)
         except _StopNow as exc:
+            self.output.abort_timeout = 1.0  # the successor's init_transactions aborts it
             log.warning(
                 "%s: exiting without a final checkpoint; recovery restores the last "
                 "committed checkpoint",
