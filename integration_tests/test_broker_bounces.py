@@ -141,6 +141,7 @@ class Job:
         self.metrics = tmp / "metrics.jsonl"
         self.expected: dict[str, int] = {}
         self.produced = 0
+        self._produce_lock = threading.Lock()
         self._input_stop = threading.Event()
         self._input: threading.Thread | None = None
         self.input_errors: list[str] = []
@@ -149,17 +150,18 @@ class Job:
 
     def produce(self, count: int) -> None:
         # Idempotent: the producer's retries across a broker restart write each order once.
-        totals = produce_orders(
-            self.bootstrap,
-            self.orders,
-            count,
-            CUSTOMERS,
-            start_id=self.produced,
-            producer_config={"enable.idempotence": True},
-        )
-        for customer, amount in totals.items():
-            self.expected[customer] = self.expected.get(customer, 0) + amount
-        self.produced += count
+        with self._produce_lock:
+            totals = produce_orders(
+                self.bootstrap,
+                self.orders,
+                count,
+                CUSTOMERS,
+                start_id=self.produced,
+                producer_config={"enable.idempotence": True},
+            )
+            for customer, amount in totals.items():
+                self.expected[customer] = self.expected.get(customer, 0) + amount
+            self.produced += count
 
     def start_input(self, batch: int = 200, pause: float = 0.25) -> None:
         """Input keeps flowing, outages included (delivery waits for the broker)."""
@@ -298,16 +300,23 @@ def _read_batches(log_dir: Path) -> list[dict[str, Any]]:
 
 
 def _orphaned(batches: list[dict[str, Any]], offset: int) -> bool:
-    """The record at ``offset`` belongs to a transaction that no marker of its own ended: the
-    next marker of its producer id comes from a later epoch (the issue-9 item-3 signature:
-    the abort of a killed worker's transaction was interrupted by a broker crash, the broker
-    wrote no ABORT marker, and the successor epoch's COMMIT made the records visible)."""
+    """The record at ``offset`` belongs to a transaction that no marker ended, made visible by
+    a later epoch's COMMIT: after its batch, the same producer id wrote data with a higher
+    epoch before any marker, and the first marker after that is a COMMIT. This is the issue 9
+    item 3 signature (the abort of a killed worker's transaction was interrupted by a second
+    broker crash and the broker skipped the ABORT markers). A normal transaction is followed
+    by its own marker before any data of a later epoch."""
     batch = next(b for b in batches if b["first"] <= offset <= b["last"])
     if not batch["transactional"] or batch["control"]:
         return False
+    later_epoch_data = False
     for later in batches:
-        if later["first"] > batch["last"] and later["pid"] == batch["pid"] and later["control"]:
-            return bool(later["epoch"] > batch["epoch"])
+        if later["first"] <= batch["last"] or later["pid"] != batch["pid"]:
+            continue
+        if later["control"]:
+            return later_epoch_data and later["marker"] == 1  # COMMIT
+        if later["epoch"] > batch["epoch"]:
+            later_epoch_data = True
     return False
 
 
@@ -397,7 +406,8 @@ def test_workers_ride_out_broker_bounces(
                     victim.kill()
                     test_kills += 1
                     victim.start()
-                time.sleep(rng.uniform(0.5, 2.0))  # input in flight when the broker goes
+                time.sleep(rng.uniform(0.5, 2.0))
+                job.produce(2000)  # a burst the workers are still processing when it goes
                 outage = Outage(kind, down_at=time.time())
                 survivors_before = job.pids()
                 if kind == "stop":
@@ -427,6 +437,10 @@ def test_workers_ride_out_broker_bounces(
                 outages.append(outage)
                 recommits = _wait_for_recommits(job, outage)
                 delays.extend(recommits.values())
+                assert recommits, (
+                    f"after the {kind} outage no worker that lived through it committed again "
+                    f"in the same process (exits by themselves: {job.self_exits})\n" + job.logs()
+                )
                 print(
                     f"{kind} outage ({outage.back_at - outage.down_at:.1f}s down, broker start "
                     f"{cluster.start_seconds[-1]:.1f}s): first commit "
