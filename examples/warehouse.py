@@ -25,6 +25,7 @@ def build() -> Pipeline:
         env("SNAPLINE_EXAMPLE_JOB", "warehouse"),
         checkpoint_interval=float(env("SNAPLINE_EXAMPLE_INTERVAL", "1.0")),
         state_backend=env("SNAPLINE_EXAMPLE_BACKEND", "memory"),
+        retained_checkpoints=int(env("SNAPLINE_EXAMPLE_RETAINED", "3")),
     )
     totals = (
         pipeline.source(KafkaSource(f"{prefix}orders", value_format="json"))

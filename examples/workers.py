@@ -39,7 +39,9 @@ class WorkerProcess:
         self.metrics_path = workdir / "metrics.jsonl"
         self.fault_log = workdir / "faults.log"
 
-    def start(self, extra_env: dict[str, str] | None = None) -> None:
+    def start(
+        self, extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None
+    ) -> None:
         env = {
             **os.environ,
             **self.env,
@@ -64,6 +66,7 @@ class WorkerProcess:
                     str(self.checkpoint_dir),
                     "--worker-id",
                     self.worker_id,
+                    *(extra_args or []),
                 ],
                 cwd=str(self.workdir),
                 env=env,
@@ -97,6 +100,17 @@ class WorkerProcess:
         except subprocess.TimeoutExpired:
             self.kill()
             return None
+
+    def wait_exit(self, timeout: float) -> int:
+        """The exit code of a worker expected to stop by itself (AssertionError after
+        ``timeout`` s, so a test never waits forever for a worker that keeps running)."""
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"worker {self.worker_id} still running after {timeout} s\n{self.tail()}"
+            ) from None
 
     def tail(self, lines: int = 40) -> str:
         if not self.log_path.exists():

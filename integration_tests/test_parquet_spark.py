@@ -189,18 +189,26 @@ def test_spark_sees_exactly_the_committed_checkpoints(
     third.commit(5)
     readers_agree()
 
-    # 6: staged but the commit point never came; recovery from 5 leaves no trace of it.
-    write_epoch(third, 6)
+    # 6: staged but the commit point never came. Recovery from 5 cannot tell it from a live
+    # owner's checkpoint in flight, so it stays (invisible) until the successor commits a
+    # checkpoint as high; then it is gone, and only the successor's 6 is visible.
+    write_epoch(third, 6, tag="z")
     pre_commit(third, 6)
     fourth = open_writer(sink)
     fourth.recover(5, meta5)
+    readers_agree()
+    assert list((table / "_staging").rglob("*.parquet"))
+    write_epoch(fourth, 6)
+    pre_commit(fourth, 6)
+    committed |= expected_ids([6])
+    fourth.commit(6)
     readers_agree()
     assert not list((table / "_staging").rglob("*.parquet"))
     totals = (
         spark.read.parquet(str(table)).groupBy("checkpoint").count().orderBy("checkpoint").collect()
     )
     assert [(r["checkpoint"], r["count"]) for r in totals] == [
-        (n, len(rows_for(n))) for n in (1, 3, 4, 5)
+        (n, len(rows_for(n))) for n in (1, 3, 4, 5, 6)
     ]
     for writer in (first, second, third, fourth):
         writer.close()

@@ -177,11 +177,18 @@ def test_crash_after_the_commit_point_is_applied_by_recovery(postgres_dsn: str) 
     successor = open_writer(sink)
     successor.recover(2, meta2)
     assert target(postgres_dsn, table) == {"a": (1.0, None, 1), "b": (2.0, None, 2)}
-    assert staged(postgres_dsn, table) == 0
+    # 3 is newer than the committed 2: a live owner could still commit it, so it stays
+    # (never applied) until a checkpoint as high commits.
+    assert staged(postgres_dsn, table) == 1
     again = open_writer(sink)
     again.recover(2, meta2)  # recovery itself is re-runnable
     assert len(target(postgres_dsn, table)) == 2
     assert meta1["pending"][0]["token"] == meta2["pending"][0]["token"]
+    write(again, [{"customer": "d", "total": 4}], 3)
+    pre_commit(again, 3)
+    again.commit(3)
+    assert set(target(postgres_dsn, table)) == {"a", "b", "d"}
+    assert staged(postgres_dsn, table) == 0
     successor.close()
     again.close()
 
@@ -206,10 +213,66 @@ def test_zombie_staging_is_never_applied(postgres_dsn: str) -> None:
     assert staged(postgres_dsn, table) == 3  # the zombie's epochs 2-3, staged as checkpoint 3
     later = open_writer(sink)
     later.recover(2, meta2)
+    assert staged(postgres_dsn, table) == 3  # newer than 2: not provably dead yet
+    write(later, [{"customer": "c", "total": 3}], 3)
+    pre_commit(later, 3)
+    later.commit(3)
     assert staged(postgres_dsn, table) == 0
-    assert target(postgres_dsn, table) == {"a": (1.0, None, 1), "b": (2.0, None, 2)}
+    assert target(postgres_dsn, table) == {
+        "a": (1.0, None, 1),
+        "b": (2.0, None, 2),
+        "c": (3.0, None, 3),
+    }
     for w in (zombie, owner, later):
         w.close()
+
+
+def test_zombie_recovery_with_stale_offsets_keeps_the_owners_rows(postgres_dsn: str) -> None:
+    """Issue 9 item 1: a zombie re-runs recovery from checkpoint 1 (offsets read before the
+    owner's commit of 2 landed) while the owner's rows of 2 are staged: they must survive
+    and be applied when the owner's commit of 2 goes through."""
+    table = make_table(postgres_dsn)
+    sink = PostgresSink(postgres_dsn, table, ["customer"])
+    first = open_writer(sink)
+    first.recover(None, None)
+    write(first, [{"customer": "a", "total": 1}], 1)
+    meta1 = pre_commit(first, 1)
+    first.commit(1)
+    owner = open_writer(sink)
+    owner.recover(1, meta1)
+    write(owner, [{"customer": "b", "total": 2}], 2)
+    pre_commit(owner, 2)
+    zombie = open_writer(sink)
+    zombie.recover(1, meta1)
+    assert staged(postgres_dsn, table) == 1
+    owner.commit(2)
+    assert target(postgres_dsn, table) == {"a": (1.0, None, 1), "b": (2.0, None, 2)}
+    for w in (first, owner, zombie):
+        w.close()
+
+
+def test_table_of_another_cluster_is_refused(postgres_dsn: str) -> None:
+    table = make_table(postgres_dsn)
+    sink = PostgresSink(postgres_dsn, table, ["customer"])
+
+    def writer(cluster: str) -> PostgresSinkWriter:
+        context = SinkContext(
+            "pg-test",
+            "orders-0",
+            "w",
+            sink.name,
+            None,
+            lambda *_: None,
+            cluster,  # type: ignore[arg-type]
+        )
+        w = sink.open(context)
+        w.recover(None, None)
+        return w
+
+    writer("cluster-a").close()
+    writer("cluster-a").close()
+    with pytest.raises(ConfigurationError, match="cluster cluster-a"):
+        writer("cluster-b")
 
 
 def test_abort_discards_staged_and_buffered_rows(postgres_dsn: str) -> None:

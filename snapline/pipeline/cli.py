@@ -57,6 +57,18 @@ def main() -> None:
     help="Scratch directory for local state (RocksDB) and local recovery. Default: beside a "
     "local checkpoint dir, or ~/.cache/snapline/local for a remote one.",
 )
+@click.option(
+    "--restore-latest",
+    is_flag=True,
+    help="Only when the job's committed offsets are gone (expired, topic recreated) while "
+    "committed checkpoints are stored: continue from the newest checkpoint known committed.",
+)
+@click.option(
+    "--reset-state",
+    is_flag=True,
+    help="Only when the job's committed offsets are gone while committed checkpoints are "
+    "stored: delete those checkpoints and start with empty state at the starting position.",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def run(
     spec: str,
@@ -65,6 +77,8 @@ def run(
     checkpoint_dir: str | None,
     worker_id: str | None,
     local_dir: str | None,
+    restore_latest: bool,
+    reset_state: bool,
     log_level: str,
 ) -> None:
     """Run the pipeline SPEC (module:attribute) as one or more workers."""
@@ -80,6 +94,9 @@ def run(
         raise click.ClickException(str(exc)) from exc
     if workers < 1:
         raise click.BadParameter("must be at least 1", param_hint="--workers")
+    if restore_latest and reset_state:
+        raise click.UsageError("--restore-latest and --reset-state exclude each other; pick one")
+    on_missing = "restore-latest" if restore_latest else "reset-state" if reset_state else "fail"
     checkpoint_dir = (
         checkpoint_dir or pipeline.checkpoint_dir or os.path.join(".snapline", "checkpoints")
     )
@@ -93,7 +110,9 @@ def run(
     base_id = worker_id or WorkerSettings.default_worker_id()
     try:
         if workers == 1 and broker is None:
-            settings = WorkerSettings(bootstrap_servers, base_id, checkpoint_dir, local_dir or "")
+            settings = WorkerSettings(
+                bootstrap_servers, base_id, checkpoint_dir, local_dir or "", on_missing
+            )
             try:
                 run_worker(pipeline, settings)
             except SnaplineError as exc:
@@ -113,6 +132,7 @@ def run(
                 "--log-level",
                 log_level,
                 *(["--local-dir", local_dir] if local_dir else []),
+                *([f"--{on_missing}"] if on_missing != "fail" else []),
             ],
         )
         sys.exit(supervisor.run())

@@ -36,6 +36,9 @@ class SinkContext:
     output: TransactionalOutput
     #: Send a record this sink cannot take to the dead-letter topic: (record, reason, epoch).
     dead_letter: Callable[[Record, str, int], None]
+    #: The Kafka cluster the job runs on ("" if unknown); sinks that keep a commit log record
+    #: it and refuse to mix the histories of two clusters (see checkpoint/identity.py).
+    cluster_id: str = ""
 
 
 class SinkWriter(ABC):

@@ -6,13 +6,16 @@ read (DESIGN §6). Table layout::
     <table>/<col>=<value>/part-<job>-<task>-<checkpoint>-<token>-<seq>.parquet   published
     <table>/_staging/<job>/<sink>/<task>/<checkpoint>-<token>/...               pre-committed
     <table>/_commits/<job>/<sink>/<task>/<checkpoint>-<token>.json              commit log
+    <table>/_commits/<job>/_job.json                       the job's Kafka cluster (identity.py)
     <table>/_schema.arrow                                                       table schema
 
 ``pre_commit(n)`` writes and fsyncs the epoch's files under ``_staging`` (readers skip paths
 that start with ``_``); ``commit(n)`` writes the commit-log entry (the intent) and then renames
 each staged file to its final, deterministic name, so re-running it is a no-op. ``token`` is
 random per writer instance: a zombie's staged files can never be mistaken for the new owner's,
-because commit and recovery publish exactly the files named in the committed metadata.
+because commit and recovery publish exactly the files named in the committed metadata. Staged
+files are deleted only when provably dead (``recover``): never on the strength of a checkpoint
+id newer than the one this writer recovered, since a live owner may be about to commit it.
 
 Threads: the task thread converts rows to Arrow record batches (dead-lettering rows that do not
 fit the schema) and runs ``commit``/``abort``/``recover``. One background thread per writer
@@ -42,6 +45,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from snapline.pipeline.checkpoint.identity import IDENTITY_FILE, JobIdentity
 from snapline.pipeline.errors import ConfigurationError, SinkError
 from snapline.pipeline.record import Record
 from snapline.sinks.base import PreCommitResult, Sink, SinkContext, SinkWriter
@@ -507,11 +511,16 @@ class ParquetSinkWriter(SinkWriter):
         self.staging_root = self.table / STAGING_DIR / owner
         self.commits_root = self.table / COMMITS_DIR / owner
         self._job, self._task = context.job, context.task_id
+        if context.cluster_id:
+            self._check_identity(JobIdentity(context.job, context.cluster_id))
         self._converter: RowConverter | None = self._open_schema()
         # epoch -> record batches of rows already converted; epoch -> rows not yet converted
         self._batches: dict[int, list[pa.RecordBatch]] = {}
         self._unconverted: dict[int, tuple[list[Any], list[Record]]] = {}
         self._pending: list[_Pending] = []
+        #: Staged checkpoints of other writers, newer than the one recovered: not provably
+        #: dead yet (a live owner may commit them); swept once we commit a higher id.
+        self._leftovers: set[str] = set()
         self._executor: ThreadPoolExecutor | None = None
         self.rows_staged = 0
         self.rows_dead_lettered = 0
@@ -541,6 +550,15 @@ class ParquetSinkWriter(SinkWriter):
             self._context.dead_letter(records[index], f"{self._sink.name}: {reason}", epoch)
         if batch is not None and batch.num_rows:
             self._batches.setdefault(epoch, []).append(batch)
+
+    def _check_identity(self, identity: JobIdentity) -> None:
+        """The table's commit log of this job records the Kafka cluster it committed on."""
+        path = self.table / COMMITS_DIR / _safe_name(identity.job) / IDENTITY_FILE
+        if not path.exists():
+            _makedirs_durable(path.parent)
+            _write_atomic(path, identity.to_json())
+        recorded = JobIdentity.from_json(path.read_bytes(), str(path))
+        identity.check(recorded, f"{self._sink.name}: Parquet table {self.table}")
 
     def _open_schema(self) -> RowConverter | None:
         """The given schema (recorded for the table if it has none) or the table's, if any."""
@@ -622,6 +640,8 @@ class ParquetSinkWriter(SinkWriter):
                 ) from exc
             self._publish(staged)
             self._pending.pop(0)
+        if self._leftovers:
+            self._sweep_leftovers(checkpoint_id)
 
     def abort(self, checkpoint_id: int) -> None:
         """Delete staged files of checkpoints ≥ n and drop buffered epochs ≥ n."""
@@ -642,7 +662,14 @@ class ParquetSinkWriter(SinkWriter):
             del self._unconverted[epoch]
 
     def recover(self, committed: int | None, metadata: dict[str, Any] | None) -> None:
-        """Publish what ``committed`` (or a commit-log intent) names; delete the rest."""
+        """Publish what ``committed`` (or a commit-log intent) names; delete what is provably
+        dead; leave staged checkpoints newer than ``committed`` alone.
+
+        Only a staged checkpoint with an id ≤ ``committed`` that neither ``committed`` lists
+        nor an intent names is dead: every committed checkpoint lists its writer's staged,
+        unpublished ones, and recovery publishes those. A newer one may belong to a live
+        owner about to commit it (this writer may be a zombie that read stale offsets), so
+        it stays until a checkpoint with an id at least as high commits (``commit`` sweeps)."""
         self._drain()
         self._pending = []
         self._batches.clear()
@@ -662,23 +689,17 @@ class ParquetSinkWriter(SinkWriter):
                 committed,
             )
         found: set[str] = set()
-        if self.staging_root.is_dir():
-            for directory in sorted(self.staging_root.iterdir()):
-                name = directory.name
-                intent = self._intent_path(name)
-                if intent.exists():
-                    self._publish(StagedCheckpoint.from_json(orjson.loads(intent.read_bytes())))
-                elif name in listed:
-                    self._publish(listed[name])
-                else:
-                    log.info(
-                        "%s: discarding staged %s of task %s (never committed)",
-                        self._sink.name,
-                        name,
-                        self._task,
-                    )
-                    shutil.rmtree(directory, ignore_errors=True)
-                found.add(name)
+        for name in self._staged_names():
+            intent = self._intent_path(name)
+            if intent.exists():
+                self._publish(StagedCheckpoint.from_json(orjson.loads(intent.read_bytes())))
+            elif name in listed:
+                self._publish(listed[name])
+            elif committed is not None and _staged_id(name) <= committed:
+                self._discard_dead(name, committed)
+            else:
+                self._leftovers.add(name)
+            found.add(name)
         for name, staged in listed.items():
             if name in found or all((self.table / f).is_file() for f in staged.files):
                 continue  # published before (with or without its commit-log entry)
@@ -687,6 +708,35 @@ class ParquetSinkWriter(SinkWriter):
                 f"{self._task} names staged files under {self.staging_root / name} that are "
                 "gone and were never published; were _staging directories deleted by hand?"
             )
+
+    def _staged_names(self) -> list[str]:
+        if not self.staging_root.is_dir():
+            return []
+        return sorted(d.name for d in self.staging_root.iterdir() if _staged_id(d.name) >= 0)
+
+    def _discard_dead(self, name: str, committed: int) -> None:
+        log.info(
+            "%s: discarding staged %s of task %s (never committed: checkpoint %d committed "
+            "without it)",
+            self._sink.name,
+            name,
+            self._task,
+            committed,
+        )
+        shutil.rmtree(self.staging_root / name, ignore_errors=True)
+
+    def _sweep_leftovers(self, committed: int) -> None:
+        """Staged checkpoints another writer left, now provably dead: ``committed`` (ours)
+        passed their ids, and nothing committed them before it (see ``recover``)."""
+        for name in sorted(self._leftovers):
+            if _staged_id(name) > committed:
+                continue
+            self._leftovers.discard(name)
+            intent = self._intent_path(name)
+            if intent.exists():  # published by its own writer after our recovery looked
+                self._publish(StagedCheckpoint.from_json(orjson.loads(intent.read_bytes())))
+            else:
+                self._discard_dead(name, committed)
 
     def close(self) -> None:
         self._drain()
@@ -757,6 +807,12 @@ class ParquetSinkWriter(SinkWriter):
 
 
 # --------------------------------------------------------------------------- background thread
+
+
+def _staged_id(name: str) -> int:
+    """The checkpoint id of a staging directory ``<10-digit id>-<token>`` (-1: not one)."""
+    head, _, token = name.partition("-")
+    return int(head) if len(head) == 10 and head.isdigit() and token else -1
 
 
 def _metadata_future(futures: Sequence[Future[StagedCheckpoint]]) -> Future[dict[str, Any]]:

@@ -34,6 +34,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
+from snapline.pipeline.checkpoint.identity import JobIdentity
 from snapline.pipeline.errors import ConfigurationError, SinkError
 from snapline.pipeline.record import Record
 from snapline.pipeline.state.serde import json_bytes
@@ -49,6 +50,7 @@ TASK_COLUMN = "_snapline_task"
 FENCE_COLUMNS = (CHECKPOINT_COLUMN, TASK_COLUMN)
 STAGING_SUFFIX = "__snapline_staging"
 REJECTED_SUFFIX = "__snapline_rejected"
+JOBS_SUFFIX = "__snapline_jobs"
 #: PostgreSQL truncates identifiers to 63 bytes; longer derived names are shortened with a hash.
 MAX_IDENTIFIER = 63
 _COPY_CHUNK = 1 << 20
@@ -97,6 +99,10 @@ class TableSpec:
     @property
     def rejected(self) -> sql.Identifier:
         return sql.Identifier(self.schema, derived_name(self.table, REJECTED_SUFFIX))
+
+    @property
+    def jobs(self) -> sql.Identifier:
+        return sql.Identifier(self.schema, derived_name(self.table, JOBS_SUFFIX))
 
     @property
     def column_names(self) -> tuple[str, ...]:
@@ -148,6 +154,14 @@ def rejected_ddl(spec: TableSpec) -> sql.Composed:
         "row jsonb NOT NULL, sqlstate text, error text NOT NULL, "
         "rejected_at timestamptz NOT NULL DEFAULT now())"
     ).format(spec.rejected)
+
+
+def jobs_ddl(spec: TableSpec) -> sql.Composed:
+    """Which Kafka cluster each job writing the table committed on (checkpoint/identity.py)."""
+    return sql.SQL(
+        "CREATE TABLE IF NOT EXISTS {} (job text PRIMARY KEY, cluster_id text NOT NULL, "
+        "first_seen timestamptz NOT NULL DEFAULT now())"
+    ).format(spec.jobs)
 
 
 def apply_sql(spec: TableSpec, single_row: bool = False) -> sql.Composed:
@@ -550,7 +564,13 @@ class PostgresSinkWriter(SinkWriter):
                 )
 
     def recover(self, committed: int | None, metadata: dict[str, Any] | None) -> None:
-        """Apply the staged checkpoints ``committed`` names; delete every other staged row."""
+        """Apply the staged checkpoints ``committed`` names; delete staged rows that are
+        provably dead (checkpoint ids ≤ ``committed``); leave newer ones alone.
+
+        Staged rows of a checkpoint newer than ``committed`` may belong to a live owner about
+        to commit it (this writer may be a zombie that read stale offsets): they stay until
+        this writer commits a checkpoint with an id at least as high (``_apply`` then deletes
+        every other writer instance's rows up to that id)."""
         self._drain()
         self._pending = []
         self._epochs.clear()
@@ -565,7 +585,8 @@ class PostgresSinkWriter(SinkWriter):
         def run() -> None:
             for checkpoint_id, token in sorted(entries):
                 self._apply(token, checkpoint_id)
-            self._delete_staged(None)
+            if committed is not None:
+                self._delete_dead(committed)
 
         self._call(run)
 
@@ -687,7 +708,29 @@ class PostgresSinkWriter(SinkWriter):
             for statement in staging_ddl(spec):
                 connection.execute(statement)
             connection.execute(rejected_ddl(spec))
+            if self._context.cluster_id:
+                self._check_identity(connection, spec, qualified)
         return spec
+
+    def _check_identity(
+        self, connection: psycopg.Connection[Any], spec: TableSpec, qualified: str
+    ) -> None:
+        identity = JobIdentity(self._context.job, self._context.cluster_id)
+        connection.execute(jobs_ddl(spec))
+        connection.execute(
+            sql.SQL(
+                "INSERT INTO {} (job, cluster_id) VALUES (%s, %s) ON CONFLICT DO NOTHING"
+            ).format(spec.jobs),
+            (identity.job, identity.cluster_id),
+        )
+        row = connection.execute(
+            sql.SQL("SELECT cluster_id FROM {} WHERE job = %s").format(spec.jobs), (identity.job,)
+        ).fetchone()
+        assert row is not None
+        identity.check(
+            JobIdentity(identity.job, row[0]),
+            f"{self._sink.name}: PostgreSQL table {qualified} ({spec.jobs.as_string(connection)})",
+        )
 
     def _check_key_index(
         self, connection: psycopg.Connection[Any], relid: int, qualified: str
@@ -838,27 +881,37 @@ class PostgresSinkWriter(SinkWriter):
                     spec.rejected.as_string(connection),
                 )
 
-    def _delete_staged(self, from_checkpoint: int | None) -> None:
-        """Delete this writer's staged rows of checkpoints ≥ n (None: every staged row of the
-        task, whatever writer instance staged it)."""
+    def _delete_staged(self, from_checkpoint: int) -> None:
+        """Delete this writer instance's own staged rows of checkpoints ≥ n."""
         spec = self._spec
         assert spec is not None
         try:
             connection = self._conn()
             with connection.transaction():
-                if from_checkpoint is None:
-                    connection.execute(
-                        sql.SQL("DELETE FROM {} WHERE writer = %s").format(spec.staging),
-                        (self.writer_key,),
-                    )
-                else:
-                    connection.execute(
-                        sql.SQL(
-                            "DELETE FROM {} WHERE writer = %s AND token = %s "
-                            "AND checkpoint_id >= %s"
-                        ).format(spec.staging),
-                        (self.writer_key, self.token, from_checkpoint),
-                    )
+                connection.execute(
+                    sql.SQL(
+                        "DELETE FROM {} WHERE writer = %s AND token = %s AND checkpoint_id >= %s"
+                    ).format(spec.staging),
+                    (self.writer_key, self.token, from_checkpoint),
+                )
+        except psycopg.Error as exc:
+            raise self._fail(exc, "delete staged rows in") from exc
+
+    def _delete_dead(self, committed: int) -> None:
+        """Delete the task's staged rows of checkpoints ≤ ``committed`` (any writer instance):
+        checkpoint ``committed`` committed and its listed rows are applied, so nothing else
+        at or below it can ever be."""
+        spec = self._spec
+        assert spec is not None
+        try:
+            connection = self._conn()
+            with connection.transaction():
+                connection.execute(
+                    sql.SQL("DELETE FROM {} WHERE writer = %s AND checkpoint_id <= %s").format(
+                        spec.staging
+                    ),
+                    (self.writer_key, committed),
+                )
         except psycopg.Error as exc:
             raise self._fail(exc, "delete staged rows in") from exc
 

@@ -222,29 +222,88 @@ def test_crash_after_commit_point_is_published_by_recovery(table: Path, sink: Pa
     assert staged_files(table) == []
 
 
-def test_recovery_discards_checkpoints_after_the_committed_one(
+def test_recovery_keeps_newer_staging_until_a_newer_checkpoint_commits(
     table: Path, sink: ParquetSink
 ) -> None:
+    """Staged checkpoint 2 is newer than the committed 1: its owner may still commit it, so
+    recovery leaves it; once the successor commits 2 itself, the old staging is dead."""
     crashed, _ = make_writer(sink)
     crashed.write_batch(records(rows_for(1)), 1)
     meta1 = metadata(crashed.pre_commit(1))
     crashed.write_batch(records(rows_for(2)), 2)
     metadata(crashed.pre_commit(2))  # staged, but its Kafka transaction never committed
+    crashed_files = [f for f in staged_files(table) if "/0000000002-" in str(f)]
+    assert crashed_files
     successor, _ = make_writer(sink)
     successor.recover(1, meta1)
     assert {r["chk"] for r in visible(table)} == {1}
+    assert staged_files(table) == crashed_files
+    successor.write_batch(records([{**r, "id": f"s{r['id']}"} for r in rows_for(2)]), 2)
+    metadata(successor.pre_commit(2))
+    successor.commit(2)
+    assert sorted(r["id"] for r in visible(table) if r["chk"] == 2) == [f"s2-{i}" for i in range(5)]
     assert staged_files(table) == []
 
 
-def test_recovery_with_nothing_committed_deletes_all_staging(
-    table: Path, sink: ParquetSink
-) -> None:
+def test_recovery_with_nothing_committed_deletes_nothing(table: Path, sink: ParquetSink) -> None:
     crashed, _ = make_writer(sink)
     crashed.write_batch(records(rows_for(1)), 1)
     metadata(crashed.pre_commit(1))
     successor, _ = make_writer(sink)
     successor.recover(None, None)
-    assert visible(table) == [] and staged_files(table) == []
+    assert visible(table) == [] and len(staged_files(table)) == 1
+    successor.write_batch(records(rows_for(1, count=2)), 1)
+    metadata(successor.pre_commit(1))
+    successor.commit(1)
+    assert len(visible(table)) == 2 and staged_files(table) == []
+
+
+def test_zombie_recovery_with_stale_offsets_keeps_the_owners_checkpoint(
+    table: Path, sink: ParquetSink
+) -> None:
+    """Issue 9 item 1: a zombie re-ran recovery from checkpoint 1 (stale offsets) while the
+    new owner had staged checkpoint 2 and was committing it; the owner's files must survive
+    and publish, and the zombie's own later staging must never become visible."""
+    first, _ = make_writer(sink)
+    first.write_batch(records(rows_for(1)), 1)
+    meta1 = metadata(first.pre_commit(1))
+    first.commit(1)
+    owner, _ = make_writer(sink)
+    owner.recover(1, meta1)
+    owner.write_batch(records(rows_for(2)), 2)
+    metadata(owner.pre_commit(2))  # staged; the owner's Kafka commit of 2 is under way
+    zombie, _ = make_writer(sink)
+    zombie.recover(1, meta1)  # read the offsets before the owner's commit landed
+    zombie.write_batch(records([{**r, "id": f"z{r['id']}"} for r in rows_for(2)]), 2)
+    metadata(zombie.pre_commit(2))  # its commit is fenced and never happens
+    owner.commit(2)  # the commit point of 2 passed for the owner
+    assert visible_ids(table) == sorted(f"{c}-{i}" for c in (1, 2) for i in range(5))
+    owner.write_batch(records(rows_for(3)), 3)
+    meta3 = metadata(owner.pre_commit(3))
+    owner.commit(3)
+    later, _ = make_writer(sink)
+    later.recover(3, meta3)
+    assert visible_ids(table) == sorted(f"{c}-{i}" for c in (1, 2, 3) for i in range(5))
+    assert staged_files(table) == []  # the zombie's 2 is dead once 3 committed
+
+
+def test_table_of_another_cluster_is_refused(table: Path, sink: ParquetSink) -> None:
+    def writer(cluster: str) -> ParquetSinkWriter:
+        context = SinkContext(
+            "orders",
+            "orders-0",
+            "w",
+            sink.name,
+            None,
+            lambda *_: None,
+            cluster,  # type: ignore[arg-type]
+        )
+        return sink.open(context)
+
+    writer("cluster-a").close()
+    writer("cluster-a").close()
+    with pytest.raises(ConfigurationError, match="cluster-a.*cluster-b|cluster cluster-a"):
+        writer("cluster-b")
 
 
 def test_metadata_names_every_unpublished_checkpoint(table: Path, sink: ParquetSink) -> None:

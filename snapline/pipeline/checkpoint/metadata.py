@@ -2,7 +2,8 @@
 
 The metadata file is JSON with a CRC-32 over its canonical body, written atomically after all
 of the task's state files are durable. The Kafka offset commit of the same checkpoint (the
-commit point) carries ``snapline:1:<checkpoint_id>:<attempt>`` so recovery can find it.
+commit point) carries ``snapline:1:<checkpoint_id>:<attempt>`` so recovery can find it; after
+the commit point an empty ``_committed`` marker is added to the checkpoint's directory.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from snapline.pipeline.state.backend import StateHandle
 
 FORMAT_VERSION = 1
 METADATA_FILE = "_metadata.json"
+#: Written into a checkpoint's directory once its Kafka transaction committed (the commit point
+#: passed): the only evidence, apart from the committed offsets themselves, that it committed.
+COMMITTED_FILE = "_committed"
 _OFFSET_META = re.compile(r"^snapline:1:(\d+):([0-9a-f]{1,32})$")
 _CHK_DIR = re.compile(r"^chk-(\d{10})-([0-9a-f]{1,32})$")
 
@@ -140,6 +144,17 @@ class TaskCheckpoint:
                 f"{path} describes {meta.task_id}/{meta.ref}, expected {task_id}/{ref}"
             )
         return meta
+
+
+def mark_committed(storage: CheckpointStorage, job: str, task_id: str, ref: CheckpointRef) -> None:
+    """Record that ``ref`` passed the commit point (idempotent)."""
+    storage.write_bytes(f"{ref.directory(job, task_id)}/{COMMITTED_FILE}", b"")
+
+
+def is_marked_committed(
+    storage: CheckpointStorage, job: str, task_id: str, ref: CheckpointRef
+) -> bool:
+    return storage.exists(f"{ref.directory(job, task_id)}/{COMMITTED_FILE}")
 
 
 def list_checkpoints(storage: CheckpointStorage, job: str, task_id: str) -> list[CheckpointRef]:

@@ -15,7 +15,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from snapline.pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint, list_checkpoints
+from snapline.pipeline.checkpoint.metadata import (
+    CheckpointRef,
+    TaskCheckpoint,
+    is_marked_committed,
+    list_checkpoints,
+    mark_committed,
+)
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.errors import CheckpointError
 from snapline.pipeline.runtime.faults import FaultInjector
@@ -77,7 +83,9 @@ class CheckpointCoordinator:
 
     # ----------------------------------------------------------------- trigger
     def observe_restored(self, checkpoint_id: int | None) -> None:
-        """Checkpoint ids continue after the newest id any restored task committed."""
+        """Checkpoint ids continue after every id a restored task has: the one it committed
+        and any newer one left in its directory, so ids stay unique per task and leftovers
+        of other attempts fall below the next committed id (where retention deletes them)."""
         if checkpoint_id is not None and checkpoint_id >= self.next_id:
             self.next_id = checkpoint_id + 1
 
@@ -167,18 +175,33 @@ class CheckpointCoordinator:
 
     # ----------------------------------------------------------------- retention
     def retain(self, task_id: str, committed: CheckpointRef, keep: int) -> None:
-        """Delete the task's checkpoints older than the newest ``keep`` committed (background)."""
+        """After ``committed`` passed the commit point: mark it committed, then delete the
+        task's checkpoints that are provably dead or no longer retained (background)."""
         self._pool.submit(self._retain, task_id, committed, keep)
 
     def _retain(self, task_id: str, committed: CheckpointRef, keep: int) -> None:
+        """Keep ``committed`` and the newest ``keep - 1`` older checkpoints marked committed.
+
+        Deleted: every other checkpoint with an id ≤ ``committed``'s — older committed ones
+        past the retention count, and ones that never committed (a checkpoint with a lower
+        id, or the same id from another attempt, can never commit once ``committed`` has).
+        Never deleted here: checkpoints with higher ids. They may belong to a checkpoint in
+        flight, of this worker or of another worker that owns the task by now; they become
+        deletable once a checkpoint with an id at least as high commits."""
         try:
+            mark_committed(self.storage, self.job, task_id, committed)
             refs = [
                 r
                 for r in list_checkpoints(self.storage, self.job, task_id)
                 if r.checkpoint_id <= committed.checkpoint_id
             ]
-            complete = [r for r in refs if r.checkpoint_id < committed.checkpoint_id]
-            retained = set(complete[-(keep - 1) :] if keep > 1 else []) | {committed}
+            older = [
+                r
+                for r in refs
+                if r.checkpoint_id < committed.checkpoint_id
+                and is_marked_committed(self.storage, self.job, task_id, r)
+            ]
+            retained = set(older[-(keep - 1) :] if keep > 1 else []) | {committed}
             for ref in refs:
                 if ref not in retained:
                     self.storage.delete_dir(ref.directory(self.job, task_id))

@@ -18,6 +18,7 @@ import signal
 import time
 
 KILL_POINTS = (
+    "after_offsets_read",  # recovery read the committed offsets, restored nothing yet
     "sync_snapshot",  # right after the synchronous part of a task's snapshot
     "mid_materialization",  # state written to storage, metadata not yet
     "after_metadata_write",  # all metadata durable, Kafka transaction not committed

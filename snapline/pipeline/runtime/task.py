@@ -87,9 +87,11 @@ class Task:
         epoch: int,
         on_snapshot: Callable[[TaskSnapshot], None],
         faults: FaultInjector,
+        cluster_id: str = "",
     ) -> None:
         self.task_id = task_id
         self.pipeline = pipeline
+        self.cluster_id = cluster_id
         self.backend = backend
         self.output = output
         self.epoch = epoch
@@ -159,6 +161,7 @@ class Task:
                 node.fn.name,
                 self.output,
                 self._sink_dead_letter,
+                self.cluster_id,
             )
             sink_op = SinkOperator(self, node.fn.name, node.fn.open(context))
             self.sink_writers[node.fn.name] = sink_op

@@ -43,11 +43,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaException, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    OFFSET_END,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from snapline.connectors.config import redact
-from snapline.pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint, list_checkpoints
+from snapline.pipeline.checkpoint.identity import JobIdentity, check_storage_identity
+from snapline.pipeline.checkpoint.metadata import (
+    METADATA_FILE,
+    CheckpointRef,
+    TaskCheckpoint,
+    is_marked_committed,
+    list_checkpoints,
+    mark_committed,
+)
 from snapline.pipeline.checkpoint.restore import restore_committed
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.errors import CheckpointError, ConfigurationError
@@ -97,6 +112,9 @@ class WorkerSettings:
     worker_id: str
     checkpoint_dir: str
     local_dir: str = ""
+    #: What to do for a task whose committed offsets are gone while checkpoints that committed
+    #: are stored: "fail" (default), "restore-latest" or "reset-state" (see _missing_offsets).
+    on_missing_offsets: str = "fail"
 
     def resolved_local_dir(self) -> Path:
         """Where tasks keep local state: ``local_dir``, else beside a local checkpoint
@@ -158,9 +176,17 @@ class Worker:
         self._last_trigger = time.monotonic()
         self._records_at_trigger = 0
         self._records_at_durable = 0
+        #: Task id -> the committed checkpoint its last restore used (None: none).
+        self._restored_from: dict[str, int | None] = {}
+        #: A failed checkpoint left the tasks dropped; they are rebuilt on the next step,
+        #: after the consumer has had a chance to report a lost assignment.
+        self._restore_pending = False
+        #: An exception raised in a rebalance callback, re-raised after the poll (_consume).
+        self._callback_error: Exception | None = None
         self._metrics_path = os.environ.get("SNAPLINE_METRICS_FILE")
         self.checkpoints_committed = 0
         self._check_topics()
+        self.cluster_id = self._check_identity()
         transactional_id = (
             f"snapline-{pipeline.name}-{settings.worker_id}" if pipeline.exactly_once else None
         )
@@ -168,7 +194,8 @@ class Worker:
         self.output = TransactionalOutput(
             producer_config, transactional_id=transactional_id, stopping=lambda: self._stopping
         )
-        self.consumer = Consumer(self._consumer_config())
+        self._consumer_fatal: str | None = None
+        self.consumer = self._new_consumer()
         self._consumer_call = BoundedCall("consumer")
         self._outage: BrokerOutageError | None = None
         self._consumer_replaced: list[float] = []
@@ -249,16 +276,42 @@ class Worker:
                 "a pipeline's source topics need the same number of partitions and the same key"
             )
 
+    def _check_identity(self) -> str:
+        """The Kafka cluster id, checked against the one the job's checkpoints were made on."""
+        admin = AdminClient(self._kafka_config)
+        try:
+            cluster_id = admin.list_topics(timeout=30).cluster_id
+        except KafkaException as exc:
+            raise ConfigurationError(
+                f"cannot reach Kafka at {self.settings.bootstrap_servers}: {exc}"
+            ) from exc
+        if not cluster_id:
+            log.warning("Kafka did not report a cluster id; the job identity is not checked")
+            return ""
+        check_storage_identity(
+            self.storage,
+            JobIdentity(self.pipeline.name, cluster_id),
+            self.settings.bootstrap_servers,
+        )
+        return str(cluster_id)
+
     # ------------------------------------------------------------------ rebalance
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         log.info("assigned %s", sorted((p.topic, p.partition) for p in partitions))
         self._event({"event": "assigned", "partitions": len(partitions)})
         self._drop_tasks()
+        self._restore_pending = False
         started = time.monotonic()
         restored = self._restore(partitions)
         consumer.assign([TopicPartition(t, p, off) for (t, p), off in restored.items()])
         self._remove_moved_task_dirs()
-        self._event({"event": "restored", "seconds": round(time.monotonic() - started, 3)})
+        self._event(
+            {
+                "event": "restored",
+                "seconds": round(time.monotonic() - started, 3),
+                "checkpoints": self._restored_from,
+            }
+        )
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """A rebalance takes the partitions away: commit the work done so far first.
@@ -282,12 +335,14 @@ class Worker:
                 }
             )
         self._drop_tasks()
+        self._restore_pending = False
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """The partitions already belong to other members: nothing of the epoch may commit."""
         log.warning("lost %d partitions: aborting the open epoch", len(partitions))
         self._event({"event": "lost", "partitions": len(partitions)})
         self._drop_tasks()
+        self._restore_pending = False
 
     def _drop_tasks(self) -> None:
         """Uncommitted work is discarded; its owner restores from the committed checkpoint."""
@@ -312,13 +367,16 @@ class Worker:
         for tp in partitions:
             by_task[task_id_for(tp.partition)].append(tp)
         committed = self._committed_offsets(partitions) if partitions else []
+        self.faults.point("after_offsets_read")
         committed_by_tp = {(c.topic, c.partition): c for c in committed}
         seek: dict[tuple[str, int], int] = {}
+        self._restored_from = {}
         for task_id, tps in sorted(by_task.items()):
             positions, ref = self._restore_task(
                 task_id, [committed_by_tp[(t.topic, t.partition)] for t in tps]
             )
             seek.update(positions)
+            self._restored_from[task_id] = ref.checkpoint_id if ref else None
         if self.tasks:
             self.output.begin(self.coordinator.next_id)
             for task in self.tasks.values():
@@ -363,13 +421,32 @@ class Worker:
     def _restore_task(
         self, task_id: str, committed: list[TopicPartition]
     ) -> tuple[dict[tuple[str, int], int], CheckpointRef | None]:
-        refs = {CheckpointRef.parse_offset_metadata(c.metadata) for c in committed if c.offset >= 0}
-        if len(refs) > 1:
-            raise CheckpointError(
-                f"partitions of task {task_id} name different checkpoints {sorted(map(str, refs))};"
-                " were source topics added to a running pipeline? Start it under a new name"
+        ref = self._named_checkpoint(task_id, committed)
+        for _ in range(3):
+            if ref is None or self.storage.exists(
+                f"{ref.directory(self.pipeline.name, task_id)}/{METADATA_FILE}"
+            ):
+                break
+            # Retention deletes a checkpoint only after a newer one committed, so offsets that
+            # name a deleted checkpoint were stale when read (this worker may be a zombie
+            # that read them before freezing). Read them again rather than fail.
+            committed = self._committed_offsets(
+                [TopicPartition(c.topic, c.partition) for c in committed]
             )
-        ref = refs.pop() if refs else None
+            fresh = self._named_checkpoint(task_id, committed)
+            if fresh == ref or fresh is None:
+                break  # really missing: restore_committed below says so
+            log.warning(
+                "task %s: the committed offsets read named checkpoint %d, which is deleted: "
+                "they were stale; now they name %d",
+                task_id,
+                ref.checkpoint_id,
+                fresh.checkpoint_id,
+            )
+            ref = fresh
+        stored = list_checkpoints(self.storage, self.pipeline.name, task_id)
+        if ref is None and stored:
+            ref = self._missing_offsets(task_id, stored)
         backend = create_backend(
             self.pipeline.state_backend,
             task_dir=str(self.local_dir / self.pipeline.name / task_id),
@@ -385,7 +462,16 @@ class Worker:
                 backend,
                 on_corrupt=self.pipeline.on_corrupt_checkpoint,
             )
-        self._discard_uncommitted(task_id, ref)
+            if not is_marked_committed(self.storage, self.pipeline.name, task_id, ref):
+                # The committed offsets prove it: the worker that committed it died before
+                # its marker was written.
+                mark_committed(self.storage, self.pipeline.name, task_id, ref)
+        # Nothing is deleted here: a checkpoint newer than the committed one may be in flight
+        # on the worker that owns the task by now (this one may be a zombie that read stale
+        # offsets). Ids continue above every stored one, so retention deletes such leftovers
+        # once a checkpoint with a higher id commits.
+        if stored:
+            self.coordinator.observe_restored(stored[-1].checkpoint_id)
         positions: dict[tuple[str, int], int] = {}
         start = {
             t: (OFFSET_END if s.starting_position == "latest" else OFFSET_BEGINNING)
@@ -412,6 +498,7 @@ class Worker:
             epoch=max(task_epoch, self.coordinator.next_id),
             on_snapshot=self._on_task_snapshot,
             faults=self.faults,
+            cluster_id=self.cluster_id,
         )
         task.recover_sinks(ref.checkpoint_id if ref else None, meta.sinks if meta else {})
         self.tasks[task_id] = task
@@ -422,6 +509,17 @@ class Worker:
             positions,
         )
         return positions, ref
+
+    @staticmethod
+    def _named_checkpoint(task_id: str, committed: list[TopicPartition]) -> CheckpointRef | None:
+        """The checkpoint the task's committed offsets name (None: no commit yet)."""
+        refs = {CheckpointRef.parse_offset_metadata(c.metadata) for c in committed if c.offset >= 0}
+        if len(refs) > 1:
+            raise CheckpointError(
+                f"partitions of task {task_id} name different checkpoints {sorted(map(str, refs))};"
+                " were source topics added to a running pipeline? Start it under a new name"
+            )
+        return refs.pop() if refs else None
 
     def _channel_positions(
         self, positions: dict[tuple[str, int], int]
@@ -436,12 +534,49 @@ class Worker:
             resolved[tp] = offset
         return resolved
 
-    def _discard_uncommitted(self, task_id: str, committed: CheckpointRef | None) -> None:
-        """A checkpoint that never reached the commit point leaves no trace."""
-        newest = committed.checkpoint_id if committed else 0
-        for ref in list_checkpoints(self.storage, self.pipeline.name, task_id):
-            if ref.checkpoint_id > newest:
+    def _missing_offsets(self, task_id: str, stored: list[CheckpointRef]) -> CheckpointRef | None:
+        """The task has no committed offsets but stored checkpoints: if one of them is known
+        to have committed, the offsets vanished (expired while the job was stopped, a topic
+        recreated, another cluster's group of the same name): never guess silently."""
+        committed = [
+            r for r in stored if is_marked_committed(self.storage, self.pipeline.name, task_id, r)
+        ]
+        if not committed:
+            return None  # only checkpoints that never committed: a fresh start is right
+        latest = committed[-1]
+        choice = self.settings.on_missing_offsets
+        where = self.storage.full_path(f"{self.pipeline.name}/tasks/{task_id}")
+        if choice == "restore-latest":
+            log.warning(
+                "task %s: no committed offsets; restoring checkpoint %d, the newest known "
+                "committed (--restore-latest). If a later checkpoint committed before its "
+                "marker was written, its input is processed again.",
+                task_id,
+                latest.checkpoint_id,
+            )
+            return latest
+        if choice == "reset-state":
+            log.warning(
+                "task %s: no committed offsets; --reset-state deletes its %d stored "
+                "checkpoints and starts with empty state at the source's starting position",
+                task_id,
+                len(stored),
+            )
+            for ref in stored:
                 self.storage.delete_dir(ref.directory(self.pipeline.name, task_id))
+            return None
+        raise CheckpointError(
+            f"task {task_id}: the consumer group {self.pipeline.name!r} on "
+            f"{self.settings.bootstrap_servers} has no committed offsets for its partitions, "
+            f"but {where} holds committed checkpoints (newest: {latest.checkpoint_id}). The "
+            "offsets may have expired while the job was stopped (offsets.retention.minutes), "
+            "the source topic may have been recreated, or this is another cluster. Restart "
+            "with --restore-latest to continue from checkpoint "
+            f"{latest.checkpoint_id} (exact unless a newer checkpoint committed just before "
+            "a crash, whose input would then be processed again), or with --reset-state to "
+            "delete the stored checkpoints and start from the source's starting position "
+            "(the sinks then receive the reprocessed output again)."
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def _on_task_snapshot(self, snapshot: TaskSnapshot) -> None:
@@ -565,8 +700,22 @@ class Worker:
             self._await_broker(exc)
         else:
             sleep_unless(lambda: self._stopping, min(0.5 * 2**self._failures, 10))
-        assignment = self.consumer.assignment()
         self._drop_tasks()
+        self._restore_pending = True
+
+    def _restore_after_failure(self) -> None:
+        """Rebuild the tasks of the partitions this worker still owns.
+
+        Runs one consumer poll first: a worker whose checkpoint failed because it lost its
+        partitions (a zombie) learns so there (the rebalance callbacks run, and on_assign
+        restores whatever it owns now), instead of re-running recovery on partitions that
+        belong to another worker. Messages fetched meanwhile are dropped: every partition is
+        sought to its restored position below."""
+        self._consume(0.2)
+        if not self._restore_pending:
+            return  # a rebalance callback rebuilt the tasks
+        self._restore_pending = False
+        assignment = self.consumer.assignment()
         restored = self._restore(assignment)
         for (topic, partition), offset in restored.items():
             self.consumer.seek(TopicPartition(topic, partition, offset))
@@ -635,16 +784,29 @@ class Worker:
         except Exception as close_exc:  # a fenced consumer may fail to close; it is dropped
             log.warning("closing the fenced consumer: %s", close_exc)
         self._consumer_call = BoundedCall("consumer")
-        self.consumer = Consumer(self._consumer_config())
-        self.consumer.subscribe(
-            self.pipeline.source_topics(),
-            on_assign=self._on_assign,
-            on_revoke=self._on_revoke,
-            on_lost=self._on_lost,
-        )
+        self._consumer_fatal = None
+        self.consumer = self._new_consumer()
+        self._subscribe()
         holder: list[object] = [old]
         del old
         threading.Thread(target=_release, args=(holder,), name="kafka-release", daemon=True).start()
+
+    def _new_consumer(self) -> Consumer:
+        return Consumer({**self._consumer_config(), "error_cb": self._on_consumer_error})
+
+    def _on_consumer_error(self, error: KafkaError) -> None:
+        """librdkafka's error callback (runs inside consume on the task thread)."""
+        if classify(error) is ErrorClass.FATAL:
+            self._consumer_fatal = str(error)
+        log.warning("kafka consumer: %s", error)
+
+    def _subscribe(self) -> None:
+        self.consumer.subscribe(
+            self.pipeline.source_topics(),
+            on_assign=self._guarded(self._on_assign),
+            on_revoke=self._guarded(self._on_revoke),
+            on_lost=self._guarded(self._on_lost),
+        )
 
     # ------------------------------------------------------------------ main loop
     def request_stop(self, *_: Any) -> None:
@@ -666,10 +828,7 @@ class Worker:
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
         try:
             self.output.init()
-            topics = self.pipeline.source_topics()
-            self.consumer.subscribe(
-                topics, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
-            )
+            self._subscribe()
             while True:
                 if self._stopping or (deadline is not None and time.monotonic() > deadline):
                     self._final_checkpoint()
@@ -707,10 +866,13 @@ class Worker:
             self._close()
 
     def _step(self) -> None:
+        if self._restore_pending:
+            self._restore_after_failure()
+            return
         pending = self.coordinator.pending
         held = len(self.output._buffer)
         if held < MAX_HELD_RECORDS:
-            messages = self.consumer.consume(BATCH_SIZE, 0.005 if pending else 0.05)
+            messages = self._consume(0.005 if pending else 0.05)
             if messages:
                 self._route(messages)
         else:
@@ -730,6 +892,30 @@ class Worker:
                 # replaced on its next poll (_route).
                 self._event({"event": "checkpoint_failed", "error": str(exc)[:500]})
                 self._fail_checkpoint(exc)
+
+    def _guarded(self, callback: Any) -> Any:
+        """A rebalance callback whose exception is re-raised by ``_consume`` after the poll
+        returns: librdkafka may run further callbacks in the same poll, and an exception
+        left pending across them surfaces as an unrelated SystemError."""
+
+        def run(consumer: Consumer, partitions: list[TopicPartition]) -> None:
+            if self._callback_error is not None:
+                return  # an earlier callback of this poll failed; the worker is stopping
+            try:
+                callback(consumer, partitions)
+            except Exception as exc:
+                self._callback_error = exc
+
+        return run
+
+    def _consume(self, timeout: float) -> list[Any]:
+        messages = self.consumer.consume(BATCH_SIZE, timeout)
+        error, self._callback_error = self._callback_error, None
+        if error is not None:
+            raise error
+        if self._consumer_fatal is not None:
+            raise ConsumerFencedError(f"consumer failed fatally: {self._consumer_fatal}")
+        return messages
 
     def _route(self, messages: list[Any]) -> None:
         groups: dict[tuple[str, int], list[Any]] = {}
@@ -779,9 +965,8 @@ class Worker:
                 done = self.coordinator.poll()
                 if done is not None:
                     self._complete(done)
-            except FencedError:
-                raise
             except CheckpointError as exc:
+                # FencedError too: the abort that follows replaces the producer
                 log.error("%s: final checkpoint failed (the epoch is aborted): %s", reason, exc)
                 self._event({"event": "checkpoint_failed", "error": str(exc)[:500]})
                 return

@@ -1,0 +1,288 @@
+"""Recovery deletes only what is provably dead (issue 9, items 1 and 4), on real processes.
+
+- A zombie that re-runs recovery on stale committed offsets, while the new owner commits newer
+  checkpoints, must destroy nothing: every sink keeps every committed checkpoint's output and
+  every later owner finds the committed checkpoint's files.
+- A job pointed at another Kafka cluster is refused at start, and neither its checkpoints nor
+  its sink tables are touched.
+- Committed offsets that vanished while committed checkpoints are stored stop the job with an
+  explicit choice; --restore-latest continues exactly.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from confluent_kafka.admin import AdminClient
+
+from examples.orders import produce_orders
+from examples.workers import WorkerProcess, read_events
+from integration_tests.warehouse_job import SPEC, WarehouseJob
+from snapline import LocalKafkaBroker
+
+pytestmark = [pytest.mark.integration, pytest.mark.postgres]
+
+
+def _process_state(pid: int) -> str:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def _listing(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def _wait_for(what: str, condition, timeout: float, logs=lambda: "") -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s\n{logs()}"
+        time.sleep(0.3)
+
+
+class Feeder:
+    """Keeps orders trickling in (an idle pipeline takes no checkpoints) until stopped."""
+
+    def __init__(self, job: WarehouseJob, batch: int = 200, pause: float = 0.3) -> None:
+        self.job, self.batch, self.pause = job, batch, pause
+        self.stop_flag = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop_flag.is_set():
+            self.job.produce(self.batch)
+            time.sleep(self.pause)
+
+    def __enter__(self) -> Feeder:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop_flag.set()
+        self.thread.join(60)
+
+
+@pytest.fixture
+def jobs() -> Iterator[list[WarehouseJob]]:
+    made: list[WarehouseJob] = []
+    yield made
+    for job in made:
+        for worker in job.workers:
+            worker.kill()
+
+
+@pytest.mark.parametrize("stale_checkpoint", ["still stored", "deleted by retention"])
+def test_zombie_recovery_on_stale_offsets_destroys_nothing(
+    kafka_bootstrap: str,
+    postgres_dsn: str,
+    tmp_path: Path,
+    unique_name: str,
+    jobs: list,
+    stale_checkpoint: str,
+) -> None:
+    """The interleaving of issue 9 item 1, forced with freeze points: the zombie read the
+    committed offsets of its partition, froze, lost the partition; the owner committed many
+    newer checkpoints and froze with one more in flight (state, staged Parquet files and
+    staged PostgreSQL rows durable, Kafka not committed yet). The zombie wakes and recovers
+    from its stale offsets, then the owner wakes and commits.
+
+    If retention has deleted the checkpoint the stale offsets name, the zombie reads the
+    offsets again (they named a deleted checkpoint, so they were stale) instead of failing."""
+    retained = 1000 if stale_checkpoint == "still stored" else 3
+    job = WarehouseJob(
+        kafka_bootstrap, unique_name, tmp_path, postgres_dsn, interval=0.3, retained=retained
+    )
+    jobs.append(job)
+    owner, zombie = job.workers
+    owner.start()
+    job.produce(3000)
+    _wait_for(
+        "first commits",
+        lambda: None not in job.committed_checkpoints().values(),
+        90,
+        job.logs,
+    )
+
+    def frozen(worker: WorkerProcess, point: str) -> bool:
+        assert worker.proc is not None
+        hit = (
+            any(
+                line.split()[1:] == [str(worker.proc.pid), point]
+                for line in worker.fault_log.read_text().splitlines()
+            )
+            if worker.fault_log.exists()
+            else False
+        )
+        return hit and _process_state(worker.proc.pid) == "T"
+
+    with Feeder(job):
+        # The zombie joins, gets a partition, reads its committed offsets and freezes right
+        # there, before it restored anything.
+        zombie.start({"SNAPLINE_FAULT": "after_offsets_read:1:stop"})
+        _wait_for("zombie frozen", lambda: frozen(zombie, "after_offsets_read"), 90, job.logs)
+        at_freeze = job.committed_checkpoints()
+        # Past its session timeout (10 s) the owner takes every partition back and commits
+        # newer checkpoints (and, with the default retention, deletes the stale one).
+        _wait_for(
+            "the owner committing newer checkpoints of every partition",
+            lambda: all(
+                (job.committed_checkpoints()[p] or 0) > (at_freeze[p] or 0) for p in at_freeze
+            ),
+            120,
+            job.logs,
+        )
+        if stale_checkpoint == "deleted by retention":
+            tasks = job.checkpoint_dir / job.name / "tasks"
+            _wait_for(
+                "retention deleting the checkpoints the zombie's offsets name",
+                lambda: (
+                    not any(
+                        any(tasks.glob(f"p{p}/chk-{(c or 0):010d}-*")) for p, c in at_freeze.items()
+                    )
+                ),
+                120,
+                job.logs,
+            )
+        # The owner restarts (static membership: it keeps its partitions) and freezes with
+        # its first checkpoint in flight, just before sending its offsets.
+        assert owner.stop() == 0
+        owner.start({"SNAPLINE_FAULT": "after_metadata_write:1:stop"})
+        _wait_for("owner frozen", lambda: frozen(owner, "after_metadata_write"), 60, job.logs)
+        at_wake = job.committed_checkpoints()
+        zombie.signal(signal.SIGCONT)
+        woke = time.time()
+
+        def zombie_restore() -> dict | None:
+            for event in read_events(zombie.metrics_path):
+                if (
+                    event.get("worker") == zombie.worker_id
+                    and event["event"] == "restored"
+                    and event["time"] > woke
+                ):
+                    return event
+            return None
+
+        _wait_for("the zombie finishing its recovery", lambda: zombie_restore() is not None, 30)
+        owner.signal(signal.SIGCONT)  # well within its session timeout: its commit stands
+        restored = zombie_restore()
+        assert restored is not None
+        stale = {int(t[1:]): c for t, c in restored["checkpoints"].items()}
+        assert stale, "the zombie restored no task"
+        for partition, checkpoint in stale.items():
+            if stale_checkpoint == "still stored":
+                assert (checkpoint or 0) < (at_wake[partition] or 0), (
+                    f"the zombie's recovery of p{partition} used checkpoint {checkpoint}, not "
+                    f"stale (committed then: {at_wake[partition]}): the interleaving did not "
+                    "happen"
+                )
+            else:
+                assert "they were stale" in zombie.tail(200), zombie.tail()
+        _wait_for(
+            "the owner's in-flight checkpoint committing",
+            lambda: any((job.committed_checkpoints()[p] or 0) > (at_wake[p] or 0) for p in stale),
+            60,
+            job.logs,
+        )
+        time.sleep(3)
+        # Whoever restores next must find the committed checkpoint's files.
+        for worker in job.workers:
+            worker.kill()
+            worker.start({"SNAPLINE_FAULT": ""})
+        time.sleep(5)
+    job.wait_until_caught_up()
+    job.verify()
+    job.stop_all()
+    logs = "\n".join(w.log_path.read_text(errors="replace") for w in job.workers)
+    assert "is missing" not in logs and "is gone" not in logs, job.logs()
+
+
+def test_a_job_pointed_at_another_cluster_is_refused(
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list
+) -> None:
+    job = WarehouseJob(kafka_bootstrap, unique_name, tmp_path, postgres_dsn, workers=1)
+    jobs.append(job)
+    (worker,) = job.workers
+    worker.start()
+    job.produce(2000)
+    job.wait_until_caught_up()
+    assert worker.stop() == 0
+    checkpoints = _listing(job.checkpoint_dir)
+    table = _listing(job.table)
+    rows = len(job.table_rows())
+    assert any("chk-" in p for p in checkpoints) and rows == 2000
+
+    with LocalKafkaBroker() as other:
+        job.create_topics(other.bootstrap_servers)
+        produce_orders(other.bootstrap_servers, job.orders_topic, 500, job.customers, seed=99)
+        stranger = job.worker("w0", other.bootstrap_servers)
+        job.workers.append(stranger)
+        stranger.start()
+        assert stranger.wait_exit(120) != 0
+        assert "Kafka cluster" in stranger.tail() and "--bootstrap-servers" in stranger.tail()
+        assert _listing(job.checkpoint_dir) == checkpoints, "the checkpoints were touched"
+
+        # A fresh checkpoint directory on the other cluster, the same table: refused by the
+        # table's commit log before a single row is written.
+        fresh = WorkerProcess(
+            SPEC, "w0", other.bootstrap_servers, tmp_path / "other-checkpoints", tmp_path, job.env
+        )
+        job.workers.append(fresh)
+        fresh.start()
+        assert fresh.wait_exit(120) != 0
+        assert "Parquet table" in fresh.tail() and "Kafka cluster" in fresh.tail(), fresh.tail()
+    assert _listing(job.table) == table
+    assert len(job.table_rows()) == rows, "the table holds rows from the other cluster"
+
+
+def _delete_group(bootstrap: str, group: str, timeout: float = 60) -> None:
+    """Delete the group's committed offsets (a stopped static member stays in the group until
+    its session times out, so retry until the group is empty)."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            admin.delete_consumer_groups([group], request_timeout=10)[group].result()
+            return
+        except Exception as exc:
+            assert time.monotonic() < deadline, f"could not delete group {group}: {exc}"
+            time.sleep(1)
+
+
+def test_vanished_offsets_stop_the_job_until_the_user_chooses(
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list
+) -> None:
+    job = WarehouseJob(kafka_bootstrap, unique_name, tmp_path, postgres_dsn, workers=1)
+    jobs.append(job)
+    (worker,) = job.workers
+    worker.start()
+    job.produce(3000)
+    job.wait_until_caught_up()
+    assert worker.stop() == 0
+    _delete_group(kafka_bootstrap, job.name)  # as if offsets.retention.minutes had passed
+    checkpoints = _listing(job.checkpoint_dir)
+
+    worker.start()
+    assert worker.wait_exit(120) != 0
+    tail = worker.tail()
+    assert "no committed offsets" in tail and "--restore-latest" in tail, tail
+    assert "--reset-state" in tail
+    assert _listing(job.checkpoint_dir) == checkpoints, "the checkpoints were touched"
+
+    worker.start(extra_args=["--restore-latest"])
+    job.produce(2000)
+    job.wait_until_caught_up()
+    assert worker.stop() == 0
+    job.verify()  # the final checkpoint was marked committed: nothing processed twice
+
+    _delete_group(kafka_bootstrap, job.name)
+    old = {p.split("/")[3] for p in _listing(job.checkpoint_dir) if "/chk-" in p}
+    worker.start(extra_args=["--reset-state"])
+    job.wait_until_caught_up()
+    assert worker.stop() == 0
+    assert "--reset-state deletes" in worker.tail(200)
+    now = {p.split("/")[3] for p in _listing(job.checkpoint_dir) if "/chk-" in p}
+    assert old and not (old & now), "--reset-state kept the old checkpoints"

@@ -1,0 +1,176 @@
+"""One job of the warehouse example (Kafka + Parquet + PostgreSQL sinks) for integration
+tests: its topics, table, checkpoint directory and worker processes, and a check of every sink
+with an independent reader (read_committed consumer, pyarrow on the table, SQL).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pyarrow.dataset as ds
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+from examples.orders import create_topics, produce_orders, read_committed, verify_totals
+from examples.workers import WorkerProcess
+
+SPEC = "examples.warehouse:pipeline"
+
+
+class WarehouseJob:
+    """Orders in, running totals out to a topic, a Parquet table and a PostgreSQL table."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        name: str,
+        workdir: Path,
+        postgres_dsn: str,
+        *,
+        partitions: int = 2,
+        customers: int = 500,
+        workers: int = 2,
+        interval: float = 0.5,
+        backend: str = "memory",
+        retained: int = 3,
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.name = name
+        self.prefix = f"{name}-"
+        self.partitions = partitions
+        self.customers = customers
+        self.workdir = workdir
+        self.table = workdir / "warehouse" / "customer_totals"
+        self.checkpoint_dir = workdir / "checkpoints"
+        self.pg_table = name.replace("-", "_").lower()
+        self.dsn = postgres_dsn
+        self.orders_topic = f"{self.prefix}orders"
+        self.totals_topic = f"{self.prefix}customer-totals"
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.create_topics(bootstrap)
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+            conn.execute(
+                f"CREATE TABLE {self.pg_table} "
+                "(customer text PRIMARY KEY, total bigint, count bigint)"
+            )
+        self.env = {
+            "SNAPLINE_EXAMPLE_PREFIX": self.prefix,
+            "SNAPLINE_EXAMPLE_JOB": name,
+            "SNAPLINE_EXAMPLE_INTERVAL": str(interval),
+            "SNAPLINE_EXAMPLE_BACKEND": backend,
+            "SNAPLINE_EXAMPLE_RETAINED": str(retained),
+            "SNAPLINE_WAREHOUSE": str(self.table),
+            "SNAPLINE_POSTGRES_DSN": postgres_dsn,
+            "SNAPLINE_POSTGRES_TABLE": self.pg_table,
+        }
+        self.workers = [self.worker(f"w{i}") for i in range(workers)]
+        self.expected: dict[str, int] = {}
+        self.produced = 0
+
+    def create_topics(self, bootstrap: str) -> None:
+        create_topics(
+            bootstrap, {self.orders_topic: self.partitions, self.totals_topic: self.partitions}
+        )
+
+    def worker(self, worker_id: str, bootstrap: str | None = None) -> WorkerProcess:
+        return WorkerProcess(
+            SPEC,
+            worker_id,
+            bootstrap or self.bootstrap,
+            self.checkpoint_dir,
+            self.workdir,
+            self.env,
+        )
+
+    def produce(self, count: int) -> None:
+        totals = produce_orders(
+            self.bootstrap, self.orders_topic, count, self.customers, start_id=self.produced
+        )
+        for customer, amount in totals.items():
+            self.expected[customer] = self.expected.get(customer, 0) + amount
+        self.produced += count
+
+    def committed_checkpoints(self) -> dict[int, int | None]:
+        """Partition -> the checkpoint id its committed offset names (None: no commit)."""
+        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.name})
+        tps = [TopicPartition(self.orders_topic, p) for p in range(self.partitions)]
+        deadline = time.monotonic() + 60
+        try:
+            while True:
+                try:
+                    committed = consumer.committed(tps, 20)
+                    break
+                except KafkaException:  # coordinator not ready yet, or moving
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.5)
+        finally:
+            consumer.close()
+        return {
+            c.partition: int(c.metadata.split(":")[2]) if c.metadata else None for c in committed
+        }
+
+    def wait_until_caught_up(self, timeout: float = 180) -> None:
+        """Until committed offsets cover every produced order (AssertionError after timeout)."""
+        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.name})
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                tps = [TopicPartition(self.orders_topic, p) for p in range(self.partitions)]
+                committed = consumer.committed(tps, timeout=10)
+                ends = [consumer.get_watermark_offsets(tp, timeout=10)[1] for tp in tps]
+                if all(c.offset >= e for c, e in zip(committed, ends, strict=True)):
+                    return
+                time.sleep(0.5)
+        finally:
+            consumer.close()
+        raise AssertionError(f"workers did not catch up in {timeout} s\n{self.logs()}")
+
+    def table_rows(self) -> list[dict[str, Any]]:
+        if not self.table.exists():
+            return []
+        dataset = ds.dataset(self.table, format="parquet", partitioning="hive")
+        return dataset.to_table(columns=["customer", "total", "count", "order_id"]).to_pylist()
+
+    def verify(self) -> None:
+        """Every order's effect exactly once in Kafka, the Parquet table and PostgreSQL."""
+        outputs = read_committed(
+            self.bootstrap, self.totals_topic, self.produced, timeout=180, settle=3.0
+        )
+        kafka = verify_totals(outputs, self.expected, range(self.produced))
+        assert kafka.ok, "Kafka: " + kafka.summary() + "\n" + self.logs()
+        deadline = time.monotonic() + 30  # sinks publish right after the Kafka commit point
+        while len(self.table_rows()) < self.produced and time.monotonic() < deadline:
+            time.sleep(0.5)
+        rows = self.table_rows()
+        ids = Counter(r["order_id"] for r in rows)
+        assert len(rows) == self.produced and set(ids) == set(range(self.produced)), (
+            f"Parquet: {len(rows)} rows for {self.produced} orders, "
+            f"{sum(1 for n in ids.values() if n > 1)} duplicated, "
+            f"{self.produced - len(set(ids) & set(range(self.produced)))} missing\n" + self.logs()
+        )
+        final: dict[str, tuple[int, int]] = {}
+        for r in rows:
+            if r["customer"] not in final or r["count"] > final[r["customer"]][0]:
+                final[r["customer"]] = (r["count"], r["total"])
+        assert {c: t for c, (_, t) in final.items()} == self.expected, "Parquet totals"
+        with psycopg.connect(self.dsn) as conn:
+            db = {
+                c: (t, n)
+                for c, t, n in conn.execute(
+                    f"SELECT customer, total, count FROM {self.pg_table}"
+                ).fetchall()
+            }
+        counts = Counter(o["customer"] for o in outputs)
+        assert db == {c: (self.expected[c], counts[c]) for c in self.expected}, "PostgreSQL"
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {w.worker_id}\n{w.tail()}" for w in self.workers)
+
+    def stop_all(self) -> None:
+        for worker in self.workers:
+            if worker.alive:
+                worker.stop()
