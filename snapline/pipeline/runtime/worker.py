@@ -915,18 +915,21 @@ class Worker:
             raise error
         if self._consumer_fatal is not None:
             raise ConsumerFencedError(f"consumer failed fatally: {self._consumer_fatal}")
+        # Checked here, not only in _route: a poll whose messages are dropped (after a failed
+        # checkpoint) must not swallow the one event that says the consumer is dead.
+        for msg in messages:
+            error = msg.error()
+            if error is not None and classify(error) is ErrorClass.FATAL:
+                # e.g. "Static consumer fenced by other consumer with same group.instance.id"
+                # after a broker outage longer than session.timeout.ms
+                raise ConsumerFencedError(f"consumer failed fatally: {error}")
         return messages
 
     def _route(self, messages: list[Any]) -> None:
         groups: dict[tuple[str, int], list[Any]] = {}
         for msg in messages:
             if msg.error():
-                error = msg.error()
-                if classify(error) is ErrorClass.FATAL:
-                    # e.g. "Static consumer fenced by other consumer with same
-                    # group.instance.id" after a broker restart: the consumer is unusable.
-                    raise ConsumerFencedError(f"consumer failed fatally: {error}")
-                log.warning("consumer: %s", error)
+                log.warning("consumer: %s", msg.error())  # fatal ones were raised by _consume
                 continue
             key = (msg.topic(), msg.partition())
             group = groups.get(key)
