@@ -337,8 +337,16 @@ def _copies(bootstrap: str, topic: str, order_ids: set[int]) -> dict[int, list[t
         consumer.assign(tps)
         done: set[int] = {p for p, end in ends.items() if end == 0}
         deadline = time.monotonic() + 120
+        quiet_since = time.monotonic()
+        # until every partition is read to its end, or nothing arrived for 10 s (a position
+        # can stay short of the high watermark, which counts the last control marker)
         while len(done) < PARTITIONS and time.monotonic() < deadline:
-            for msg in consumer.consume(5000, 0.5):
+            batch = consumer.consume(5000, 0.5)
+            if batch:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since > 10:
+                break
+            for msg in batch:
                 if msg.error() is not None:
                     continue
                 order = orjson.loads(msg.value())["order_id"]
