@@ -26,6 +26,7 @@ def build() -> Pipeline:
         checkpoint_interval=float(env("SNAPLINE_EXAMPLE_INTERVAL", "1.0")),
         state_backend=env("SNAPLINE_EXAMPLE_BACKEND", "memory"),
         retained_checkpoints=int(env("SNAPLINE_EXAMPLE_RETAINED", "3")),
+        tolerable_failed_checkpoints=int(env("SNAPLINE_EXAMPLE_TOLERABLE", "3")),
     )
     totals = (
         pipeline.source(KafkaSource(f"{prefix}orders", value_format="json"))

@@ -27,8 +27,8 @@ import pyarrow.dataset as ds
 import pytest
 
 from snapline.pipeline.record import Record
+from snapline.pipeline.sink import SinkContext
 from snapline.sinks import parquet as parquet_module
-from snapline.sinks.base import SinkContext
 from snapline.sinks.parquet import ParquetSink, ParquetSinkWriter
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]

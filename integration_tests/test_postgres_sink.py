@@ -29,7 +29,7 @@ from psycopg import sql
 from snapline.connectors.postgres_local import LocalPostgres
 from snapline.pipeline.errors import ConfigurationError, SinkError
 from snapline.pipeline.record import Record
-from snapline.sinks.base import SinkContext
+from snapline.pipeline.sink import SinkContext
 from snapline.sinks.postgres import PostgresSink, PostgresSinkWriter
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]

@@ -22,7 +22,7 @@ from confluent_kafka.admin import AdminClient
 
 from examples.orders import produce_orders
 from examples.workers import WorkerProcess, read_events
-from integration_tests.warehouse_job import SPEC, WarehouseJob
+from integration_tests.warehouse_job import SPEC, WarehouseJob, wait_for
 from snapline import LocalKafkaBroker
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]
@@ -35,13 +35,6 @@ def _process_state(pid: int) -> str:
 
 def _listing(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
-
-
-def _wait_for(what: str, condition, timeout: float, logs=lambda: "") -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s\n{logs()}"
-        time.sleep(0.3)
 
 
 class Feeder:
@@ -100,7 +93,7 @@ def test_zombie_recovery_on_stale_offsets_destroys_nothing(
     owner, zombie = job.workers
     owner.start()
     job.produce(3000)
-    _wait_for(
+    wait_for(
         "first commits",
         lambda: None not in job.committed_checkpoints().values(),
         90,
@@ -123,11 +116,11 @@ def test_zombie_recovery_on_stale_offsets_destroys_nothing(
         # The zombie joins, gets a partition, reads its committed offsets and freezes right
         # there, before it restored anything.
         zombie.start({"SNAPLINE_FAULT": "after_offsets_read:1:stop"})
-        _wait_for("zombie frozen", lambda: frozen(zombie, "after_offsets_read"), 90, job.logs)
+        wait_for("zombie frozen", lambda: frozen(zombie, "after_offsets_read"), 90, job.logs)
         at_freeze = job.committed_checkpoints()
         # Past its session timeout (10 s) the owner takes every partition back and commits
         # newer checkpoints (and, with the default retention, deletes the stale one).
-        _wait_for(
+        wait_for(
             "the owner committing newer checkpoints of every partition",
             lambda: all(
                 (job.committed_checkpoints()[p] or 0) > (at_freeze[p] or 0) for p in at_freeze
@@ -137,7 +130,7 @@ def test_zombie_recovery_on_stale_offsets_destroys_nothing(
         )
         if stale_checkpoint == "deleted by retention":
             tasks = job.checkpoint_dir / job.name / "tasks"
-            _wait_for(
+            wait_for(
                 "retention deleting the checkpoints the zombie's offsets name",
                 lambda: (
                     not any(
@@ -151,7 +144,7 @@ def test_zombie_recovery_on_stale_offsets_destroys_nothing(
         # its first checkpoint in flight, just before sending its offsets.
         assert owner.stop() == 0
         owner.start({"SNAPLINE_FAULT": "after_metadata_write:1:stop"})
-        _wait_for("owner frozen", lambda: frozen(owner, "after_metadata_write"), 60, job.logs)
+        wait_for("owner frozen", lambda: frozen(owner, "after_metadata_write"), 60, job.logs)
         at_wake = job.committed_checkpoints()
         zombie.signal(signal.SIGCONT)
         woke = time.time()
@@ -166,7 +159,7 @@ def test_zombie_recovery_on_stale_offsets_destroys_nothing(
                     return event
             return None
 
-        _wait_for("the zombie finishing its recovery", lambda: zombie_restore() is not None, 30)
+        wait_for("the zombie finishing its recovery", lambda: zombie_restore() is not None, 30)
         owner.signal(signal.SIGCONT)  # well within its session timeout: its commit stands
         restored = zombie_restore()
         assert restored is not None
@@ -181,7 +174,7 @@ def test_zombie_recovery_on_stale_offsets_destroys_nothing(
                 )
             else:
                 assert "they were stale" in zombie.tail(200), zombie.tail()
-        _wait_for(
+        wait_for(
             "the owner's in-flight checkpoint committing",
             lambda: any((job.committed_checkpoints()[p] or 0) > (at_wake[p] or 0) for p in stale),
             60,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,29 @@ from examples.orders import create_topics, produce_orders, read_committed, verif
 from examples.workers import WorkerProcess
 
 SPEC = "examples.warehouse:pipeline"
+
+
+def wait_for(
+    what: str, condition: Callable[[], Any], timeout: float, logs: Callable[[], str] = str
+) -> None:
+    """Poll ``condition`` until it holds; AssertionError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s\n{logs()}"
+        time.sleep(0.3)
+
+
+def _committed(consumer: Consumer, topic: str, partitions: int) -> list[TopicPartition]:
+    """The group's committed offsets, retried while the group coordinator is not ready."""
+    tps = [TopicPartition(topic, p) for p in range(partitions)]
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return list(consumer.committed(tps, 20))
+        except KafkaException:  # coordinator loading or moving
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 class WarehouseJob:
@@ -36,6 +60,8 @@ class WarehouseJob:
         interval: float = 0.5,
         backend: str = "memory",
         retained: int = 3,
+        tolerable: int = 3,
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         self.bootstrap = bootstrap
         self.name = name
@@ -62,6 +88,8 @@ class WarehouseJob:
             "SNAPLINE_EXAMPLE_INTERVAL": str(interval),
             "SNAPLINE_EXAMPLE_BACKEND": backend,
             "SNAPLINE_EXAMPLE_RETAINED": str(retained),
+            "SNAPLINE_EXAMPLE_TOLERABLE": str(tolerable),
+            **(extra_env or {}),
             "SNAPLINE_WAREHOUSE": str(self.table),
             "SNAPLINE_POSTGRES_DSN": postgres_dsn,
             "SNAPLINE_POSTGRES_TABLE": self.pg_table,
@@ -96,17 +124,8 @@ class WarehouseJob:
     def committed_checkpoints(self) -> dict[int, int | None]:
         """Partition -> the checkpoint id its committed offset names (None: no commit)."""
         consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.name})
-        tps = [TopicPartition(self.orders_topic, p) for p in range(self.partitions)]
-        deadline = time.monotonic() + 60
         try:
-            while True:
-                try:
-                    committed = consumer.committed(tps, 20)
-                    break
-                except KafkaException:  # coordinator not ready yet, or moving
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.5)
+            committed = _committed(consumer, self.orders_topic, self.partitions)
         finally:
             consumer.close()
         return {
@@ -119,9 +138,11 @@ class WarehouseJob:
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline:
-                tps = [TopicPartition(self.orders_topic, p) for p in range(self.partitions)]
-                committed = consumer.committed(tps, timeout=10)
-                ends = [consumer.get_watermark_offsets(tp, timeout=10)[1] for tp in tps]
+                committed = _committed(consumer, self.orders_topic, self.partitions)
+                ends = [
+                    consumer.get_watermark_offsets(TopicPartition(c.topic, c.partition), 10)[1]
+                    for c in committed
+                ]
                 if all(c.offset >= e for c, e in zip(committed, ends, strict=True)):
                     return
                 time.sleep(0.5)

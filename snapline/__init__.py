@@ -18,6 +18,7 @@ from snapline.pipeline.errors import (
 )
 from snapline.pipeline.functions import Context, KeyedProcessFunction
 from snapline.pipeline.graph import KeyedStream, Pipeline, Stream
+from snapline.pipeline.sink import Sink, SinkContext, SinkWriter
 from snapline.pipeline.state.descriptors import (
     AggregateFunction,
     AggregatingState,
@@ -27,7 +28,6 @@ from snapline.pipeline.state.descriptors import (
     ValueState,
 )
 from snapline.pipeline.state.serde import JsonSerde, PickleSerde, Serde
-from snapline.sinks.base import Sink, SinkContext, SinkWriter
 from snapline.sinks.kafka import KafkaSink
 from snapline.sinks.parquet import ParquetSink
 

@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import orjson
 
 from snapline.pipeline.errors import ConfigurationError
+from snapline.pipeline.formats import FORMATS
 
-FORMATS = ("json", "string", "bytes")
 STARTING_POSITIONS = ("earliest", "latest")
-
-
-def decoder(fmt: str) -> Callable[[bytes | None], Any]:
-    """The function turning raw Kafka bytes into a value for ``fmt``."""
-    if fmt == "json":
-        return lambda raw: None if raw is None else orjson.loads(raw)
-    if fmt == "string":
-        return lambda raw: None if raw is None else raw.decode()
-    if fmt == "bytes":
-        return lambda raw: raw
-    raise ConfigurationError(f"unknown format {fmt!r}; use one of {list(FORMATS)}")
 
 
 @dataclass(frozen=True)

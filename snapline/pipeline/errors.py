@@ -15,6 +15,11 @@ class CheckpointError(SnaplineError):
     """A checkpoint could not be written, read, verified or committed."""
 
 
+class CheckpointStorageError(CheckpointError):
+    """Checkpoint storage refused a write (full, unreachable, no permission): the checkpoint
+    fails, but the epoch's data is intact and can go into the next checkpoint."""
+
+
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint file failed its checksum or could not be decoded."""
 

@@ -20,7 +20,7 @@ from snapline.pipeline.state.descriptors import StateDescriptor, declared_states
 
 if TYPE_CHECKING:
     from snapline.connectors.kafka_source import KafkaSource
-    from snapline.sinks.base import Sink
+    from snapline.pipeline.sink import Sink
 
 GUARANTEES = ("exactly_once", "at_least_once")
 ON_ERROR = ("dead_letter", "fail")
@@ -109,7 +109,7 @@ class Stream:
 
     def sink(self, sink: Sink) -> Stream:
         """Write the stream to ``sink``; returns this stream so more sinks can follow."""
-        from snapline.sinks.base import Sink
+        from snapline.pipeline.sink import Sink
 
         if not isinstance(sink, Sink):
             raise ConfigurationError(
@@ -159,7 +159,7 @@ class Pipeline:
         checkpoint_dir: str | None = None,
         retained_checkpoints: int = 3,
         checkpoint_timeout: float = 60.0,
-        tolerable_checkpoint_failures: int = 3,
+        tolerable_failed_checkpoints: int = 3,
         on_error: str = "dead_letter",
         dead_letter_topic: str | None = None,
         on_corrupt_checkpoint: str = "fail",
@@ -174,7 +174,7 @@ class Pipeline:
         self.checkpoint_dir = checkpoint_dir
         self.retained_checkpoints = retained_checkpoints
         self.checkpoint_timeout = checkpoint_timeout
-        self.tolerable_checkpoint_failures = tolerable_checkpoint_failures
+        self.tolerable_failed_checkpoints = tolerable_failed_checkpoints
         self.on_error = on_error
         self.dead_letter_topic = dead_letter_topic or f"{name}.dead-letter"
         self.on_corrupt_checkpoint = on_corrupt_checkpoint
@@ -218,6 +218,12 @@ class Pipeline:
         if not 1 <= self.checkpoint_timeout <= 600:
             raise ConfigurationError(
                 f"checkpoint_timeout={self.checkpoint_timeout!r} must be 1..600 seconds"
+            )
+        tolerable = self.tolerable_failed_checkpoints
+        if not isinstance(tolerable, int) or isinstance(tolerable, bool) or tolerable < 0:
+            raise ConfigurationError(
+                f"tolerable_failed_checkpoints={tolerable!r} must be an int >= 0 (checkpoints "
+                "that may fail in a row before the worker stops; 3 is the default)"
             )
         if self.on_error not in ON_ERROR:
             raise ConfigurationError(f"on_error={self.on_error!r}; use one of {list(ON_ERROR)}")

@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from snapline.sinks.base import Sink, SinkContext, SinkWriter
+from snapline.pipeline.sink import Sink, SinkContext, SinkWriter
 from snapline.sinks.kafka import KafkaSink
 from snapline.sinks.parquet import ParquetSink
 

@@ -6,36 +6,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from snapline.pipeline.errors import ConfigurationError
+from snapline.pipeline.formats import FORMATS, encode_key, encoder
 from snapline.pipeline.record import Record
-from snapline.sinks.base import Sink, SinkContext, SinkWriter
+from snapline.pipeline.sink import Sink, SinkContext, SinkWriter
 
-VALUE_FORMATS = ("json", "string", "bytes")
-
-
-def encoder(fmt: str) -> Callable[[Any], bytes | None]:
-    if fmt == "json":
-        return lambda v: None if v is None else orjson.dumps(v)
-    if fmt == "string":
-        return lambda v: None if v is None else str(v).encode()
-    if fmt == "bytes":
-        return lambda v: v
-    raise ConfigurationError(
-        f"unknown Kafka value format {fmt!r}; use one of {list(VALUE_FORMATS)}"
-    )
-
-
-def encode_key(key: Any) -> bytes | None:
-    """Kafka message keys: str as UTF-8, bytes as is, anything else as JSON."""
-    if key is None:
-        return None
-    if isinstance(key, str):
-        return key.encode()
-    if isinstance(key, bytes):
-        return key
-    return orjson.dumps(key)
+VALUE_FORMATS = FORMATS
 
 
 @dataclass(frozen=True)

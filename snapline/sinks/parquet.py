@@ -48,7 +48,7 @@ import pyarrow.parquet as pq
 from snapline.pipeline.checkpoint.identity import IDENTITY_FILE, JobIdentity
 from snapline.pipeline.errors import ConfigurationError, SinkError
 from snapline.pipeline.record import Record
-from snapline.sinks.base import PreCommitResult, Sink, SinkContext, SinkWriter
+from snapline.pipeline.sink import PreCommitResult, Sink, SinkContext, SinkWriter
 
 __all__ = ["ParquetSink", "ParquetSinkWriter", "hive_partition_dir", "read_commit_log"]
 

@@ -37,8 +37,8 @@ from psycopg.conninfo import conninfo_to_dict
 from snapline.pipeline.checkpoint.identity import JobIdentity
 from snapline.pipeline.errors import ConfigurationError, SinkError
 from snapline.pipeline.record import Record
+from snapline.pipeline.sink import PreCommitResult, Sink, SinkContext, SinkWriter
 from snapline.pipeline.state.serde import json_bytes
-from snapline.sinks.base import PreCommitResult, Sink, SinkContext, SinkWriter
 
 __all__ = ["ColumnSpec", "PostgresSink", "PostgresSinkWriter", "RowEncoder", "TableSpec"]
 

@@ -115,3 +115,16 @@ def test_secrets_are_redacted() -> None:
     )
     assert cleaned["sasl.password"] == "***" and cleaned["ssl.key.password"] == "***"
     assert cleaned["sasl.username"] == "me" and cleaned["bootstrap.servers"] == "b:9092"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tolerable_failed_checkpoints": -1}, "tolerable_failed_checkpoints=-1"),
+        ({"tolerable_failed_checkpoints": 1.5}, "must be an int >= 0"),
+        ({"retained_checkpoints": 0}, "retained_checkpoints=0"),
+    ],
+)
+def test_checkpoint_settings_are_checked(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        Pipeline("job", **kwargs)

@@ -15,8 +15,8 @@ import pytest
 
 from snapline.pipeline.errors import ConfigurationError, SinkError
 from snapline.pipeline.record import Record
+from snapline.pipeline.sink import SinkContext
 from snapline.sinks import parquet as parquet_module
-from snapline.sinks.base import SinkContext
 from snapline.sinks.parquet import (
     ParquetSink,
     ParquetSinkWriter,

@@ -8,6 +8,7 @@ checkpoint threads write while the task thread reads nothing from here during pr
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import time
 import uuid
@@ -54,6 +55,10 @@ class CheckpointStorage:
         if write_delay is None:
             write_delay = float(os.environ.get("SNAPLINE_TEST_STORAGE_WRITE_DELAY", "0") or 0)
         self.write_delay = write_delay
+        # Fault injection for tests of failing storage: a control file that a test rewrites
+        # while the worker runs (see _before_write).
+        self._fault_control = os.environ.get("SNAPLINE_TEST_STORAGE_FAULTS") or None
+        self._writes = 0
         if self._local:
             Path(self.root).mkdir(parents=True, exist_ok=True)
 
@@ -66,8 +71,7 @@ class CheckpointStorage:
 
     def write_bytes(self, path: str, data: bytes) -> None:
         """Write ``data`` to ``path`` atomically (readers see the old file, the new, or none)."""
-        if self.write_delay:
-            time.sleep(self.write_delay)
+        self._before_write(path)
         target = self.full_path(path)
         parent = target.rsplit("/", 1)[0]
         self.fs.create_dir(parent, recursive=True)
@@ -84,8 +88,7 @@ class CheckpointStorage:
 
     def upload_file(self, local_path: str, path: str) -> None:
         """Copy a local file into storage (atomic like write_bytes)."""
-        if self.write_delay:
-            time.sleep(self.write_delay)
+        self._before_write(path)
         target = self.full_path(path)
         self.fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
         if self._local:
@@ -104,6 +107,26 @@ class CheckpointStorage:
                 source_filesystem=pafs.LocalFileSystem(),
                 destination_filesystem=self.fs,
             )
+
+    def _before_write(self, path: str) -> None:
+        """Test hooks: a fixed delay per write, and faults read from the control file named
+        by SNAPLINE_TEST_STORAGE_FAULTS: ``full`` (every write fails with ENOSPC), ``flaky``
+        (every other write fails), ``slow <seconds>``; empty or missing: no fault."""
+        if self.write_delay:
+            time.sleep(self.write_delay)
+        if self._fault_control is None:
+            return
+        try:
+            mode = Path(self._fault_control).read_text().split()
+        except FileNotFoundError:
+            return
+        if not mode:
+            return
+        self._writes += 1
+        if mode[0] == "full" or (mode[0] == "flaky" and self._writes % 2 == 0):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", self.full_path(path))
+        if mode[0] == "slow" and len(mode) > 1:
+            time.sleep(float(mode[1]))
 
     def download_file(self, path: str, local_path: str) -> None:
         pafs.copy_files(

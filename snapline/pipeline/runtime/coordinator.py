@@ -23,7 +23,7 @@ from snapline.pipeline.checkpoint.metadata import (
     mark_committed,
 )
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
-from snapline.pipeline.errors import CheckpointError
+from snapline.pipeline.errors import CheckpointError, CheckpointStorageError
 from snapline.pipeline.runtime.faults import FaultInjector
 from snapline.pipeline.runtime.task import TaskSnapshot
 
@@ -114,18 +114,25 @@ class CheckpointCoordinator:
         ref = CheckpointRef(snapshot.checkpoint_id, self.attempt)
         directory = ref.directory(self.job, snapshot.task_id)
         handle = None
+        storage_error: Exception | None = None
         if snapshot.state is not None:
             try:
                 handle = snapshot.state.materialize(self.storage, directory)
+            except Exception as exc:
+                storage_error = exc
             finally:
                 snapshot.state.release()
         self.faults.point("mid_materialization")
+        # The sinks' pre-commits are awaited even when the state failed: only if they all
+        # succeeded is the epoch intact (CheckpointStorageError lets it continue).
         sinks: dict[str, dict[str, Any]] = {}
         for name, result in snapshot.sinks.items():
             if isinstance(result, Future):
                 result = result.result(timeout=self.timeout)
             if result:
                 sinks[name] = result
+        if storage_error is not None:
+            raise self._storage_error("write the state of", ref, storage_error)
         meta = TaskCheckpoint(
             job=self.job,
             task_id=snapshot.task_id,
@@ -137,8 +144,17 @@ class CheckpointCoordinator:
             states=self._states,
             created_at=time.time(),
         )
-        meta.write(self.storage)
+        try:
+            meta.write(self.storage)
+        except Exception as exc:
+            raise self._storage_error("write the metadata of", ref, exc) from exc
         return meta
+
+    def _storage_error(self, what: str, ref: CheckpointRef, exc: Exception) -> Exception:
+        return CheckpointStorageError(
+            f"could not {what} checkpoint {ref.checkpoint_id} to checkpoint storage "
+            f"{self.storage.uri}: {exc}"
+        )
 
     # ----------------------------------------------------------------- completion
     def poll(self) -> CompletedCheckpoint | None:
@@ -154,13 +170,25 @@ class CheckpointCoordinator:
         if not pending.all_acknowledged or not all(f.done() for f in pending.futures.values()):
             return None
         tasks = {}
+        failed: dict[str, BaseException] = {}
         for task_id, future in pending.futures.items():
-            try:
+            error = future.exception()
+            if error is None:
                 tasks[task_id] = future.result()
-            except Exception as exc:
-                raise CheckpointError(
-                    f"checkpoint {pending.checkpoint_id} of task {task_id} failed: {exc}"
-                ) from exc
+            else:
+                failed[task_id] = error
+        if failed:
+            # Only when storage alone failed (every sink pre-committed) is the epoch intact.
+            storage_only = all(isinstance(e, CheckpointStorageError) for e in failed.values())
+            task_id, error = next(
+                (t, e)
+                for t, e in failed.items()
+                if storage_only or not isinstance(e, CheckpointStorageError)
+            )
+            kind = CheckpointStorageError if storage_only else CheckpointError
+            raise kind(
+                f"checkpoint {pending.checkpoint_id} of task {task_id} failed: {error}"
+            ) from error
         self.faults.point("after_metadata_write")
         return CompletedCheckpoint(
             pending.checkpoint_id, tasks, pending.triggered_at, pending.aligned_at, time.monotonic()

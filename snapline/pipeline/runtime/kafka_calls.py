@@ -109,7 +109,7 @@ class KafkaClientError(SnaplineError):
 class BrokerOutageError(CheckpointError):
     """A checkpoint could not commit because the broker was unreachable. The worker waits for
     the broker, then aborts the epoch and restores; this does not count as a failed checkpoint
-    against ``tolerable_checkpoint_failures``."""
+    against ``tolerable_failed_checkpoints``."""
 
 
 class BoundedCall:

@@ -14,18 +14,18 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from snapline.connectors.kafka_source import KafkaSource, decoder
 from snapline.pipeline.errors import ConfigurationError
+from snapline.pipeline.formats import decoder, encode_key
 from snapline.pipeline.functions import Context, KeyedProcessFunction
 from snapline.pipeline.keygroups import state_key_prefix
 from snapline.pipeline.record import Record
 from snapline.pipeline.runtime.barrier import Barrier
+from snapline.pipeline.sink import SinkWriter
 from snapline.pipeline.state.backend import KeyedStateBackend
 from snapline.pipeline.state.descriptors import KeyScope, StateDescriptor
-from snapline.sinks.base import SinkWriter
-from snapline.sinks.kafka import encode_key
 
 if TYPE_CHECKING:
+    from snapline.connectors.kafka_source import KafkaSource
     from snapline.pipeline.runtime.task import Task
 
 

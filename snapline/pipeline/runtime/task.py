@@ -38,8 +38,8 @@ from snapline.pipeline.runtime.operators import (
     SourceOperator,
 )
 from snapline.pipeline.runtime.transaction import TransactionalOutput
+from snapline.pipeline.sink import PreCommitResult, SinkContext
 from snapline.pipeline.state.backend import KeyedStateBackend, SnapshotHandle
-from snapline.sinks.base import PreCommitResult, SinkContext
 
 log = logging.getLogger(__name__)
 

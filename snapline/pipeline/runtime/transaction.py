@@ -100,6 +100,11 @@ class TransactionalOutput:
         self.commit_timeout = COMMIT_TIMEOUT
         self.abort_timeout = ABORT_TIMEOUT
 
+    @property
+    def held(self) -> int:
+        """Records held for epochs whose transaction has not begun yet."""
+        return len(self._buffer)
+
     def _on_error(self, err: KafkaError) -> None:
         if err.fatal():
             self._delivery_errors.append(str(err))
@@ -171,6 +176,17 @@ class TransactionalOutput:
                     self._fatal = f"begin_transaction: {error}"
                     raise FencedError(f"producer: begin_transaction: {error}") from exc
                 raise CheckpointError(f"Kafka begin_transaction failed: {exc}") from exc
+        self._open(epoch)
+
+    def continue_epoch(self, epoch: int) -> None:
+        """The checkpoint of the open epoch failed before the commit point, but its
+        transaction is intact: it takes ``epoch`` too (the records held for it are sent now),
+        and the next checkpoint commits both."""
+        if self.exactly_once and self.open_epoch is None:
+            raise CheckpointError("no open transaction to continue")
+        self._open(epoch)
+
+    def _open(self, epoch: int) -> None:
         self.open_epoch = epoch
         held, self._buffer = self._buffer, []
         for item in held:

@@ -65,7 +65,7 @@ from snapline.pipeline.checkpoint.metadata import (
 )
 from snapline.pipeline.checkpoint.restore import restore_committed
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
-from snapline.pipeline.errors import CheckpointError, ConfigurationError
+from snapline.pipeline.errors import CheckpointError, CheckpointStorageError, ConfigurationError
 from snapline.pipeline.graph import Pipeline
 from snapline.pipeline.runtime.coordinator import CheckpointCoordinator, CompletedCheckpoint
 from snapline.pipeline.runtime.faults import FaultInjector
@@ -685,18 +685,42 @@ class Worker:
             with open(self._metrics_path, "a") as fh:
                 fh.write(json.dumps(entry) + "\n")
 
-    def _fail_checkpoint(self, exc: Exception) -> None:
-        """Abort the epoch and restore every task from its committed checkpoint."""
-        outage = isinstance(exc, BrokerOutageError)
-        if not outage:  # an unreachable broker is waited out, not held against the job
+    def _count_failure(self, exc: Exception) -> None:
+        """One more checkpoint failed in a row; past the tolerance the worker stops. A broker
+        outage is waited out (_fail_checkpoint), not held against the job."""
+        if not isinstance(exc, BrokerOutageError):
             self._failures += 1
         log.error("checkpoint failed (%d in a row): %s", self._failures, exc)
-        if self._failures > self.pipeline.tolerable_checkpoint_failures:
+        tolerable = self.pipeline.tolerable_failed_checkpoints
+        if self._failures > tolerable:
             raise CheckpointError(
-                f"{self._failures} checkpoints failed in a row (tolerable_checkpoint_failures="
-                f"{self.pipeline.tolerable_checkpoint_failures}); last error: {exc}"
+                f"{self._failures} checkpoints failed in a row (tolerable_failed_checkpoints="
+                f"{tolerable}); last error: {exc}"
             ) from exc
-        if outage:
+
+    def _continue_epoch(self, exc: CheckpointStorageError) -> None:
+        """Checkpoint storage refused the checkpoint, but every sink pre-committed and the
+        Kafka transaction is intact: processing goes on, and the next checkpoint commits this
+        epoch together with the next one. The half-written checkpoint is never named by a
+        commit; retention deletes it once a later one commits."""
+        self._count_failure(exc)
+        log.warning(
+            "checkpoint storage failed; processing continues and the next checkpoint takes "
+            "this epoch too (%d of %d tolerable failures in a row)",
+            self._failures,
+            self.pipeline.tolerable_failed_checkpoints,
+        )
+        self.coordinator.cancel()
+        # The open epoch has uncommitted work even if nothing more is read: the idle check
+        # must not skip the next trigger.
+        self._records_at_trigger = -1
+        if self.tasks:
+            self.output.continue_epoch(self.coordinator.next_id)
+
+    def _fail_checkpoint(self, exc: Exception) -> None:
+        """Abort the epoch and restore every task from its committed checkpoint."""
+        self._count_failure(exc)
+        if isinstance(exc, BrokerOutageError):
             self._await_broker(exc)
         else:
             sleep_unless(lambda: self._stopping, min(0.5 * 2**self._failures, 10))
@@ -870,7 +894,7 @@ class Worker:
             self._restore_after_failure()
             return
         pending = self.coordinator.pending
-        held = len(self.output._buffer)
+        held = self.output.held
         if held < MAX_HELD_RECORDS:
             messages = self._consume(0.005 if pending else 0.05)
             if messages:
@@ -887,6 +911,16 @@ class Worker:
                 done = self.coordinator.poll()
                 if done is not None:
                     self._complete(done)
+            except CheckpointStorageError as exc:  # raised by poll only: before the commit point
+                self._event(
+                    {
+                        "event": "checkpoint_failed",
+                        "error": str(exc)[:500],
+                        "continued": True,
+                        "records_in": self._records_in(),
+                    }
+                )
+                self._continue_epoch(exc)
             except CheckpointError as exc:
                 # FencedError too: the abort replaces the producer; a fenced consumer is
                 # replaced on its next poll (_route).

@@ -1,0 +1,117 @@
+"""Checkpoint storage that is full, flaky or slow (issue 9 item 8), on real processes.
+
+The worker's checkpoint storage is a real directory whose writes a test can make fail
+(``SNAPLINE_TEST_STORAGE_FAULTS`` names a control file: ``full`` fails every write with ENOSPC,
+``flaky`` every other one, ``slow <s>`` delays each). Processing continues while checkpoints
+fail, up to ``tolerable_failed_checkpoints`` in a row; when storage heals, checkpoints resume
+by themselves; past the tolerance the worker stops with a message naming the storage error.
+Every sink holds every input exactly once at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from examples.workers import read_events
+from integration_tests.warehouse_job import WarehouseJob, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.postgres]
+
+
+@pytest.fixture
+def jobs() -> Iterator[list[WarehouseJob]]:
+    made: list[WarehouseJob] = []
+    yield made
+    for job in made:
+        for worker in job.workers:
+            worker.kill()
+
+
+def _events(job: WarehouseJob, kind: str, since: float = 0.0) -> list[dict]:
+    return [
+        e
+        for e in read_events(job.workers[0].metrics_path)
+        if e["event"] == kind and e["time"] > since
+    ]
+
+
+def test_processing_continues_while_storage_fails_and_checkpoints_resume(
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list
+) -> None:
+    control = tmp_path / "storage-faults"
+    job = WarehouseJob(
+        kafka_bootstrap,
+        unique_name,
+        tmp_path,
+        postgres_dsn,
+        workers=1,
+        interval=0.3,
+        tolerable=1000,
+        extra_env={"SNAPLINE_TEST_STORAGE_FAULTS": str(control)},
+    )
+    jobs.append(job)
+    (worker,) = job.workers
+    worker.start()
+    job.produce(2000)
+    job.wait_until_caught_up()
+
+    for mode in ("full", "flaky"):
+        control.write_text(mode)
+        broke = time.time()
+        for _ in range(10):  # input keeps arriving while storage refuses writes
+            job.produce(300)
+            time.sleep(0.4)
+        failed = _events(job, "checkpoint_failed", broke)
+        assert len(failed) >= 3 and all(e.get("continued") for e in failed), failed[:3]
+        assert worker.alive, worker.tail()
+        assert failed[-1]["records_in"] > failed[0]["records_in"], (
+            f"nothing was processed while {mode} storage refused checkpoints"
+        )
+        control.write_text("")
+        healed = time.time()
+        wait_for(
+            f"checkpoints resuming after {mode} storage",
+            lambda since=healed: _events(job, "checkpoint", since),
+            60,
+            worker.tail,
+        )
+        job.wait_until_caught_up()
+    worker.stop()
+    job.verify()
+
+
+def test_storage_full_past_the_tolerance_stops_the_worker_naming_the_error(
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list
+) -> None:
+    control = tmp_path / "storage-faults"
+    job = WarehouseJob(
+        kafka_bootstrap,
+        unique_name,
+        tmp_path,
+        postgres_dsn,
+        workers=1,
+        interval=0.3,
+        extra_env={"SNAPLINE_TEST_STORAGE_FAULTS": str(control)},
+    )
+    jobs.append(job)
+    (worker,) = job.workers
+    worker.start()
+    job.produce(2000)
+    job.wait_until_caught_up()
+    control.write_text("full")
+    job.produce(500)
+    assert worker.wait_exit(60) != 0
+    tail = worker.tail()
+    assert "tolerable_failed_checkpoints=3" in tail and "No space left on device" in tail, tail
+    assert str(job.checkpoint_dir) in tail, "the message does not name the storage"
+    # Storage healed: a restart resumes from the last committed checkpoint, losing nothing.
+    control.write_text("")
+    worker.start()
+    job.produce(500)
+    job.wait_until_caught_up()
+    worker.stop()
+    job.verify()

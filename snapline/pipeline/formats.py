@@ -1,0 +1,48 @@
+"""Value and key formats on the wire: how Kafka bytes become values and back.
+
+One place for the codecs that sources, sinks and the runtime (key_by's key bytes) share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from snapline.pipeline.errors import ConfigurationError
+
+FORMATS = ("json", "string", "bytes")
+
+
+def decoder(fmt: str) -> Callable[[bytes | None], Any]:
+    """The function turning raw Kafka bytes into a value for ``fmt``."""
+    if fmt == "json":
+        return lambda raw: None if raw is None else orjson.loads(raw)
+    if fmt == "string":
+        return lambda raw: None if raw is None else raw.decode()
+    if fmt == "bytes":
+        return lambda raw: raw
+    raise ConfigurationError(f"unknown format {fmt!r}; use one of {list(FORMATS)}")
+
+
+def encoder(fmt: str) -> Callable[[Any], bytes | None]:
+    """The function turning a value into Kafka bytes for ``fmt``."""
+    if fmt == "json":
+        return lambda v: None if v is None else orjson.dumps(v)
+    if fmt == "string":
+        return lambda v: None if v is None else str(v).encode()
+    if fmt == "bytes":
+        return lambda v: v
+    raise ConfigurationError(f"unknown Kafka value format {fmt!r}; use one of {list(FORMATS)}")
+
+
+def encode_key(key: Any) -> bytes | None:
+    """Kafka message keys: str as UTF-8, bytes as is, anything else as JSON."""
+    if key is None:
+        return None
+    if isinstance(key, str):
+        return key.encode()
+    if isinstance(key, bytes):
+        return key
+    return orjson.dumps(key)

@@ -1,0 +1,355 @@
+"""Broker-free testing of a pipeline: run it in-process over lists of input records and get,
+per sink, the outputs that committed checkpoints made visible.
+
+The records go through the same task, operators, keyed state backend and checkpoint code as a
+worker's (only Kafka is replaced: inputs are lists, and every sink is replaced by a writer that
+keeps what would have been committed). A crash can be simulated between checkpoints: the task
+is thrown away with its uncommitted output, its state is restored from the last checkpoint's
+files and the input is read again from that checkpoint's positions — so a test can assert that
+a function's output is the same with and without a crash::
+
+    from snapline.testing import run_pipeline
+
+    result = run_pipeline(pipeline, {"orders": [{"customer": "a", "amount": 3}, ...]},
+                          checkpoint_every=100, crash_after=250)
+    assert result.outputs["customer-totals"] == expected
+
+What differs from a deployment: one task holds every input partition, so ``key_by`` needs no
+input partitioned by its key; there is no Kafka transaction (a checkpoint "commits" when its
+snapshot is durable in a temporary checkpoint directory).
+
+Threads: everything runs on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from snapline.connectors.kafka_source import KafkaSource
+from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.formats import encode_key, encoder
+from snapline.pipeline.graph import Node, Pipeline
+from snapline.pipeline.record import Record
+from snapline.pipeline.runtime.faults import FaultInjector
+from snapline.pipeline.runtime.operators import KeyByOperator
+from snapline.pipeline.runtime.task import Task, TaskSnapshot
+from snapline.pipeline.runtime.transaction import TransactionalOutput
+from snapline.pipeline.sink import PreCommitResult, Sink, SinkContext, SinkWriter
+from snapline.pipeline.state import create_backend
+from snapline.pipeline.state.backend import StateHandle
+
+__all__ = ["Message", "TestRun", "run_pipeline"]
+
+TASK_ID = "test"
+
+
+@dataclass(frozen=True)
+class Message:
+    """One input record: its value (encoded with the source's ``value_format``), and
+    optionally a key, a timestamp (ms) and a partition."""
+
+    value: Any
+    key: Any = None
+    timestamp: int = 0
+    partition: int = 0
+
+
+@dataclass
+class TestRun:
+    """What a run produced: per sink (by name, and by topic for Kafka sinks) the values of
+    every committed checkpoint, in order; the dead letters (value, reason); the checkpoints."""
+
+    outputs: dict[str, list[Any]] = field(default_factory=dict)
+    dead_letters: list[tuple[Any, str]] = field(default_factory=list)
+    checkpoints: int = 0
+    crashes: int = 0
+
+
+class _Message:
+    """The slice of confluent_kafka.Message the source operator reads."""
+
+    __slots__ = ("_key", "_offset", "_partition", "_timestamp", "_topic", "_value")
+
+    def __init__(
+        self,
+        topic: str,
+        partition: int,
+        offset: int,
+        value: bytes | None,
+        key: bytes | None,
+        ts: int,
+    ) -> None:
+        self._topic, self._partition, self._offset = topic, partition, offset
+        self._value, self._key, self._timestamp = value, key, ts
+
+    def value(self) -> bytes | None:
+        return self._value
+
+    def key(self) -> bytes | None:
+        return self._key
+
+    def offset(self) -> int:
+        return self._offset
+
+    def timestamp(self) -> tuple[int, int]:
+        return (1, self._timestamp)
+
+    def topic(self) -> str:
+        return self._topic
+
+    def partition(self) -> int:
+        return self._partition
+
+    def headers(self) -> None:
+        return None
+
+    def error(self) -> None:
+        return None
+
+
+class _Output:
+    """Stands in for the transactional producer: records per epoch until their checkpoint
+    commits. Only the dead-letter topic reaches it (sinks are replaced)."""
+
+    def __init__(self) -> None:
+        self.by_epoch: dict[int, list[tuple[str, bytes | None, Any]]] = defaultdict(list)
+
+    def produce(
+        self, epoch: int, topic: str, value: bytes | None, key: bytes | None, headers: Any = None
+    ) -> None:
+        self.by_epoch[epoch].append((topic, value, headers))
+
+    def take_committed(self, checkpoint_id: int) -> list[tuple[str, bytes | None, Any]]:
+        done = []
+        for epoch in sorted(e for e in self.by_epoch if e <= checkpoint_id):
+            done.extend(self.by_epoch.pop(epoch))
+        return done
+
+
+class _CapturingSink(Sink):
+    """Replaces a declared sink: keeps each epoch's values, publishes them on commit."""
+
+    def __init__(self, name: str, committed: list[Any]) -> None:
+        self.name = name
+        self.committed = committed
+
+    def open(self, context: SinkContext) -> SinkWriter:
+        return _CapturingWriter(self.committed)
+
+
+class _CapturingWriter(SinkWriter):
+    def __init__(self, committed: list[Any]) -> None:
+        self._committed = committed
+        self._epochs: dict[int, list[Any]] = defaultdict(list)
+
+    def write(self, record: Record, epoch: int) -> None:
+        self._epochs[epoch].append(record.value)
+
+    def write_batch(self, records: Sequence[Record], epoch: int) -> None:
+        self._epochs[epoch].extend(r.value for r in records)
+
+    def pre_commit(self, checkpoint_id: int) -> PreCommitResult:
+        return None
+
+    def commit(self, checkpoint_id: int) -> None:
+        for epoch in sorted(e for e in self._epochs if e <= checkpoint_id):
+            self._committed.extend(self._epochs.pop(epoch))
+
+
+def _sink_names(sink: Sink) -> list[str]:
+    topic = getattr(sink, "topic", None)
+    return [sink.name] + ([topic] if isinstance(topic, str) and topic != sink.name else [])
+
+
+def _encode_inputs(
+    pipeline: Pipeline, inputs: Mapping[str, Sequence[Any]]
+) -> dict[tuple[str, int], list[_Message]]:
+    sources: dict[str, KafkaSource] = {t: s for s in pipeline.sources() for t in s.topic_list}
+    unknown = sorted(set(inputs) - set(sources))
+    if unknown:
+        raise ValueError(
+            f"inputs for topics {unknown} that no source reads; sources: {sorted(sources)}"
+        )
+    channels: dict[tuple[str, int], list[_Message]] = {(t, 0): [] for t in sources}
+    for topic, items in inputs.items():
+        source = sources[topic]
+        encode_value = encoder(source.value_format)
+        for item in items:
+            message = item if isinstance(item, Message) else Message(item)
+            tp = (topic, message.partition)
+            channel = channels.setdefault(tp, [])
+            value = (
+                message.value if isinstance(message.value, bytes) else encode_value(message.value)
+            )
+            key = message.key if isinstance(message.key, bytes | None) else encode_key(message.key)
+            channel.append(_Message(topic, tp[1], len(channel), value, key, message.timestamp))
+    return channels
+
+
+def run_pipeline(
+    pipeline: Pipeline,
+    inputs: Mapping[str, Sequence[Any]],
+    *,
+    checkpoint_every: int = 100,
+    crash_after: int | Sequence[int] = (),
+) -> TestRun:
+    """Run ``pipeline`` over ``inputs`` (topic -> values or ``Message``s) in-process.
+
+    A checkpoint is taken and committed after every ``checkpoint_every`` input records and at
+    the end. ``crash_after``: after that many records read (one number or several), the task
+    crashes — uncommitted output is dropped, state is restored from the last committed
+    checkpoint and input is re-read from its positions."""
+    pipeline.validate()
+    crashes = sorted({crash_after} if isinstance(crash_after, int) else set(crash_after))
+    result = TestRun()
+    sink_lists: dict[str, list[Any]] = {}
+    nodes: list[Node] = []
+    by_id: dict[int, Node] = {}
+    for node in pipeline.nodes:  # a copy of the graph with every sink replaced
+        fn = node.fn
+        if node.kind == "sink":
+            committed: list[Any] = []
+            for name in _sink_names(node.fn):
+                sink_lists[name] = committed
+            fn = _CapturingSink(node.fn.name, committed)
+        copy = Node(
+            node.kind,
+            [by_id[i.id] for i in node.inputs],
+            fn,
+            node.name,
+            node.keyed,
+            node.id,
+            dict(node.options),
+        )
+        by_id[node.id] = copy
+        nodes.append(copy)
+    test_pipeline = _clone(pipeline, nodes)
+    channels = _encode_inputs(pipeline, inputs)
+    with tempfile.TemporaryDirectory(prefix="snapline-testing-") as tmp:
+        storage = CheckpointStorage(f"{tmp}/checkpoints")
+        _Runner(test_pipeline, channels, storage, tmp, result).run(checkpoint_every, crashes)
+    result.outputs = {name: list(values) for name, values in sink_lists.items()}
+    return result
+
+
+def _clone(pipeline: Pipeline, nodes: list[Node]) -> Pipeline:
+    clone = Pipeline.__new__(Pipeline)
+    clone.__dict__.update(pipeline.__dict__)
+    clone.nodes = nodes
+    return clone
+
+
+class _Runner:
+    """Feeds the channels through a Task, checkpoints, crashes and restores."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        channels: dict[tuple[str, int], list[_Message]],
+        storage: CheckpointStorage,
+        tmp: str,
+        result: TestRun,
+    ) -> None:
+        self.pipeline = pipeline
+        self.channels = channels
+        self.storage = storage
+        self.tmp = tmp
+        self.result = result
+        self.output = _Output()
+        self.committed: tuple[int, dict[tuple[str, int], int], StateHandle | None] = (
+            0,
+            {tp: 0 for tp in channels},
+            None,
+        )
+        self.snapshots: list[TaskSnapshot] = []
+        self.task = self._new_task(1)
+
+    def _new_task(self, epoch: int) -> Task:
+        checkpoint_id, positions, handle = self.committed
+        backend = create_backend(
+            self.pipeline.state_backend,
+            task_dir=f"{self.tmp}/local/{epoch}",
+            options=dict(self.pipeline.state_backend_options),
+        )
+        if handle is not None:
+            backend.restore(handle, self.storage)
+        task = Task(
+            TASK_ID,
+            self.pipeline,
+            dict(positions),
+            backend,
+            cast(TransactionalOutput, self.output),
+            worker_id="testing",
+            epoch=epoch,
+            on_snapshot=self.snapshots.append,
+            faults=FaultInjector(""),
+        )
+        for op in task.operators:
+            if isinstance(op, KeyByOperator):
+                op._check = False  # one task holds every partition: no partitioning to check
+        return task
+
+    def run(self, checkpoint_every: int, crashes: list[int]) -> None:
+        read = 0
+        next_checkpoint = checkpoint_every
+        total = sum(len(c) for c in self.channels.values())
+        positions = dict(self.committed[1])
+        while True:
+            progressed = False
+            for tp, messages in self.channels.items():
+                offset = positions[tp]
+                if offset < len(messages):
+                    self.task.enqueue(tp, [messages[offset]])
+                    positions[tp] = offset + 1
+                    read += 1
+                    progressed = True
+                    self.task.run()
+                    if crashes and read >= crashes[0]:
+                        crashes.pop(0)
+                        positions = self._crash()
+                    elif read >= next_checkpoint:
+                        self._checkpoint()
+                        next_checkpoint = read + checkpoint_every
+            if not progressed:
+                break
+            if read > 10 * total + 1000:  # a crash list that never lets the input finish
+                raise RuntimeError("the test run does not progress; check crash_after")
+        self._checkpoint()
+        self.task.close()
+
+    def _checkpoint(self) -> None:
+        n = self.task.epoch  # the barrier closes the open epoch
+        self.task.inject_barrier(n)
+        self.task.run()
+        snapshot = self.snapshots.pop()
+        handle = None
+        if snapshot.state is not None:
+            try:
+                handle = snapshot.state.materialize(self.storage, f"test/chk-{n:010d}")
+            finally:
+                snapshot.state.release()
+        for result in snapshot.sinks.values():
+            if isinstance(result, Future):
+                result.result()
+        # The commit point: the checkpoint is durable; its output becomes visible.
+        self.committed = (n, dict(snapshot.positions), handle)
+        self.task.notify_committed(n)
+        for _topic, value, headers in self.output.take_committed(n):
+            reason = dict(headers or {}).get("snapline.error", b"").decode()
+            self.result.dead_letters.append((value, reason))
+        self.result.checkpoints += 1
+
+    def _crash(self) -> dict[tuple[str, int], int]:
+        """Drop the task and everything uncommitted; restore the last checkpoint."""
+        self.result.crashes += 1
+        epoch = self.task.epoch + 1
+        self.task.close()
+        self.output.by_epoch.clear()
+        self.snapshots.clear()
+        self.task = self._new_task(epoch)
+        return dict(self.committed[1])
