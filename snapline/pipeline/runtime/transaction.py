@@ -311,6 +311,7 @@ class TransactionalOutput:
         self.open_epoch = None
         self._abort_pending = False
         self._fatal = None
+        self._delivery_errors = []  # the old producer's; its transaction is aborted
         self.replaced += 1
         # librdkafka's destructor may block; never on the task thread
         holder: list[object] = [old]
