@@ -53,14 +53,3 @@ def repartition_needed() -> Pipeline:
         .sink(KafkaSink(f"{PREFIX}totals"))
     )
     return pipeline
-
-
-def warehouse_short_transactions() -> Pipeline:
-    """examples.warehouse (Kafka + Parquet + PostgreSQL) with ``transaction.timeout.ms`` from
-    SNAPLINE_TEST_TRANSACTION_TIMEOUT_MS, so a test's broker outage can outlast it quickly."""
-    from examples.warehouse import build
-
-    pipeline = build()
-    timeout_ms = int(os.environ.get("SNAPLINE_TEST_TRANSACTION_TIMEOUT_MS", "60000"))
-    pipeline.kafka_config["transaction.timeout.ms"] = timeout_ms
-    return pipeline

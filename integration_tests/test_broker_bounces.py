@@ -25,22 +25,20 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import psycopg
-import pyarrow.dataset as ds
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from examples.orders import create_topics, produce_orders, read_committed, verify_totals
+from examples.orders import produce_orders, read_committed, verify_totals
 from examples.workers import WorkerProcess, read_events
+from integration_tests.warehouse_job import WarehouseJob
 from snapline.connectors.local_broker import LocalKafkaBroker
+from snapline.pipeline.runtime.kafka_calls import EX_TEMPFAIL
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres, pytest.mark.slow]
 
-SPEC = "integration_tests.pipelines:warehouse_short_transactions"
 PARTITIONS = 4
 CUSTOMERS = 500
 TRANSACTION_TIMEOUT_S = 10
-EX_TEMPFAIL = 75
 #: How long a worker that lived through an outage may take to commit again.
 RECOMMIT_DEADLINE = 120.0
 STOP_BOUND = 30.0
@@ -110,52 +108,36 @@ class Cluster:
         return self.broker.data_dir / "kraft-logs"
 
 
-class Job:
-    def __init__(self, bootstrap: str, name: str, tmp: Path, dsn: str) -> None:
-        self.bootstrap = bootstrap
-        self.name = name
-        self.prefix = f"{name}-"
-        self.table = name.replace("-", "_").lower()
-        self.warehouse = tmp / "warehouse" / "customer_totals"
-        self.dsn = dsn
-        self.orders = f"{self.prefix}orders"
-        self.outputs = f"{self.prefix}customer-totals"
-        create_topics(bootstrap, {self.orders: PARTITIONS, self.outputs: PARTITIONS})
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(
-                f"CREATE TABLE {self.table} (customer text PRIMARY KEY, total bigint, count bigint)"
-            )
-        env = {
-            "SNAPLINE_EXAMPLE_PREFIX": self.prefix,
-            "SNAPLINE_EXAMPLE_JOB": name,
-            "SNAPLINE_EXAMPLE_INTERVAL": "0.5",
-            "SNAPLINE_WAREHOUSE": str(self.warehouse),
-            "SNAPLINE_POSTGRES_DSN": dsn,
-            "SNAPLINE_POSTGRES_TABLE": self.table,
-            "SNAPLINE_TEST_TRANSACTION_TIMEOUT_MS": str(TRANSACTION_TIMEOUT_S * 1000),
-        }
-        self.workers = {
-            f"w{i}": WorkerProcess(SPEC, f"w{i}", bootstrap, tmp / "checkpoints", tmp, env)
-            for i in range(2)
-        }
-        self.metrics = tmp / "metrics.jsonl"
-        self.expected: dict[str, int] = {}
-        self.produced = 0
+class BounceJob(WarehouseJob):
+    """The warehouse job with input flowing through outages, and the supervisor's part."""
+
+    def __init__(self, bootstrap: str, name: str, workdir: Path, dsn: str) -> None:
+        super().__init__(
+            bootstrap,
+            name,
+            workdir,
+            dsn,
+            partitions=PARTITIONS,
+            customers=CUSTOMERS,
+            extra_env={"SNAPLINE_EXAMPLE_TXN_TIMEOUT_MS": str(TRANSACTION_TIMEOUT_S * 1000)},
+        )
+        self.by_id = {w.worker_id: w for w in self.workers}
+        self.metrics = workdir / "metrics.jsonl"
+        #: (worker id, exit code) of every exit the test did not cause
+        self.self_exits: list[tuple[str, int | None]] = []
         self._produce_lock = threading.Lock()
         self._input_stop = threading.Event()
         self._input: threading.Thread | None = None
         self.input_errors: list[str] = []
-        #: (worker id, exit code) of every exit the test did not cause
-        self.self_exits: list[tuple[str, int | None]] = []
 
     def produce(self, count: int) -> None:
         # Idempotent: the producer's retries across a broker restart write each order once.
         with self._produce_lock:
             totals = produce_orders(
                 self.bootstrap,
-                self.orders,
+                self.orders_topic,
                 count,
-                CUSTOMERS,
+                self.customers,
                 start_id=self.produced,
                 producer_config={"enable.idempotence": True},
             )
@@ -187,13 +169,13 @@ class Job:
 
     def supervise(self) -> None:
         """Restart workers that exited by themselves (what the supervisor does)."""
-        for worker_id, worker in self.workers.items():
+        for worker in self.workers:
             if worker.proc is not None and not worker.alive:
-                self.self_exits.append((worker_id, worker.proc.returncode))
+                self.self_exits.append((worker.worker_id, worker.proc.returncode))
                 worker.start()
 
     def pids(self) -> dict[str, int]:
-        return {w: p.proc.pid for w, p in self.workers.items() if p.alive and p.proc is not None}
+        return {w.worker_id: w.proc.pid for w in self.workers if w.alive and w.proc is not None}
 
     def commits_after(self, since: float) -> dict[int, float]:
         """pid -> time of its first checkpoint committed after ``since``."""
@@ -203,21 +185,11 @@ class Job:
                 first.setdefault(e["pid"], e["time"])
         return first
 
-    def committed_offsets(self) -> tuple[list[int], list[int]]:
-        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.name})
-        try:
-            tps = [TopicPartition(self.orders, p) for p in range(PARTITIONS)]
-            committed = [c.offset for c in consumer.committed(tps, timeout=10)]
-            ends = [consumer.get_watermark_offsets(tp, timeout=10)[1] for tp in tps]
-        finally:
-            consumer.close()
-        return committed, ends
-
     def logs(self) -> str:
-        return "\n".join(f"--- {w.worker_id}\n{w.tail(60)}" for w in self.workers.values())
+        return "\n".join(f"--- {w.worker_id}\n{w.tail(60)}" for w in self.workers)
 
 
-def _wait_for_recommits(job: Job, outage: Outage) -> dict[str, float]:
+def _wait_for_recommits(job: BounceJob, outage: Outage) -> dict[str, float]:
     """Until every worker that lived through ``outage`` committed again in the same process.
 
     Returns worker id -> seconds from broker-back to that commit. A survivor that exited by
@@ -361,11 +333,13 @@ def _copies(bootstrap: str, topic: str, order_ids: set[int]) -> dict[int, list[t
     return found
 
 
-def _known_marker_fault(cluster: Cluster, job: Job, duplicates: list[int]) -> str | None:
+def _known_marker_fault(cluster: Cluster, job: BounceJob, duplicates: list[int]) -> str | None:
     """A report if every Kafka duplicate is one committed copy plus orphaned copies (see
     ``_orphaned``); None if any duplicate has another explanation."""
-    copies = _copies(job.bootstrap, job.outputs, set(duplicates))
-    batches = {p: _read_batches(cluster.log_dirs / f"{job.outputs}-{p}") for p in range(PARTITIONS)}
+    copies = _copies(job.bootstrap, job.totals_topic, set(duplicates))
+    batches = {
+        p: _read_batches(cluster.log_dirs / f"{job.totals_topic}-{p}") for p in range(PARTITIONS)
+    }
     orphans = 0
     for order in duplicates:
         kinds = [_orphaned(batches[p], off) for p, off in copies.get(order, [])]
@@ -393,14 +367,14 @@ def test_workers_ride_out_broker_bounces(
 ) -> None:
     cluster = Cluster(tmp_path / "kafka")
     try:
-        job = Job(cluster.bootstrap, unique_name, tmp_path, postgres_dsn)
+        job = BounceJob(cluster.bootstrap, unique_name, tmp_path, postgres_dsn)
         rng = random.Random(9)
         outages: list[Outage] = []
         delays: list[float] = []
         test_kills = 0
         stop_times: list[float] = []
         try:
-            for worker in job.workers.values():
+            for worker in job.workers:
                 worker.start()
             job.produce(3000)
             job.start_input()
@@ -410,7 +384,7 @@ def test_workers_ride_out_broker_bounces(
             for kind, down, w0_action in SCHEDULE:
                 job.supervise()
                 if rng.random() < 0.4:  # a worker dies now and then, independent of the broker
-                    victim = rng.choice(list(job.workers.values()))
+                    victim = rng.choice(job.workers)
                     victim.kill()
                     test_kills += 1
                     victim.start()
@@ -425,7 +399,7 @@ def test_workers_ride_out_broker_bounces(
                 if kind == "double":
                     cluster.start()
                     cluster.crash()
-                w0 = job.workers["w0"]
+                w0 = job.by_id["w0"]
                 if w0_action is not None:
                     time.sleep(1)
                     survivors_before.pop("w0", None)
@@ -456,56 +430,18 @@ def test_workers_ride_out_broker_bounces(
                 )
 
             job.stop_input()
-            deadline = time.monotonic() + 180
-            while True:
-                job.supervise()
-                committed, ends = job.committed_offsets()
-                if all(c >= e for c, e in zip(committed, ends, strict=True)):
-                    break
-                assert time.monotonic() < deadline, (
-                    f"workers did not catch up: committed {committed}, ends {ends}\n" + job.logs()
-                )
-                time.sleep(1)
+            job.supervise()
+            job.wait_until_caught_up()
+            job.supervise()
             outputs = read_committed(
-                job.bootstrap, job.outputs, job.produced, timeout=120, settle=3
+                job.bootstrap, job.totals_topic, job.produced, timeout=120, settle=3
             )
-            time.sleep(2)  # Parquet and PostgreSQL commit right after the Kafka commit point
-            for worker in job.workers.values():
-                worker.stop()
+            job.verify_table_and_database()  # Parquet with pyarrow, PostgreSQL with SQL
+            job.stop_all()
         finally:
             job._input_stop.set()
-            for worker in job.workers.values():
+            for worker in job.workers:
                 worker.kill()
-
-        # Parquet, read with pyarrow: one row per input
-        rows = (
-            ds.dataset(job.warehouse, format="parquet", partitioning="hive").to_table().to_pylist()
-        )
-        table_counts = Counter(r["order_id"] for r in rows)
-        table_dupes = sorted(i for i, n in table_counts.items() if n > 1)
-        table_missing = [i for i in range(job.produced) if i not in table_counts]
-        assert not table_dupes and not table_missing, (
-            f"Parquet: {len(table_dupes)} duplicates {table_dupes[:5]}, {len(table_missing)} "
-            f"missing {table_missing[:5]}"
-        )
-        final: dict[str, tuple[int, int]] = {}
-        for r in rows:
-            if r["customer"] not in final or r["count"] > final[r["customer"]][0]:
-                final[r["customer"]] = (r["count"], r["total"])
-        assert {c: t for c, (_, t) in final.items()} == job.expected, "Parquet: wrong final totals"
-
-        # PostgreSQL, read with SQL: the final total and count per customer
-        with psycopg.connect(postgres_dsn) as conn:
-            db = {
-                c: (t, n)
-                for c, t, n in conn.execute(
-                    f"SELECT customer, total, count FROM {job.table}"
-                ).fetchall()
-            }
-        per_customer = Counter(r["customer"] for r in rows)
-        assert db == {c: (job.expected[c], per_customer[c]) for c in job.expected}, (
-            "PostgreSQL: totals or counts differ from the inputs"
-        )
 
         # Kafka, read_committed: every input exactly once
         check = verify_totals(outputs, job.expected, range(job.produced))
