@@ -31,9 +31,19 @@ def create_topics(bootstrap: str, topics: dict[str, int]) -> None:
 
 
 def produce_orders(
-    bootstrap: str, topic: str, count: int, customers: int, *, start_id: int = 0, seed: int = 7
+    bootstrap: str,
+    topic: str,
+    count: int,
+    customers: int,
+    *,
+    start_id: int = 0,
+    seed: int = 7,
+    producer_config: dict[str, Any] | None = None,
 ) -> dict[str, int]:
-    """Produce ``count`` orders keyed by customer; returns the expected total per customer."""
+    """Produce ``count`` orders keyed by customer; returns the expected total per customer.
+
+    ``producer_config`` adds producer settings (``{"enable.idempotence": True}`` keeps retries
+    across a broker restart from writing an order twice)."""
     rng = random.Random(seed + start_id)
     producer = Producer(
         {
@@ -41,6 +51,7 @@ def produce_orders(
             "linger.ms": 20,
             "partitioner": "murmur2_random",
             "compression.type": "lz4",
+            **(producer_config or {}),
         }
     )
     expected: dict[str, int] = defaultdict(int)
@@ -57,7 +68,9 @@ def produce_orders(
                 producer.poll(0.05)
         if i % 5000 == 0:
             producer.poll(0)
-    producer.flush(60)
+    remaining = producer.flush(60)
+    if remaining:
+        raise RuntimeError(f"{remaining} orders not delivered to {topic} within 60 s")
     return dict(expected)
 
 

@@ -163,6 +163,10 @@ class WarehouseJob:
         )
         kafka = verify_totals(outputs, self.expected, range(self.produced))
         assert kafka.ok, "Kafka: " + kafka.summary() + "\n" + self.logs()
+        self.verify_table_and_database()
+
+    def verify_table_and_database(self) -> None:
+        """Every order's effect exactly once in the Parquet table and in PostgreSQL."""
         deadline = time.monotonic() + 30  # sinks publish right after the Kafka commit point
         while len(self.table_rows()) < self.produced and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -185,7 +189,7 @@ class WarehouseJob:
                     f"SELECT customer, total, count FROM {self.pg_table}"
                 ).fetchall()
             }
-        counts = Counter(o["customer"] for o in outputs)
+        counts = Counter(r["customer"] for r in rows)  # one row per order (checked above)
         assert db == {c: (self.expected[c], counts[c]) for c in self.expected}, "PostgreSQL"
 
     def logs(self) -> str:

@@ -5,12 +5,18 @@ still materializing, tasks that already passed barrier n produce epoch n+1 recor
 held in memory and sent when transaction n+1 begins, right after n commits. At-least-once
 mode has no transactions: records are sent at once and flushed before offsets are committed.
 
-Threads: only the task (main) thread calls this class.
+Every transactional call is bounded (``kafka_calls.BoundedCall``) and its errors classified:
+retriable ones are retried with backoff within the call's bound, abortable ones fail the
+checkpoint (the worker aborts the epoch and restores), fatal ones raise :class:`FencedError`.
+
+Threads: only the task (main) thread calls this class; each blocking librdkafka call runs on a
+helper thread that the task thread waits for (see ``kafka_calls``).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,18 +25,48 @@ from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
 from snapline.connectors.config import redact
 from snapline.pipeline.errors import CheckpointError
+from snapline.pipeline.runtime.kafka_calls import (
+    HANG_GRACE,
+    BoundedCall,
+    BrokerOutageError,
+    ErrorClass,
+    KafkaClientError,
+    backoff,
+    classify,
+    is_unavailable,
+    kafka_error,
+    sleep_unless,
+)
 
 log = logging.getLogger(__name__)
 
+#: Bound of one commit (send offsets + commit) and of init_transactions attempts.
+COMMIT_TIMEOUT = 30.0
+#: Bound of an abort before it is left pending until the next begin (broker unreachable).
+ABORT_TIMEOUT = 10.0
+#: Bound of init_transactions (also when completing a pending abort after an outage).
+INIT_TIMEOUT = 120.0
+#: librdkafka timeout of one attempt of a transactional call.
+ATTEMPT_TIMEOUT = 5.0
 
-class FencedError(CheckpointError):
-    """Another incarnation of this worker took over its transactional id; stop now."""
+
+class FencedError(KafkaClientError, CheckpointError):
+    """The producer hit a fatal error: fenced by another incarnation of this worker, or its
+    epoch bumped by the broker when it aborted a transaction that outlived
+    ``transaction.timeout.ms`` (a long broker outage). The checkpoint fails; the next abort or
+    begin replaces the producer (its ``init_transactions`` aborts whatever is left open)."""
 
 
 class TransactionalOutput:
     """Produces records into the open epoch's transaction, buffering later epochs."""
 
-    def __init__(self, config: dict[str, Any], *, transactional_id: str | None) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        *,
+        transactional_id: str | None,
+        stopping: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.exactly_once = transactional_id is not None
         conf = {
             "linger.ms": 5,
@@ -48,10 +84,21 @@ class TransactionalOutput:
         log.debug("producer config %s", redact(conf))
         self._delivery_errors: list[str] = []
         conf["error_cb"] = self._on_error
+        self._conf = conf
+        self._stopping = stopping
+        self._call = BoundedCall("producer")
         self.producer = Producer(conf)
+        #: Why the producer failed fatally; it is replaced before its next transaction.
+        self._fatal: str | None = None
+        self.replaced = 0
         self.open_epoch: int | None = None
+        #: An abort that could not reach the broker; completed before the next begin.
+        self._abort_pending = False
         self._buffer: list[tuple[int, str, bytes | None, bytes | None, Any]] = []
         self.produced = 0
+        #: Bounds of commit and abort; the worker shortens them once a stop is requested.
+        self.commit_timeout = COMMIT_TIMEOUT
+        self.abort_timeout = ABORT_TIMEOUT
 
     @property
     def held(self) -> int:
@@ -67,15 +114,68 @@ class TransactionalOutput:
         if err is not None:
             self._delivery_errors.append(f"{msg.topic()}: {err}")
 
-    def init(self, timeout: float = 60.0) -> None:
+    def _retry(self, what: str, timeout: float, fn: Callable[[float], None]) -> None:
+        """Call ``fn(timeout_left)`` until it succeeds, retrying retriable errors with backoff
+        until ``timeout`` s have passed. Raises FencedError (fatal), BrokerOutageError (the
+        broker stayed unreachable) or CheckpointError (abortable)."""
+        deadline = time.monotonic() + timeout
+        attempt = 0
+        while True:
+            # Short attempts: a stop request is noticed between them (a timed-out call is
+            # retriable and resumes where it was).
+            left = min(max(deadline - time.monotonic(), 1.0), ATTEMPT_TIMEOUT)
+            try:
+                self._call(what, left + HANG_GRACE, fn, left)
+                return
+            except KafkaException as exc:
+                error = kafka_error(exc)
+                if error is None:
+                    raise CheckpointError(f"Kafka {what} failed: {exc}") from exc
+                kind = classify(error)
+                if kind is ErrorClass.FATAL:
+                    self._fatal = f"{what}: {error}"
+                    raise FencedError(f"producer: {what} failed fatally: {error}") from exc
+                out_of_time = time.monotonic() + backoff(attempt) >= deadline or self._stopping()
+                if kind is ErrorClass.RETRIABLE and not out_of_time:
+                    log.info("%s: %s; retrying", what, error)
+                    sleep_unless(self._stopping, backoff(attempt))
+                    attempt += 1
+                    continue
+                if is_unavailable(error):
+                    raise BrokerOutageError(
+                        f"Kafka {what} could not reach the broker within {timeout:.0f}s: {error}"
+                    ) from exc
+                raise CheckpointError(f"Kafka {what} failed: {error}") from exc
+
+    def init(self, timeout: float = INIT_TIMEOUT) -> None:
         """Register the transactional id: fences and aborts any previous incarnation."""
-        if self.exactly_once:
-            self.producer.init_transactions(timeout)
+        if not self.exactly_once:
+            return
+        try:
+            self._retry("init_transactions", timeout, self.producer.init_transactions)
+        except (BrokerOutageError, CheckpointError) as exc:
+            if isinstance(exc, KafkaClientError):
+                raise
+            raise KafkaClientError(
+                f"producer: init_transactions did not complete within {timeout:.0f}s ({exc}); "
+                "is the broker reachable?"
+            ) from exc
 
     def begin(self, epoch: int) -> None:
         """Open the transaction of ``epoch`` and send the records held for it."""
         if self.exactly_once:
-            self.producer.begin_transaction()
+            if self._fatal is not None:
+                self._replace_producer()
+            if self._abort_pending:
+                self._finish_abort(INIT_TIMEOUT)
+            try:
+                self.producer.begin_transaction()
+            except KafkaException as exc:
+                error = kafka_error(exc)
+                if error is not None and classify(error) is ErrorClass.FATAL:
+                    self._fatal = f"begin_transaction: {error}"
+                    raise FencedError(f"producer: begin_transaction: {error}") from exc
+                raise CheckpointError(f"Kafka begin_transaction failed: {exc}") from exc
         self._open(epoch)
 
     def continue_epoch(self, epoch: int) -> None:
@@ -134,7 +234,7 @@ class TransactionalOutput:
         self,
         offsets: list[TopicPartition],
         group_metadata: Any,
-        timeout: float = 60.0,
+        timeout: float | None = None,
         offsets_sent: Callable[[], None] | None = None,
     ) -> None:
         """The commit point: the epoch's records and the source offsets, atomically.
@@ -143,23 +243,29 @@ class TransactionalOutput:
         offsets are sent, so a worker that lost its partitions (a zombie) fails here. One
         that sent them while still a member and then stalled holds the partitions' committed
         offsets "unstable": the new owner's offset fetch (read_committed, KIP-447) waits until
-        this transaction commits or times out."""
+        this transaction commits or times out.
+
+        Bounded by ``timeout`` (default ``commit_timeout``): an unreachable broker raises
+        BrokerOutageError, and the transaction stays open (open_epoch is kept) so that
+        abort() aborts it."""
         if not self.exactly_once:
             raise CheckpointError("commit() is only for exactly-once; use flush()")
+        timeout = self.commit_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         try:
             if offsets:
-                self.producer.send_offsets_to_transaction(offsets, group_metadata, timeout)
+
+                def send(left: float) -> None:
+                    self.producer.send_offsets_to_transaction(offsets, group_metadata, left)
+
+                self._retry("send_offsets_to_transaction", timeout, send)
             if offsets_sent is not None:
                 offsets_sent()
-            self.producer.commit_transaction(timeout)
-        except KafkaException as exc:
-            error = exc.args[0]
-            if isinstance(error, KafkaError) and error.fatal():
-                self.open_epoch = None
-                raise FencedError(f"producer fenced or fatally failed: {error}") from exc
-            # The transaction stays open (open_epoch is kept) so that abort() aborts it;
-            # otherwise the next begin_transaction would fail in the abortable-error state.
-            raise CheckpointError(f"Kafka commit failed: {error}") from exc
+            left = max(deadline - time.monotonic(), 5.0)
+            self._retry("commit_transaction", left, self.producer.commit_transaction)
+        except FencedError:
+            self.open_epoch = None
+            raise
         self.open_epoch = None
         if self._delivery_errors:
             errors, self._delivery_errors = self._delivery_errors, []
@@ -167,7 +273,7 @@ class TransactionalOutput:
 
     def flush(self, timeout: float = 60.0) -> None:
         """At-least-once: wait until every record is acknowledged."""
-        remaining = self.producer.flush(timeout)
+        remaining = self._call("flush", timeout + HANG_GRACE, self.producer.flush, timeout)
         if remaining:
             raise CheckpointError(f"{remaining} records not delivered within {timeout}s")
         if self._delivery_errors:
@@ -175,21 +281,70 @@ class TransactionalOutput:
             raise CheckpointError(f"records failed delivery: {errors[:3]}")
 
     def abort(self) -> None:
-        """Discard the open transaction and everything held for later epochs."""
+        """Discard the open transaction and everything held for later epochs.
+
+        When the broker cannot be reached within ``abort_timeout`` the abort is left pending
+        and completed by the next begin(): the worker keeps waiting for the broker instead of
+        failing. A producer that failed fatally (e.g. its epoch was bumped when the broker
+        timed the transaction out during an outage) raises FencedError."""
         self._buffer = []
         self._delivery_errors = []
-        if self.exactly_once and self.open_epoch is not None:
+        if self.exactly_once and self._fatal is not None:
+            self._replace_producer()  # its init_transactions aborts the open transaction
+        if self.exactly_once and (self.open_epoch is not None or self._abort_pending):
             self.open_epoch = None
-            try:
-                self.producer.abort_transaction(30)
-            except KafkaException as exc:
-                error = exc.args[0]
-                if isinstance(error, KafkaError) and error.fatal():
-                    raise FencedError(f"producer fenced: {error}") from exc
-                log.warning("abort_transaction: %s", error)
+            self._abort_pending = True
+            self._finish_abort(self.abort_timeout, leave_pending=True)
         self.open_epoch = None
 
-    def close(self) -> None:
+    def _replace_producer(self) -> None:
+        """A fresh producer with the same transactional id instead of one that failed fatally.
+
+        Its init_transactions bumps the epoch, aborting the transaction the old one left open,
+        so nothing of the failed epoch becomes visible. Should another live incarnation of this
+        worker own the id, it is fenced in turn; its consumer (same static group.instance.id)
+        is fenced by the group coordinator and that worker exits."""
+        log.warning("producer failed fatally (%s); replacing it", self._fatal)
+        old = self.producer
+        self.producer = Producer(self._conf)
+        self._call = BoundedCall("producer")
+        self.open_epoch = None
+        self._abort_pending = False
+        self._fatal = None
+        self._delivery_errors = []  # the old producer's; its transaction is aborted
+        self.replaced += 1
+        # librdkafka's destructor may block; never on the task thread
+        holder: list[object] = [old]
+        del old
+        threading.Thread(target=_release, args=(holder,), name="kafka-release", daemon=True).start()
+        self.init()
+
+    def _finish_abort(self, timeout: float, *, leave_pending: bool = False) -> None:
+        try:
+            self._retry("abort_transaction", timeout, self.producer.abort_transaction)
+        except FencedError:
+            self._replace_producer()
+            return
+        except BrokerOutageError as exc:
+            if not leave_pending:
+                raise
+            log.warning("%s; the abort completes when the broker is back", exc)
+            return
+        except CheckpointError as exc:
+            # e.g. no transaction in progress: nothing left to abort
+            log.warning("abort_transaction: %s", exc)
+        self._abort_pending = False
+
+    def close(self, timeout: float = 10.0) -> None:
         start = time.monotonic()
-        self.producer.flush(10)
+        try:
+            self._call("flush", timeout + HANG_GRACE, self.producer.flush, timeout)
+        except (KafkaClientError, KafkaException) as exc:
+            log.warning("producer close: %s", exc)
         log.debug("producer closed in %.3fs", time.monotonic() - start)
+
+
+def _release(holder: list[object]) -> None:
+    """Runs on a helper thread, which takes and drops the last reference to a retired client."""
+    client = holder.pop()
+    del client

@@ -16,8 +16,15 @@ Read top to bottom to follow a record and a barrier:
 5. On partition assignment (and after any failed checkpoint) tasks are restored from the
    checkpoint named by the committed offsets and the consumer seeks to its positions.
 
-Threads: this module runs on the main (task) thread; only the coordinator's pool runs
-elsewhere. librdkafka runs its own threads.
+Broker outages (docs/exactly-once.md, "Broker outages"): every blocking client call is
+bounded (``kafka_calls``); a checkpoint that cannot commit because the broker is unreachable
+makes the worker wait for the broker, then abort the epoch and restore; fatal client errors,
+hung calls and outages longer than ``BROKER_OUTAGE_LIMIT`` exit with EX_TEMPFAIL (75) so that
+the supervisor restarts the worker. SIGTERM ends the worker within ``STOP_BOUND`` seconds.
+
+Threads: this module runs on the main (task) thread; only the coordinator's pool, the helper
+threads of bounded client calls and the stop timer run elsewhere. librdkafka runs its own
+threads.
 """
 
 from __future__ import annotations
@@ -28,13 +35,22 @@ import os
 import shutil
 import signal
 import socket
+import sys
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaException, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    OFFSET_END,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient
 
 from snapline.connectors.config import redact
@@ -53,6 +69,18 @@ from snapline.pipeline.errors import CheckpointError, CheckpointStorageError, Co
 from snapline.pipeline.graph import Pipeline
 from snapline.pipeline.runtime.coordinator import CheckpointCoordinator, CompletedCheckpoint
 from snapline.pipeline.runtime.faults import FaultInjector
+from snapline.pipeline.runtime.kafka_calls import (
+    EX_TEMPFAIL,
+    HANG_GRACE,
+    BoundedCall,
+    BrokerOutageError,
+    ErrorClass,
+    KafkaClientError,
+    backoff,
+    classify,
+    kafka_error,
+    sleep_unless,
+)
 from snapline.pipeline.runtime.task import Task, TaskSnapshot
 from snapline.pipeline.runtime.transaction import FencedError, TransactionalOutput
 from snapline.pipeline.state import create_backend
@@ -65,6 +93,15 @@ MAX_HELD_RECORDS = 500_000
 # Longer than the default transaction.timeout.ms (60 s): the longest a previous owner's
 # pending transactional offsets can keep a partition's committed offset unreadable.
 COMMITTED_OFFSETS_WAIT = 90.0
+#: SIGTERM ends the worker within this many seconds, broker or not.
+STOP_BOUND = 30.0
+#: After SIGTERM, the final checkpoint gets this long; then the worker exits without it.
+FINAL_CHECKPOINT_BOUND = 15.0
+#: A worker waits this long for an unreachable broker before it exits with EX_TEMPFAIL.
+BROKER_OUTAGE_LIMIT = 900.0
+#: A fenced consumer is replaced in place at most this often per 10 minutes; more means two
+#: live workers share an id, and the worker exits with EX_TEMPFAIL.
+MAX_CONSUMER_REPLACEMENTS = 5
 
 
 @dataclass(frozen=True)
@@ -154,8 +191,14 @@ class Worker:
             f"snapline-{pipeline.name}-{settings.worker_id}" if pipeline.exactly_once else None
         )
         producer_config = {**kafka_config, "client.id": f"{pipeline.name}-{settings.worker_id}"}
-        self.output = TransactionalOutput(producer_config, transactional_id=transactional_id)
-        self.consumer = Consumer(self._consumer_config())
+        self.output = TransactionalOutput(
+            producer_config, transactional_id=transactional_id, stopping=lambda: self._stopping
+        )
+        self._consumer_fatal: str | None = None
+        self.consumer = self._new_consumer()
+        self._consumer_call = BoundedCall("consumer")
+        self._outage: BrokerOutageError | None = None
+        self._consumer_replaced: list[float] = []
 
     # ------------------------------------------------------------------ setup
     def _shared_backend_options(self) -> dict[str, Any]:
@@ -313,18 +356,29 @@ class Worker:
         waits rather than start from offsets that are about to change."""
         request = [TopicPartition(tp.topic, tp.partition) for tp in partitions]
         deadline = time.monotonic() + COMMITTED_OFFSETS_WAIT
+        attempt = 0
         while True:
             try:
-                return list(self.consumer.committed(request, timeout=20))
+                return list(
+                    self._consumer_call(
+                        "committed", 20 + HANG_GRACE, self.consumer.committed, request, 20
+                    )
+                )
             except KafkaException as exc:
-                if time.monotonic() > deadline:
-                    raise CheckpointError(
+                error = kafka_error(exc)
+                if error is not None and classify(error) is ErrorClass.FATAL:
+                    raise ConsumerFencedError(f"consumer: committed() failed: {error}") from exc
+                if time.monotonic() > deadline or self._stopping:
+                    # Exit 75: a fresh worker waits again; nothing is lost by the restart.
+                    raise KafkaClientError(
                         f"could not read the committed offsets of {len(request)} partitions "
                         f"in {COMMITTED_OFFSETS_WAIT:.0f}s: {exc}; is a previous owner's "
                         "transaction still open, or the group coordinator unreachable?"
                     ) from exc
                 log.warning("committed offsets not available yet (%s); retrying", exc)
                 self._event({"event": "offsets_pending", "error": str(exc)[:200]})
+                sleep_unless(lambda: self._stopping, backoff(attempt, cap=2.0))
+                attempt += 1
 
     def _restore_task(
         self, task_id: str, committed: list[TopicPartition]
@@ -594,8 +648,10 @@ class Worker:
                 fh.write(json.dumps(entry) + "\n")
 
     def _count_failure(self, exc: Exception) -> None:
-        """One more checkpoint failed in a row; past the tolerance the worker stops."""
-        self._failures += 1
+        """One more checkpoint failed in a row; past the tolerance the worker stops. A broker
+        outage is waited out (_fail_checkpoint), not held against the job."""
+        if not isinstance(exc, BrokerOutageError):
+            self._failures += 1
         log.error("checkpoint failed (%d in a row): %s", self._failures, exc)
         tolerable = self.pipeline.tolerable_failed_checkpoints
         if self._failures > tolerable:
@@ -626,7 +682,10 @@ class Worker:
     def _fail_checkpoint(self, exc: Exception) -> None:
         """Abort the epoch and restore every task from its committed checkpoint."""
         self._count_failure(exc)
-        time.sleep(min(0.5 * 2**self._failures, 10))
+        if isinstance(exc, BrokerOutageError):
+            self._await_broker(exc)
+        else:
+            sleep_unless(lambda: self._stopping, min(0.5 * 2**self._failures, 10))
         self._drop_tasks()
         self._restore_pending = True
 
@@ -647,32 +706,148 @@ class Worker:
         for (topic, partition), offset in restored.items():
             self.consumer.seek(TopicPartition(topic, partition, offset))
 
-    # ------------------------------------------------------------------ main loop
-    def request_stop(self, *_: Any) -> None:
-        self._stopping = True
-
-    def run(self, *, max_seconds: float | None = None) -> None:
-        """Process until stopped (SIGTERM: final checkpoint, clean exit)."""
-        self.output.init()
+    def _broker_reachable(self) -> bool:
+        """The broker answers a metadata request and every source partition has a leader."""
         topics = self.pipeline.source_topics()
+        try:
+            metadata = self._consumer_call(
+                "list_topics", 2 + HANG_GRACE, self.consumer.list_topics, None, 2
+            )
+        except KafkaException:
+            return False
+        for name in topics:
+            topic = metadata.topics.get(name)
+            if topic is None or topic.error is not None:
+                return False
+            if any(p.leader < 0 for p in topic.partitions.values()):
+                return False
+        return True
+
+    def _await_broker(self, exc: Exception) -> None:
+        """Wait (up to BROKER_OUTAGE_LIMIT, or until a stop) until the broker answers again."""
+        started = time.monotonic()
+        self._event({"event": "broker_unavailable", "error": str(exc)[:300]})
+        attempt = 0
+        last_log = started
+        while not self._broker_reachable():
+            waited = time.monotonic() - started
+            if self._stopping:
+                raise _StopNow(f"stop requested while the broker is unreachable ({exc})")
+            if waited > BROKER_OUTAGE_LIMIT:
+                raise KafkaClientError(
+                    f"Kafka at {self.settings.bootstrap_servers} unreachable for "
+                    f"{waited:.0f}s (limit {BROKER_OUTAGE_LIMIT:.0f}s); last error: {exc}"
+                )
+            if time.monotonic() - last_log > 30:
+                log.warning("broker still unreachable after %.0fs; waiting", waited)
+                last_log = time.monotonic()
+            sleep_unless(lambda: self._stopping, backoff(attempt, cap=2.0))
+            attempt += 1
+        waited = time.monotonic() - started
+        log.warning("broker reachable again after %.1fs; aborting the epoch and restoring", waited)
+        self._event({"event": "broker_back", "waited": round(waited, 3)})
+
+    def _replace_consumer(self, exc: ConsumerFencedError) -> None:
+        """A fresh consumer (same group.instance.id) instead of one that failed fatally.
+
+        The epoch is aborted first: nothing read under the old membership may commit. The new
+        consumer joins the group, replacing the stale static member, and its assignment
+        restores the tasks from the committed checkpoint (_on_assign)."""
+        now = time.monotonic()
+        self._consumer_replaced = [t for t in self._consumer_replaced if now - t < 600] + [now]
+        if len(self._consumer_replaced) > MAX_CONSUMER_REPLACEMENTS:
+            raise KafkaClientError(
+                f"{exc}; the consumer was replaced {MAX_CONSUMER_REPLACEMENTS} times in 10 "
+                "minutes: does another live worker use the id "
+                f"{self.settings.worker_id!r}?"
+            ) from exc
+        log.warning("%s; replacing the consumer", exc)
+        self._event({"event": "consumer_replaced", "error": str(exc)[:300]})
+        self._drop_tasks()
+        old = self.consumer
+        try:
+            self._consumer_call("close", 10.0, old.close)
+        except Exception as close_exc:  # a fenced consumer may fail to close; it is dropped
+            log.warning("closing the fenced consumer: %s", close_exc)
+        self._consumer_call = BoundedCall("consumer")
+        self._consumer_fatal = None
+        self.consumer = self._new_consumer()
+        self._subscribe()
+        holder: list[object] = [old]
+        del old
+        threading.Thread(target=_release, args=(holder,), name="kafka-release", daemon=True).start()
+
+    def _new_consumer(self) -> Consumer:
+        return Consumer({**self._consumer_config(), "error_cb": self._on_consumer_error})
+
+    def _on_consumer_error(self, error: KafkaError) -> None:
+        """librdkafka's error callback (runs inside consume on the task thread)."""
+        if classify(error) is ErrorClass.FATAL:
+            self._consumer_fatal = str(error)
+        log.warning("kafka consumer: %s", error)
+
+    def _subscribe(self) -> None:
         self.consumer.subscribe(
-            topics,
+            self.pipeline.source_topics(),
             on_assign=self._guarded(self._on_assign),
             on_revoke=self._guarded(self._on_revoke),
             on_lost=self._guarded(self._on_lost),
         )
+
+    # ------------------------------------------------------------------ main loop
+    def request_stop(self, *_: Any) -> None:
+        """SIGTERM/SIGINT: final checkpoint if possible; the process ends within STOP_BOUND s
+        whatever the broker does (the stop timer exits without the final checkpoint)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self.output.commit_timeout = FINAL_CHECKPOINT_BOUND / 2
+        self.output.abort_timeout = 3.0
+        timer = threading.Timer(STOP_BOUND - 2.0, _exit_after_stop_bound)
+        timer.daemon = True
+        timer.start()
+
+    def run(self, *, max_seconds: float | None = None) -> None:
+        """Process until stopped (SIGTERM: final checkpoint, clean exit).
+
+        Raises KafkaClientError (exit EX_TEMPFAIL) when a Kafka client cannot go on."""
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
         try:
+            self.output.init()
+            self._subscribe()
             while True:
                 if self._stopping or (deadline is not None and time.monotonic() > deadline):
                     self._final_checkpoint()
                     break
-                self._step()
+                try:
+                    if self._outage is not None:
+                        # The broker went away while restoring: wait for it, restore again.
+                        outage, self._outage = self._outage, None
+                        self._fail_checkpoint(outage)
+                    else:
+                        self._step()
+                except BrokerOutageError as exc:
+                    self._outage = exc
+                except ConsumerFencedError as exc:
+                    self._replace_consumer(exc)
+        except _StopNow as exc:
+            self.output.abort_timeout = 1.0  # the successor's init_transactions aborts it
+            log.warning(
+                "%s: exiting without a final checkpoint; recovery restores the last "
+                "committed checkpoint",
+                exc,
+            )
         except FencedError:
             log.error(
-                "another incarnation of worker %s took over; exiting", self.settings.worker_id
+                "the producer of worker %s failed fatally (fenced by another incarnation, or "
+                "its epoch bumped by the broker); exiting",
+                self.settings.worker_id,
             )
             raise
+        except KafkaException as exc:
+            # Raised out of a rebalance callback or a client call: the clients are in an
+            # unknown state; a restarted worker recovers from the committed checkpoint.
+            raise KafkaClientError(f"Kafka client error: {exc}") from exc
         finally:
             self._close()
 
@@ -698,8 +873,6 @@ class Worker:
                 done = self.coordinator.poll()
                 if done is not None:
                     self._complete(done)
-            except FencedError:
-                raise
             except CheckpointStorageError as exc:  # raised by poll only: before the commit point
                 self._event(
                     {
@@ -711,6 +884,8 @@ class Worker:
                 )
                 self._continue_epoch(exc)
             except CheckpointError as exc:
+                # FencedError too: the abort replaces the producer; a fenced consumer is
+                # replaced on its next poll (_route).
                 self._event({"event": "checkpoint_failed", "error": str(exc)[:500]})
                 self._fail_checkpoint(exc)
 
@@ -734,16 +909,23 @@ class Worker:
         error, self._callback_error = self._callback_error, None
         if error is not None:
             raise error
+        if self._consumer_fatal is not None:
+            raise ConsumerFencedError(f"consumer failed fatally: {self._consumer_fatal}")
+        # Checked here, not only in _route: a poll whose messages are dropped (after a failed
+        # checkpoint) must not swallow the one event that says the consumer is dead.
+        for msg in messages:
+            error = msg.error()
+            if error is not None and classify(error) is ErrorClass.FATAL:
+                # e.g. "Static consumer fenced by other consumer with same group.instance.id"
+                # after a broker outage longer than session.timeout.ms
+                raise ConsumerFencedError(f"consumer failed fatally: {error}")
         return messages
 
     def _route(self, messages: list[Any]) -> None:
         groups: dict[tuple[str, int], list[Any]] = {}
         for msg in messages:
             if msg.error():
-                error = msg.error()
-                if error.fatal():
-                    raise KafkaException(error)
-                log.warning("consumer: %s", error)
+                log.warning("consumer: %s", msg.error())  # fatal ones were raised by _consume
                 continue
             key = (msg.topic(), msg.partition())
             group = groups.get(key)
@@ -764,7 +946,10 @@ class Worker:
         if self.coordinator.pending is None and self._nothing_read_since_trigger():
             return  # nothing read since the last committed checkpoint
         log.info("%s: taking a final checkpoint", reason)
-        deadline = time.monotonic() + self.pipeline.checkpoint_timeout
+        bound = self.pipeline.checkpoint_timeout
+        if self._stopping:  # SIGTERM: the process must end within STOP_BOUND
+            bound = min(bound, FINAL_CHECKPOINT_BOUND)
+        deadline = time.monotonic() + bound
         target = None
         while time.monotonic() < deadline:
             if self.coordinator.pending is None:
@@ -779,9 +964,8 @@ class Worker:
                 done = self.coordinator.poll()
                 if done is not None:
                     self._complete(done)
-            except FencedError:
-                raise
             except CheckpointError as exc:
+                # FencedError too: the abort that follows replaces the producer
                 log.error("%s: final checkpoint failed (the epoch is aborted): %s", reason, exc)
                 self._event({"event": "checkpoint_failed", "error": str(exc)[:500]})
                 return
@@ -790,6 +974,8 @@ class Worker:
             time.sleep(0.001)
 
     def _close(self) -> None:
+        """Bounded: with the broker gone, an abort is left to recovery and close gives up."""
+        self.output.abort_timeout = min(self.output.abort_timeout, 3.0)
         try:
             self.output.abort()
         except Exception:
@@ -799,14 +985,63 @@ class Worker:
         self.tasks = {}
         self.coordinator.shutdown()
         try:
-            self.consumer.close()
+            self._consumer_call("close", 10.0, self.consumer.close)
         except Exception:
             log.exception("consumer close")
+        self.output.close(timeout=2.0 if self._stopping else 10.0)
+
+
+class ConsumerFencedError(KafkaClientError):
+    """The consumer failed fatally, typically "Static consumer fenced by other consumer with
+    same group.instance.id" after its session timed out during a broker outage (librdkafka
+    #3437); the worker replaces the consumer (``MAX_CONSUMER_REPLACEMENTS``)."""
+
+
+class _StopNow(Exception):
+    """A stop was requested while the broker is unreachable: exit without a final checkpoint."""
+
+
+def _release(holder: list[object]) -> None:
+    """Runs on a helper thread, which takes and drops the last reference to a retired client
+    (librdkafka's destructor may block)."""
+    client = holder.pop()
+    del client
+
+
+def _exit_now(code: int) -> None:
+    """End the process at once: librdkafka's destructors may block while the broker is gone
+    (a consumer's destructor closes it, a hung call's thread never returns)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _exit_after_stop_bound() -> None:
+    log.error(
+        "worker did not stop within %.0fs of SIGTERM; exiting without a final checkpoint "
+        "(recovery restores the last committed checkpoint)",
+        STOP_BOUND,
+    )
+    _exit_now(EX_TEMPFAIL)
 
 
 def run_worker(pipeline: Pipeline, settings: WorkerSettings) -> None:
-    """Entry point of a worker process: SIGTERM/SIGINT take a final checkpoint and exit."""
-    worker = Worker(pipeline, settings)
+    """Entry point of a worker process: SIGTERM/SIGINT take a final checkpoint and exit.
+
+    Exit codes: 0 after a stop; EX_TEMPFAIL (75) when a Kafka client cannot go on (broker
+    unreachable too long, a hung client call, a fatal client error) - restart the worker, it
+    recovers from the committed checkpoint; other errors raise SnaplineError (exit 1)."""
+    try:
+        worker = Worker(pipeline, settings)
+    except KafkaClientError as exc:
+        log.error("%s (exit %d: restart the worker)", exc, EX_TEMPFAIL)
+        _exit_now(EX_TEMPFAIL)
     signal.signal(signal.SIGTERM, worker.request_stop)
     signal.signal(signal.SIGINT, worker.request_stop)
-    worker.run()
+    try:
+        worker.run()
+    except KafkaClientError as exc:
+        log.error("%s (exit %d: restart the worker)", exc, EX_TEMPFAIL)
+        _exit_now(EX_TEMPFAIL)
+    _exit_now(0)

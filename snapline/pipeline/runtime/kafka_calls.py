@@ -1,0 +1,169 @@
+"""Bounded calls into librdkafka and what each Kafka error means for a worker.
+
+Every client call that can block runs through :class:`BoundedCall`: the call runs on a
+short-lived daemon thread and the task (main) thread waits for it at most a bound, staying
+responsive to signals meanwhile. librdkafka does not always honour its own timeouts
+(``send_offsets_to_transaction`` can block forever while the group coordinator is
+unreachable, librdkafka #5456/#5511), so a call that outlives its bound marks the client as
+unusable: the worker then exits with :data:`EX_TEMPFAIL` and its supervisor restarts it, and
+recovery restores the committed checkpoint.
+
+Threads: the task thread calls everything here; each client call runs on its own daemon
+thread, one at a time per :class:`BoundedCall`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from confluent_kafka import KafkaError, KafkaException
+
+from snapline.pipeline.errors import CheckpointError, SnaplineError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Exit code of a worker whose Kafka clients cannot go on ("temporary failure, restart me",
+#: sysexits.h EX_TEMPFAIL): the broker was unreachable for too long, a client call hung, or a
+#: client hit a fatal error. A restarted worker recovers from the committed checkpoint.
+EX_TEMPFAIL = 75
+
+#: Extra time a client call gets beyond the timeout it was given before it counts as hung.
+HANG_GRACE = 15.0
+
+# Errors that say "the broker (or a coordinator on it) is not reachable right now". They are
+# retried with backoff inside a call's bound; when the bound runs out the worker waits for the
+# broker instead of counting a checkpoint failure.
+_UNAVAILABLE = {
+    KafkaError._TRANSPORT,
+    KafkaError._ALL_BROKERS_DOWN,
+    KafkaError._TIMED_OUT,
+    KafkaError._TIMED_OUT_QUEUE,
+    KafkaError._MSG_TIMED_OUT,
+    KafkaError._WAIT_COORD,
+    KafkaError._RESOLVE,
+    KafkaError.COORDINATOR_NOT_AVAILABLE,
+    KafkaError.NOT_COORDINATOR,
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    KafkaError.REQUEST_TIMED_OUT,
+    KafkaError.NETWORK_EXCEPTION,
+    KafkaError.LEADER_NOT_AVAILABLE,
+    KafkaError.NOT_LEADER_FOR_PARTITION,
+    KafkaError.NOT_ENOUGH_REPLICAS,
+    KafkaError.CONCURRENT_TRANSACTIONS,
+    KafkaError.UNSTABLE_OFFSET_COMMIT,
+}
+
+
+class ErrorClass(enum.Enum):
+    """What the worker does about a Kafka error (docs/exactly-once.md, "Broker outages")."""
+
+    #: Try the same call again with backoff while its bound lasts.
+    RETRIABLE = "retriable"
+    #: Abort the epoch and restore every task from the committed checkpoint.
+    ABORTABLE = "abortable"
+    #: The client cannot be used any more: exit with EX_TEMPFAIL.
+    FATAL = "fatal"
+
+
+def classify(error: KafkaError) -> ErrorClass:
+    # librdkafka reports a fatal error as an error event with code _FATAL, on which fatal()
+    # can be False; the underlying error (e.g. a fenced static member) is in the message.
+    if error.fatal() or error.code() in (KafkaError._FATAL, KafkaError._FENCED):
+        return ErrorClass.FATAL
+    if error.code() in (KafkaError.PRODUCER_FENCED, KafkaError.FENCED_INSTANCE_ID):
+        return ErrorClass.FATAL
+    if error.txn_requires_abort():
+        return ErrorClass.ABORTABLE
+    if error.retriable() or error.code() in _UNAVAILABLE:
+        return ErrorClass.RETRIABLE
+    return ErrorClass.ABORTABLE
+
+
+def kafka_error(exc: BaseException) -> KafkaError | None:
+    """The KafkaError inside a KafkaException (None for anything else)."""
+    if isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError):
+        return exc.args[0]
+    return None
+
+
+def is_unavailable(error: KafkaError) -> bool:
+    """The error says the broker or a coordinator is unreachable right now."""
+    return error.code() in _UNAVAILABLE
+
+
+class KafkaClientError(SnaplineError):
+    """A Kafka client of this worker cannot go on (fatal error, hung call, broker gone too
+    long). The worker exits with EX_TEMPFAIL; a restarted worker recovers from the committed
+    checkpoint."""
+
+    exit_code = EX_TEMPFAIL
+
+
+class BrokerOutageError(CheckpointError):
+    """A checkpoint could not commit because the broker was unreachable. The worker waits for
+    the broker, then aborts the epoch and restores; this does not count as a failed checkpoint
+    against ``tolerable_failed_checkpoints``."""
+
+
+class BoundedCall:
+    """Runs blocking client calls of one client on a helper thread, waiting at most a bound.
+
+    After one call outlived its bound the client is left alone for good (``hung`` names the
+    call); every later call raises :class:`KafkaClientError` at once."""
+
+    def __init__(self, client: str) -> None:
+        self.client = client
+        self.hung: str | None = None
+
+    def __call__(self, what: str, bound: float, fn: Callable[..., T], *args: Any) -> T:
+        if self.hung is not None:
+            raise KafkaClientError(
+                f"{self.client}: {what} not attempted, the client is stuck in {self.hung}"
+            )
+        outcome: list[Any] = []
+        done = threading.Event()
+
+        def target() -> None:
+            try:
+                outcome.append((True, fn(*args)))
+            except BaseException as exc:  # handed to the waiting thread
+                outcome.append((False, exc))
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=target, name=f"kafka-{what}", daemon=True)
+        thread.start()
+        # Event.wait is interrupted by signals: SIGTERM's handler runs while we wait.
+        if not done.wait(bound):
+            self.hung = what
+            raise KafkaClientError(
+                f"{self.client}: {what} did not return within {bound:.0f}s (librdkafka can "
+                "block past its timeout while a coordinator is unreachable, librdkafka "
+                "#5456); exiting so that a fresh worker recovers from the committed checkpoint"
+            )
+        ok, value = outcome[0]
+        if ok:
+            return value
+        raise value
+
+
+def backoff(attempt: int, *, base: float = 0.2, cap: float = 5.0) -> float:
+    """Exponential backoff: 0.2 s, 0.4 s, ... at most ``cap``."""
+    return float(min(cap, base * 2 ** min(attempt, 16)))
+
+
+def sleep_unless(stopping: Callable[[], bool], seconds: float) -> None:
+    """Sleep ``seconds`` in small steps; return early once ``stopping()`` is true."""
+    end = time.monotonic() + seconds
+    while not stopping():
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, 0.1))
