@@ -252,3 +252,14 @@ def postgres_dsn() -> Iterator[str]:
 
 
 # --- end of sinks fixtures --------------------------------------------------------------------
+
+
+@pytest.fixture
+def jobs() -> Iterator[list[Any]]:
+    """Warehouse jobs a test made (integration_tests/warehouse_job.py); their workers are
+    SIGKILLed at the end, whatever the test left running."""
+    made: list[Any] = []
+    yield made
+    for job in made:
+        for worker in job.workers:
+            worker.kill()

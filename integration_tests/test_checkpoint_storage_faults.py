@@ -11,7 +11,6 @@ Every sink holds every input exactly once at the end.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,15 +19,6 @@ from examples.workers import read_events
 from integration_tests.warehouse_job import WarehouseJob, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[WarehouseJob]]:
-    made: list[WarehouseJob] = []
-    yield made
-    for job in made:
-        for worker in job.workers:
-            worker.kill()
 
 
 def _events(job: WarehouseJob, kind: str, since: float = 0.0) -> list[dict]:

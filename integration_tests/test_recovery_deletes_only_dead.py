@@ -14,7 +14,6 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -57,15 +56,6 @@ class Feeder:
     def __exit__(self, *_: object) -> None:
         self.stop_flag.set()
         self.thread.join(60)
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[WarehouseJob]]:
-    made: list[WarehouseJob] = []
-    yield made
-    for job in made:
-        for worker in job.workers:
-            worker.kill()
 
 
 @pytest.mark.parametrize("stale_checkpoint", ["still stored", "deleted by retention"])
