@@ -63,7 +63,7 @@ def running_total() -> Pipeline:
     pipeline = _pipeline(env)
     (
         pipeline.source(KafkaSource(env.in_topic, value_format="json"))
-        .key_by(lambda v: v["customer"])
+        .key_by()  # the input is keyed by customer
         .process(RunningTotal(env.start_file))
         .sink(KafkaSink(env.out_topic, value_format="json"))
     )
@@ -75,7 +75,7 @@ def running_total_with_note() -> Pipeline:
     pipeline = _pipeline(env)
     (
         pipeline.source(KafkaSource(env.in_topic, value_format="json"))
-        .key_by(lambda v: v["customer"])
+        .key_by()  # the input is keyed by customer
         .process(RunningTotalWithNote(env.start_file))
         .sink(KafkaSink(env.out_topic, value_format="json"))
     )

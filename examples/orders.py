@@ -39,8 +39,10 @@ def produce_orders(
     start_id: int = 0,
     seed: int = 7,
     producer_config: dict[str, Any] | None = None,
+    keyed_by_order: bool = False,
 ) -> dict[str, int]:
-    """Produce ``count`` orders keyed by customer; returns the expected total per customer.
+    """Produce ``count`` orders keyed by customer (``keyed_by_order``: by order id, so that a
+    per-customer pipeline must re-key them); returns the expected total per customer.
 
     ``producer_config`` adds producer settings (``{"enable.idempotence": True}`` keeps retries
     across a broker restart from writing an order twice)."""
@@ -62,7 +64,9 @@ def produce_orders(
         value = orjson.dumps({"customer": customer, "amount": amount, "order_id": i})
         while True:
             try:
-                producer.produce(topic, value, customer.encode())
+                producer.produce(
+                    topic, value, str(i).encode() if keyed_by_order else customer.encode()
+                )
                 break
             except BufferError:
                 producer.poll(0.05)

@@ -7,6 +7,10 @@ reads (``python -m examples.spark_analytics $SNAPLINE_WAREHOUSE``), and, when
 ``customer_totals``; create it with ``CREATE TABLE customer_totals (customer text PRIMARY KEY,
 total bigint, count bigint)``), upserted per customer and fenced by checkpoint id.
 
+``SNAPLINE_EXAMPLE_STAGES``: 1 (default; orders keyed by customer in Kafka, no repartition), 2
+(re-keyed by customer through a repartition topic), 3 (re-keyed twice: by order-id bucket,
+then by customer); ``SNAPLINE_EXAMPLE_PARTITIONS`` sets the repartition topics' partitions.
+
 Run: ``snapline run examples.warehouse:pipeline``.
 """
 
@@ -14,8 +18,32 @@ from __future__ import annotations
 
 import os
 
+from collections.abc import Iterator
+from typing import Any
+
 from examples.running_total import RunningTotal
-from snapline import KafkaSink, KafkaSource, ParquetSink, Pipeline, PostgresSink
+from snapline import (
+    Context,
+    KafkaSink,
+    KafkaSource,
+    KeyedProcessFunction,
+    ParquetSink,
+    Pipeline,
+    PostgresSink,
+    ValueState,
+)
+
+
+class BucketSequence(KeyedProcessFunction):
+    """Numbers the orders of each order-id bucket (state in the middle stage of the 3-stage
+    variant); the order passes on with its number."""
+
+    seen = ValueState("seen", default=0)
+
+    def process(self, value: dict[str, Any], ctx: Context) -> Iterator[dict[str, Any]]:
+        n = self.seen.value() + 1
+        self.seen.update(n)
+        yield {**value, "bucket_seq": n}
 
 
 def build() -> Pipeline:
@@ -34,11 +62,22 @@ def build() -> Pipeline:
             else None
         ),
     )
-    totals = (
-        pipeline.source(KafkaSource(f"{prefix}orders", value_format="json"))
-        .key_by(lambda order: order["customer"])
-        .process(RunningTotal())
-    )
+    orders = pipeline.source(KafkaSource(f"{prefix}orders", value_format="json"))
+    stages = env("SNAPLINE_EXAMPLE_STAGES", "1")
+    partitions = int(env("SNAPLINE_EXAMPLE_PARTITIONS", "0")) or None
+    if stages == "1":  # orders keyed by customer in Kafka: no repartition topic
+        keyed = orders.key_by()
+    elif stages == "2":  # orders keyed by anything: re-keyed by customer
+        keyed = orders.key_by(lambda o: o["customer"], name="by-customer", partitions=partitions)
+    elif stages == "3":  # re-keyed twice: numbered per order-id bucket, then per customer
+        keyed = (
+            orders.key_by(lambda o: o["order_id"] % 64, name="by-bucket", partitions=partitions)
+            .process(BucketSequence())
+            .key_by(lambda o: o["customer"], name="by-customer", partitions=partitions)
+        )
+    else:
+        raise ValueError(f"SNAPLINE_EXAMPLE_STAGES={stages!r}: use 1, 2 or 3")
+    totals = keyed.process(RunningTotal())
     totals.sink(KafkaSink(f"{prefix}customer-totals", value_format="json"))
     totals.sink(
         ParquetSink(

@@ -16,8 +16,8 @@ from snapline.pipeline.errors import (
     SnaplineError,
     StateError,
 )
-from snapline.pipeline.functions import Context, KeyedProcessFunction
-from snapline.pipeline.graph import KeyedStream, Pipeline, Stream
+from snapline.pipeline.functions import Context, KeyedCoProcessFunction, KeyedProcessFunction
+from snapline.pipeline.graph import ConnectedStreams, KeyedStream, Pipeline, Stream
 from snapline.pipeline.sink import Sink, SinkContext, SinkWriter
 from snapline.pipeline.state.descriptors import (
     AggregateFunction,
@@ -38,11 +38,13 @@ __all__ = [
     "AggregatingState",
     "CheckpointError",
     "ConfigurationError",
+    "ConnectedStreams",
     "Context",
     "CorruptCheckpointError",
     "JsonSerde",
     "KafkaSink",
     "KafkaSource",
+    "KeyedCoProcessFunction",
     "KeyedProcessFunction",
     "KeyedStream",
     "ListState",

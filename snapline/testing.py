@@ -14,8 +14,9 @@ a function's output is the same with and without a crash::
                           checkpoint_every=100, crash_after=250)
     assert result.outputs["customer-totals"] == expected
 
-What differs from a deployment: one task holds every input partition, so ``key_by`` needs no
-input partitioned by its key; there is no Kafka transaction (a checkpoint "commits" when its
+What differs from a deployment: one task per stage holds every partition of the stage, and a
+repartition topic is a list that the next stage reads once the checkpoint commits; there is
+no Kafka transaction (a checkpoint "commits" when its
 snapshot is durable in a temporary checkpoint directory).
 
 Threads: everything runs on the caller's thread.
@@ -36,7 +37,6 @@ from snapline.pipeline.formats import encode_key, encoder
 from snapline.pipeline.graph import Node, Pipeline
 from snapline.pipeline.record import Record
 from snapline.pipeline.runtime.faults import FaultInjector
-from snapline.pipeline.runtime.operators import KeyByOperator
 from snapline.pipeline.runtime.task import Task, TaskSnapshot
 from snapline.pipeline.runtime.transaction import TransactionalOutput
 from snapline.pipeline.sink import PreCommitResult, Sink, SinkContext, SinkWriter
@@ -114,17 +114,28 @@ class _Message:
 
 class _Output:
     """Stands in for the transactional producer: records per epoch until their checkpoint
-    commits. Only the dead-letter topic reaches it (sinks are replaced)."""
+    commits. The dead-letter and repartition topics reach it (sinks are replaced)."""
 
     def __init__(self) -> None:
-        self.by_epoch: dict[int, list[tuple[str, bytes | None, Any]]] = defaultdict(list)
+        self.by_epoch: dict[int, list[tuple[str, bytes | None, bytes | None, Any, int]]] = (
+            defaultdict(list)
+        )
 
     def produce(
-        self, epoch: int, topic: str, value: bytes | None, key: bytes | None, headers: Any = None
+        self,
+        epoch: int,
+        topic: str,
+        value: bytes | None,
+        key: bytes | None,
+        headers: Any = None,
+        partition: int = -1,
+        timestamp: int = 0,
     ) -> None:
-        self.by_epoch[epoch].append((topic, value, headers))
+        self.by_epoch[epoch].append((topic, value, key, headers, timestamp))
 
-    def take_committed(self, checkpoint_id: int) -> list[tuple[str, bytes | None, Any]]:
+    def take_committed(
+        self, checkpoint_id: int
+    ) -> list[tuple[str, bytes | None, bytes | None, Any, int]]:
         done = []
         for epoch in sorted(e for e in self.by_epoch if e <= checkpoint_id):
             done.extend(self.by_epoch.pop(epoch))
@@ -245,7 +256,10 @@ def _clone(pipeline: Pipeline, nodes: list[Node]) -> Pipeline:
 
 
 class _Runner:
-    """Feeds the channels through a Task, checkpoints, crashes and restores."""
+    """Feeds the channels through one task per stage, checkpoints, crashes and restores.
+
+    Repartition topics are lists: a record produced to one becomes readable by the next
+    stage's task when its checkpoint commits (as a read_committed consumer sees it)."""
 
     def __init__(
         self,
@@ -256,100 +270,142 @@ class _Runner:
         result: TestRun,
     ) -> None:
         self.pipeline = pipeline
-        self.channels = channels
+        self.plan = pipeline.stages()
+        self.channels = dict(channels)
+        for rep in self.plan.repartitions.values():
+            self.channels[(rep.topic, 0)] = []
+        stage_of = self.plan.stage_of_topics(pipeline.source_topics())
         self.storage = storage
         self.tmp = tmp
         self.result = result
         self.output = _Output()
-        self.committed: tuple[int, dict[tuple[str, int], int], StateHandle | None] = (
-            0,
-            {tp: 0 for tp in channels},
-            None,
-        )
+        #: Per stage: the committed checkpoint's id, input positions and state handle.
+        self.committed: dict[int, tuple[int, dict[tuple[str, int], int], StateHandle | None]] = {
+            stage.index: (
+                0,
+                {tp: 0 for tp in self.channels if stage_of[tp[0]] == stage.index},
+                None,
+            )
+            for stage in self.plan.stages
+        }
         self.snapshots: list[TaskSnapshot] = []
-        self.task = self._new_task(1)
+        self.restarts = 0
+        self.tasks = self._new_tasks(1)
 
-    def _new_task(self, epoch: int) -> Task:
-        checkpoint_id, positions, handle = self.committed
-        backend = create_backend(
-            self.pipeline.state_backend,
-            task_dir=f"{self.tmp}/local/{epoch}",
-            options=dict(self.pipeline.state_backend_options),
-        )
-        if handle is not None:
-            backend.restore(handle, self.storage)
-        task = Task(
-            TASK_ID,
-            self.pipeline,
-            dict(positions),
-            backend,
-            cast(TransactionalOutput, self.output),
-            worker_id="testing",
-            epoch=epoch,
-            on_snapshot=self.snapshots.append,
-            faults=FaultInjector(""),
-        )
-        for op in task.operators:
-            if isinstance(op, KeyByOperator):
-                op._check = False  # one task holds every partition: no partitioning to check
-        return task
+    def _new_tasks(self, epoch: int) -> dict[int, Task]:
+        self.restarts += 1
+        tasks = {}
+        for stage, (_, positions, handle) in self.committed.items():
+            backend = create_backend(
+                self.pipeline.state_backend,
+                task_dir=f"{self.tmp}/local/{self.restarts}/{stage}",
+                options=dict(self.pipeline.state_backend_options),
+            )
+            if handle is not None:
+                backend.restore(handle, self.storage)
+            tasks[stage] = Task(
+                f"{TASK_ID}-s{stage}",
+                self.pipeline,
+                dict(positions),
+                backend,
+                cast(TransactionalOutput, self.output),
+                worker_id="testing",
+                epoch=epoch,
+                on_snapshot=self.snapshots.append,
+                faults=FaultInjector(""),
+                stage=stage,
+                plan=self.plan,
+                topic_partitions={r.topic: 1 for r in self.plan.repartitions.values()},
+            )
+        return tasks
+
+    def _positions(self) -> dict[tuple[str, int], int]:
+        return {tp: o for _, positions, _ in self.committed.values() for tp, o in positions.items()}
 
     def run(self, checkpoint_every: int, crashes: list[int]) -> None:
         read = 0
         next_checkpoint = checkpoint_every
         total = sum(len(c) for c in self.channels.values())
-        positions = dict(self.committed[1])
+        positions = self._positions()
         while True:
             progressed = False
-            for tp, messages in self.channels.items():
-                offset = positions[tp]
-                if offset < len(messages):
-                    self.task.enqueue(tp, [messages[offset]])
+            crashed = False
+            for task in list(self.tasks.values()):
+                for tp in task.channels:
+                    messages = self.channels[tp]
+                    offset = positions[tp]
+                    if offset >= len(messages):
+                        continue
+                    task.enqueue(tp, [messages[offset]])
                     positions[tp] = offset + 1
                     read += 1
                     progressed = True
-                    self.task.run()
+                    task.run()
                     if crashes and read >= crashes[0]:
                         crashes.pop(0)
                         positions = self._crash()
-                    elif read >= next_checkpoint:
+                        crashed = True
+                        break
+                    if read >= next_checkpoint:
                         self._checkpoint()
                         next_checkpoint = read + checkpoint_every
+                if crashed:
+                    break  # the tasks of this round are gone
             if not progressed:
+                if self.output.by_epoch:  # uncommitted repartition records: commit them
+                    self._checkpoint()
+                    if any(positions[tp] < len(m) for tp, m in self.channels.items()):
+                        continue
                 break
-            if read > 10 * total + 1000:  # a crash list that never lets the input finish
+            if read > 10 * (total + sum(len(c) for c in self.channels.values())) + 1000:
                 raise RuntimeError("the test run does not progress; check crash_after")
         self._checkpoint()
-        self.task.close()
+        for task in self.tasks.values():
+            task.close()
 
     def _checkpoint(self) -> None:
-        n = self.task.epoch  # the barrier closes the open epoch
-        self.task.inject_barrier(n)
-        self.task.run()
-        snapshot = self.snapshots.pop()
-        handle = None
-        if snapshot.state is not None:
-            try:
-                handle = snapshot.state.materialize(self.storage, f"test/chk-{n:010d}")
-            finally:
-                snapshot.state.release()
-        for result in snapshot.sinks.values():
-            if isinstance(result, Future):
-                result.result()
-        # The commit point: the checkpoint is durable; its output becomes visible.
-        self.committed = (n, dict(snapshot.positions), handle)
-        self.task.notify_committed(n)
-        for _topic, value, headers in self.output.take_committed(n):
+        tasks = self.tasks
+        n = max(task.epoch for task in tasks.values())  # the barrier closes the open epoch
+        for task in tasks.values():
+            task.epoch = n
+            task.inject_barrier(n)
+            task.run()
+        snapshots = {snap.task_id: snap for snap in self.snapshots}
+        self.snapshots.clear()
+        handles = {}
+        for stage, task in tasks.items():
+            snapshot = snapshots[task.task_id]
+            handle = None
+            if snapshot.state is not None:
+                try:
+                    handle = snapshot.state.materialize(self.storage, f"test/s{stage}/chk-{n:010d}")
+                finally:
+                    snapshot.state.release()
+            for result in snapshot.sinks.values():
+                if isinstance(result, Future):
+                    result.result()
+            handles[stage] = (n, dict(snapshot.positions), handle)
+        # The commit point: every snapshot is durable; the output becomes visible.
+        self.committed = handles
+        for task in tasks.values():
+            task.notify_committed(n)
+        repartitioned = {r.topic for r in self.plan.repartitions.values()}
+        for topic, value, key, headers, timestamp in self.output.take_committed(n):
+            if topic in repartitioned:
+                channel = self.channels[(topic, 0)]
+                channel.append(_Message(topic, 0, len(channel), value, key, timestamp))
+                continue
             reason = dict(headers or {}).get("snapline.error", b"").decode()
             self.result.dead_letters.append((value, reason))
         self.result.checkpoints += 1
 
     def _crash(self) -> dict[tuple[str, int], int]:
-        """Drop the task and everything uncommitted; restore the last checkpoint."""
+        """Drop the tasks and everything uncommitted; restore the last checkpoint."""
         self.result.crashes += 1
-        epoch = self.task.epoch + 1
-        self.task.close()
+        epoch = max(task.epoch for task in self.tasks.values()) + 1
+        for task in self.tasks.values():
+            task.close()
         self.output.by_epoch.clear()
         self.snapshots.clear()
-        self.task = self._new_task(epoch)
-        return dict(self.committed[1])
+        self.tasks = self._new_tasks(epoch)
+        return self._positions()

@@ -12,7 +12,7 @@ from snapline.pipeline.errors import (
     SnaplineError,
     StateError,
 )
-from snapline.pipeline.functions import Context, KeyedProcessFunction
+from snapline.pipeline.functions import Context, KeyedCoProcessFunction, KeyedProcessFunction
 from snapline.pipeline.graph import KeyedStream, Pipeline, Stream
 from snapline.pipeline.state.descriptors import (
     AggregateFunction,
@@ -32,6 +32,7 @@ __all__ = [
     "Context",
     "CorruptCheckpointError",
     "JsonSerde",
+    "KeyedCoProcessFunction",
     "KeyedProcessFunction",
     "KeyedStream",
     "ListState",

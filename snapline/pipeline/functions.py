@@ -53,3 +53,36 @@ class KeyedProcessFunction:
 
     def close(self) -> None:
         """Called when the task goes away."""
+
+
+class KeyedCoProcessFunction:
+    """A function over two connected keyed streams (``left.connect(right).process(fn)``):
+    records of either side with the same key see the same keyed state, declared as class
+    attributes like a ``KeyedProcessFunction``'s. The building block of enrichment and joins.
+
+    Example (orders enriched with the latest customer profile)::
+
+        class Enrich(KeyedCoProcessFunction):
+            profile = ValueState("profile")
+
+            def process_left(self, order, ctx):          # an order
+                yield {**order, "tier": (self.profile.value() or {}).get("tier")}
+
+            def process_right(self, profile, ctx):       # a customer profile update
+                self.profile.update(profile)
+
+    Both methods return an iterable of outputs or None. The order between the two sides is
+    the order in which the task reads them; within one side it is the input order.
+    """
+
+    def open(self, task_id: str) -> None:
+        """Called once per task before the first record (after state is restored)."""
+
+    def process_left(self, value: Any, ctx: Context) -> Iterable[Any] | None:
+        raise NotImplementedError(f"{type(self).__name__} must implement process_left(value, ctx)")
+
+    def process_right(self, value: Any, ctx: Context) -> Iterable[Any] | None:
+        raise NotImplementedError(f"{type(self).__name__} must implement process_right(value, ctx)")
+
+    def close(self) -> None:
+        """Called when the task goes away."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from snapline.pipeline.errors import ConfigurationError
-from snapline.pipeline.functions import KeyedProcessFunction
+from snapline.pipeline.functions import KeyedCoProcessFunction, KeyedProcessFunction
 from snapline.pipeline.keygroups import DEFAULT_MAX_PARALLELISM, MAX_MAX_PARALLELISM
 from snapline.pipeline.state import BACKENDS
 from snapline.pipeline.state.descriptors import StateDescriptor, declared_states
@@ -21,6 +21,7 @@ from snapline.pipeline.state.descriptors import StateDescriptor, declared_states
 if TYPE_CHECKING:
     from snapline.connectors.kafka_source import KafkaSource
     from snapline.pipeline.sink import Sink
+    from snapline.pipeline.stages import StagePlan
 
 GUARANTEES = ("exactly_once", "at_least_once")
 ON_ERROR = ("dead_letter", "fail")
@@ -32,7 +33,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
 class Node:
     """One operator of the graph."""
 
-    kind: str  # source | map | filter | flat_map | key_by | process | union | sink
+    kind: str  # source | map | filter | flat_map | key_by | process | co_process | union | sink
     inputs: list[Node]
     fn: Any = None
     name: str = ""
@@ -74,18 +75,40 @@ class Stream:
         fn: Callable[[Any], Any] | None = None,
         *,
         name: str = "",
+        partitions: int | None = None,
         trust_partitioning: bool = False,
     ) -> KeyedStream:
         """Key the stream by ``fn(value)``; with no function, by the Kafka message key.
 
-        Records must already be partitioned by that key in Kafka (the message key equals the
-        key_by key): each partition is one task with its own state. Snapline checks it per
-        record and fails with a clear error otherwise; ``trust_partitioning=True`` turns the
-        check off when the key is a different but partition-consistent function of the
-        message key. Repartitioning through internal topics is not implemented yet.
+        With a function, the records are re-keyed through an internal repartition topic
+        ``<pipeline>.<name>.repartition`` (``name`` defaults to ``key_by-<n>``, the n-th
+        re-keying ``key_by`` of the pipeline; name it explicitly so that upgrades keep the
+        topic): a new stage starts there, with ``partitions`` tasks (default: the largest
+        source partition count), each owning a contiguous range of key-groups. The records
+        cross the topic inside the stage's Kafka transaction, so exactly-once holds.
+
+        Without a function, or with ``trust_partitioning=True`` (the input topic is already
+        partitioned by this key, e.g. produced with it as the message key), no topic is used:
+        the state lives in the tasks of the current stage.
         """
+        if partitions is not None and (
+            not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1
+        ):
+            raise ConfigurationError(f"key_by(partitions={partitions!r}) must be an int >= 1")
+        repartition = fn is not None and not trust_partitioning
+        if partitions is not None and not repartition:
+            raise ConfigurationError(
+                "key_by(partitions=...) applies to a re-keying key_by (with a function and "
+                "without trust_partitioning=True)"
+            )
         node = self._then(
-            "key_by", fn, keyed=True, name=name, trust_partitioning=trust_partitioning
+            "key_by",
+            fn,
+            keyed=True,
+            name=name,
+            repartition=repartition,
+            partitions=partitions,
+            named=bool(name),
         ).node
         return KeyedStream(self._pipeline, node)
 
@@ -129,6 +152,44 @@ class KeyedStream(Stream):
             )
         node = self._pipeline._add(
             Node("process", [self.node], function, name or type(function).__name__, True)
+        )
+        return KeyedStream(self._pipeline, node)
+
+    def connect(self, other: KeyedStream) -> ConnectedStreams:
+        """Pair this keyed stream (left) with ``other`` (right) for a
+        ``KeyedCoProcessFunction``: records of both with the same key share keyed state."""
+        if not isinstance(other, KeyedStream):
+            raise ConfigurationError(
+                f"connect() needs a keyed stream (call .key_by(...) on it first), got {other!r}"
+            )
+        if other._pipeline is not self._pipeline:
+            raise ConfigurationError("connect() of streams from different pipelines")
+        return ConnectedStreams(self._pipeline, self.node, other.node)
+
+
+class ConnectedStreams:
+    """Two keyed streams processed together (``KeyedStream.connect``)."""
+
+    def __init__(self, pipeline: Pipeline, left: Node, right: Node) -> None:
+        self._pipeline = pipeline
+        self._left = left
+        self._right = right
+
+    def process(self, function: KeyedCoProcessFunction, *, name: str = "") -> KeyedStream:
+        """Run ``function``: ``process_left`` for records of the left stream,
+        ``process_right`` for the right one, with the function's keyed state shared."""
+        if not isinstance(function, KeyedCoProcessFunction):
+            raise ConfigurationError(
+                f"connect(...).process() needs a KeyedCoProcessFunction instance, got {function!r}"
+            )
+        node = self._pipeline._add(
+            Node(
+                "co_process",
+                [self._left, self._right],
+                function,
+                name or type(function).__name__,
+                True,
+            )
         )
         return KeyedStream(self._pipeline, node)
 
@@ -276,7 +337,7 @@ class Pipeline:
         result: dict[int, list[tuple[int, StateDescriptor]]] = {}
         next_id = 1
         for node in self.nodes:
-            if node.kind == "process":
+            if node.kind in ("process", "co_process"):
                 result[node.id] = []
                 for desc in declared_states(type(node.fn)):
                     result[node.id].append((next_id, desc))
@@ -307,6 +368,16 @@ class Pipeline:
                 f"sink names {dup_sinks} are used twice; pass name=... to tell them apart"
             )
         self.state_ids()
+        self.stages()
+
+    def stages(self) -> StagePlan:
+        """The graph compiled into stages (``snapline.pipeline.stages``)."""
+        from snapline.pipeline.stages import compile_stages
+
+        return compile_stages(self)
+
+    def repartition_topics(self) -> list[str]:
+        return [r.topic for r in self.stages().repartitions.values()]
 
 
 def load_pipeline(spec: str) -> Pipeline:

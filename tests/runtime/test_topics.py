@@ -23,10 +23,30 @@ def readme_pipeline(**kwargs: object) -> Pipeline:
     pipeline = Pipeline("orders", **kwargs)  # type: ignore[arg-type]
     (
         pipeline.source(KafkaSource("orders"))
-        .key_by(lambda o: o["customer"])
+        .key_by()
         .sink(KafkaSink("customer-totals"))
     )
     return pipeline
+
+
+def test_repartition_topics_are_internal_and_created_like_the_sources_or_as_declared() -> None:
+    pipeline = Pipeline("orders")
+    keyed = pipeline.source(KafkaSource("orders")).key_by(lambda o: o["customer"])
+    keyed.key_by(lambda o: o["region"], name="by-region", partitions=12).sink(KafkaSink("out"))
+    specs = pipeline_topics(pipeline)
+    internal = [(s.name, s.partitions) for s in specs if s.role is Role.INTERNAL]
+    assert internal == [("orders.key_by-1.repartition", None), ("orders.by-region.repartition", 12)]
+    result = plan(specs, {"orders": 4}, WHERE)
+    assert result.create["orders.key_by-1.repartition"] == 4
+    assert result.create["orders.by-region.repartition"] == 12
+
+
+def test_an_existing_repartition_topic_with_other_partitions_is_refused() -> None:
+    pipeline = Pipeline("orders")
+    keyed = pipeline.source(KafkaSource("orders")).key_by(lambda o: o["c"], partitions=8)
+    keyed.sink(KafkaSink("out"))
+    with pytest.raises(ConfigurationError, match="has 4 partitions .* partitions=8 is declared"):
+        plan(pipeline_topics(pipeline), {"orders": 4, "orders.key_by-1.repartition": 4}, WHERE)
 
 
 def test_roles_of_a_pipelines_topics() -> None:

@@ -1,5 +1,5 @@
-"""A task: one input partition number of the stage (co-partitioned topics share it), its
-input channels, its operators, its keyed state and its sink writers.
+"""A task: one partition number of one stage (the stage's co-partitioned input topics share
+it), its input channels, the stage's operators, its keyed state and its sink writers.
 
 Flow of one record: the worker appends fetched messages to the task's channel for their
 partition; ``run`` drains channels (round robin, in chunks) through the source operator and
@@ -28,17 +28,21 @@ from snapline.pipeline.record import Record
 from snapline.pipeline.runtime.barrier import Barrier, BarrierAligner
 from snapline.pipeline.runtime.faults import FaultInjector
 from snapline.pipeline.runtime.operators import (
+    CoProcessOperator,
     FilterOperator,
     FlatMapOperator,
     KeyByOperator,
     MapOperator,
     Operator,
     ProcessOperator,
+    RepartitionSource,
+    RepartitionWriter,
     SinkOperator,
     SourceOperator,
 )
 from snapline.pipeline.runtime.transaction import TransactionalOutput
 from snapline.pipeline.sink import PreCommitResult, SinkContext
+from snapline.pipeline.stages import SOURCE_STAGE, Stage, StagePlan
 from snapline.pipeline.state.backend import KeyedStateBackend, SnapshotHandle
 
 log = logging.getLogger(__name__)
@@ -88,9 +92,16 @@ class Task:
         on_snapshot: Callable[[TaskSnapshot], None],
         faults: FaultInjector,
         cluster_id: str = "",
+        stage: int = SOURCE_STAGE,
+        plan: StagePlan | None = None,
+        topic_partitions: dict[str, int] | None = None,
     ) -> None:
         self.task_id = task_id
         self.pipeline = pipeline
+        self.plan = plan if plan is not None else pipeline.stages()
+        self.stage: Stage = self.plan.stages[stage]
+        #: Partitions of each repartition topic (the worker's topic plan; 1 when unknown).
+        self._topic_partitions = topic_partitions or {}
         self.cluster_id = cluster_id
         self.backend = backend
         self.output = output
@@ -107,22 +118,41 @@ class Task:
         self.records_in = 0
         self.dead_letters = 0
         self.operators: list[Operator] = []
-        self.sources: dict[str, SourceOperator] = {}
+        self.sources: dict[str, SourceOperator | RepartitionSource] = {}
         self.sink_writers: dict[str, SinkOperator] = {}
         self._build(worker_id)
 
     # ------------------------------------------------------------------ building
     def _build(self, worker_id: str) -> None:
+        """The operators of this task's stage, wired like the graph. A re-keying key_by is a
+        writer in the stage before its topic and a source in the stage after it."""
         pipeline = self.pipeline
         states = pipeline.state_ids()
+        stage = self.stage.index
         by_node: dict[int, Operator] = {}
+        wired: list[Node] = []
         for node in pipeline.nodes:  # nodes are in topological order by construction
+            rep = self.plan.repartitions.get(node.id)
+            if rep is not None and rep.downstream == stage:
+                source = RepartitionSource(self, node.name, pipeline.max_parallelism)
+                self.sources[rep.topic] = source
+                by_node[node.id] = source
+                self.operators.append(source)
+                continue
+            if node.id not in self.stage.node_ids:
+                continue
             op = self._operator_for(node, states, worker_id)
             by_node[node.id] = op
             self.operators.append(op)
+            wired.append(node)
+            if isinstance(op, CoProcessOperator):
+                left, right = node.inputs
+                by_node[left.id].downstream.append(op.side(left=True))
+                by_node[right.id].downstream.append(op.side(left=False))
+                continue
             for upstream in node.inputs:
                 by_node[upstream.id].downstream.append(op)
-        for node in pipeline.nodes:
+        for node in wired:
             op = by_node[node.id]
             op.owns_input = bool(node.inputs) and all(
                 len(by_node[u.id].downstream) == 1 for u in node.inputs
@@ -142,15 +172,21 @@ class Task:
         if kind == "flat_map":
             return FlatMapOperator(self, node.name, node.fn)
         if kind == "key_by":
-            return KeyByOperator(
-                self,
-                node.name,
-                node.fn,
-                self.pipeline.max_parallelism,
-                bool(node.options.get("trust_partitioning")),
-            )
+            rep = self.plan.repartitions.get(node.id)
+            if rep is not None:
+                return RepartitionWriter(
+                    self,
+                    node.name,
+                    node.fn,
+                    self.pipeline.max_parallelism,
+                    rep,
+                    self._topic_partitions.get(rep.topic, 1),
+                )
+            return KeyByOperator(self, node.name, node.fn, self.pipeline.max_parallelism)
         if kind == "process":
             return ProcessOperator(self, node.name, node.fn, states[node.id], self.backend)
+        if kind == "co_process":
+            return CoProcessOperator(self, node.name, node.fn, states[node.id], self.backend)
         if kind == "union":
             return Operator(self, node.name)
         if kind == "sink":
@@ -256,6 +292,16 @@ class Task:
             except Exception:  # closing must not hide the error that brought us here
                 log.exception("closing %s of task %s", op.name, self.task_id)
         self.backend.close()
+
+    # ------------------------------------------------------------------ operator context
+    def produce(
+        self, topic: str, value: bytes | None, key: bytes | None, partition: int, timestamp: int
+    ) -> None:
+        """A record into this epoch's transaction (repartition topics)."""
+        self.output.produce(self.epoch, topic, value, key, None, partition, timestamp)
+
+    def fault_point(self, name: str) -> None:
+        self._faults.point(name)
 
     # ------------------------------------------------------------------ bad input
     def dead_letter(self, record: Record, reason: str, value: bytes | None = None) -> None:

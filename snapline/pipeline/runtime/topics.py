@@ -42,6 +42,15 @@ _TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 #: Use the cluster's default.replication.factor / num.partitions (Kafka 2.4+, KIP-464).
 BROKER_DEFAULT = -1
 DEAD_LETTER_PARTITIONS = 1
+#: Internal (repartition) topics keep records until the job's consumers are past them: no
+#: time-based retention (the worker deletes consumed records, DeleteRecords), and small
+#: segments so that deleted records free their disk space soon (as Kafka Streams does).
+INTERNAL_TOPIC_CONFIG = {
+    "cleanup.policy": "delete",
+    "retention.ms": "-1",
+    "segment.bytes": str(64 * 1024 * 1024),
+    "segment.ms": str(10 * 60 * 1000),
+}
 #: How long a just-created topic may take to have a leader for every partition.
 LEADER_WAIT = 30.0
 
@@ -106,6 +115,10 @@ def pipeline_topics(pipeline: Pipeline) -> list[TopicSpec]:
         for sink in pipeline.sinks()
         if isinstance(sink, KafkaSink)
     ]
+    specs += [
+        TopicSpec(rep.topic, Role.INTERNAL, rep.partitions, f"key_by {rep.name!r}")
+        for rep in pipeline.stages().repartitions.values()
+    ]
     if pipeline.on_error == "dead_letter":
         specs.append(
             TopicSpec(
@@ -155,6 +168,18 @@ def plan(specs: Iterable[TopicSpec], existing: Mapping[str, int], where: str) ->
     create: dict[str, int] = {}
     for spec in by_name.values():
         if spec.name in existing:
+            if (
+                spec.role is Role.INTERNAL
+                and spec.partitions is not None
+                and existing[spec.name] != spec.partitions
+            ):
+                raise ConfigurationError(
+                    f"{spec.declared_by}: the internal topic {spec.name!r} has "
+                    f"{existing[spec.name]} partitions on {where}, but partitions="
+                    f"{spec.partitions} is declared. It holds records between stages, so "
+                    "Snapline never recreates it: declare partitions="
+                    f"{existing[spec.name]}, or run the changed pipeline under a new name"
+                )
             continue
         if not _TOPIC_NAME.match(spec.name) or spec.name in (".", ".."):
             raise ConfigurationError(
@@ -208,11 +233,18 @@ class TopicManager:
 
     def ensure(self, specs: Iterable[TopicSpec]) -> TopicPlan:
         """Create what the rule says is missing and wait until it is usable."""
+        specs = list(specs)
         result = plan(specs, self.existing(), self._where)
         if not result.create:
             return result
+        internal = {s.name for s in specs if s.role is Role.INTERNAL}
         new = [
-            NewTopic(name, num_partitions=n, replication_factor=BROKER_DEFAULT)
+            NewTopic(
+                name,
+                num_partitions=n,
+                replication_factor=BROKER_DEFAULT,
+                config=INTERNAL_TOPIC_CONFIG if name in internal else {},
+            )
             for name, n in result.create.items()
         ]
         futures = self._admin.create_topics(

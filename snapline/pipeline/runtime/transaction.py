@@ -94,7 +94,7 @@ class TransactionalOutput:
         self.open_epoch: int | None = None
         #: An abort that could not reach the broker; completed before the next begin.
         self._abort_pending = False
-        self._buffer: list[tuple[int, str, bytes | None, bytes | None, Any]] = []
+        self._buffer: list[tuple[int, str, bytes | None, bytes | None, Any, int, int]] = []
         self.produced = 0
         #: Bounds of commit and abort; the worker shortens them once a stop is requested.
         self.commit_timeout = COMMIT_TIMEOUT
@@ -196,25 +196,52 @@ class TransactionalOutput:
                 self._buffer.append(item)
 
     def produce(
-        self, epoch: int, topic: str, value: bytes | None, key: bytes | None, headers: Any = None
+        self,
+        epoch: int,
+        topic: str,
+        value: bytes | None,
+        key: bytes | None,
+        headers: Any = None,
+        partition: int = -1,
+        timestamp: int = 0,
     ) -> None:
+        """A record of ``epoch``; ``partition`` -1: the partitioner decides; ``timestamp`` 0:
+        the producer's time."""
         if epoch == self.open_epoch or not self.exactly_once:
-            self._send(topic, value, key, headers)
+            self._send(topic, value, key, headers, partition, timestamp)
         elif self.open_epoch is not None and epoch < self.open_epoch:
             raise CheckpointError(f"record of epoch {epoch} after epoch {self.open_epoch} opened")
         else:
             # Held records live until the checkpoint commits: keep exact-size copies, not
             # the encoder's (orjson's) 4 KiB buffers behind each small value.
             held = None if value is None else b"%b" % value
-            self._buffer.append((epoch, topic, held, key, headers))
+            self._buffer.append((epoch, topic, held, key, headers, partition, timestamp))
 
-    def _send(self, topic: str, value: bytes | None, key: bytes | None, headers: Any) -> None:
+    def _send(
+        self,
+        topic: str,
+        value: bytes | None,
+        key: bytes | None,
+        headers: Any,
+        partition: int = -1,
+        timestamp: int = 0,
+    ) -> None:
         # Exactly-once needs no per-record delivery callback: a failed delivery fails
         # commit_transaction. At-least-once checks every delivery before committing offsets.
         callback = None if self.exactly_once else self._on_delivery
         while True:
             try:
-                if headers:
+                if partition >= 0:
+                    self.producer.produce(
+                        topic,
+                        value,
+                        key,
+                        partition=partition,
+                        timestamp=timestamp,
+                        headers=headers,
+                        on_delivery=callback,
+                    )
+                elif headers:
                     self.producer.produce(topic, value, key, headers=headers, on_delivery=callback)
                 elif callback is None:
                     self.producer.produce(topic, value, key)

@@ -83,6 +83,7 @@ from snapline.pipeline.runtime.kafka_calls import (
 )
 from snapline.pipeline.runtime.task import Task, TaskSnapshot
 from snapline.pipeline.runtime.transaction import FencedError, TransactionalOutput
+from snapline.pipeline.stages import task_id_for
 from snapline.pipeline.state import create_backend
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,9 @@ STOP_BOUND = 30.0
 FINAL_CHECKPOINT_BOUND = 15.0
 #: A worker waits this long for an unreachable broker before it exits with EX_TEMPFAIL.
 BROKER_OUTAGE_LIMIT = 900.0
+#: Records of repartition topics consumed by every retained checkpoint are deleted at most this
+#: often (seconds).
+REPARTITION_DELETE_INTERVAL = 5.0
 #: A fenced consumer is replaced in place at most this often per 10 minutes; more means two
 #: live workers share an id, and the worker exits with EX_TEMPFAIL.
 MAX_CONSUMER_REPLACEMENTS = 5
@@ -131,10 +135,6 @@ class WorkerSettings:
     @staticmethod
     def default_worker_id() -> str:
         return os.environ.get("SNAPLINE_WORKER_ID") or socket.gethostname()
-
-
-def task_id_for(partition: int) -> str:
-    return f"p{partition}"
 
 
 class Worker:
@@ -185,7 +185,16 @@ class Worker:
         self._callback_error: Exception | None = None
         self._metrics_path = os.environ.get("SNAPLINE_METRICS_FILE")
         self.checkpoints_committed = 0
-        self._check_topics()
+        self.plan = pipeline.stages()
+        self._stage_of_topic = self.plan.stage_of_topics(pipeline.source_topics())
+        self._repartitioned = {rep.topic for rep in self.plan.repartitions.values()}
+        #: Partitions per topic the job reads or writes (the topic plan at start).
+        self._topic_partitions = self._check_topics()
+        #: Repartition-topic positions of the last committed checkpoints, per task: records
+        #: below the oldest retained one are dead (``_delete_consumed_records``).
+        self._repartition_positions: dict[str, list[dict[tuple[str, int], int]]] = {}
+        self._last_delete = time.monotonic()
+        self._admin: AdminClient | None = None
         self.cluster_id = self._check_identity()
         transactional_id = (
             f"snapline-{pipeline.name}-{settings.worker_id}" if pipeline.exactly_once else None
@@ -229,14 +238,23 @@ class Worker:
             "auto.offset.reset": "latest" if starts == {"latest"} else "earliest",
         }
 
-    def _check_topics(self) -> None:
+    def _check_topics(self) -> dict[str, int]:
         """Fail at start, naming the fix, when a source topic is missing or the sources are
-        not co-partitioned; create missing output and dead-letter topics (the rule:
-        snapline/pipeline/runtime/topics.py)."""
+        not co-partitioned; create missing output, dead-letter and repartition topics (the
+        rule: snapline/pipeline/runtime/topics.py). Returns the partitions per topic."""
         from snapline.pipeline.runtime.topics import TopicManager, pipeline_topics
 
         manager = TopicManager(self._kafka_config, self.settings.bootstrap_servers)
-        manager.ensure(pipeline_topics(self.pipeline))
+        partitions = dict(manager.ensure(pipeline_topics(self.pipeline)).partitions)
+        for stage in self.plan.stages:
+            counts = {topic: partitions[topic] for topic in stage.reads}
+            if len(set(counts.values())) > 1:
+                raise ConfigurationError(
+                    f"the repartition topics read by one stage (through connect or union) "
+                    f"have different partition counts {counts}; declare the same partitions= "
+                    "on their key_by operators"
+                )
+        return partitions
 
     def _check_identity(self) -> str:
         """The Kafka cluster id, checked against the one the job's checkpoints were made on."""
@@ -327,7 +345,7 @@ class Worker:
         """Rebuild the tasks of ``partitions`` from their committed checkpoints."""
         by_task: dict[str, list[TopicPartition]] = defaultdict(list)
         for tp in partitions:
-            by_task[task_id_for(tp.partition)].append(tp)
+            by_task[task_id_for(self._stage_of_topic[tp.topic], tp.partition)].append(tp)
         committed = self._committed_offsets(partitions) if partitions else []
         self.faults.point("after_offsets_read")
         committed_by_tp = {(c.topic, c.partition): c for c in committed}
@@ -440,6 +458,7 @@ class Worker:
             for s in self.pipeline.sources()
             for t in s.topic_list
         }
+        start.update(dict.fromkeys(self._repartitioned, OFFSET_BEGINNING))
         for c in committed:
             tp = (c.topic, c.partition)
             if meta is not None and tp in meta.positions:
@@ -461,6 +480,9 @@ class Worker:
             on_snapshot=self._on_task_snapshot,
             faults=self.faults,
             cluster_id=self.cluster_id,
+            stage=self._stage_of_topic[committed[0].topic],
+            plan=self.plan,
+            topic_partitions=self._topic_partitions,
         )
         task.recover_sinks(ref.checkpoint_id if ref else None, meta.sinks if meta else {})
         self.tasks[task_id] = task
@@ -587,16 +609,54 @@ class Worker:
         committed_at = time.monotonic()
         self.faults.point("after_kafka_commit")
         self.coordinator.finish()
+        keep = self.pipeline.retained_checkpoints
         for task_id, meta in done.tasks.items():
             task = self.tasks.get(task_id)
             if task is not None:
                 task.notify_committed(n)
-            self.coordinator.retain(task_id, meta.ref, self.pipeline.retained_checkpoints)
+            self.coordinator.retain(task_id, meta.ref, keep)
+            consumed = {tp: o for tp, o in meta.positions.items() if tp[0] in self._repartitioned}
+            if consumed:
+                history = self._repartition_positions.setdefault(task_id, [])
+                history.append(consumed)
+                del history[:-keep]
+        self._delete_consumed_records()
         if self.pipeline.exactly_once and self.tasks:
             self.output.begin(self.coordinator.next_id)
         self._failures = 0
         self.checkpoints_committed += 1
         self._record_metrics(done, commit_start, committed_at)
+
+    def _delete_consumed_records(self) -> None:
+        """Keep repartition topics small: delete the records every retained checkpoint of a
+        task is past (a rewind to the oldest retained checkpoint still finds its input).
+        At most every REPARTITION_DELETE_INTERVAL s; the request runs in the background and
+        a failure only means the records are deleted next time."""
+        now = time.monotonic()
+        if not self._repartition_positions or now - self._last_delete < (
+            REPARTITION_DELETE_INTERVAL
+        ):
+            return
+        self._last_delete = now
+        keep = self.pipeline.retained_checkpoints
+        below: list[TopicPartition] = []
+        for task_id in list(self._repartition_positions):
+            history = self._repartition_positions[task_id]
+            if task_id not in self.tasks:
+                del self._repartition_positions[task_id]
+            elif len(history) >= keep:
+                below += [TopicPartition(t, p, o) for (t, p), o in history[0].items() if o > 0]
+        if not below:
+            return
+        if self._admin is None:
+            self._admin = AdminClient(self._kafka_config)
+        try:
+            futures = self._admin.delete_records(below, request_timeout=10, operation_timeout=0)
+        except (KafkaException, ValueError) as exc:
+            log.warning("deleting consumed repartition records: %s", exc)
+            return
+        for tp, future in futures.items():
+            future.add_done_callback(_log_delete_failure(tp))
 
     def _offsets_sent(self) -> None:
         self.faults.point("after_offsets_sent")
@@ -788,7 +848,7 @@ class Worker:
 
     def _subscribe(self) -> None:
         self.consumer.subscribe(
-            self.pipeline.source_topics(),
+            self.plan.input_topics(self.pipeline.source_topics()),
             on_assign=self._guarded(self._on_assign),
             on_revoke=self._guarded(self._on_revoke),
             on_lost=self._guarded(self._on_lost),
@@ -934,7 +994,7 @@ class Worker:
             else:
                 group.append(msg)
         for (topic, partition), batch in groups.items():
-            task = self.tasks.get(task_id_for(partition))
+            task = self.tasks.get(task_id_for(self._stage_of_topic[topic], partition))
             if task is None or (topic, partition) not in task.channels:
                 continue  # fetched before a revoke; the new owner reads it again
             task.enqueue((topic, partition), batch)
@@ -999,6 +1059,17 @@ class ConsumerFencedError(KafkaClientError):
 
 class _StopNow(Exception):
     """A stop was requested while the broker is unreachable: exit without a final checkpoint."""
+
+
+def _log_delete_failure(tp: TopicPartition) -> Any:
+    def done(future: Any) -> None:
+        exc = future.exception()
+        if exc is not None:
+            log.info(
+                "deleting records of %s[%d] below %d: %s", tp.topic, tp.partition, tp.offset, exc
+            )
+
+    return done
 
 
 def _release(holder: list[object]) -> None:

@@ -1,0 +1,211 @@
+"""Stages: the declared graph cut at Kafka topics (DESIGN §2, §4); pure, no broker.
+
+A stage starts at Kafka topics — the sources, or the internal repartition topic of a re-keying
+``key_by`` — and ends at sinks or at the next repartition topic. A task is one partition of
+one stage: ``p<n>`` in the source stage (0), ``s<k>-p<n>`` in stage k. A re-keying ``key_by``
+belongs to the stage that writes its topic; the stage that reads the topic starts there.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from snapline.pipeline.errors import ConfigurationError
+
+if TYPE_CHECKING:  # the graph calls compile_stages; this module only reads it
+    from snapline.pipeline.graph import Node, Pipeline
+
+SOURCE_STAGE = 0
+_TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+
+
+@dataclass(frozen=True)
+class Repartition:
+    """The internal topic of one re-keying ``key_by``: written by ``upstream``, read by
+    ``downstream``; ``partitions`` is the declared count (None: the default, the largest
+    source partition count)."""
+
+    node_id: int
+    name: str
+    topic: str
+    partitions: int | None
+    upstream: int
+    downstream: int
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: the operators (node ids) its tasks run, and the repartition topics it reads
+    (none for the source stage, which reads the pipeline's sources)."""
+
+    index: int
+    node_ids: frozenset[int]
+    reads: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stages: tuple[Stage, ...]
+    #: key_by node id -> its repartition topic
+    repartitions: Mapping[int, Repartition]
+
+    def stage_of_topics(self, source_topics: list[str]) -> dict[str, int]:
+        """Which stage reads each input topic (sources and repartition topics)."""
+        result = dict.fromkeys(source_topics, SOURCE_STAGE)
+        for rep in self.repartitions.values():
+            result[rep.topic] = rep.downstream
+        return result
+
+    def input_topics(self, source_topics: list[str]) -> list[str]:
+        return [*source_topics, *(r.topic for r in self.repartitions.values())]
+
+
+def task_id_for(stage: int, partition: int) -> str:
+    """The task id of ``partition`` of ``stage``: names its checkpoint and local state dirs."""
+    return f"p{partition}" if stage == SOURCE_STAGE else f"s{stage}-p{partition}"
+
+
+def repartition_partition(key_group: int, partitions: int, max_parallelism: int) -> int:
+    """The repartition-topic partition of a key-group: contiguous key-group ranges per
+    partition (``keygroups.operator_index_for_key_group``), so a rescale moves whole ranges."""
+    return key_group * partitions // max_parallelism
+
+
+def is_repartition(node: Node) -> bool:
+    return node.kind == "key_by" and bool(node.options.get("repartition"))
+
+
+class _Stages:
+    """Union-find over stage ids: a node with inputs from different stages merges them."""
+
+    def __init__(self) -> None:
+        self.parent = {SOURCE_STAGE: SOURCE_STAGE}
+
+    def new(self) -> int:
+        stage = len(self.parent)
+        self.parent[stage] = stage
+        return stage
+
+    def find(self, stage: int) -> int:
+        while self.parent[stage] != stage:
+            self.parent[stage] = self.parent[self.parent[stage]]
+            stage = self.parent[stage]
+        return stage
+
+    def union(self, a: int, b: int, node: Node) -> int:
+        ra, rb = self.find(a), self.find(b)
+        if ra == rb:
+            return ra
+        if SOURCE_STAGE in (ra, rb):
+            raise ConfigurationError(
+                f"{node.kind} {node.name!r} combines a re-keyed stream (key_by with a function "
+                "goes through a repartition topic) with a stream partitioned like the "
+                "sources; re-key both sides with key_by(fn) so that they meet in one stage"
+            )
+        low, high = sorted((ra, rb))
+        self.parent[high] = low
+        return low
+
+
+def compile_stages(pipeline: Pipeline) -> StagePlan:
+    """Cut ``pipeline``'s graph into stages; raises ConfigurationError naming the fix."""
+    stages = _Stages()
+    node_stage: dict[int, int] = {}
+    out_stage: dict[int, int] = {}
+    rekeying: list[tuple[Node, int]] = []
+    for node in pipeline.nodes:  # topological order by construction
+        if node.kind == "source":
+            stage = SOURCE_STAGE
+        else:
+            stage = out_stage[node.inputs[0].id]
+            for upstream in node.inputs[1:]:
+                stage = stages.union(stage, out_stage[upstream.id], node)
+        node_stage[node.id] = stage
+        if is_repartition(node):
+            downstream = stages.new()
+            rekeying.append((node, downstream))
+            out_stage[node.id] = downstream
+        else:
+            out_stage[node.id] = stage
+
+    # Number the stages in order of appearance, the source stage first.
+    numbering: dict[int, int] = {SOURCE_STAGE: SOURCE_STAGE}
+    for node in pipeline.nodes:
+        for stage in (node_stage[node.id], out_stage[node.id]):
+            numbering.setdefault(stages.find(stage), len(numbering))
+
+    def index(stage: int) -> int:
+        return numbering[stages.find(stage)]
+
+    repartitions: dict[int, Repartition] = {}
+    names: dict[str, Node] = {}
+    for ordinal, (node, downstream) in enumerate(rekeying, start=1):
+        name = node.name if node.options.get("named") else f"key_by-{ordinal}"
+        if name in names:
+            raise ConfigurationError(
+                f"two re-keying key_by operators are named {name!r}; names must be unique "
+                "(they name the repartition topics)"
+            )
+        names[name] = node
+        topic = f"{pipeline.name}.{name}.repartition"
+        if not _TOPIC_NAME.match(topic):
+            raise ConfigurationError(
+                f"key_by(name={name!r}) gives the repartition topic {topic!r}, which is not a "
+                "valid Kafka topic name; use letters, digits, '.', '_' and '-'"
+            )
+        rep = Repartition(
+            node.id,
+            name,
+            topic,
+            node.options.get("partitions"),
+            index(node_stage[node.id]),
+            index(downstream),
+        )
+        if rep.upstream == rep.downstream:
+            raise ConfigurationError(
+                f"key_by {name!r} feeds a stage that also writes its repartition topic (a "
+                "cycle through union/connect); key the combined streams once instead"
+            )
+        repartitions[node.id] = rep
+
+    # Topics read by one stage are co-partitioned: their declared counts must agree.
+    by_stage: dict[int, list[Repartition]] = {}
+    for rep in repartitions.values():
+        by_stage.setdefault(rep.downstream, []).append(rep)
+    for reps in by_stage.values():
+        declared = {r.partitions for r in reps if r.partitions is not None}
+        if len(declared) > 1:
+            raise ConfigurationError(
+                f"key_by operators {[r.name for r in reps]} feed one stage (through connect or "
+                f"union) but declare different partitions {sorted(declared)}; give them the "
+                "same partitions="
+            )
+        if declared:
+            common = declared.pop()
+            for rep in reps:
+                repartitions[rep.node_id] = Repartition(
+                    rep.node_id, rep.name, rep.topic, common, rep.upstream, rep.downstream
+                )
+        for rep in reps:
+            count = repartitions[rep.node_id].partitions
+            if count is not None and count > pipeline.max_parallelism:
+                raise ConfigurationError(
+                    f"key_by {rep.name!r}: partitions={count} exceeds max_parallelism="
+                    f"{pipeline.max_parallelism}; a partition owns at least one key-group"
+                )
+
+    members: dict[int, set[int]] = {i: set() for i in range(len(numbering))}
+    for node in pipeline.nodes:
+        members[index(node_stage[node.id])].add(node.id)
+    result = tuple(
+        Stage(
+            i,
+            frozenset(members[i]),
+            tuple(r.topic for r in repartitions.values() if r.downstream == i),
+        )
+        for i in range(len(numbering))
+    )
+    return StagePlan(result, repartitions)
