@@ -17,7 +17,6 @@ Run: ``snapline run examples.warehouse:pipeline``.
 from __future__ import annotations
 
 import os
-
 from collections.abc import Iterator
 from typing import Any
 

@@ -44,11 +44,11 @@ def missing_topic() -> Pipeline:
     return pipeline
 
 
-def repartition_needed() -> Pipeline:
+def repartition_mismatch() -> Pipeline:
     pipeline = Pipeline(f"{PREFIX}job")
     (
         pipeline.source(KafkaSource(f"{PREFIX}orders"))
-        .key_by(lambda v: v["region"])
+        .key_by(lambda v: v["region"], partitions=4)
         .process(StrictTotal())
         .sink(KafkaSink(f"{PREFIX}totals"))
     )

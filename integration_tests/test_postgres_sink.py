@@ -554,7 +554,15 @@ def test_sigkilled_writer_under_concurrent_sql_readers(postgres_dsn: str, tmp_pa
                     stderr=log,
                 )
             processes.append(process)
-            time.sleep(rng.uniform(1.0, 2.5))
+            # Kill only after this writer committed something of its own (a loaded machine
+            # can take seconds to start Python), at a random moment after that.
+            before, _ = _commit_point(state)
+            deadline = time.monotonic() + 120
+            while _commit_point(state)[0] == before and time.monotonic() < deadline:
+                assert process.poll() is None, (tmp_path / f"writer-{round_number}.log").read_text()
+                time.sleep(0.05)
+            assert _commit_point(state)[0] != before, "the writer committed nothing in 120 s"
+            time.sleep(rng.uniform(0.2, 1.5))
             assert process.poll() is None, (tmp_path / f"writer-{round_number}.log").read_text()
             os.kill(process.pid, signal.SIGKILL)
             process.wait()

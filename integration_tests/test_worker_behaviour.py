@@ -232,19 +232,15 @@ def test_unknown_topic_fails_at_start_naming_the_fix(
     assert "do not exist" in stderr and "create_partitions" in stderr
 
 
-def test_pipeline_needing_repartition_fails_clearly(
+def test_repartition_topic_with_other_partitions_fails_at_start_naming_the_fix(
     kafka_bootstrap: str, tmp_path: Path, unique_name: str
 ) -> None:
     prefix = f"{unique_name}-"
-    create_topics(kafka_bootstrap, {f"{prefix}orders": 2, f"{prefix}totals": 2})
-    producer = Producer({"bootstrap.servers": kafka_bootstrap})
-    producer.produce(
-        f"{prefix}orders",
-        orjson.dumps({"customer": "c1", "region": "eu", "amount": 1, "order_id": 1}),
-        b"c1",
+    create_topics(
+        kafka_bootstrap,
+        {f"{prefix}orders": 2, f"{prefix}totals": 2, f"{prefix}job.key_by-1.repartition": 2},
     )
-    producer.flush(10)
     stderr = _run_expecting_failure(
-        "integration_tests.pipelines:repartition_needed", kafka_bootstrap, prefix, tmp_path
+        "integration_tests.pipelines:repartition_mismatch", kafka_bootstrap, prefix, tmp_path
     )
-    assert "partitioned by the key_by key" in stderr
+    assert "has 2 partitions" in stderr and "partitions=4 is declared" in stderr

@@ -62,8 +62,11 @@ class WarehouseJob:
         retained: int = 3,
         tolerable: int = 3,
         extra_env: dict[str, str] | None = None,
+        keyed_by_order: bool = False,
     ) -> None:
         self.bootstrap = bootstrap
+        #: Orders keyed by order id in Kafka (a per-customer pipeline must re-key them).
+        self.keyed_by_order = keyed_by_order
         self.name = name
         self.prefix = f"{name}-"
         self.partitions = partitions
@@ -115,7 +118,12 @@ class WarehouseJob:
 
     def produce(self, count: int) -> None:
         totals = produce_orders(
-            self.bootstrap, self.orders_topic, count, self.customers, start_id=self.produced
+            self.bootstrap,
+            self.orders_topic,
+            count,
+            self.customers,
+            start_id=self.produced,
+            keyed_by_order=self.keyed_by_order,
         )
         for customer, amount in totals.items():
             self.expected[customer] = self.expected.get(customer, 0) + amount

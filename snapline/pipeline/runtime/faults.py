@@ -19,6 +19,7 @@ import time
 
 KILL_POINTS = (
     "after_offsets_read",  # recovery read the committed offsets, restored nothing yet
+    "after_repartition_produce",  # an epoch's repartition records produced, not committed
     "sync_snapshot",  # right after the synchronous part of a task's snapshot
     "mid_materialization",  # state written to storage, metadata not yet
     "after_metadata_write",  # all metadata durable, Kafka transaction not committed

@@ -195,6 +195,10 @@ class Worker:
         self._repartition_positions: dict[str, list[dict[tuple[str, int], int]]] = {}
         self._last_delete = time.monotonic()
         self._admin: AdminClient | None = None
+        # Tests that read a repartition topic back whole keep every record.
+        self._keep_repartition_records = bool(
+            os.environ.get("SNAPLINE_TEST_KEEP_REPARTITION_RECORDS")
+        )
         self.cluster_id = self._check_identity()
         transactional_id = (
             f"snapline-{pipeline.name}-{settings.worker_id}" if pipeline.exactly_once else None
@@ -633,8 +637,10 @@ class Worker:
         At most every REPARTITION_DELETE_INTERVAL s; the request runs in the background and
         a failure only means the records are deleted next time."""
         now = time.monotonic()
-        if not self._repartition_positions or now - self._last_delete < (
-            REPARTITION_DELETE_INTERVAL
+        if (
+            not self._repartition_positions
+            or now - self._last_delete < REPARTITION_DELETE_INTERVAL
+            or self._keep_repartition_records
         ):
             return
         self._last_delete = now
