@@ -83,5 +83,10 @@ class Sink(ABC):
     def validate(self) -> None:  # noqa: B027 - default no-op
         """Fail at start with a ConfigurationError that names the fix."""
 
+    def output_topics(self) -> dict[str, int | None]:
+        """Kafka topics this sink writes (name -> partitions to create it with when missing;
+        None: the rule's default). The runtime creates missing ones at start."""
+        return {}
+
     @abstractmethod
     def open(self, context: SinkContext) -> SinkWriter: ...

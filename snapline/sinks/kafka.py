@@ -39,6 +39,9 @@ class KafkaSink(Sink):
         if not self.name:
             object.__setattr__(self, "name", f"kafka:{self.topic}")
 
+    def output_topics(self) -> dict[str, int | None]:
+        return {self.topic: self.create_partitions}
+
     def open(self, context: SinkContext) -> SinkWriter:
         return KafkaSinkWriter(self, context)
 

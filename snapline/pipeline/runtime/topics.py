@@ -102,18 +102,15 @@ class TopicPlan:
 
 def pipeline_topics(pipeline: Pipeline) -> list[TopicSpec]:
     """The topics ``pipeline`` reads and writes, each with its role."""
-    # The sinks package depends on pipeline contracts, not the reverse: import at use.
-    from snapline.sinks.kafka import KafkaSink
-
     specs = [
         TopicSpec(topic, Role.SOURCE, source.create_partitions, "KafkaSource")
         for source in pipeline.sources()
         for topic in source.topic_list
     ]
     specs += [
-        TopicSpec(sink.topic, Role.OUTPUT, sink.create_partitions, f"KafkaSink {sink.name!r}")
+        TopicSpec(topic, Role.OUTPUT, partitions, f"{type(sink).__name__} {sink.name!r}")
         for sink in pipeline.sinks()
-        if isinstance(sink, KafkaSink)
+        for topic, partitions in sink.output_topics().items()
     ]
     specs += [
         TopicSpec(rep.topic, Role.INTERNAL, rep.partitions, f"key_by {rep.name!r}")
