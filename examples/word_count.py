@@ -5,8 +5,9 @@ Input ``chat`` (string values, Kafka key = channel name). Output ``word-counts``
 that channel. Run: ``snapline run examples.word_count:pipeline`` (SNAPLINE_EXAMPLE_PREFIX
 prefixes the topic names, SNAPLINE_EXAMPLE_JOB names the job).
 
-(A global word count needs records re-keyed by word, i.e. a repartition topic; until
-Snapline has those, key_by must follow the input's partitioning — here, the channel.)
+The messages are keyed by channel in Kafka, so ``key_by()`` (by the message key) needs no
+repartition topic. A global word count would re-key by word: ``.flat_map(words)
+.key_by(lambda w: w, name="by-word")`` crosses a repartition topic into a second stage.
 """
 
 from __future__ import annotations
