@@ -338,7 +338,11 @@ def test_concurrent_spark_reads_never_see_uncommitted_rows(
     assert {r["id"] for r in from_spark} == expected  # no loss, no duplicate
     assert len(from_spark) == len(expected)
     assert {r["id"] for r in arrow_rows(table)} == expected
-    assert not list((table / "_staging").rglob("*.parquet"))
+    # The last kill may leave a checkpoint staged past the commit point. Recovery cannot tell it
+    # from a live owner's checkpoint in flight, so it stays (docs/exactly-once.md, "What may be
+    # deleted"); everything at or below the commit point is published or gone.
+    staged = [p.relative_to(final.staging_root) for p in (table / "_staging").rglob("*.parquet")]
+    assert all(int(p.parts[0][:10]) > committed for p in staged), (committed, staged)
     assert len(reads) >= 8, f"only {len(reads)} Spark reads ran in {round_number + 1} rounds"
     final.close()
 

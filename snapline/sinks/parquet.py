@@ -18,9 +18,9 @@ files are deleted only when provably dead (``recover``): never on the strength o
 id newer than the one this writer recovered, since a live owner may be about to commit it.
 
 Threads: the task thread converts rows to Arrow record batches (dead-lettering rows that do not
-fit the schema) and runs ``commit``/``abort``/``recover``. One background thread per writer
-writes the staged files of a pre-commit from batches that the task thread handed over and never
-touches again (record batches are immutable).
+fit the schema) and runs ``commit``/``abort``/``recover``. The background thread of the writer
+(``staging.StagingSinkWriter``) writes the staged files of a pre-commit from batches that the
+task thread handed over and never touches again (record batches are immutable).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import shutil
 import uuid
 import zlib
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from pathlib import Path
@@ -48,13 +47,13 @@ import pyarrow.parquet as pq
 from snapline.pipeline.checkpoint.identity import IDENTITY_FILE, JobIdentity
 from snapline.pipeline.errors import ConfigurationError, SinkError
 from snapline.pipeline.record import Record
-from snapline.pipeline.sink import PreCommitResult, Sink, SinkContext, SinkWriter
+from snapline.pipeline.sink import Sink, SinkContext
+from snapline.sinks.staging import StagingSinkWriter
 
 __all__ = ["ParquetSink", "ParquetSinkWriter", "hive_partition_dir", "read_commit_log"]
 
 log = logging.getLogger(__name__)
 
-METADATA_FORMAT = 1
 STAGING_DIR = "_staging"
 COMMITS_DIR = "_commits"
 SCHEMA_FILE = "_schema.arrow"
@@ -400,12 +399,6 @@ class _StageJob:
     compression: str
 
 
-@dataclass
-class _Pending:
-    checkpoint_id: int
-    future: Future[StagedCheckpoint]
-
-
 def read_commit_log(table: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Every commit-log entry of a table (job, sink, task, checkpoint, files, rows), in order."""
     root = Path(table) / COMMITS_DIR
@@ -496,10 +489,13 @@ class ParquetSink(Sink):
         return ParquetSinkWriter(self, context)
 
 
-class ParquetSinkWriter(SinkWriter):
+class ParquetSinkWriter(StagingSinkWriter[_StageJob, StagedCheckpoint]):
     """One task's writer: buffers rows per epoch, stages them, publishes them on commit."""
 
+    staged_noun = "files"
+
     def __init__(self, sink: ParquetSink, context: SinkContext) -> None:
+        super().__init__(sink.name, f"parquet-sink-{_safe_name(context.task_id)}")
         self._sink = sink
         self._context = context
         self.table = Path(os.fspath(sink.path)).absolute()
@@ -517,11 +513,9 @@ class ParquetSinkWriter(SinkWriter):
         # epoch -> record batches of rows already converted; epoch -> rows not yet converted
         self._batches: dict[int, list[pa.RecordBatch]] = {}
         self._unconverted: dict[int, tuple[list[Any], list[Record]]] = {}
-        self._pending: list[_Pending] = []
         #: Staged checkpoints of other writers, newer than the one recovered: not provably
         #: dead yet (a live owner may commit them); swept once we commit a higher id.
         self._leftovers: set[str] = set()
-        self._executor: ThreadPoolExecutor | None = None
         self.rows_staged = 0
         self.rows_dead_lettered = 0
 
@@ -597,71 +591,62 @@ class ParquetSinkWriter(SinkWriter):
         return self._converter
 
     # ------------------------------------------------------------------ two-phase commit
-    def pre_commit(self, checkpoint_id: int) -> PreCommitResult:
-        """Hand epochs ≤ n to the background thread, which stages and fsyncs their files."""
+    def _take(self, checkpoint_id: int) -> _StageJob | None:
+        """Epochs ≤ n as one staging job for the background thread (None: no rows)."""
         for epoch in sorted(e for e in self._unconverted if e <= checkpoint_id):
             self._convert(epoch)
         batches: list[pa.RecordBatch] = []
         for epoch in sorted(e for e in self._batches if e <= checkpoint_id):
             batches.extend(self._batches.pop(epoch))
-        prior = tuple(p.future for p in self._pending)
-        if not batches and not prior:
-            return {"format": METADATA_FORMAT, "pending": []}
-        if batches:
-            assert self._converter is not None
-            job = _StageJob(
-                checkpoint_id=checkpoint_id,
-                token=self.token,
-                file_prefix=self._file_prefix,
-                staged_dir=self.staging_root / f"{checkpoint_id:010d}-{self.token}",
-                batches=tuple(batches),
-                schema=self._converter.schema,
-                partition_by=tuple(self._sink.partition_by),
-                checkpoint_column=self._sink.checkpoint_column,
-                target_file_size=self._sink.target_file_size,
-                compression=self._sink.compression,
-            )
-            staged = self._pool().submit(_stage, job)
-            self.rows_staged += sum(b.num_rows for b in batches)
-            self._pending.append(_Pending(checkpoint_id, staged))
-            prior = (*prior, staged)
-        return _metadata_future(prior)
+        if not batches:
+            return None
+        assert self._converter is not None
+        self.rows_staged += sum(b.num_rows for b in batches)
+        return _StageJob(
+            checkpoint_id=checkpoint_id,
+            token=self.token,
+            file_prefix=self._file_prefix,
+            staged_dir=self.staging_root / f"{checkpoint_id:010d}-{self.token}",
+            batches=tuple(batches),
+            schema=self._converter.schema,
+            partition_by=tuple(self._sink.partition_by),
+            checkpoint_column=self._sink.checkpoint_column,
+            target_file_size=self._sink.target_file_size,
+            compression=self._sink.compression,
+        )
+
+    def _stage(self, job: _StageJob) -> StagedCheckpoint:
+        """Background thread: write the job's rows as Parquet files under its staging
+        directory, all fsynced. Reads nothing but the job."""
+        try:
+            return _stage_files(job)
+        except SinkError:
+            raise
+        except Exception as exc:
+            raise SinkError(
+                f"could not stage checkpoint {job.checkpoint_id} under {job.staged_dir}: {exc}"
+            ) from exc
 
     def commit(self, checkpoint_id: int) -> None:
-        """Publish every staged checkpoint ≤ n by renaming its files into the table."""
-        while self._pending and self._pending[0].checkpoint_id <= checkpoint_id:
-            pending = self._pending[0]
-            try:
-                staged = pending.future.result()
-            except Exception as exc:
-                raise SinkError(
-                    f"{self._sink.name}: checkpoint {pending.checkpoint_id} was committed but "
-                    f"its files were never staged: {exc}"
-                ) from exc
-            self._publish(staged)
-            self._pending.pop(0)
+        """Publish every staged checkpoint ≤ n by renaming its files into the table, then
+        delete other writers' staged checkpoints that this commit proved dead."""
+        super().commit(checkpoint_id)
         if self._leftovers:
             self._sweep_leftovers(checkpoint_id)
 
-    def abort(self, checkpoint_id: int) -> None:
-        """Delete staged files of checkpoints ≥ n and drop buffered epochs ≥ n."""
-        keep = []
-        for pending in self._pending:
-            if pending.checkpoint_id < checkpoint_id:
-                keep.append(pending)
-                continue
-            with contextlib.suppress(Exception):
-                pending.future.result()
+    def _discard(self, checkpoint_ids: Sequence[int], from_checkpoint: int) -> None:
+        """Abort: delete this writer's staging directories of the aborted checkpoints."""
+        for checkpoint_id in checkpoint_ids:
             shutil.rmtree(
-                self.staging_root / f"{pending.checkpoint_id:010d}-{self.token}", ignore_errors=True
+                self.staging_root / f"{checkpoint_id:010d}-{self.token}", ignore_errors=True
             )
-        self._pending = keep
-        for epoch in [e for e in self._batches if e >= checkpoint_id]:
-            del self._batches[epoch]
-        for epoch in [e for e in self._unconverted if e >= checkpoint_id]:
-            del self._unconverted[epoch]
 
-    def recover(self, committed: int | None, metadata: dict[str, Any] | None) -> None:
+    def _drop_buffered(self, from_epoch: int | None = None) -> None:
+        for buffered in (self._batches, self._unconverted):
+            for epoch in [e for e in buffered if from_epoch is None or e >= from_epoch]:
+                del buffered[epoch]
+
+    def _recover_staged(self, committed: int | None, metadata: dict[str, Any] | None) -> None:
         """Publish what ``committed`` (or a commit-log intent) names; delete what is provably
         dead; leave staged checkpoints newer than ``committed`` alone.
 
@@ -670,10 +655,6 @@ class ParquetSinkWriter(SinkWriter):
         unpublished ones, and recovery publishes those. A newer one may belong to a live
         owner about to commit it (this writer may be a zombie that read stale offsets), so
         it stays until a checkpoint with an id at least as high commits (``commit`` sweeps)."""
-        self._drain()
-        self._pending = []
-        self._batches.clear()
-        self._unconverted.clear()
         listed: dict[str, StagedCheckpoint] = {}
         if metadata is not None and committed is not None:
             for body in metadata.get("pending", ()):
@@ -738,27 +719,7 @@ class ParquetSinkWriter(SinkWriter):
             else:
                 self._discard_dead(name, committed)
 
-    def close(self) -> None:
-        self._drain()
-        self._batches.clear()
-        self._unconverted.clear()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
-
     # ------------------------------------------------------------------ helpers
-    def _pool(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(
-                1, thread_name_prefix=f"parquet-sink-{_safe_name(self._task)}"
-            )
-        return self._executor
-
-    def _drain(self) -> None:
-        for pending in self._pending:
-            with contextlib.suppress(Exception):
-                pending.future.result()
-
     def _intent_path(self, name: str) -> Path:
         return self.commits_root / f"{name}.json"
 
@@ -815,41 +776,11 @@ def _staged_id(name: str) -> int:
     return int(head) if len(head) == 10 and head.isdigit() and token else -1
 
 
-def _metadata_future(futures: Sequence[Future[StagedCheckpoint]]) -> Future[dict[str, Any]]:
-    """A future of the checkpoint metadata: every staged-but-unpublished checkpoint, done when
-    all of them are durable. One FIFO background thread runs the stagings, so when the last
-    future is done the earlier ones are too, and the callback never blocks."""
-    result: Future[dict[str, Any]] = Future()
-
-    def done(_: Future[StagedCheckpoint]) -> None:
-        try:
-            staged = [f.result() for f in futures]
-        except Exception as exc:
-            result.set_exception(exc)
-            return
-        result.set_result({"format": METADATA_FORMAT, "pending": [s.to_json() for s in staged]})
-
-    futures[-1].add_done_callback(done)
-    return result
-
-
 def _rows_per_file(table: pa.Table, target_file_size: int) -> int:
     if table.num_rows == 0:
         return 1
     bytes_per_row = max(1.0, table.nbytes / table.num_rows)
     return max(1, math.floor(target_file_size / bytes_per_row))
-
-
-def _stage(job: _StageJob) -> StagedCheckpoint:
-    """Write the job's rows as Parquet files under its staging directory, all fsynced."""
-    try:
-        return _stage_files(job)
-    except SinkError:
-        raise
-    except Exception as exc:
-        raise SinkError(
-            f"could not stage checkpoint {job.checkpoint_id} under {job.staged_dir}: {exc}"
-        ) from exc
 
 
 def _stage_files(job: _StageJob) -> StagedCheckpoint:

@@ -10,9 +10,10 @@ finds nothing staged: a no-op. Rows the database refuses at commit (a CHECK cons
 foreign key...) go, in the same transaction, to ``<table>__snapline_rejected``.
 
 Threads: the task thread validates and encodes rows (dead-lettering those that do not fit the
-table) and waits for commit/abort/recover. One background thread per writer owns the database
-connection and runs every statement in order: the staging COPYs (whose futures ``pre_commit``
-returns), the applies and the deletions. It reads only immutable encoded rows.
+table) and waits for commit/abort/recover. The background thread of the writer
+(``staging.StagingSinkWriter``) owns the database connection and runs every statement in order:
+the staging COPYs (whose futures ``pre_commit`` returns), the applies and the deletions. It
+reads only immutable encoded rows.
 """
 
 from __future__ import annotations
@@ -23,11 +24,10 @@ import math
 import uuid
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import date, datetime, time
 from decimal import Decimal
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 import psycopg
@@ -37,14 +37,14 @@ from psycopg.conninfo import conninfo_to_dict
 from snapline.pipeline.checkpoint.identity import JobIdentity
 from snapline.pipeline.errors import ConfigurationError, SinkError
 from snapline.pipeline.record import Record
-from snapline.pipeline.sink import PreCommitResult, Sink, SinkContext, SinkWriter
+from snapline.pipeline.sink import Sink, SinkContext
 from snapline.pipeline.state.serde import json_bytes
+from snapline.sinks.staging import StagingSinkWriter
 
 __all__ = ["ColumnSpec", "PostgresSink", "PostgresSinkWriter", "RowEncoder", "TableSpec"]
 
 log = logging.getLogger(__name__)
 
-METADATA_FORMAT = 1
 CHECKPOINT_COLUMN = "_snapline_checkpoint"
 TASK_COLUMN = "_snapline_task"
 FENCE_COLUMNS = (CHECKPOINT_COLUMN, TASK_COLUMN)
@@ -55,7 +55,6 @@ JOBS_SUFFIX = "__snapline_jobs"
 MAX_IDENTIFIER = 63
 _COPY_CHUNK = 1 << 20
 _INT_RANGES = {"int2": 2**15, "int4": 2**31, "int8": 2**63}
-_T = TypeVar("_T")
 
 
 class _Misfit(Exception):
@@ -460,17 +459,33 @@ class PostgresSink(Sink):
         return PostgresSinkWriter(self, context)
 
 
-@dataclass
-class _Pending:
+@dataclass(frozen=True)
+class _StageRows:
+    """One pre-commit's encoded rows, handed to the background thread; nothing in it changes."""
+
     checkpoint_id: int
+    rows: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class StagedRows:
+    """The rows one writer staged for one checkpoint, as listed in the checkpoint metadata."""
+
+    checkpoint_id: int
+    token: str
     rows: int
-    future: Future[int]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"checkpoint": self.checkpoint_id, "token": self.token, "rows": self.rows}
 
 
-class PostgresSinkWriter(SinkWriter):
+class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
     """One task's writer: encodes rows per epoch, stages them, applies them on commit."""
 
+    staged_noun = "rows"
+
     def __init__(self, sink: PostgresSink, context: SinkContext) -> None:
+        super().__init__(sink.name, f"postgres-sink-{context.task_id}")
         self._sink = sink
         self._context = context
         #: Stored in the fence column: which task wrote a row.
@@ -479,10 +494,8 @@ class PostgresSinkWriter(SinkWriter):
         self.writer_key = f"{context.job}/{context.sink_name}/{context.task_id}"
         self.token = uuid.uuid4().hex[:12]
         self._epochs: dict[int, list[bytes]] = {}
-        self._pending: list[_Pending] = []
         self._spec: TableSpec | None = None
         self._encoder: RowEncoder | None = None
-        self._executor: ThreadPoolExecutor | None = None
         self._connection: psycopg.Connection[Any] | None = None  # background thread only
         self.rows_staged = 0
         self.rows_dead_lettered = 0
@@ -512,58 +525,38 @@ class PostgresSinkWriter(SinkWriter):
         return self._encoder
 
     # ------------------------------------------------------------------ two-phase commit
-    def pre_commit(self, checkpoint_id: int) -> PreCommitResult:
-        """Stage epochs ≤ n in one transaction on the background thread."""
+    def _take(self, checkpoint_id: int) -> _StageRows | None:
+        """Epochs ≤ n as one staging job (one transaction on the background thread)."""
         rows: list[bytes] = []
         for epoch in sorted(e for e in self._epochs if e <= checkpoint_id):
             rows.extend(self._epochs.pop(epoch))
-        prior = tuple(self._pending)
-        if not rows and not prior:
-            return {"format": METADATA_FORMAT, "pending": []}
-        if rows:
-            staged_rows = tuple(rows)
-            future = self._pool().submit(self._stage, checkpoint_id, staged_rows)
-            self.rows_staged += len(staged_rows)
-            prior = (*prior, _Pending(checkpoint_id, len(staged_rows), future))
-            self._pending.append(prior[-1])
-        return _metadata_future(self.token, prior)
+        if not rows:
+            return None
+        self.rows_staged += len(rows)
+        return _StageRows(checkpoint_id, tuple(rows))
 
-    def commit(self, checkpoint_id: int) -> None:
-        """Apply each staged checkpoint ≤ n in its own transaction. Idempotent."""
-        while self._pending and self._pending[0].checkpoint_id <= checkpoint_id:
-            pending = self._pending[0]
-            try:
-                pending.future.result()
-            except Exception as exc:
-                raise SinkError(
-                    f"{self._sink.name}: checkpoint {pending.checkpoint_id} was committed but "
-                    f"its rows were never staged: {exc}"
-                ) from exc
-            self._call(self._apply, self.token, pending.checkpoint_id)
-            self._pending.pop(0)
+    def _publish(self, staged: StagedRows) -> None:
+        """Apply one staged checkpoint in its own transaction. Idempotent."""
+        self._call(self._apply, staged.token, staged.checkpoint_id)
 
-    def abort(self, checkpoint_id: int) -> None:
-        """Drop epochs ≥ n and delete this writer's staged rows of checkpoints ≥ n."""
-        aborted = [p for p in self._pending if p.checkpoint_id >= checkpoint_id]
-        self._pending = [p for p in self._pending if p.checkpoint_id < checkpoint_id]
-        for epoch in [e for e in self._epochs if e >= checkpoint_id]:
+    def _discard(self, checkpoint_ids: Sequence[int], from_checkpoint: int) -> None:
+        """Abort: delete this writer's staged rows of checkpoints ≥ n."""
+        try:
+            self._call(self._delete_staged, from_checkpoint)
+        except SinkError as exc:
+            # Staged rows no committed metadata names are never applied; recovery
+            # deletes them. Nothing is lost by leaving them now.
+            log.warning(
+                "%s: could not delete aborted staged rows (recovery will): %s",
+                self._sink.name,
+                exc,
+            )
+
+    def _drop_buffered(self, from_epoch: int | None = None) -> None:
+        for epoch in [e for e in self._epochs if from_epoch is None or e >= from_epoch]:
             del self._epochs[epoch]
-        for pending in aborted:
-            with contextlib.suppress(Exception):
-                pending.future.result()
-        if aborted:
-            try:
-                self._call(self._delete_staged, checkpoint_id)
-            except SinkError as exc:
-                # Staged rows no committed metadata names are never applied; recovery
-                # deletes them. Nothing is lost by leaving them now.
-                log.warning(
-                    "%s: could not delete aborted staged rows (recovery will): %s",
-                    self._sink.name,
-                    exc,
-                )
 
-    def recover(self, committed: int | None, metadata: dict[str, Any] | None) -> None:
+    def _recover_staged(self, committed: int | None, metadata: dict[str, Any] | None) -> None:
         """Apply the staged checkpoints ``committed`` names; delete staged rows that are
         provably dead (checkpoint ids ≤ ``committed``); leave newer ones alone.
 
@@ -571,9 +564,6 @@ class PostgresSinkWriter(SinkWriter):
         to commit it (this writer may be a zombie that read stale offsets): they stay until
         this writer commits a checkpoint with an id at least as high (``_apply`` then deletes
         every other writer instance's rows up to that id)."""
-        self._drain()
-        self._pending = []
-        self._epochs.clear()
         entries: list[tuple[int, str]] = []
         if metadata is not None and committed is not None:
             for body in metadata.get("pending", ()):
@@ -589,32 +579,6 @@ class PostgresSinkWriter(SinkWriter):
                 self._delete_dead(committed)
 
         self._call(run)
-
-    def close(self) -> None:
-        self._drain()
-        self._epochs.clear()
-        if self._executor is not None:
-            with contextlib.suppress(Exception):
-                self._executor.submit(self._disconnect).result()
-            self._executor.shutdown(wait=True)
-            self._executor = None
-
-    # ------------------------------------------------------------------ task-thread plumbing
-    def _pool(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(
-                1, thread_name_prefix=f"postgres-sink-{self._context.task_id}"
-            )
-        return self._executor
-
-    def _drain(self) -> None:
-        for pending in self._pending:
-            with contextlib.suppress(Exception):
-                pending.future.result()
-
-    def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run ``fn`` on the background thread (after queued stagings) and wait for it."""
-        return self._pool().submit(fn, *args).result()
 
     # ------------------------------------------------------------------ background thread
     def _where(self) -> str:
@@ -650,6 +614,9 @@ class PostgresSinkWriter(SinkWriter):
             connection.execute("SET synchronous_commit = on")
             self._connection = connection
         return connection
+
+    def _close_background(self) -> None:
+        self._disconnect()
 
     def _disconnect(self) -> None:
         connection, self._connection = self._connection, None
@@ -776,10 +743,11 @@ class PostgresSinkWriter(SinkWriter):
         specs = tuple(by_name[c].spec(is_key=c in sink.key_columns) for c in wanted)
         return TableSpec(schema, table, specs, tuple(sink.key_columns))
 
-    def _stage(self, checkpoint_id: int, rows: tuple[bytes, ...]) -> int:
+    def _stage(self, job: _StageRows) -> StagedRows:
         """COPY the rows into staging and commit: durable before the Kafka commit."""
         spec = self._spec
         assert spec is not None
+        checkpoint_id, rows = job.checkpoint_id, job.rows
         try:
             connection = self._conn()
             prefix = f"{_copy_text(self.writer_key)}\t{self.token}\t{checkpoint_id}\t".encode()
@@ -806,7 +774,7 @@ class PostgresSinkWriter(SinkWriter):
                             chunk, size = [], 0
                     if chunk:
                         copy.write(b"".join(chunk))
-            return len(rows)
+            return StagedRows(checkpoint_id, self.token, len(rows))
         except psycopg.Error as exc:
             raise self._fail(exc, f"stage checkpoint {checkpoint_id} into") from exc
 
@@ -972,28 +940,3 @@ def _check_fence_types(present: dict[str, _Column], qualified: str) -> None:
                 f"{qualified} ALTER COLUMN {name} TYPE "
                 f"{'bigint' if type_name == 'int8' else 'text'}"
             )
-
-
-def _metadata_future(token: str, pending: Sequence[_Pending]) -> Future[dict[str, Any]]:
-    """The checkpoint metadata once every staged-but-unapplied checkpoint is durable. One FIFO
-    background thread stages them, so the last future completes last."""
-    result: Future[dict[str, Any]] = Future()
-
-    def done(_: Future[int]) -> None:
-        try:
-            for p in pending:
-                p.future.result()
-        except Exception as exc:
-            result.set_exception(exc)
-            return
-        result.set_result(
-            {
-                "format": METADATA_FORMAT,
-                "pending": [
-                    {"checkpoint": p.checkpoint_id, "token": token, "rows": p.rows} for p in pending
-                ],
-            }
-        )
-
-    pending[-1].future.add_done_callback(done)
-    return result
