@@ -93,6 +93,17 @@ def main() -> None:
     help="Only when the job's committed offsets are gone while committed checkpoints are "
     "stored: delete those checkpoints and start with empty state at the starting position.",
 )
+@click.option(
+    "--from-savepoint",
+    default=None,
+    help="Start the job from this savepoint (once: a restart continues from the job's own "
+    "checkpoints). The job must be stopped; keyed stages may change their partitions.",
+)
+@click.option(
+    "--allow-non-restored-state",
+    is_flag=True,
+    help="With --from-savepoint: drop savepoint state that the pipeline no longer declares.",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def run(
     spec: str,
@@ -103,6 +114,8 @@ def run(
     local_dir: str | None,
     restore_latest: bool,
     reset_state: bool,
+    from_savepoint: str | None,
+    allow_non_restored_state: bool,
     log_level: str,
 ) -> None:
     """Run the pipeline SPEC (module:attribute) as one or more workers.
@@ -137,6 +150,21 @@ def run(
         broker = LocalKafkaBroker()
         bootstrap_servers = broker.start()
         click.echo(f"embedded Kafka broker at {bootstrap_servers}", err=True)
+    if from_savepoint:
+        from snapline.pipeline.savepoint.restore import seed_from_savepoint
+
+        try:
+            seed_from_savepoint(
+                pipeline,
+                {"bootstrap.servers": bootstrap_servers, **pipeline.kafka_config},
+                checkpoint_dir,
+                from_savepoint,
+                allow_non_restored=allow_non_restored_state,
+            )
+        except ConfigurationError as exc:
+            _configuration_error(exc)
+        except SnaplineError as exc:
+            raise click.ClickException(str(exc)) from exc
     base_id = worker_id or WorkerSettings.default_worker_id()
     try:
         if workers == 1 and broker is None:
@@ -208,6 +236,15 @@ def checkpoints(spec: str, checkpoint_dir: str | None) -> None:
                 )
             except SnaplineError as exc:
                 click.echo(f"{task_id}\tchk {ref.checkpoint_id}\t{ref.attempt}\tINCOMPLETE ({exc})")
+
+
+def _register_savepoints() -> None:
+    from snapline.pipeline.savepoint.cli import savepoint
+
+    main.add_command(savepoint)
+
+
+_register_savepoints()
 
 
 def _register_optional() -> None:

@@ -145,13 +145,25 @@ class Stream:
 class KeyedStream(Stream):
     """A stream whose records carry a key; ``process`` may use keyed state."""
 
-    def process(self, function: KeyedProcessFunction, *, name: str = "") -> Stream:
+    def process(
+        self, function: KeyedProcessFunction, *, name: str = "", uid: str | None = None
+    ) -> Stream:
+        """Run ``function`` per key with its keyed state. ``uid`` is the operator's stable id
+        in savepoints (default: ``name``, else the function's class name, with ``-2``, ``-3``
+        ... for repeats); set it explicitly before an upgrade may rename things."""
         if not isinstance(function, KeyedProcessFunction):
             raise ConfigurationError(
                 f"process() needs a KeyedProcessFunction instance, got {function!r}"
             )
         node = self._pipeline._add(
-            Node("process", [self.node], function, name or type(function).__name__, True)
+            Node(
+                "process",
+                [self.node],
+                function,
+                name or type(function).__name__,
+                True,
+                options={"uid": uid},
+            )
         )
         return KeyedStream(self._pipeline, node)
 
@@ -175,7 +187,9 @@ class ConnectedStreams:
         self._left = left
         self._right = right
 
-    def process(self, function: KeyedCoProcessFunction, *, name: str = "") -> KeyedStream:
+    def process(
+        self, function: KeyedCoProcessFunction, *, name: str = "", uid: str | None = None
+    ) -> KeyedStream:
         """Run ``function``: ``process_left`` for records of the left stream,
         ``process_right`` for the right one, with the function's keyed state shared."""
         if not isinstance(function, KeyedCoProcessFunction):
@@ -189,6 +203,7 @@ class ConnectedStreams:
                 function,
                 name or type(function).__name__,
                 True,
+                options={"uid": uid},
             )
         )
         return KeyedStream(self._pipeline, node)
@@ -346,6 +361,32 @@ class Pipeline:
             raise ConfigurationError("a pipeline may declare at most 255 keyed states")
         return result
 
+    def operator_uids(self) -> dict[int, str]:
+        """The stable id of every stateful operator (node id -> uid), as savepoints name them:
+        an explicit ``uid=``, else the operator's name with ``-2``, ``-3`` ... for repeats."""
+        uids: dict[int, str] = {}
+        explicit = [str(n.options["uid"]) for n in self.nodes if n.options.get("uid")]
+        dupes = sorted({u for u in explicit if explicit.count(u) > 1})
+        if dupes:
+            raise ConfigurationError(f"operator uids {dupes} are used twice; uids must be unique")
+        taken = set(explicit)
+        for node in self.nodes:
+            if node.kind not in ("process", "co_process"):
+                continue
+            uid = node.options.get("uid")
+            if not uid:
+                uid, n = node.name, 1
+                while uid in taken:
+                    n += 1
+                    uid = f"{node.name}-{n}"
+            if not isinstance(uid, str) or not _NAME.match(uid):
+                raise ConfigurationError(
+                    f"operator uid {uid!r} must be 1-100 letters, digits, '.', '_' or '-'"
+                )
+            taken.add(uid)
+            uids[node.id] = uid
+        return uids
+
     def validate(self) -> None:
         """Check the graph; raises ConfigurationError naming the fix."""
         self._check_settings()
@@ -368,6 +409,7 @@ class Pipeline:
                 f"sink names {dup_sinks} are used twice; pass name=... to tell them apart"
             )
         self.state_ids()
+        self.operator_uids()
         self.stages()
 
     def stages(self) -> StagePlan:

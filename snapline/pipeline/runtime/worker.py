@@ -83,6 +83,7 @@ from snapline.pipeline.runtime.kafka_calls import (
 )
 from snapline.pipeline.runtime.task import Task, TaskSnapshot
 from snapline.pipeline.runtime.transaction import FencedError, TransactionalOutput
+from snapline.pipeline.savepoint.control import PAUSE_LIMIT, ControlChannel, Request, write_ack
 from snapline.pipeline.stages import task_id_for
 from snapline.pipeline.state import create_backend
 
@@ -156,8 +157,9 @@ class Worker:
             redact(kafka_config),
             settings.checkpoint_dir,
         )
+        uids = pipeline.operator_uids()
         states = [
-            {**desc.describe(), "id": sid, "operator": node_id}
+            {**desc.describe(), "id": sid, "operator": node_id, "uid": uids[node_id]}
             for node_id, entries in pipeline.state_ids().items()
             for sid, desc in entries
         ]
@@ -208,6 +210,11 @@ class Worker:
             producer_config, transactional_id=transactional_id, stopping=lambda: self._stopping
         )
         self._consumer_fatal: str | None = None
+        #: Savepoint requests (snapline savepoint create) arrive on the control channel; while
+        #: a savepoint is written the worker is paused: (request id, since).
+        self._control = ControlChannel(kafka_config, pipeline.name)
+        self._paused: tuple[str, float] | None = None
+        self._exit_after_savepoint = False
         self.consumer = self._new_consumer()
         self._consumer_call = BoundedCall("consumer")
         self._outage: BrokerOutageError | None = None
@@ -287,7 +294,10 @@ class Worker:
         self._restore_pending = False
         started = time.monotonic()
         restored = self._restore(partitions)
-        consumer.assign([TopicPartition(t, p, off) for (t, p), off in restored.items()])
+        assigned = [TopicPartition(t, p, off) for (t, p), off in restored.items()]
+        consumer.assign(assigned)
+        if self._paused is not None:  # a savepoint is being written: read nothing new
+            consumer.pause(assigned)
         self._remove_moved_task_dirs()
         self._event(
             {
@@ -882,6 +892,9 @@ class Worker:
             self.output.init()
             self._subscribe()
             while True:
+                if self._exit_after_savepoint:
+                    log.info("stopped with a savepoint: exiting")
+                    break
                 if self._stopping or (deadline is not None and time.monotonic() > deadline):
                     self._final_checkpoint()
                     break
@@ -918,6 +931,7 @@ class Worker:
             self._close()
 
     def _step(self) -> None:
+        self._poll_control()
         if self._restore_pending:
             self._restore_after_failure()
             return
@@ -1005,12 +1019,13 @@ class Worker:
                 continue  # fetched before a revoke; the new owner reads it again
             task.enqueue((topic, partition), batch)
 
-    def _final_checkpoint(self, reason: str = "stop") -> None:
-        """Checkpoint and commit everything read so far (SIGTERM, or partitions revoked)."""
+    def _final_checkpoint(self, reason: str = "stop") -> bool:
+        """Checkpoint and commit everything read so far (SIGTERM, partitions revoked, a
+        savepoint); True when everything read is committed."""
         if not self.tasks:
-            return
+            return True
         if self.coordinator.pending is None and self._nothing_read_since_trigger():
-            return  # nothing read since the last committed checkpoint
+            return True  # nothing read since the last committed checkpoint
         log.info("%s: taking a final checkpoint", reason)
         bound = self.pipeline.checkpoint_timeout
         if self._stopping:  # SIGTERM: the process must end within STOP_BOUND
@@ -1020,7 +1035,7 @@ class Worker:
         while time.monotonic() < deadline:
             if self.coordinator.pending is None:
                 if target is not None and self.coordinator.next_id > target:
-                    return
+                    return True
                 target = self.coordinator.next_id
                 self._trigger(time.monotonic())
             for task in self.tasks.values():
@@ -1034,10 +1049,51 @@ class Worker:
                 # FencedError too: the abort that follows replaces the producer
                 log.error("%s: final checkpoint failed (the epoch is aborted): %s", reason, exc)
                 self._event({"event": "checkpoint_failed", "error": str(exc)[:500]})
-                return
+                return False
             if done is not None and done.checkpoint_id == target:
-                return
+                return True
             time.sleep(0.001)
+        return False
+
+    # ------------------------------------------------------------------ savepoints
+    def _poll_control(self) -> None:
+        """Savepoint requests and resumes from the control channel (savepoint/control.py)."""
+        for request in self._control.poll():
+            if request.action == "savepoint":
+                self._take_savepoint(request)
+            elif request.action == "resume" and self._paused and self._paused[0] == request.id:
+                self._resume("the savepoint is written")
+        if self._paused is not None and time.monotonic() - self._paused[1] > PAUSE_LIMIT:
+            self._resume(f"no resume within {PAUSE_LIMIT:.0f}s")
+
+    def _take_savepoint(self, request: Request) -> None:
+        """Commit everything read so far, then pause (or, with stop, exit) and acknowledge:
+        the committed checkpoints are the savepoint's state (see savepoint/control.py)."""
+        log.info("savepoint %s requested%s", request.id, " (stop)" if request.stop else "")
+        ok = self._restore_pending is False and self._final_checkpoint(reason="savepoint")
+        status = "failed"
+        if ok:
+            self._paused = (request.id, time.monotonic())
+            self.consumer.pause(self.consumer.assignment())
+            status = "stopped" if request.stop else "paused"
+            self._exit_after_savepoint = request.stop
+        self._event({"event": "savepoint", "id": request.id, "status": status})
+        write_ack(
+            self.storage,
+            self.pipeline.name,
+            request.id,
+            self.settings.worker_id,
+            {
+                "status": status,
+                "tasks": sorted(self.tasks),
+                "error": "" if ok else "the savepoint's checkpoint did not commit",
+            },
+        )
+
+    def _resume(self, why: str) -> None:
+        log.info("resuming after a savepoint: %s", why)
+        self._paused = None
+        self.consumer.resume(self.consumer.assignment())
 
     def _close(self) -> None:
         """Bounded: with the broker gone, an abort is left to recovery and close gives up."""
@@ -1050,6 +1106,7 @@ class Worker:
             task.close()
         self.tasks = {}
         self.coordinator.shutdown()
+        self._control.close()
         try:
             self._consumer_call("close", 10.0, self.consumer.close)
         except Exception:

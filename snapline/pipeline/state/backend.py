@@ -100,6 +100,11 @@ class KeyedStateBackend(ABC):
     def restore(self, handle: StateHandle, storage: CheckpointStorage) -> None:
         """Replace all state with the snapshot described by ``handle`` (checksums verified)."""
 
+    @abstractmethod
+    def items(self) -> Iterator[tuple[bytes, bytes | None, bytes]]:
+        """Every stored entry as (state key, map user key or None, value): for savepoints,
+        which export state by key-group. Call it on a backend no task is writing to."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources; local files of a task that moved away are deleted."""
 

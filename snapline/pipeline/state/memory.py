@@ -146,3 +146,10 @@ class MemoryStateBackend(KeyedStateBackend):
 
     def entry_count(self) -> int:
         return len(self._values) + sum(len(m) for m in self._maps.values())
+
+    def items(self) -> Iterator[tuple[bytes, bytes | None, bytes]]:
+        for key, value in self._values.items():
+            yield key, None, value
+        for prefix, entries in self._maps.items():
+            for user_key, value in entries.items():
+                yield prefix, user_key, value

@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import struct
 import threading
 import time
 import uuid
@@ -81,6 +82,7 @@ log = logging.getLogger(__name__)
 
 BACKEND_NAME = "rocksdb"
 _MAP_TAG = b"\x01"
+_KEY_LEN = struct.Struct(">I")
 _MAP_END = b"\x02"
 
 
@@ -360,6 +362,16 @@ class RocksDBStateBackend(KeyedStateBackend):
                     if _is_sst(name):
                         found.setdefault(name, []).append(Path(parent) / name)
         return found
+
+    def items(self) -> Iterator[tuple[bytes, bytes | None, bytes]]:
+        # Stored keys are key_group(2) | key_len(4) | key | state_id(1) [| MAP_TAG | user key].
+        unpack = _KEY_LEN.unpack_from
+        for stored, value in cast(Iterator[tuple[bytes, bytes]], self.db.items()):
+            end = 7 + unpack(stored, 2)[0]
+            if len(stored) > end and stored[end : end + 1] == _MAP_TAG:
+                yield stored[:end], stored[end + 1 :], value
+            else:
+                yield stored, None, value
 
     def entry_count(self) -> int:
         """RocksDB's estimate (exact only without overwrites and deletes)."""

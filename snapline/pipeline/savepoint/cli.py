@@ -1,0 +1,324 @@
+"""``snapline savepoint create|from-checkpoint|inspect|list|delete``: savepoints for people.
+
+Threads: the CLI's main thread.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from snapline.pipeline.errors import SnaplineError
+
+console = Console(stderr=True)
+
+
+def _job(spec: str, bootstrap: str | None, checkpoint_dir: str | None) -> tuple[Any, dict, str]:
+    sys.path.insert(0, os.getcwd())
+    from snapline.pipeline.graph import load_pipeline
+
+    pipeline = load_pipeline(spec)
+    pipeline.validate()
+    if not bootstrap:
+        raise click.UsageError(
+            "savepoints need the job's Kafka cluster: pass --bootstrap-servers or set "
+            "SNAPLINE_BOOTSTRAP_SERVERS"
+        )
+    config = {"bootstrap.servers": bootstrap, **pipeline.kafka_config}
+    directory = (
+        checkpoint_dir or pipeline.checkpoint_dir or os.path.join(".snapline", "checkpoints")
+    )
+    return pipeline, config, directory
+
+
+def _progress(what: str, done: int, total: int) -> None:
+    console.print(f"  {what}: {done}/{total} tasks" if what == "state" else f"  {what}")
+
+
+_bootstrap = click.option(
+    "--bootstrap-servers",
+    envvar="SNAPLINE_BOOTSTRAP_SERVERS",
+    default=None,
+    help="The job's Kafka cluster (env SNAPLINE_BOOTSTRAP_SERVERS).",
+)
+_checkpoints = click.option(
+    "--checkpoint-dir",
+    envvar="SNAPLINE_CHECKPOINT_DIR",
+    default=None,
+    help="The job's checkpoint storage (default .snapline/checkpoints).",
+)
+
+
+@click.group()
+def savepoint() -> None:
+    """Savepoints: self-contained, portable snapshots of a job for upgrades and rescaling.
+
+    Default location: <checkpoint dir>/<job>/savepoints/sp-<time>-<id>; checkpoint retention
+    never deletes savepoints (``snapline savepoint delete`` does)."""
+
+
+@savepoint.command()
+@click.argument("spec")
+@click.option("--path", "target", default=None, help="Where to write it (directory or URI).")
+@click.option("--stop", is_flag=True, help="Stop with the savepoint: every worker exits after it.")
+@click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for workers.")
+@_bootstrap
+@_checkpoints
+def create(
+    spec: str,
+    target: str | None,
+    stop: bool,
+    timeout: float,
+    bootstrap_servers: str | None,
+    checkpoint_dir: str | None,
+) -> None:
+    """Take a savepoint of the running job SPEC (module:attribute) and print its path.
+
+    Every worker commits a checkpoint of everything it has read and pauses (with --stop: exits;
+    nothing is output after the savepoint) while the savepoint is written from those
+    checkpoints; then the job resumes."""
+    from confluent_kafka.admin import AdminClient
+
+    from snapline.pipeline.checkpoint.storage import CheckpointStorage
+    from snapline.pipeline.savepoint import control
+    from snapline.pipeline.savepoint.export import (
+        active_members,
+        default_savepoint_uri,
+        export_savepoint,
+        job_tasks,
+        topic_partitions,
+    )
+
+    pipeline, config, directory = _job(spec, bootstrap_servers, checkpoint_dir)
+    admin = AdminClient(config)
+    members = active_members(admin, pipeline.name)
+    if not members:
+        raise click.ClickException(
+            f"job {pipeline.name!r} has no running workers; for a stopped job use "
+            f"'snapline savepoint from-checkpoint {spec}'"
+        )
+    target = target or default_savepoint_uri(directory, pipeline.name)
+    storage = CheckpointStorage(directory)
+    request = control.new_request_id()
+    control.ensure_control_topic(config, pipeline.name)
+    console.print(f"savepoint {request}: asking {members} workers to commit and pause")
+    control.send(config, pipeline.name, "savepoint", request, stop)
+    resumed = False
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            acks = control.read_acks(storage, pipeline.name, request)
+            failed = {w: a for w, a in acks.items() if a["status"] == "failed"}
+            if failed:
+                raise click.ClickException(f"workers could not commit the savepoint: {failed}")
+            expected = max(members, active_members(admin, pipeline.name)) if not stop else members
+            if len(acks) >= expected:
+                break
+            if time.monotonic() > deadline:
+                raise click.ClickException(
+                    f"{len(acks)} of {expected} workers acknowledged within {timeout:.0f}s"
+                )
+            time.sleep(0.3)
+        partitions = topic_partitions(
+            admin, pipeline.stages().input_topics(pipeline.source_topics()), str(bootstrap_servers)
+        )
+        covered = {t for a in acks.values() for t in a["tasks"]}
+        missing = sorted({t.task_id for t in job_tasks(pipeline, partitions)} - covered)
+        if missing:
+            raise click.ClickException(
+                f"tasks {missing} were not paused by any worker (a rebalance during the "
+                "savepoint?); try again"
+            )
+        console.print(f"all {len(acks)} workers committed and paused; writing {target}")
+        metadata = export_savepoint(
+            pipeline, config, directory, target, origin="savepoint", progress=_progress
+        )
+        if not stop:
+            control.send(config, pipeline.name, "resume", request)
+            resumed = True
+        else:
+            deadline = time.monotonic() + 60
+            while active_members(admin, pipeline.name) and time.monotonic() < deadline:
+                time.sleep(0.5)
+    except SnaplineError as exc:
+        raise click.ClickException(str(exc)) from exc
+    finally:
+        if not stop and not resumed:
+            control.send(config, pipeline.name, "resume", request)
+    _summary(metadata)
+    click.echo(target)
+
+
+@savepoint.command("from-checkpoint")
+@click.argument("spec")
+@click.option("--path", "target", default=None, help="Where to write it (directory or URI).")
+@_bootstrap
+@_checkpoints
+def from_checkpoint(
+    spec: str, target: str | None, bootstrap_servers: str | None, checkpoint_dir: str | None
+) -> None:
+    """Build a savepoint of the stopped job SPEC from its committed checkpoints."""
+    from confluent_kafka.admin import AdminClient
+
+    from snapline.pipeline.savepoint.export import (
+        active_members,
+        default_savepoint_uri,
+        export_savepoint,
+    )
+
+    pipeline, config, directory = _job(spec, bootstrap_servers, checkpoint_dir)
+    members = active_members(AdminClient(config), pipeline.name)
+    if members:
+        raise click.ClickException(
+            f"job {pipeline.name!r} is running ({members} workers); its checkpoints move on "
+            f"while they are read: use 'snapline savepoint create {spec}'"
+        )
+    target = target or default_savepoint_uri(directory, pipeline.name)
+    try:
+        metadata = export_savepoint(
+            pipeline, config, directory, target, origin="from-checkpoint", progress=_progress
+        )
+    except SnaplineError as exc:
+        raise click.ClickException(str(exc)) from exc
+    _summary(metadata)
+    click.echo(target)
+
+
+def _summary(metadata: Any) -> None:
+    rows = sum(f.rows for op in metadata.operators for f in op.files)
+    size = sum(f.size for op in metadata.operators for f in op.files)
+    flight = sum(f.rows for x in metadata.in_flight for f in x.files)
+    console.print(
+        f"savepoint of {metadata.pipeline}: {len(metadata.operators)} operators, {rows} state "
+        f"entries ({size / 1e6:.1f} MB), {flight} records in flight"
+    )
+
+
+@savepoint.command()
+@click.argument("uri")
+def inspect(uri: str) -> None:
+    """Print the operators, states, key counts and sizes of the savepoint at URI."""
+    import pyarrow.compute as pc
+
+    from snapline.pipeline.checkpoint.storage import CheckpointStorage
+    from snapline.pipeline.savepoint.format import read_metadata, read_table
+
+    storage = CheckpointStorage(uri)
+    try:
+        meta = read_metadata(storage)
+    except SnaplineError as exc:
+        raise click.ClickException(str(exc)) from exc
+    out = Console()
+    out.print(
+        f"[bold]{meta.pipeline}[/bold]  origin {meta.origin}, created "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(meta.created_at))} UTC, "
+        f"max_parallelism {meta.max_parallelism}, Snapline {meta.snapline_version}"
+    )
+    table = Table(title="keyed state")
+    for column in (
+        "operator",
+        "partitioning",
+        "state",
+        "kind",
+        "serde",
+        "keys",
+        "entries",
+        "files",
+        "bytes",
+    ):
+        table.add_column(
+            column, justify="right" if column in ("keys", "entries", "files", "bytes") else "left"
+        )
+    for op in meta.operators:
+        counts: dict[str, list[int]] = {}
+        for entry in op.files:
+            data = read_table(storage, entry).select(["state", "key"])
+            for state in op.states:
+                rows = data.filter(pc.equal(data.column("state"), state["name"]))
+                got = counts.setdefault(state["name"], [0, 0])
+                got[0] += len(set(rows.column("key").to_pylist()))
+                got[1] += rows.num_rows
+        for i, state in enumerate(op.states):
+            keys, entries = counts.get(state["name"], [0, 0])
+            table.add_row(
+                op.uid if i == 0 else "",
+                op.partitioning if i == 0 else "",
+                state["name"],
+                state["kind"],
+                state["serde"],
+                str(keys),
+                str(entries),
+                str(len(op.files)) if i == 0 else "",
+                str(sum(f.size for f in op.files)) if i == 0 else "",
+            )
+    out.print(table)
+    offsets = Table(title="source offsets (next to read)")
+    offsets.add_column("topic")
+    offsets.add_column("partition", justify="right")
+    offsets.add_column("offset", justify="right")
+    for topic, parts in sorted(meta.source_offsets.items()):
+        for partition, offset in sorted(parts.items()):
+            offsets.add_row(topic, str(partition), str(offset))
+    out.print(offsets)
+    for flight in meta.in_flight:
+        out.print(
+            f"in flight in {flight.topic} ({flight.partitions} partitions): "
+            f"{sum(f.rows for f in flight.files)} records"
+        )
+
+
+@savepoint.command("list")
+@click.argument("spec")
+@_checkpoints
+def list_savepoints(spec: str, checkpoint_dir: str | None) -> None:
+    """List the savepoints in the job's default savepoint directory."""
+    sys.path.insert(0, os.getcwd())
+    from snapline.pipeline.checkpoint.storage import CheckpointStorage
+    from snapline.pipeline.graph import load_pipeline
+    from snapline.pipeline.savepoint.format import read_metadata
+
+    pipeline = load_pipeline(spec)
+    directory = (
+        checkpoint_dir or pipeline.checkpoint_dir or os.path.join(".snapline", "checkpoints")
+    )
+    root = CheckpointStorage(directory)
+    table = Table(title=f"savepoints of {pipeline.name}")
+    for column in ("path", "created (UTC)", "origin", "operators", "bytes"):
+        table.add_column(column)
+    for name in root.list_dir(f"{pipeline.name}/savepoints"):
+        if name.startswith("_"):
+            continue
+        path = root.full_path(f"{pipeline.name}/savepoints/{name}")
+        try:
+            meta = read_metadata(CheckpointStorage(path))
+        except SnaplineError as exc:
+            table.add_row(path, "", f"incomplete: {exc}", "", "")
+            continue
+        table.add_row(
+            path,
+            time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(meta.created_at)),
+            meta.origin,
+            str(len(meta.operators)),
+            str(sum(f.size for op in meta.operators for f in op.files)),
+        )
+    Console().print(table)
+
+
+@savepoint.command()
+@click.argument("uri")
+def delete(uri: str) -> None:
+    """Delete the savepoint at URI (refused if URI is not a savepoint)."""
+    from snapline.pipeline.checkpoint.storage import CheckpointStorage
+    from snapline.pipeline.savepoint.format import METADATA_FILE
+
+    storage = CheckpointStorage(uri)
+    if not storage.exists(METADATA_FILE):
+        raise click.ClickException(f"{uri} is not a savepoint (no {METADATA_FILE}); not deleted")
+    storage.fs.delete_dir(storage.root)
+    click.echo(f"deleted {uri}")

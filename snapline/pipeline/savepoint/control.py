@@ -1,0 +1,152 @@
+"""The control channel: how ``snapline savepoint create`` reaches every worker of a running job.
+
+Requests are JSON records on the job's control topic ``<job>.control`` (one partition, created
+when missing): ``{"id", "action": "savepoint", "stop"}`` and ``{"id", "action": "resume"}``.
+Every worker reads it from the end it finds at start. On a savepoint request a worker commits
+a checkpoint of everything read so far, then pauses reading (or, with ``stop``, exits) and
+acknowledges by writing ``<job>/savepoints/_requests/<id>/<worker>.json`` to checkpoint storage;
+the CLI writes the savepoint from the committed checkpoints once every member has
+acknowledged, then sends ``resume``. A paused worker resumes by itself after
+``PAUSE_LIMIT`` seconds, so a CLI that died never stalls a job for long.
+
+Threads: a worker polls on its main thread; the CLI on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from confluent_kafka import (
+    OFFSET_END,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+#: A paused worker resumes by itself after this many seconds without a "resume".
+PAUSE_LIMIT = 300.0
+
+
+def control_topic(job: str) -> str:
+    return f"{job}.control"
+
+
+def ack_directory(job: str, request_id: str) -> str:
+    return f"{job}/savepoints/_requests/{request_id}"
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str
+    action: str
+    stop: bool = False
+
+
+def ensure_control_topic(kafka_config: dict[str, Any], job: str) -> None:
+    topic = control_topic(job)
+    admin = AdminClient(kafka_config)
+    if topic in admin.list_topics(timeout=30).topics:
+        return
+    try:
+        admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=-1)])[
+            topic
+        ].result(timeout=35)
+    except KafkaException as exc:
+        if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+            raise
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        meta = admin.list_topics(topic, timeout=10).topics.get(topic)
+        if (
+            meta is not None
+            and meta.error is None
+            and all(p.leader >= 0 for p in meta.partitions.values())
+        ):
+            return
+        time.sleep(0.2)
+
+
+class ControlChannel:
+    """A worker's reader of the control topic (no consumer group: every worker reads all)."""
+
+    def __init__(self, kafka_config: dict[str, Any], job: str) -> None:
+        ensure_control_topic(kafka_config, job)
+        self._consumer = Consumer(
+            {
+                **kafka_config,
+                "group.id": f"{job}.control-reader",  # never subscribes or commits
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+            }
+        )
+        self._consumer.assign([TopicPartition(control_topic(job), 0, OFFSET_END)])
+        self._last_poll = 0.0
+
+    def poll(self, every: float = 0.2) -> list[Request]:
+        now = time.monotonic()
+        if now - self._last_poll < every:
+            return []
+        self._last_poll = now
+        requests = []
+        for msg in self._consumer.consume(10, 0):
+            if msg.error() is not None:
+                continue
+            try:
+                body = orjson.loads(msg.value())
+                requests.append(
+                    Request(str(body["id"]), str(body["action"]), bool(body.get("stop")))
+                )
+            except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+                log.warning("ignoring a malformed control record: %s", exc)
+        return requests
+
+    def close(self) -> None:
+        with contextlib.suppress(KafkaException):
+            self._consumer.close()
+
+
+def send(
+    kafka_config: dict[str, Any], job: str, action: str, request_id: str, stop: bool = False
+) -> None:
+    producer = Producer(kafka_config)
+    producer.produce(
+        control_topic(job), orjson.dumps({"id": request_id, "action": action, "stop": stop})
+    )
+    if producer.flush(30):
+        raise CheckpointError(f"could not send {action!r} to {control_topic(job)}")
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def write_ack(
+    storage: CheckpointStorage, job: str, request_id: str, worker: str, body: dict[str, Any]
+) -> None:
+    storage.write_bytes(
+        f"{ack_directory(job, request_id)}/{worker}.json",
+        orjson.dumps({**body, "worker": worker, "time": time.time()}),
+    )
+
+
+def read_acks(storage: CheckpointStorage, job: str, request_id: str) -> dict[str, dict[str, Any]]:
+    directory = ack_directory(job, request_id)
+    acks = {}
+    for name in storage.list_dir(directory):
+        if name.endswith(".json"):
+            acks[name[:-5]] = orjson.loads(storage.read_bytes(f"{directory}/{name}"))
+    return acks

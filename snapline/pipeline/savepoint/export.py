@@ -1,0 +1,365 @@
+"""Writing a savepoint from a job's committed checkpoints (``snapline savepoint create`` once
+the workers have committed and paused, ``snapline savepoint from-checkpoint`` while the job is
+down): the checkpoint each task's committed offsets name is restored into a scratch backend,
+its entries are written per operator as Parquet, and the records in flight in repartition
+topics are copied, so the savepoint refers to nothing else.
+
+Threads: the caller's (a CLI process, never a worker).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from snapline.pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint
+from snapline.pipeline.checkpoint.restore import restore_committed
+from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.errors import CheckpointError, ConfigurationError
+from snapline.pipeline.graph import Pipeline
+from snapline.pipeline.keygroups import key_group_range
+from snapline.pipeline.savepoint.format import (
+    ENTRY_SCHEMA,
+    IN_FLIGHT_SCHEMA,
+    METADATA_FILE,
+    InFlight,
+    OperatorState,
+    SavepointFile,
+    SavepointMetadata,
+    write_table,
+)
+from snapline.pipeline.stages import SOURCE_STAGE, StagePlan, task_id_for
+from snapline.pipeline.state import create_backend
+
+log = logging.getLogger(__name__)
+
+SNAPLINE_VERSION = "0.1.0"
+#: How long reading a repartition topic's records in flight may take.
+IN_FLIGHT_TIMEOUT = 120.0
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class JobTask:
+    task_id: str
+    stage: int
+    partition: int
+    inputs: tuple[tuple[str, int], ...]
+
+
+def job_tasks(pipeline: Pipeline, partitions: dict[str, int]) -> list[JobTask]:
+    """Every task of the job: (stage, partition) with its input partitions."""
+    plan = pipeline.stages()
+    stage_of = plan.stage_of_topics(pipeline.source_topics())
+    inputs: dict[tuple[int, int], list[tuple[str, int]]] = defaultdict(list)
+    for topic in plan.input_topics(pipeline.source_topics()):
+        for p in range(partitions[topic]):
+            inputs[(stage_of[topic], p)].append((topic, p))
+    return [
+        JobTask(task_id_for(stage, p), stage, p, tuple(tps))
+        for (stage, p), tps in sorted(inputs.items())
+    ]
+
+
+def topic_partitions(admin: AdminClient, topics: list[str], where: str) -> dict[str, int]:
+    try:
+        metadata = admin.list_topics(timeout=30)
+    except KafkaException as exc:
+        raise CheckpointError(f"cannot reach Kafka at {where}: {exc}") from exc
+    missing = [t for t in topics if t not in metadata.topics]
+    if missing:
+        raise ConfigurationError(f"topics {missing} do not exist on {where}")
+    return {t: len(metadata.topics[t].partitions) for t in topics}
+
+
+def active_members(admin: AdminClient, group: str) -> int:
+    """Members of the job's consumer group right now (0: the job is not running)."""
+    future = admin.describe_consumer_groups([group], request_timeout=30)[group]
+    return len(future.result(timeout=35).members)
+
+
+def committed_offsets(
+    kafka_config: dict[str, Any], group: str, tps: list[tuple[str, int]]
+) -> dict[tuple[str, int], TopicPartition]:
+    consumer = Consumer({**kafka_config, "group.id": group, "enable.auto.commit": False})
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                got = consumer.committed([TopicPartition(t, p) for t, p in tps], timeout=20)
+                return {(c.topic, c.partition): c for c in got}
+            except KafkaException as exc:  # pending transactional offsets, a busy coordinator
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"cannot read the committed offsets: {exc}") from exc
+                time.sleep(1.0)
+    finally:
+        consumer.close()
+
+
+def named_checkpoint(task: JobTask, committed: list[TopicPartition]) -> CheckpointRef | None:
+    refs = {CheckpointRef.parse_offset_metadata(c.metadata) for c in committed if c.offset >= 0}
+    if len(refs) > 1:
+        raise CheckpointError(f"partitions of task {task.task_id} name different checkpoints")
+    return refs.pop() if refs else None
+
+
+def _text(raw: bytes | None) -> str | None:
+    if raw is None:
+        return None
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return None
+
+
+class _OperatorRows:
+    """Columns of one operator's file for one task."""
+
+    def __init__(self) -> None:
+        self.columns: dict[str, list[Any]] = {name: [] for name in ENTRY_SCHEMA.names}
+
+    def add(
+        self,
+        group: int,
+        key: bytes,
+        state: str,
+        map_key: bytes | None,
+        value: bytes,
+        json_value: bool,
+    ) -> None:
+        c = self.columns
+        c["key_group"].append(group)
+        c["key"].append(key)
+        c["key_text"].append(_text(key))
+        c["state"].append(state)
+        c["map_key"].append(map_key)
+        c["map_key_text"].append(_text(map_key))
+        c["value"].append(value)
+        c["value_json"].append(value.decode() if json_value else None)
+
+    def table(self) -> pa.Table:
+        return pa.table(self.columns, schema=ENTRY_SCHEMA)
+
+
+def export_task_state(
+    pipeline: Pipeline, meta: TaskCheckpoint, backend: Any
+) -> dict[str, _OperatorRows]:
+    """The task's entries grouped by operator uid (state ids as its checkpoint recorded them)."""
+    uids = pipeline.operator_uids()
+    by_sid: dict[int, tuple[str, str, bool]] = {}
+    for desc in meta.states:
+        uid = desc.get("uid") or uids.get(int(desc["operator"]))
+        if uid is None:
+            raise CheckpointError(
+                f"checkpoint {meta.checkpoint_id} of task {meta.task_id} holds state "
+                f"{desc['name']!r} of an operator this pipeline no longer has"
+            )
+        by_sid[int(desc["id"])] = (uid, desc["name"], desc.get("serde") == "json")
+    rows: dict[str, _OperatorRows] = {}
+    for stored, map_key, value in backend.items():
+        length = int.from_bytes(stored[2:6], "big")
+        sid = stored[6 + length]
+        described = by_sid.get(sid)
+        if described is None:
+            raise CheckpointError(
+                f"checkpoint {meta.checkpoint_id} of task {meta.task_id} has entries of "
+                f"state id {sid}, which its metadata does not describe"
+            )
+        uid, name, json_value = described
+        operator = rows.get(uid)
+        if operator is None:
+            operator = rows[uid] = _OperatorRows()
+        operator.add(
+            int.from_bytes(stored[:2], "big"),
+            stored[6 : 6 + length],
+            name,
+            map_key,
+            value,
+            json_value,
+        )
+    return rows
+
+
+def read_in_flight(
+    kafka_config: dict[str, Any],
+    topic: str,
+    starts: dict[int, int],
+) -> pa.Table:
+    """Committed records of ``topic`` from ``starts`` (partition -> offset) to its end."""
+    consumer = Consumer(
+        {
+            **kafka_config,
+            "group.id": f"snapline-savepoint-{uuid.uuid4().hex[:8]}",
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+        }
+    )
+    columns: dict[str, list[Any]] = {name: [] for name in IN_FLIGHT_SCHEMA.names}
+    try:
+        ends = {
+            p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1]
+            for p in starts
+        }
+        todo = {p for p in starts if starts[p] < ends[p]}
+        if todo:
+            consumer.assign([TopicPartition(topic, p, starts[p]) for p in sorted(todo)])
+        deadline = time.monotonic() + IN_FLIGHT_TIMEOUT
+        quiet = 0
+        while todo and quiet < 4:
+            if time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"reading the records in flight in {topic} took over "
+                    f"{IN_FLIGHT_TIMEOUT:.0f}s; partitions not finished: {sorted(todo)}"
+                )
+            batch = consumer.consume(5000, 0.5)
+            quiet = 0 if batch else quiet + 1
+            for msg in batch:
+                if msg.error() is not None:
+                    continue
+                p = msg.partition()
+                columns["partition"].append(p)
+                columns["offset"].append(msg.offset())
+                columns["key"].append(msg.key())
+                columns["value"].append(msg.value())
+                columns["timestamp"].append(msg.timestamp()[1])
+                if msg.offset() >= ends[p] - 2:  # the last record (a commit marker may follow)
+                    todo.discard(p)
+    finally:
+        consumer.close()
+    return pa.table(columns, schema=IN_FLIGHT_SCHEMA)
+
+
+def default_savepoint_uri(checkpoint_dir: str, job: str) -> str:
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    return f"{checkpoint_dir.rstrip('/')}/{job}/savepoints/sp-{stamp}-{uuid.uuid4().hex[:6]}"
+
+
+def export_savepoint(
+    pipeline: Pipeline,
+    kafka_config: dict[str, Any],
+    checkpoint_dir: str,
+    target: str,
+    *,
+    origin: str,
+    cluster_id: str = "",
+    progress: Progress | None = None,
+) -> SavepointMetadata:
+    """Write the savepoint of the job's committed checkpoints to ``target`` (see module)."""
+    where = str(kafka_config.get("bootstrap.servers"))
+    plan: StagePlan = pipeline.stages()
+    admin = AdminClient(kafka_config)
+    inputs = plan.input_topics(pipeline.source_topics())
+    partitions = topic_partitions(admin, inputs, where)
+    tasks = job_tasks(pipeline, partitions)
+    committed = committed_offsets(
+        kafka_config, pipeline.name, [tp for t in tasks for tp in t.inputs]
+    )
+    storage = CheckpointStorage(checkpoint_dir)
+    out = CheckpointStorage(target)
+    if out.exists(METADATA_FILE):
+        raise ConfigurationError(f"{target} already holds a savepoint; choose another --path")
+    stage_partitions = {
+        stage.index: partitions[stage.reads[0]] if stage.reads else None for stage in plan.stages
+    }
+    files: dict[str, list[SavepointFile]] = defaultdict(list)
+    partitioning: dict[str, str] = {}
+    states: dict[str, list[dict[str, Any]]] = {}
+    positions: dict[tuple[str, int], int] = {}
+    scratch = tempfile.mkdtemp(prefix="snapline-savepoint-")
+    try:
+        for done, task in enumerate(tasks):
+            if progress is not None:
+                progress("state", done, len(tasks))
+            tp_committed = [committed[tp] for tp in task.inputs]
+            ref = named_checkpoint(task, tp_committed)
+            for c in tp_committed:
+                if c.offset >= 0:
+                    positions[(c.topic, c.partition)] = c.offset
+            if ref is None:
+                continue
+            backend = create_backend(
+                pipeline.state_backend,
+                task_dir=f"{scratch}/{task.task_id}",
+                options=dict(pipeline.state_backend_options),
+            )
+            try:
+                meta = restore_committed(
+                    storage, pipeline.name, task.task_id, ref, backend, on_corrupt="fail"
+                )
+                positions.update(meta.positions)
+                by_uid = export_task_state(pipeline, meta, backend)
+            finally:
+                backend.close()
+            count = stage_partitions[task.stage]
+            for uid, rows in by_uid.items():
+                if task.stage == SOURCE_STAGE or count is None:
+                    info: dict[str, Any] = {"partition": task.partition}
+                    name = f"operators/{uid}/p{task.partition:05d}.parquet"
+                    partitioning[uid] = "source"
+                else:
+                    groups = key_group_range(task.partition, count, pipeline.max_parallelism)
+                    info = {
+                        "partition": task.partition,
+                        "key_groups": (groups.start, groups.stop - 1),
+                    }
+                    name = f"operators/{uid}/kg-{groups.start:05d}-{groups.stop - 1:05d}.parquet"
+                    partitioning[uid] = "keyed"
+                files[uid].append(write_table(out, name, rows.table(), **info))
+                states[uid] = [
+                    {k: d[k] for k in ("name", "kind", "serde")}
+                    for d in meta.states
+                    if (d.get("uid") or pipeline.operator_uids().get(int(d["operator"]))) == uid
+                ]
+        in_flight = []
+        for rep in plan.repartitions.values():
+            if progress is not None:
+                progress(f"in flight: {rep.topic}", 0, 1)
+            starts = {
+                p: positions.get((rep.topic, p), _low(admin, kafka_config, rep.topic, p))
+                for p in range(partitions[rep.topic])
+            }
+            table = read_in_flight(kafka_config, rep.topic, starts)
+            entry = write_table(out, f"in-flight/{rep.name}.parquet", table)
+            in_flight.append(InFlight(rep.name, rep.topic, partitions[rep.topic], [entry]))
+        source_offsets: dict[str, dict[int, int]] = defaultdict(dict)
+        for (topic, p), offset in positions.items():
+            if topic in pipeline.source_topics():
+                source_offsets[topic][p] = offset
+        metadata = SavepointMetadata(
+            pipeline=pipeline.name,
+            snapline_version=SNAPLINE_VERSION,
+            max_parallelism=pipeline.max_parallelism,
+            source_offsets=dict(source_offsets),
+            source_partitions={t: partitions[t] for t in pipeline.source_topics()},
+            operators=[
+                OperatorState(uid, partitioning[uid], states[uid], files[uid]) for uid in files
+            ],
+            in_flight=in_flight,
+            cluster_id=cluster_id,
+            origin=origin,
+        )
+        out.write_bytes(METADATA_FILE, metadata.encode())  # last: the savepoint is complete
+        return metadata
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _low(admin: AdminClient, kafka_config: dict[str, Any], topic: str, partition: int) -> int:
+    consumer = Consumer({**kafka_config, "group.id": "snapline-savepoint-low"})
+    try:
+        return int(consumer.get_watermark_offsets(TopicPartition(topic, partition), 30)[0])
+    finally:
+        consumer.close()

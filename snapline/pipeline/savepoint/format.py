@@ -1,0 +1,243 @@
+"""The savepoint format: self-contained, portable, readable by pyarrow and Spark (DESIGN §5).
+
+A savepoint directory holds, per stateful operator (by uid), one Parquet file per task it was
+taken from — named by the task's key-group range in a keyed stage (``kg-00000-00031``), by its
+partition in the source stage (``p3``) — with the columns of ``ENTRY_SCHEMA``; the records in
+flight in each repartition topic (``in-flight/<name>.parquet``); and ``_savepoint.json``, written
+last: pipeline, operators and their states (name, kind, serde), source offsets, repartition
+topics, ``max_parallelism``, the Snapline version and a CRC-32 of every file. No pickle, no
+reference to checkpoint files.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from snapline.pipeline.checkpoint.storage import CheckpointStorage, crc32_checksum, verify_checksum
+from snapline.pipeline.errors import CheckpointError, CorruptCheckpointError
+
+FORMAT_VERSION = 1
+METADATA_FILE = "_savepoint.json"
+
+#: One row per stored state entry. ``key``: the key's bytes (str keys as UTF-8, others JSON);
+#: ``key_text``: the same as text where it decodes; ``map_key``: a MapState entry's user key;
+#: ``value_json``: the value as JSON text when the state's serde is JSON (Spark can parse it).
+ENTRY_SCHEMA = pa.schema(
+    [
+        ("key_group", pa.int32()),
+        ("key", pa.binary()),
+        ("key_text", pa.string()),
+        ("state", pa.string()),
+        ("map_key", pa.binary()),
+        ("map_key_text", pa.string()),
+        ("value", pa.binary()),
+        ("value_json", pa.string()),
+    ]
+)
+#: Records of a repartition topic that upstream committed and downstream had not read yet.
+IN_FLIGHT_SCHEMA = pa.schema(
+    [
+        ("partition", pa.int32()),
+        ("offset", pa.int64()),
+        ("key", pa.binary()),
+        ("value", pa.binary()),
+        ("timestamp", pa.int64()),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class SavepointFile:
+    """One data file, relative to the savepoint directory."""
+
+    path: str
+    rows: int
+    size: int
+    checksum: str
+    #: Inclusive key-group range of a keyed-stage task's file; None in the source stage.
+    key_groups: tuple[int, int] | None = None
+    #: The task partition it was taken from.
+    partition: int = -1
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "rows": self.rows,
+            "size": self.size,
+            "checksum": self.checksum,
+            "key_groups": list(self.key_groups) if self.key_groups else None,
+            "partition": self.partition,
+        }
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> SavepointFile:
+        groups = data.get("key_groups")
+        return SavepointFile(
+            data["path"],
+            int(data["rows"]),
+            int(data["size"]),
+            data["checksum"],
+            (int(groups[0]), int(groups[1])) if groups else None,
+            int(data.get("partition", -1)),
+        )
+
+
+@dataclass(frozen=True)
+class OperatorState:
+    """The state of one stateful operator: its states' descriptions and its files."""
+
+    uid: str
+    #: "source" (state partitioned like the source topics) or "keyed" (by key-group ranges).
+    partitioning: str
+    states: list[dict[str, Any]]
+    files: list[SavepointFile]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "uid": self.uid,
+            "partitioning": self.partitioning,
+            "states": self.states,
+            "files": [f.to_json() for f in self.files],
+        }
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> OperatorState:
+        return OperatorState(
+            data["uid"],
+            data["partitioning"],
+            list(data["states"]),
+            [SavepointFile.from_json(f) for f in data["files"]],
+        )
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A repartition topic's records between upstream's commit and downstream's position."""
+
+    name: str
+    topic: str
+    partitions: int
+    files: list[SavepointFile]
+
+
+@dataclass(frozen=True)
+class SavepointMetadata:
+    pipeline: str
+    snapline_version: str
+    max_parallelism: int
+    #: topic -> partition -> next offset to read
+    source_offsets: dict[str, dict[int, int]]
+    source_partitions: dict[str, int]
+    operators: list[OperatorState]
+    in_flight: list[InFlight]
+    cluster_id: str = ""
+    origin: str = "savepoint"
+    created_at: float = field(default_factory=time.time)
+
+    def encode(self) -> bytes:
+        body = {
+            "format": FORMAT_VERSION,
+            "pipeline": self.pipeline,
+            "snapline_version": self.snapline_version,
+            "max_parallelism": self.max_parallelism,
+            "source_offsets": {
+                t: {str(p): o for p, o in sorted(parts.items())}
+                for t, parts in sorted(self.source_offsets.items())
+            },
+            "source_partitions": self.source_partitions,
+            "operators": [op.to_json() for op in self.operators],
+            "in_flight": [
+                {
+                    "name": f.name,
+                    "topic": f.topic,
+                    "partitions": f.partitions,
+                    "files": [x.to_json() for x in f.files],
+                }
+                for f in self.in_flight
+            ],
+            "cluster_id": self.cluster_id,
+            "origin": self.origin,
+            "created_at": self.created_at,
+        }
+        raw = orjson.dumps(body, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
+        return orjson.dumps(
+            {"body": orjson.Fragment(raw), "checksum": crc32_checksum(raw)},
+            option=orjson.OPT_INDENT_2,
+        )
+
+    @staticmethod
+    def decode(data: bytes, what: str) -> SavepointMetadata:
+        try:
+            outer = orjson.loads(data)
+            body = outer["body"]
+            raw = orjson.dumps(body, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
+            checksum = outer["checksum"]
+        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CorruptCheckpointError(f"{what} is not savepoint metadata: {exc}") from exc
+        if crc32_checksum(raw) != checksum:
+            raise CorruptCheckpointError(f"{what} failed its checksum ({checksum})")
+        if body.get("format") != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{what} has format {body.get('format')}; this Snapline reads {FORMAT_VERSION}"
+            )
+        return SavepointMetadata(
+            pipeline=body["pipeline"],
+            snapline_version=body["snapline_version"],
+            max_parallelism=int(body["max_parallelism"]),
+            source_offsets={
+                t: {int(p): int(o) for p, o in parts.items()}
+                for t, parts in body["source_offsets"].items()
+            },
+            source_partitions={t: int(n) for t, n in body["source_partitions"].items()},
+            operators=[OperatorState.from_json(op) for op in body["operators"]],
+            in_flight=[
+                InFlight(
+                    f["name"],
+                    f["topic"],
+                    int(f["partitions"]),
+                    [SavepointFile.from_json(x) for x in f["files"]],
+                )
+                for f in body["in_flight"]
+            ],
+            cluster_id=body.get("cluster_id", ""),
+            origin=body.get("origin", "savepoint"),
+            created_at=float(body.get("created_at", 0.0)),
+        )
+
+
+def write_table(
+    storage: CheckpointStorage, path: str, table: pa.Table, **info: Any
+) -> SavepointFile:
+    """Write ``table`` as Parquet to ``path`` (``storage`` is rooted at the savepoint); the returned
+    file entry has its size and CRC-32. ``info``: key_groups / partition."""
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd")
+    data = sink.getvalue()
+    storage.write_bytes(path, data)
+    return SavepointFile(path, table.num_rows, len(data), crc32_checksum(data), **info)
+
+
+def read_table(storage: CheckpointStorage, entry: SavepointFile) -> pa.Table:
+    """Read one data file (``storage`` is rooted at the savepoint), checksum verified first."""
+    data = storage.read_bytes(entry.path)
+    verify_checksum(data, entry.checksum, f"savepoint file {storage.full_path(entry.path)}")
+    return pq.read_table(io.BytesIO(data))
+
+
+def read_metadata(storage: CheckpointStorage) -> SavepointMetadata:
+    """The metadata of the savepoint ``storage`` is rooted at."""
+    if not storage.exists(METADATA_FILE):
+        raise CheckpointError(
+            f"{storage.uri} is not a complete savepoint (no {METADATA_FILE}); a savepoint "
+            "without it was interrupted while being written, or the path is wrong"
+        )
+    return SavepointMetadata.decode(
+        storage.read_bytes(METADATA_FILE), storage.full_path(METADATA_FILE)
+    )

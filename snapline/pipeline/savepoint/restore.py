@@ -1,0 +1,452 @@
+"""Starting a job from a savepoint (``snapline run --from-savepoint URI``).
+
+The savepoint is turned into the job's starting point once, before any worker processes:
+
+1. its operators and states are matched to the pipeline's by operator uid and state name (a
+   new state or operator starts empty; savepoint state with no place in the code is refused
+   unless ``allow_non_restored``; a kind or serde mismatch is refused, naming the state);
+2. every repartition topic is recreated with the partition count the code declares (its
+   records in flight come from the savepoint, so a keyed stage can change its parallelism)
+   and the in-flight records are produced into it, each to the partition of its key-group;
+3. each task of the new layout gets a checkpoint in the normal format: a keyed-stage task takes
+   exactly the entries of its key-group range, a source-stage task the entries of its
+   partition; positions are the savepoint's source offsets (0 for repartition topics);
+4. the consumer group's offsets are committed naming those checkpoints. Workers then start
+   as after any restart: recovery restores the checkpoints the committed offsets name.
+
+The job must be stopped (no member in its consumer group). Checkpoint ids continue above every
+stored one, so sinks' fences and retention stay well defined.
+
+Threads: the caller's (the CLI, before workers start).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+import uuid
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import pyarrow.compute as pc
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from snapline.pipeline.checkpoint.metadata import (
+    CheckpointRef,
+    TaskCheckpoint,
+    list_checkpoints,
+    mark_committed,
+)
+from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.errors import CheckpointError, ConfigurationError
+from snapline.pipeline.graph import Pipeline
+from snapline.pipeline.keygroups import key_group_range, state_key_prefix
+from snapline.pipeline.runtime.topics import INTERNAL_TOPIC_CONFIG, TopicManager, pipeline_topics
+from snapline.pipeline.savepoint.export import active_members, job_tasks
+from snapline.pipeline.savepoint.format import (
+    OperatorState,
+    SavepointMetadata,
+    read_metadata,
+    read_table,
+)
+from snapline.pipeline.stages import SOURCE_STAGE, repartition_partition
+from snapline.pipeline.state import create_backend
+from snapline.pipeline.state.descriptors import StateDescriptor
+
+log = logging.getLogger(__name__)
+
+RESTORED_FROM = "restored-from-savepoint.json"
+
+
+@dataclass(frozen=True)
+class StateMapping:
+    """Where one savepoint state goes: the new operator's node id and state id."""
+
+    uid: str
+    name: str
+    node_id: int
+    state_id: int
+
+
+def match_states(
+    pipeline: Pipeline, savepoint: SavepointMetadata, allow_non_restored: bool
+) -> dict[tuple[str, str], StateMapping]:
+    """Map (uid, state name) of the savepoint onto the pipeline; raises ConfigurationError
+    naming every state that cannot be restored."""
+    uids = pipeline.operator_uids()
+    by_uid = {uid: node_id for node_id, uid in uids.items()}
+    declared: dict[int, dict[str, tuple[int, StateDescriptor]]] = {
+        node_id: {d.name or "": (sid, d) for sid, d in entries}
+        for node_id, entries in pipeline.state_ids().items()
+    }
+    mapping: dict[tuple[str, str], StateMapping] = {}
+    dropped: list[str] = []
+    problems: list[str] = []
+    for op in savepoint.operators:
+        node_id = by_uid.get(op.uid)
+        for state in op.states:
+            where = f"state {state['name']!r} of operator {op.uid!r}"
+            if node_id is None or state["name"] not in declared.get(node_id, {}):
+                dropped.append(where)
+                continue
+            sid, desc = declared[node_id][state["name"]]
+            now = desc.describe()
+            if (now["kind"], now["serde"]) != (state["kind"], state["serde"]):
+                problems.append(
+                    f"{where} is a {state['kind']} state with serde {state['serde']!r} in the "
+                    f"savepoint but a {now['kind']} state with serde {now['serde']!r} in the "
+                    "code; keep its kind and serde, or rename the state to start it empty"
+                )
+                continue
+            mapping[(op.uid, state["name"])] = StateMapping(op.uid, state["name"], node_id, sid)
+    if problems:
+        raise ConfigurationError("cannot restore the savepoint: " + "; ".join(problems))
+    if dropped and not allow_non_restored:
+        raise ConfigurationError(
+            f"the savepoint holds {', '.join(dropped)}, which the pipeline no longer declares "
+            "(operators are matched by uid=, states by name). Restore with "
+            "--allow-non-restored-state to drop that state on purpose, or give the operator "
+            "its old uid="
+        )
+    for where in dropped:
+        log.warning("dropping %s (--allow-non-restored-state)", where)
+    return mapping
+
+
+def _recreate_topic(
+    admin: AdminClient, topic: str, partitions: int, config: dict[str, str]
+) -> None:
+    """Delete ``topic`` if it exists and create it with ``partitions`` (bounded waits)."""
+    metadata = admin.list_topics(timeout=30)
+    if topic in metadata.topics:
+        for future in admin.delete_topics([topic], operation_timeout=30).values():
+            try:
+                future.result(timeout=35)
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
+                    raise
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            admin.create_topics(
+                [NewTopic(topic, num_partitions=partitions, replication_factor=-1, config=config)],
+                operation_timeout=30,
+            )[topic].result(timeout=35)
+            break
+        except KafkaException as exc:
+            # The deletion completes asynchronously: "already exists" until it has.
+            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS or (
+                time.monotonic() > deadline
+            ):
+                raise CheckpointError(f"cannot recreate topic {topic}: {exc}") from exc
+            time.sleep(0.5)
+    while True:
+        topic_meta = admin.list_topics(topic, timeout=30).topics.get(topic)
+        if (
+            topic_meta is not None
+            and topic_meta.error is None
+            and len(topic_meta.partitions) == partitions
+            and all(p.leader >= 0 for p in topic_meta.partitions.values())
+        ):
+            return
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"topic {topic} has no leader for every partition")
+        time.sleep(0.2)
+
+
+def seed_from_savepoint(
+    pipeline: Pipeline,
+    kafka_config: dict[str, Any],
+    checkpoint_dir: str,
+    savepoint_uri: str,
+    *,
+    allow_non_restored: bool = False,
+) -> int | None:
+    """Make ``savepoint_uri`` the job's starting point (see module). Returns the checkpoint
+    id the tasks start from, or None when the job was already restored from this savepoint."""
+    where = str(kafka_config.get("bootstrap.servers"))
+    pipeline.validate()
+    sp_storage = CheckpointStorage(savepoint_uri)
+    savepoint = read_metadata(sp_storage)
+    storage = CheckpointStorage(checkpoint_dir)
+    marker = f"{pipeline.name}/{RESTORED_FROM}"
+    if storage.exists(marker):
+        previous = orjson.loads(storage.read_bytes(marker))
+        if previous.get("savepoint") == savepoint_uri and (
+            previous.get("created_at") == savepoint.created_at
+        ):
+            log.info(
+                "the job was already restored from %s (checkpoint %s); continuing from its "
+                "committed checkpoints",
+                savepoint_uri,
+                previous.get("checkpoint"),
+            )
+            return None
+    if savepoint.max_parallelism != pipeline.max_parallelism:
+        raise ConfigurationError(
+            f"the savepoint has max_parallelism={savepoint.max_parallelism}, the pipeline "
+            f"{pipeline.max_parallelism}; key-groups cannot be remapped: keep "
+            f"max_parallelism={savepoint.max_parallelism}"
+        )
+    mapping = match_states(pipeline, savepoint, allow_non_restored)
+    admin = AdminClient(kafka_config)
+    members = active_members(admin, pipeline.name)
+    if members:
+        raise ConfigurationError(
+            f"the job {pipeline.name!r} is running ({members} members in its consumer group); "
+            "stop it before restoring a savepoint (snapline savepoint create --stop does both)"
+        )
+    plan = pipeline.stages()
+    topic_plan = TopicManager(kafka_config, where).ensure(
+        [
+            s
+            for s in pipeline_topics(pipeline)
+            if s.name not in {r.topic for r in plan.repartitions.values()}
+        ]
+    )
+    for topic in pipeline.source_topics():
+        before = savepoint.source_partitions.get(topic)
+        if before is not None and before != topic_plan.partitions[topic]:
+            raise ConfigurationError(
+                f"source topic {topic} had {before} partitions when the savepoint was taken "
+                f"and has {topic_plan.partitions[topic]} now; the source stage's state and "
+                "offsets are per partition and cannot move"
+            )
+    default = max((topic_plan.partitions[t] for t in pipeline.source_topics()), default=1)
+    partitions = {t: topic_plan.partitions[t] for t in pipeline.source_topics()}
+    for rep in plan.repartitions.values():
+        partitions[rep.topic] = rep.partitions or default
+        _recreate_topic(admin, rep.topic, partitions[rep.topic], INTERNAL_TOPIC_CONFIG)
+    _produce_in_flight(pipeline, kafka_config, sp_storage, savepoint, partitions)
+
+    # Checkpoint id: above every stored one of any task of the job.
+    task_root = f"{pipeline.name}/tasks"
+    stored = [
+        ref.checkpoint_id
+        for task_id in storage.list_dir(task_root)
+        for ref in list_checkpoints(storage, pipeline.name, task_id)
+    ]
+    checkpoint_id = max(stored, default=0) + 1
+    ref = CheckpointRef(checkpoint_id, uuid.uuid4().hex[:8])
+    uids = pipeline.operator_uids()
+    stage_of_node = {node_id: stage.index for stage in plan.stages for node_id in stage.node_ids}
+    states_meta = [
+        {**desc.describe(), "id": sid, "operator": node_id, "uid": uids[node_id]}
+        for node_id, entries in pipeline.state_ids().items()
+        for sid, desc in entries
+    ]
+    operators = {op.uid: op for op in savepoint.operators}
+    restored_uids = {m.uid for m in mapping.values()}
+    for uid in restored_uids:
+        node_id = next(m.node_id for m in mapping.values() if m.uid == uid)
+        if operators[uid].partitioning == "keyed" and stage_of_node[node_id] == SOURCE_STAGE:
+            raise ConfigurationError(
+                f"operator {uid!r} was in a keyed stage (after key_by(fn)) and is now in the "
+                "source stage, whose tasks follow the source partitioning; its state cannot "
+                "be placed: keep the re-keying key_by before it"
+            )
+    scratch = tempfile.mkdtemp(prefix="snapline-restore-")
+    offsets: list[TopicPartition] = []
+    try:
+        for task in job_tasks(pipeline, partitions):
+            positions = {
+                (t, p): (
+                    savepoint.source_offsets.get(t, {}).get(p, -1)
+                    if task.stage == SOURCE_STAGE
+                    else 0
+                )
+                for t, p in task.inputs
+            }
+            positions = {tp: o for tp, o in positions.items() if o >= 0}
+            if not positions:
+                continue  # nothing committed for it yet: it starts like a new task
+            backend = create_backend(
+                pipeline.state_backend,
+                task_dir=f"{scratch}/{task.task_id}",
+                options=dict(pipeline.state_backend_options),
+            )
+            try:
+                for uid in restored_uids:
+                    node_id = next(m.node_id for m in mapping.values() if m.uid == uid)
+                    if stage_of_node[node_id] != task.stage:
+                        continue
+                    _load_operator(
+                        backend,
+                        sp_storage,
+                        operators[uid],
+                        mapping,
+                        task.partition,
+                        partitions,
+                        plan.stages[task.stage].reads,
+                        pipeline.max_parallelism,
+                    )
+                snapshot = backend.snapshot(checkpoint_id)
+                try:
+                    handle = snapshot.materialize(
+                        storage, ref.directory(pipeline.name, task.task_id)
+                    )
+                finally:
+                    snapshot.release()
+            finally:
+                backend.close()
+            TaskCheckpoint(
+                job=pipeline.name,
+                task_id=task.task_id,
+                ref=ref,
+                worker_id="savepoint",
+                positions=positions,
+                state=handle,
+                states=states_meta,
+                created_at=time.time(),
+            ).write(storage)
+            mark_committed(storage, pipeline.name, task.task_id, ref)
+            offsets += [
+                TopicPartition(t, p, o, metadata=ref.offset_metadata())
+                for (t, p), o in positions.items()
+            ]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    # Offsets committed after the savepoint (the job ran on) must not survive: the group is
+    # empty (checked above), so it is deleted and its offsets committed anew.
+    try:
+        admin.delete_consumer_groups([pipeline.name], request_timeout=30)[pipeline.name].result(
+            timeout=35
+        )
+    except KafkaException as exc:
+        if exc.args[0].code() != KafkaError.GROUP_ID_NOT_FOUND:
+            raise CheckpointError(f"cannot reset the offsets of {pipeline.name}: {exc}") from exc
+    consumer = Consumer({**kafka_config, "group.id": pipeline.name, "enable.auto.commit": False})
+    try:
+        consumer.commit(offsets=offsets, asynchronous=False)
+    finally:
+        consumer.close()
+    storage.write_bytes(
+        marker,
+        orjson.dumps(
+            {
+                "savepoint": savepoint_uri,
+                "created_at": savepoint.created_at,
+                "checkpoint": checkpoint_id,
+                "restored_at": time.time(),
+            }
+        ),
+    )
+    log.info(
+        "restored job %s from savepoint %s: checkpoint %d for %d partitions",
+        pipeline.name,
+        savepoint_uri,
+        checkpoint_id,
+        len(offsets),
+    )
+    return checkpoint_id
+
+
+def _load_operator(
+    backend: Any,
+    sp_storage: CheckpointStorage,
+    operator: OperatorState,
+    mapping: dict[tuple[str, str], StateMapping],
+    partition: int,
+    partitions: dict[str, int],
+    reads: tuple[str, ...],
+    max_parallelism: int,
+) -> None:
+    """Put the operator's entries that belong to task ``partition`` into ``backend``."""
+    if reads:  # a keyed stage: the task owns a key-group range
+        groups = key_group_range(partition, partitions[reads[0]], max_parallelism)
+        lo, hi = groups.start, groups.stop - 1
+        chosen = [
+            f
+            for f in operator.files
+            if f.key_groups is None or (f.key_groups[0] <= hi and f.key_groups[1] >= lo)
+        ]
+    else:
+        lo, hi = 0, max_parallelism - 1
+        chosen = [f for f in operator.files if f.partition == partition]
+    sids = {name: m.state_id for (uid, name), m in mapping.items() if uid == operator.uid}
+    for entry in chosen:
+        table = read_table(sp_storage, entry)
+        if reads:
+            groups_col = table.column("key_group")
+            table = table.filter(
+                pc.and_(pc.greater_equal(groups_col, lo), pc.less_equal(groups_col, hi))
+            )
+        cols = table.to_pydict()
+        for group, key, state, map_key, value in zip(
+            cols["key_group"],
+            cols["key"],
+            cols["state"],
+            cols["map_key"],
+            cols["value"],
+            strict=True,
+        ):
+            sid = sids.get(state)
+            if sid is None:
+                continue  # dropped on purpose (--allow-non-restored-state)
+            stored = state_key_prefix(group, key) + bytes([sid])
+            if map_key is None:
+                backend.put(stored, value)
+            else:
+                backend.map_put(stored, map_key, value)
+
+
+def _produce_in_flight(
+    pipeline: Pipeline,
+    kafka_config: dict[str, Any],
+    sp_storage: CheckpointStorage,
+    savepoint: SavepointMetadata,
+    partitions: dict[str, int],
+) -> None:
+    """The savepoint's in-flight records into the recreated repartition topics, each to the
+    partition of its key-group (old partitions in order: per-key order is kept)."""
+    by_name = {rep.name: rep for rep in pipeline.stages().repartitions.values()}
+    producer = Producer({**kafka_config, "enable.idempotence": True, "linger.ms": 20})
+    maxp = pipeline.max_parallelism
+    sent = 0
+    for flight in savepoint.in_flight:
+        rep = by_name.get(flight.name)
+        if rep is None:
+            raise ConfigurationError(
+                f"the savepoint has records in flight in repartition {flight.name!r}, which the "
+                "pipeline no longer has; take the savepoint with --stop after draining, or keep "
+                f"key_by(name={flight.name!r})"
+            )
+        count = partitions[rep.topic]
+        for entry in flight.files:
+            rows = read_table(sp_storage, entry).sort_by(
+                [("partition", "ascending"), ("offset", "ascending")]
+            )
+            cols = rows.to_pydict()
+            for key, value, timestamp in zip(
+                cols["key"], cols["value"], cols["timestamp"], strict=True
+            ):
+                group = zlib.crc32(key[1:]) % maxp  # the key's first byte tags its type
+                while True:
+                    try:
+                        producer.produce(
+                            rep.topic,
+                            value,
+                            key,
+                            partition=repartition_partition(group, count, maxp),
+                            timestamp=timestamp,
+                        )
+                        break
+                    except BufferError:
+                        producer.poll(0.1)
+                sent += 1
+    if producer.flush(60):
+        raise CheckpointError("records in flight could not be written back within 60 s")
+    log.info("restored %d records in flight to the repartition topics", sent)
+
+
+def in_flight_counts(savepoint: SavepointMetadata) -> dict[str, int]:
+    counts: dict[str, int] = defaultdict(int)
+    for flight in savepoint.in_flight:
+        counts[flight.name] += sum(f.rows for f in flight.files)
+    return dict(counts)
