@@ -164,6 +164,24 @@ class WarehouseJob:
         dataset = ds.dataset(self.table, format="parquet", partitioning="hive")
         return dataset.to_table(columns=["customer", "total", "count", "order_id"]).to_pylist()
 
+    def table_rows_with_checkpoint(self) -> list[dict[str, Any]]:
+        if not self.table.exists():
+            return []
+        dataset = ds.dataset(self.table, format="parquet", partitioning="hive")
+        return dataset.to_table(
+            columns=["customer", "total", "count", "order_id", "checkpoint"]
+        ).to_pylist()
+
+    def database(self) -> dict[str, tuple[int, int]]:
+        """customer -> (total, count) in the PostgreSQL table."""
+        with psycopg.connect(self.dsn) as conn:
+            return {
+                c: (t, n)
+                for c, t, n in conn.execute(
+                    f"SELECT customer, total, count FROM {self.pg_table}"
+                ).fetchall()
+            }
+
     def verify(self) -> None:
         """Every order's effect exactly once in Kafka, the Parquet table and PostgreSQL."""
         outputs = read_committed(

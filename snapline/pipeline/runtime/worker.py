@@ -215,6 +215,10 @@ class Worker:
         self._control = ControlChannel(kafka_config, pipeline.name)
         self._paused: tuple[str, float] | None = None
         self._exit_after_savepoint = False
+        #: A savepoint request waits until the worker has its assignment (it just started,
+        #: or is in a rebalance): its acknowledgement names the tasks it covers.
+        self._savepoint_request: Request | None = None
+        self._assigned = False
         self.consumer = self._new_consumer()
         self._consumer_call = BoundedCall("consumer")
         self._outage: BrokerOutageError | None = None
@@ -289,6 +293,7 @@ class Worker:
     # ------------------------------------------------------------------ rebalance
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         log.info("assigned %s", sorted((p.topic, p.partition) for p in partitions))
+        self._assigned = True
         self._event({"event": "assigned", "partitions": len(partitions)})
         self._drop_tasks()
         self._restore_pending = False
@@ -316,6 +321,7 @@ class Worker:
         If that checkpoint fails (or the generation moved on), the epoch is aborted as
         before and the new owners restore the previous checkpoint: correct either way."""
         self._event({"event": "revoked", "partitions": len(partitions)})
+        self._assigned = False
         if self.tasks:
             started = time.monotonic()
             before = self.checkpoints_committed
@@ -335,6 +341,7 @@ class Worker:
         """The partitions already belong to other members: nothing of the epoch may commit."""
         log.warning("lost %d partitions: aborting the open epoch", len(partitions))
         self._event({"event": "lost", "partitions": len(partitions)})
+        self._assigned = False
         self._drop_tasks()
         self._restore_pending = False
 
@@ -1060,9 +1067,13 @@ class Worker:
         """Savepoint requests and resumes from the control channel (savepoint/control.py)."""
         for request in self._control.poll():
             if request.action == "savepoint":
-                self._take_savepoint(request)
+                self._savepoint_request = request
             elif request.action == "resume" and self._paused and self._paused[0] == request.id:
                 self._resume("the savepoint is written")
+        request = self._savepoint_request
+        if request is not None and self._assigned and not self._restore_pending:
+            self._savepoint_request = None
+            self._take_savepoint(request)
         if self._paused is not None and time.monotonic() - self._paused[1] > PAUSE_LIMIT:
             self._resume(f"no resume within {PAUSE_LIMIT:.0f}s")
 
@@ -1070,7 +1081,7 @@ class Worker:
         """Commit everything read so far, then pause (or, with stop, exit) and acknowledge:
         the committed checkpoints are the savepoint's state (see savepoint/control.py)."""
         log.info("savepoint %s requested%s", request.id, " (stop)" if request.stop else "")
-        ok = self._restore_pending is False and self._final_checkpoint(reason="savepoint")
+        ok = self._final_checkpoint(reason="savepoint")
         status = "failed"
         if ok:
             self._paused = (request.id, time.monotonic())

@@ -167,13 +167,13 @@ def from_checkpoint(
     from confluent_kafka.admin import AdminClient
 
     from snapline.pipeline.savepoint.export import (
-        active_members,
         default_savepoint_uri,
         export_savepoint,
+        wait_until_stopped,
     )
 
     pipeline, config, directory = _job(spec, bootstrap_servers, checkpoint_dir)
-    members = active_members(AdminClient(config), pipeline.name)
+    members = wait_until_stopped(AdminClient(config), pipeline.name)
     if members:
         raise click.ClickException(
             f"job {pipeline.name!r} is running ({members} workers); its checkpoints move on "

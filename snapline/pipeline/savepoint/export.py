@@ -90,6 +90,17 @@ def active_members(admin: AdminClient, group: str) -> int:
     return len(future.result(timeout=35).members)
 
 
+def wait_until_stopped(admin: AdminClient, group: str, timeout: float = 30.0) -> int:
+    """Members left in the group after up to ``timeout`` s. Workers are static members: one
+    that stopped stays listed until its session times out (10 s by default)."""
+    deadline = time.monotonic() + timeout
+    members = active_members(admin, group)
+    while members and time.monotonic() < deadline:
+        time.sleep(1.0)
+        members = active_members(admin, group)
+    return members
+
+
 def committed_offsets(
     kafka_config: dict[str, Any], group: str, tps: list[tuple[str, int]]
 ) -> dict[tuple[str, int], TopicPartition]:

@@ -48,7 +48,7 @@ from snapline.pipeline.errors import CheckpointError, ConfigurationError
 from snapline.pipeline.graph import Pipeline
 from snapline.pipeline.keygroups import key_group_range, state_key_prefix
 from snapline.pipeline.runtime.topics import INTERNAL_TOPIC_CONFIG, TopicManager, pipeline_topics
-from snapline.pipeline.savepoint.export import active_members, job_tasks
+from snapline.pipeline.savepoint.export import job_tasks, wait_until_stopped
 from snapline.pipeline.savepoint.format import (
     OperatorState,
     SavepointMetadata,
@@ -196,7 +196,7 @@ def seed_from_savepoint(
         )
     mapping = match_states(pipeline, savepoint, allow_non_restored)
     admin = AdminClient(kafka_config)
-    members = active_members(admin, pipeline.name)
+    members = wait_until_stopped(admin, pipeline.name)
     if members:
         raise ConfigurationError(
             f"the job {pipeline.name!r} is running ({members} members in its consumer group); "
