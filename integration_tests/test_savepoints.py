@@ -23,7 +23,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from examples.orders import verify_totals
-from examples.workers import REPO
+from examples.workers import REPO, read_events
 from integration_tests.warehouse_job import SPEC, WarehouseJob, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres, pytest.mark.slow]
@@ -68,6 +68,17 @@ def start_from_savepoint(job: WarehouseJob, path: str, partitions: int) -> None:
         worker.start(extra_args=["--from-savepoint", path])
 
 
+def wait_running(job: WarehouseJob) -> None:
+    """Until every worker committed a checkpoint (it is a member with its assignment)."""
+
+    def running() -> bool:
+        events = read_events(job.workers[0].metrics_path)
+        done = {e["worker"] for e in events if e.get("event") == "checkpoint"}
+        return done >= {w.worker_id for w in job.workers}
+
+    wait_for("every worker running", running, 120, job.logs)
+
+
 def kill_randomly(job: WarehouseJob, kills: int, rng: random.Random, orders: int) -> None:
     for i in range(kills):
         job.produce(orders // kills)
@@ -109,7 +120,7 @@ def test_stop_with_savepoint_and_rescale_up_and_down_under_kills(
     for worker in job.workers:
         worker.start()
     job.produce(20_000)
-    time.sleep(2)
+    wait_running(job)
     job.produce(10_000)  # some of it still in flight in the repartition topic at the savepoint
     first = snapline(job, "savepoint", "create", SPEC, "--stop")
     for worker in job.workers:
@@ -160,7 +171,7 @@ def test_savepoint_of_a_running_job_then_crash_and_restart_from_it(
     for worker in job.workers:
         worker.start()
     job.produce(20_000)
-    time.sleep(1)
+    wait_running(job)
     path = snapline(job, "savepoint", "create", SPEC)
     job.produce(10_000)  # processed after the savepoint, then lost with the savepoint restore
     time.sleep(3)
@@ -211,6 +222,7 @@ def test_a_corrupt_savepoint_file_is_detected_by_its_checksum(
     jobs.append(job)
     job.workers[0].start()
     job.produce(5_000)
+    wait_running(job)
     path = snapline(job, "savepoint", "create", SPEC, "--stop")
     assert job.workers[0].wait_exit(60) == 0
     victim = next(Path(path, "operators", "RunningTotal").glob("*.parquet"))
@@ -295,8 +307,14 @@ def _max_checkpoint_id(job: WarehouseJob) -> int:
     return max(ids)
 
 
-def test_savepoint_state_is_readable_by_pyarrow_with_per_key_values(
-    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list[Any]
+@pytest.mark.spark
+def test_savepoint_state_is_readable_by_pyarrow_and_spark_with_per_key_values(
+    kafka_bootstrap: str,
+    postgres_dsn: str,
+    tmp_path: Path,
+    unique_name: str,
+    jobs: list[Any],
+    spark: Any,
 ) -> None:
     job = WarehouseJob(
         kafka_bootstrap,
@@ -321,3 +339,13 @@ def test_savepoint_state_is_readable_by_pyarrow_with_per_key_values(
             if r["state"] == "count":
                 counts[r["key_text"]] += int(r["value_json"])
     assert sum(counts.values()) == job.produced
+    # The README's question, answered from state with Spark: the ten largest running totals.
+    from pyspark.sql import functions as F
+
+    state = spark.read.parquet(f"{path}/operators/RunningTotal")
+    totals = state.where(F.col("state") == "total").select(
+        F.col("key_text").alias("customer"), F.col("value_json").cast("long").alias("total")
+    )
+    assert {r["customer"]: r["total"] for r in totals.collect()} == job.expected
+    top = [r["customer"] for r in totals.orderBy(F.desc("total"), "customer").limit(10).collect()]
+    assert top == sorted(job.expected, key=lambda c: (-job.expected[c], c))[:10]

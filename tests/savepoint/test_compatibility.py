@@ -1,0 +1,150 @@
+"""Restoring a savepoint into changed code: matched by operator uid and state name; new state
+and new operators start empty; state without a place is refused unless allowed; a kind or
+serde change is refused naming the state. Also the format's checksums."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from snapline import (
+    ConfigurationError,
+    Context,
+    KafkaSink,
+    KafkaSource,
+    KeyedProcessFunction,
+    ListState,
+    Pipeline,
+    ValueState,
+)
+from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.errors import CorruptCheckpointError
+from snapline.pipeline.savepoint.format import (
+    ENTRY_SCHEMA,
+    OperatorState,
+    SavepointMetadata,
+    read_metadata,
+    read_table,
+    write_table,
+)
+from snapline.pipeline.savepoint.restore import match_states
+
+
+class Total(KeyedProcessFunction):
+    total = ValueState("total", default=0)
+
+    def process(self, value: Any, ctx: Context) -> None:
+        self.total.update(self.total.value() + 1)
+
+
+class TotalV2(KeyedProcessFunction):  # one added state
+    total = ValueState("total", default=0)
+    seen = ListState("seen")
+
+    def process(self, value: Any, ctx: Context) -> None:
+        self.total.update(self.total.value() + 1)
+
+
+class TotalAsList(KeyedProcessFunction):  # the same name, another kind
+    total = ListState("total")
+
+    def process(self, value: Any, ctx: Context) -> None:
+        self.total.add(value)
+
+
+class Audit(KeyedProcessFunction):
+    events = ListState("events")
+
+    def process(self, value: Any, ctx: Context) -> None:
+        self.events.add(value)
+
+
+def pipeline(*functions: tuple[KeyedProcessFunction, str | None]) -> Pipeline:
+    p = Pipeline("job")
+    stream = p.source(KafkaSource("in", value_format="json")).key_by(lambda v: v["k"])
+    for function, uid in functions:
+        stream = stream.process(function, uid=uid)  # type: ignore[assignment]
+    stream.sink(KafkaSink("out"))
+    return p
+
+
+def savepoint_of(p: Pipeline) -> SavepointMetadata:
+    uids = p.operator_uids()
+    operators = [
+        OperatorState(
+            uids[node_id],
+            "keyed",
+            [{k: d.describe()[k] for k in ("name", "kind", "serde")} for _, d in entries],
+            [],
+        )
+        for node_id, entries in p.state_ids().items()
+    ]
+    return SavepointMetadata("job", "0.1.0", 128, {}, {}, operators, [])
+
+
+def test_an_upgrade_with_an_added_state_and_an_added_operator_restores() -> None:
+    old = savepoint_of(pipeline((Total(), "total")))
+    new = pipeline((TotalV2(), "total"), (Audit(), "audit"))
+    mapping = match_states(new, old, allow_non_restored=False)
+    assert set(mapping) == {("total", "total")}
+
+
+def test_default_uids_are_stable_names() -> None:
+    assert list(pipeline((Total(), None), (Total(), None)).operator_uids().values()) == [
+        "Total",
+        "Total-2",
+    ]
+
+
+def test_a_kind_change_is_refused_naming_the_state() -> None:
+    old = savepoint_of(pipeline((Total(), "total")))
+    with pytest.raises(ConfigurationError, match="state 'total' of operator 'total' is a value"):
+        match_states(pipeline((TotalAsList(), "total")), old, allow_non_restored=False)
+
+
+def test_state_without_a_place_is_refused_unless_allowed() -> None:
+    old = savepoint_of(pipeline((Total(), "total"), (Audit(), "audit")))
+    new = pipeline((Total(), "total"))
+    with pytest.raises(ConfigurationError, match="--allow-non-restored-state"):
+        match_states(new, old, allow_non_restored=False)
+    assert set(match_states(new, old, allow_non_restored=True)) == {("total", "total")}
+
+
+def test_a_renamed_uid_loses_its_state_only_on_purpose() -> None:
+    old = savepoint_of(pipeline((Total(), "total")))
+    with pytest.raises(ConfigurationError, match="give the operator its old uid"):
+        match_states(pipeline((Total(), "renamed")), old, allow_non_restored=False)
+
+
+def test_files_and_metadata_are_checksummed(tmp_path: Any) -> None:
+    storage = CheckpointStorage(str(tmp_path / "sp"))
+    table = pa.table(
+        {
+            "key_group": [1],
+            "key": [b"k"],
+            "key_text": ["k"],
+            "state": ["total"],
+            "map_key": [None],
+            "map_key_text": [None],
+            "value": [b"3"],
+            "value_json": ["3"],
+        },
+        schema=ENTRY_SCHEMA,
+    )
+    entry = write_table(storage, "operators/t/kg-00000-00127.parquet", table)
+    assert read_table(storage, entry).to_pylist() == table.to_pylist()
+    path = tmp_path / "sp" / entry.path
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        read_table(storage, entry)
+    meta = SavepointMetadata("job", "0.1.0", 128, {"in": {0: 5}}, {"in": 1}, [], [])
+    storage.write_bytes("_savepoint.json", meta.encode())
+    assert read_metadata(storage).source_offsets == {"in": {0: 5}}
+    raw = (tmp_path / "sp" / "_savepoint.json").read_bytes().replace(b'"in"', b'"ix"', 1)
+    (tmp_path / "sp" / "_savepoint.json").write_bytes(raw)
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        read_metadata(storage)
