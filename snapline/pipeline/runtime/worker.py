@@ -1070,10 +1070,10 @@ class Worker:
                 self._savepoint_request = request
             elif request.action == "resume" and self._paused and self._paused[0] == request.id:
                 self._resume("the savepoint is written")
-        request = self._savepoint_request
-        if request is not None and self._assigned and not self._restore_pending:
+        waiting = self._savepoint_request
+        if waiting is not None and self._assigned and not self._restore_pending:
             self._savepoint_request = None
-            self._take_savepoint(request)
+            self._take_savepoint(waiting)
         if self._paused is not None and time.monotonic() - self._paused[1] > PAUSE_LIMIT:
             self._resume(f"no resume within {PAUSE_LIMIT:.0f}s")
 

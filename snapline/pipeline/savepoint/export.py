@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
@@ -126,48 +127,26 @@ def named_checkpoint(task: JobTask, committed: list[TopicPartition]) -> Checkpoi
     return refs.pop() if refs else None
 
 
-def _text(raw: bytes | None) -> str | None:
-    if raw is None:
-        return None
+def _texts(values: list[bytes | None]) -> pa.Array:
+    """The values as UTF-8 text where they decode (None elsewhere), vectorized when all do."""
+    array = pa.array(values, type=pa.binary())
     try:
-        return raw.decode()
-    except UnicodeDecodeError:
-        return None
-
-
-class _OperatorRows:
-    """Columns of one operator's file for one task."""
-
-    def __init__(self) -> None:
-        self.columns: dict[str, list[Any]] = {name: [] for name in ENTRY_SCHEMA.names}
-
-    def add(
-        self,
-        group: int,
-        key: bytes,
-        state: str,
-        map_key: bytes | None,
-        value: bytes,
-        json_value: bool,
-    ) -> None:
-        c = self.columns
-        c["key_group"].append(group)
-        c["key"].append(key)
-        c["key_text"].append(_text(key))
-        c["state"].append(state)
-        c["map_key"].append(map_key)
-        c["map_key_text"].append(_text(map_key))
-        c["value"].append(value)
-        c["value_json"].append(value.decode() if json_value else None)
-
-    def table(self) -> pa.Table:
-        return pa.table(self.columns, schema=ENTRY_SCHEMA)
+        return pa.compute.cast(array, pa.string())
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        out = []
+        for raw in values:
+            try:
+                out.append(None if raw is None else raw.decode())
+            except UnicodeDecodeError:
+                out.append(None)
+        return pa.array(out, type=pa.string())
 
 
 def export_task_state(
     pipeline: Pipeline, meta: TaskCheckpoint, backend: Any
-) -> dict[str, _OperatorRows]:
-    """The task's entries grouped by operator uid (state ids as its checkpoint recorded them)."""
+) -> dict[str, pa.Table]:
+    """The task's entries as one table per operator uid (state ids as its checkpoint recorded
+    them), in ``ENTRY_SCHEMA``. Vectorized: a savepoint of 1M keys is mostly Arrow work."""
     uids = pipeline.operator_uids()
     by_sid: dict[int, tuple[str, str, bool]] = {}
     for desc in meta.states:
@@ -178,29 +157,39 @@ def export_task_state(
                 f"{desc['name']!r} of an operator this pipeline no longer has"
             )
         by_sid[int(desc["id"])] = (uid, desc["name"], desc.get("serde") == "json")
-    rows: dict[str, _OperatorRows] = {}
-    for stored, map_key, value in backend.items():
-        length = int.from_bytes(stored[2:6], "big")
-        sid = stored[6 + length]
-        described = by_sid.get(sid)
-        if described is None:
-            raise CheckpointError(
-                f"checkpoint {meta.checkpoint_id} of task {meta.task_id} has entries of "
-                f"state id {sid}, which its metadata does not describe"
-            )
-        uid, name, json_value = described
-        operator = rows.get(uid)
-        if operator is None:
-            operator = rows[uid] = _OperatorRows()
-        operator.add(
-            int.from_bytes(stored[:2], "big"),
-            stored[6 : 6 + length],
-            name,
-            map_key,
-            value,
-            json_value,
+    entries = list(backend.items())
+    if not entries:
+        return {}
+    stored, map_keys, values = (list(column) for column in zip(*entries, strict=True))
+    sids = [s[-1] for s in stored]
+    unknown = set(sids) - set(by_sid)
+    if unknown:
+        raise CheckpointError(
+            f"checkpoint {meta.checkpoint_id} of task {meta.task_id} has entries of state ids "
+            f"{sorted(unknown)}, which its metadata does not describe"
         )
-    return rows
+    keys = [s[6:-1] for s in stored]
+    json_sids = {sid for sid, (_, _, is_json) in by_sid.items() if is_json}
+    table = pa.table(
+        {
+            "key_group": pa.array([s[0] << 8 | s[1] for s in stored], type=pa.int32()),
+            "key": pa.array(keys, type=pa.binary()),
+            "key_text": _texts(keys),
+            "state": pa.array([by_sid[sid][1] for sid in sids], type=pa.string()),
+            "map_key": pa.array(map_keys, type=pa.binary()),
+            "map_key_text": _texts(map_keys),
+            "value": pa.array(values, type=pa.binary()),
+            "value_json": _texts(
+                [v if sid in json_sids else None for v, sid in zip(values, sids, strict=True)]
+            ),
+        },
+        schema=ENTRY_SCHEMA,
+    )
+    operators = {by_sid[sid][0] for sid in set(sids)}
+    if len(operators) == 1:
+        return {operators.pop(): table}
+    uid_column = pa.array([by_sid[sid][0] for sid in sids], type=pa.string())
+    return {uid: table.filter(pa.compute.equal(uid_column, uid)) for uid in operators}
 
 
 def read_in_flight(
@@ -328,7 +317,7 @@ def export_savepoint(
                     }
                     name = f"operators/{uid}/kg-{groups.start:05d}-{groups.stop - 1:05d}.parquet"
                     partitioning[uid] = "keyed"
-                files[uid].append(write_table(out, name, rows.table(), **info))
+                files[uid].append(write_table(out, name, rows, **info))
                 states[uid] = [
                     {k: d[k] for k in ("name", "kind", "serde")}
                     for d in meta.states

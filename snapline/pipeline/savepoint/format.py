@@ -218,7 +218,7 @@ def write_table(
     """Write ``table`` as Parquet to ``path`` (``storage`` is rooted at the savepoint); the returned
     file entry has its size and CRC-32. ``info``: key_groups / partition."""
     sink = io.BytesIO()
-    pq.write_table(table, sink, compression="zstd")
+    pq.write_table(table, sink, compression="snappy")
     data = sink.getvalue()
     storage.write_bytes(path, data)
     return SavepointFile(path, table.num_rows, len(data), crc32_checksum(data), **info)

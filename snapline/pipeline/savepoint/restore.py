@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import struct
 import tempfile
 import time
 import uuid
@@ -46,7 +47,7 @@ from snapline.pipeline.checkpoint.metadata import (
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.errors import CheckpointError, ConfigurationError
 from snapline.pipeline.graph import Pipeline
-from snapline.pipeline.keygroups import key_group_range, state_key_prefix
+from snapline.pipeline.keygroups import key_group_range
 from snapline.pipeline.runtime.topics import INTERNAL_TOPIC_CONFIG, TopicManager, pipeline_topics
 from snapline.pipeline.savepoint.export import job_tasks, wait_until_stopped
 from snapline.pipeline.savepoint.format import (
@@ -62,6 +63,8 @@ from snapline.pipeline.state.descriptors import StateDescriptor
 log = logging.getLogger(__name__)
 
 RESTORED_FROM = "restored-from-savepoint.json"
+_KG = struct.Struct(">H")
+_LEN = struct.Struct(">I")
 
 
 @dataclass(frozen=True)
@@ -377,23 +380,23 @@ def _load_operator(
             table = table.filter(
                 pc.and_(pc.greater_equal(groups_col, lo), pc.less_equal(groups_col, hi))
             )
-        cols = table.to_pydict()
-        for group, key, state, map_key, value in zip(
-            cols["key_group"],
-            cols["key"],
-            cols["state"],
-            cols["map_key"],
-            cols["value"],
-            strict=True,
+        state_ids = [sids.get(name) for name in table.column("state").to_pylist()]
+        groups = table.column("key_group").to_pylist()
+        keys = table.column("key").to_pylist()
+        map_keys = table.column("map_key").to_pylist()
+        values = table.column("value").to_pylist()
+        plain: list[tuple[bytes, bytes]] = []
+        for group, key, sid, map_key, value in zip(
+            groups, keys, state_ids, map_keys, values, strict=True
         ):
-            sid = sids.get(state)
             if sid is None:
                 continue  # dropped on purpose (--allow-non-restored-state)
-            stored = state_key_prefix(group, key) + bytes([sid])
+            stored = _KG.pack(group) + _LEN.pack(len(key)) + key + bytes((sid,))
             if map_key is None:
-                backend.put(stored, value)
+                plain.append((stored, value))
             else:
                 backend.map_put(stored, map_key, value)
+        backend.put_many(plain)
 
 
 def _produce_in_flight(

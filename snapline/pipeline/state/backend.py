@@ -100,6 +100,11 @@ class KeyedStateBackend(ABC):
     def restore(self, handle: StateHandle, storage: CheckpointStorage) -> None:
         """Replace all state with the snapshot described by ``handle`` (checksums verified)."""
 
+    def put_many(self, entries: list[tuple[bytes, bytes]]) -> None:
+        """Bulk ``put`` (a restore): backends may batch the writes."""
+        for key, value in entries:
+            self.put(key, value)
+
     @abstractmethod
     def items(self) -> Iterator[tuple[bytes, bytes | None, bytes]]:
         """Every stored entry as (state key, map user key or None, value): for savepoints,

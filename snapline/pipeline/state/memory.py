@@ -147,6 +147,9 @@ class MemoryStateBackend(KeyedStateBackend):
     def entry_count(self) -> int:
         return len(self._values) + sum(len(m) for m in self._maps.values())
 
+    def put_many(self, entries: list[tuple[bytes, bytes]]) -> None:
+        self._values.update(entries)
+
     def items(self) -> Iterator[tuple[bytes, bytes | None, bytes]]:
         for key, value in self._values.items():
             yield key, None, value

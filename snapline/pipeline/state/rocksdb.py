@@ -363,6 +363,13 @@ class RocksDBStateBackend(KeyedStateBackend):
                         found.setdefault(name, []).append(Path(parent) / name)
         return found
 
+    def put_many(self, entries: list[tuple[bytes, bytes]]) -> None:
+        for start in range(0, len(entries), 50_000):
+            batch = rocksdict.WriteBatch(raw_mode=True)
+            for key, value in entries[start : start + 50_000]:
+                batch.put(key, value)
+            self.db.write(batch)
+
     def items(self) -> Iterator[tuple[bytes, bytes | None, bytes]]:
         # Stored keys are key_group(2) | key_len(4) | key | state_id(1) [| MAP_TAG | user key].
         unpack = _KEY_LEN.unpack_from
