@@ -31,7 +31,7 @@ from confluent_kafka import Consumer, TopicPartition
 from examples.orders import produce_orders, read_committed, verify_totals
 from examples.workers import WorkerProcess, read_events
 from integration_tests.warehouse_job import WarehouseJob
-from snapline.connectors.local_broker import LocalKafkaBroker
+from snapline.connectors.local.broker import LocalKafkaBroker
 from snapline.pipeline.runtime.kafka_calls import EX_TEMPFAIL
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres, pytest.mark.slow]

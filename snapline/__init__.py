@@ -73,7 +73,7 @@ def __getattr__(name: str) -> Any:
 
         return sinks.PostgresSink
     if name == "LocalKafkaBroker":
-        from snapline.connectors.local_broker import LocalKafkaBroker
+        from snapline.connectors.local.broker import LocalKafkaBroker
 
         return LocalKafkaBroker
     raise AttributeError(name)

@@ -132,7 +132,7 @@ def run(
     )
     broker = None
     if not bootstrap_servers:
-        from snapline.connectors.local_broker import LocalKafkaBroker
+        from snapline.connectors.local.broker import LocalKafkaBroker
 
         broker = LocalKafkaBroker()
         bootstrap_servers = broker.start()
@@ -212,7 +212,7 @@ def checkpoints(spec: str, checkpoint_dir: str | None) -> None:
 
 def _register_optional() -> None:
     try:
-        from snapline.connectors.broker_cli import kafka
+        from snapline.connectors.local.broker_cli import kafka
     except ImportError:
         return
     main.add_command(kafka)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from snapline.connectors import local_broker
-from snapline.connectors.local_broker import (
+from snapline.connectors.local import broker as local_broker
+from snapline.connectors.local.broker import (
     DEFAULT_KAFKA_VERSION,
     MARKER_NAME,
     BrokerState,
@@ -394,7 +394,7 @@ def test_watchdog_kills_the_child_when_its_parent_is_killed(tmp_path: Path) -> N
     sleep = shutil.which("sleep")
     parent_code = (
         "import subprocess, time\n"
-        "from snapline.connectors.local_broker import with_parent_watchdog\n"
+        "from snapline.connectors.local.broker import with_parent_watchdog\n"
         f"child = subprocess.Popen(with_parent_watchdog([{sleep!r}, '60']))\n"
         f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
         "time.sleep(60)\n"

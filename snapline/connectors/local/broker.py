@@ -187,7 +187,9 @@ def find_maven() -> str:
 
 def render_pom(version: str) -> str:
     """The Maven project whose runtime dependencies are the broker's classpath."""
-    template = resources.files("snapline.connectors").joinpath("kafka/pom.xml").read_text("utf-8")
+    template = (
+        resources.files("snapline.connectors.local").joinpath("kafka/pom.xml").read_text("utf-8")
+    )
     return template.replace("@KAFKA_VERSION@", kafka_version(version))
 
 
@@ -364,7 +366,7 @@ def render_server_properties(
     }
     if overrides:
         settings.update({str(k): str(v) for k, v in overrides.items()})
-    lines = ["# Written by Snapline's local broker launcher (connectors/local_broker.py)."]
+    lines = ["# Written by Snapline's local broker launcher (connectors/local/broker.py)."]
     lines += [f"{key}={value}" for key, value in settings.items()]
     return "\n".join(lines) + "\n"
 
@@ -740,7 +742,7 @@ class LocalKafkaBroker:
             ),
             "utf-8",
         )
-        template = resources.files("snapline.connectors").joinpath("kafka/log4j2.properties")
+        template = resources.files("snapline.connectors.local").joinpath("kafka/log4j2.properties")
         (data_dir / "log4j2.properties").write_text(template.read_text("utf-8"), "utf-8")
 
     def _java_command(self, java: str, libs: Path, data_dir: Path, log_file: Path) -> list[str]:

@@ -1,7 +1,7 @@
 """`snapline kafka ...`: start, stop and inspect the local Kafka broker from a shell.
 
 The click group ``kafka`` is mounted by ``snapline.pipeline.cli``;
-``python -m snapline.connectors.broker_cli`` runs it alone (CI uses its ``fetch`` command).
+``python -m snapline.connectors.local.broker_cli`` runs it alone (CI uses its ``fetch`` command).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from types import FrameType
 import click
 from rich.console import Console
 
-from snapline.connectors.local_broker import (
+from snapline.connectors.local.broker import (
     LocalKafkaBroker,
     broker_answers,
     clear_state,
@@ -228,4 +228,4 @@ def status() -> None:
 
 
 if __name__ == "__main__":
-    kafka(prog_name="python -m snapline.connectors.broker_cli")
+    kafka(prog_name="python -m snapline.connectors.local.broker_cli")
