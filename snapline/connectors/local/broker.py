@@ -47,6 +47,7 @@ __all__ = [
     "jars_are_complete",
     "kafka_version",
     "libs_dir",
+    "port_accepts",
     "read_state",
     "render_server_properties",
     "stop_recorded_broker",
@@ -397,7 +398,8 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def _port_accepts(port: int) -> bool:
+def port_accepts(port: int) -> bool:
+    """Whether something accepts TCP connections on 127.0.0.1:``port`` right now."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5):
             return True
@@ -723,7 +725,7 @@ class LocalKafkaBroker:
             port = port if port is not None else fresh[0]
             controller_port = controller_port if controller_port is not None else fresh[1]
         for candidate in (port, controller_port):
-            if _port_accepts(candidate):
+            if port_accepts(candidate):
                 raise BrokerError(
                     f"Port {candidate} on 127.0.0.1 is already in use; choose another with "
                     "--port, or stop what listens there (`snapline kafka status`)."
@@ -827,7 +829,7 @@ class LocalKafkaBroker:
                     f"The local Kafka broker exited with code {code} while starting."
                     + self._log_hint()
                 )
-            if _port_accepts(port) and broker_answers(bootstrap, timeout=2.0):
+            if port_accepts(port) and broker_answers(bootstrap, timeout=2.0):
                 return
             if time.monotonic() > deadline:
                 raise BrokerError(
