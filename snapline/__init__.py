@@ -47,6 +47,7 @@ __all__ = [
     "KeyedStream",
     "ListState",
     "LocalKafkaBroker",
+    "LocalKafkaCluster",
     "MapState",
     "ParquetSink",
     "PickleSerde",
@@ -76,4 +77,8 @@ def __getattr__(name: str) -> Any:
         from snapline.connectors.local.broker import LocalKafkaBroker
 
         return LocalKafkaBroker
+    if name == "LocalKafkaCluster":
+        from snapline.connectors.local.cluster import LocalKafkaCluster
+
+        return LocalKafkaCluster
     raise AttributeError(name)

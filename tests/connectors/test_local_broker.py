@@ -94,6 +94,27 @@ def test_server_properties_describe_a_single_loopback_kraft_node(tmp_path: Path)
     assert props["auto.create.topics.enable"] == "false"
 
 
+def test_server_properties_of_a_cluster_node_replicate_internal_topics(tmp_path: Path) -> None:
+    voters = "1@127.0.0.1:9093,2@127.0.0.1:9095,3@127.0.0.1:9097"
+    props = parse_properties(
+        render_server_properties(
+            port=9094, controller_port=9095, log_dirs=tmp_path, node_id=2, quorum_voters=voters
+        )
+    )
+    assert props["node.id"] == "2"
+    assert props["controller.quorum.voters"] == voters
+    assert "controller.quorum.bootstrap.servers" not in props  # a static quorum
+    for key in (
+        "offsets.topic.replication.factor",
+        "transaction.state.log.replication.factor",
+        "default.replication.factor",
+    ):
+        assert props[key] == "3", key
+    assert props["transaction.state.log.min.isr"] == "2"
+    assert props["min.insync.replicas"] == "2"
+    assert props["unclean.leader.election.enable"] == "false"
+
+
 def test_server_properties_overrides_win(tmp_path: Path) -> None:
     text = render_server_properties(
         port=1,

@@ -2,7 +2,7 @@
 
 from typing import Any
 
-__all__ = ["LocalKafkaBroker", "LocalPostgres"]
+__all__ = ["LocalKafkaBroker", "LocalKafkaCluster", "LocalPostgres"]
 
 
 def __getattr__(name: str) -> Any:
@@ -11,6 +11,10 @@ def __getattr__(name: str) -> Any:
         from snapline.connectors.local.broker import LocalKafkaBroker
 
         return LocalKafkaBroker
+    if name == "LocalKafkaCluster":
+        from snapline.connectors.local.cluster import LocalKafkaCluster
+
+        return LocalKafkaCluster
     if name == "LocalPostgres":
         from snapline.connectors.local.postgres import LocalPostgres
 

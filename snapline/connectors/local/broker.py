@@ -340,14 +340,25 @@ def render_server_properties(
     controller_port: int,
     log_dirs: Path | str,
     node_id: int = 1,
+    quorum_voters: str | None = None,
     overrides: Mapping[str, str] | None = None,
 ) -> str:
-    """``server.properties`` of a combined broker+controller KRaft node on 127.0.0.1."""
+    """``server.properties`` of a combined broker+controller KRaft node on 127.0.0.1.
+
+    Alone (``quorum_voters=None``) the node is its own quorum; in a cluster
+    (``quorum_voters="1@127.0.0.1:<port>,2@..."``, see :class:`LocalKafkaCluster`) the voters
+    are static and internal topics are replicated to 3 nodes with min ISR 2.
+    """
     listeners = f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}"
+    quorum = (
+        {"controller.quorum.voters": quorum_voters}
+        if quorum_voters
+        else {"controller.quorum.bootstrap.servers": f"127.0.0.1:{controller_port}"}
+    )
     settings: dict[str, str] = {
         "process.roles": "broker,controller",
         "node.id": str(node_id),
-        "controller.quorum.bootstrap.servers": f"127.0.0.1:{controller_port}",
+        **quorum,
         "listeners": listeners,
         "advertised.listeners": listeners,
         "controller.listener.names": "CONTROLLER",
@@ -365,6 +376,21 @@ def render_server_properties(
         # A mistyped topic name must fail, not silently create an empty topic.
         "auto.create.topics.enable": "false",
     }
+    if quorum_voters:
+        replicas = str(min(3, quorum_voters.count("@")))
+        min_isr = str(max(1, int(replicas) - 1))
+        settings.update(
+            {
+                # Every partition survives one node down and acknowledges a write only once
+                # two nodes hold it (acks=all, which transactional producers use).
+                "offsets.topic.replication.factor": replicas,
+                "transaction.state.log.replication.factor": replicas,
+                "transaction.state.log.min.isr": min_isr,
+                "default.replication.factor": replicas,
+                "min.insync.replicas": min_isr,
+                "unclean.leader.election.enable": "false",
+            }
+        )
     if overrides:
         settings.update({str(k): str(v) for k, v in overrides.items()})
     lines = ["# Written by Snapline's local broker launcher (connectors/local/broker.py)."]
@@ -418,6 +444,19 @@ def broker_answers(bootstrap: str, timeout: float) -> bool:
     except KafkaException:
         return False
     return bool(metadata.brokers)
+
+
+def node_serves(bootstrap: str, node_id: int, timeout: float) -> bool:
+    """Whether the cluster at ``bootstrap`` lists node ``node_id`` as a live broker."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap, "logger": logger})
+    try:
+        metadata = admin.list_topics(timeout=timeout)
+    except KafkaException:
+        return False
+    return node_id in metadata.brokers
 
 
 def tail_lines(path: Path, count: int = 25) -> list[str]:
@@ -524,6 +563,8 @@ class BrokerState:
     version: str
     started_at: str
     detached: bool
+    #: the other nodes of a ``--brokers N`` cluster: (pid, data dir) each
+    other_nodes: tuple[tuple[int, str], ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -540,6 +581,7 @@ class BrokerState:
             version=str(raw["version"]),
             started_at=str(raw["started_at"]),
             detached=bool(raw["detached"]),
+            other_nodes=tuple((int(p), str(d)) for p, d in raw.get("other_nodes", ())),
         )
 
 
@@ -570,8 +612,14 @@ class LocalKafkaBroker:
         die_with_parent: bool = True,
         server_overrides: Mapping[str, str] | None = None,
         progress: ProgressCallback | None = None,
+        node_id: int = 1,
+        cluster_id: str | None = None,
+        quorum_voters: str | None = None,
     ) -> None:
         self.version = kafka_version(version)
+        self.node_id = node_id
+        self._cluster_id = cluster_id
+        self._quorum_voters = quorum_voters
         self._requested_data_dir = Path(data_dir).expanduser().resolve() if data_dir else None
         self._requested_port = port
         self._requested_controller_port = controller_port
@@ -634,8 +682,18 @@ class LocalKafkaBroker:
 
     def start(self) -> str:
         """Provision and start the broker; returns its bootstrap address once it serves metadata."""
-        if self.running:
-            return self.bootstrap_servers
+        if self.running and self._bootstrap is not None:
+            return self._bootstrap
+        bootstrap = self.launch()
+        self.wait_until_ready(bootstrap)
+        return bootstrap
+
+    def launch(self) -> str:
+        """Provision and start the JVM without waiting for it to serve; returns its address.
+
+        A node of a cluster cannot serve until a majority of the quorum runs, so
+        :class:`LocalKafkaCluster` launches every node first, then waits for each.
+        """
         java = find_java()
         libs = ensure_kafka_jars(self.version, self._progress)
         _sweep_orphaned_data_dirs()
@@ -645,15 +703,36 @@ class LocalKafkaBroker:
             self._write_config(data_dir, port, controller_port)
             self._format_storage(java, libs, data_dir)
             self._launch(java, libs, data_dir)
-            bootstrap = f"127.0.0.1:{port}"
-            self._wait_until_ready(bootstrap)
+        except BaseException:
+            self._kill_after_failed_start()
+            raise
+        return f"127.0.0.1:{port}"
+
+    def wait_until_ready(self, bootstrap: str, deadline: float | None = None) -> None:
+        """Block until the launched node serves metadata at ``bootstrap`` (or fail with its log)."""
+        try:
+            self._wait_until_ready(bootstrap, deadline)
         except BaseException:
             self._kill_after_failed_start()
             raise
         self._bootstrap = bootstrap
         self._started_at = _now()
         logger.info("Local Kafka %s ready at %s (log %s)", self.version, bootstrap, self.log_path)
-        return bootstrap
+
+    def request_stop(self) -> None:
+        """Send SIGTERM (controlled shutdown) without waiting; :meth:`stop` then waits."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+
+    def kill(self) -> None:
+        """SIGKILL the broker (a crash: no controlled shutdown) and wait until it is gone."""
+        process, self._process = self._process, None
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.stop)
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+        self._bootstrap = None
 
     def stop(self, timeout: float = 20.0) -> None:
         """Shut the broker down (SIGTERM, SIGKILL after ``timeout`` s) and wait until it is gone.
@@ -740,6 +819,8 @@ class LocalKafkaBroker:
                 port=port,
                 controller_port=controller_port,
                 log_dirs=data_dir / "kraft-logs",
+                node_id=self.node_id,
+                quorum_voters=self._quorum_voters,
                 overrides=self._overrides,
             ),
             "utf-8",
@@ -764,12 +845,14 @@ class LocalKafkaBroker:
     def _format_storage(self, java: str, libs: Path, data_dir: Path) -> None:
         if (data_dir / "kraft-logs" / "meta.properties").exists():
             return  # a kept data dir: formatting again would need its original cluster id
+        # A cluster's voters are static (in server.properties); a single node is its own quorum.
+        quorum = [] if self._quorum_voters else ["--standalone"]
         command = self._java_command(java, libs, data_dir, data_dir / "storage-format.log") + [
             "kafka.tools.StorageTool",
             "format",
-            "--standalone",
+            *quorum,
             "-t",
-            new_cluster_id(),
+            self._cluster_id or new_cluster_id(),
             "-c",
             str(data_dir / "server.properties"),
         ]
@@ -818,10 +901,11 @@ class LocalKafkaBroker:
         if self._die_with_parent:
             atexit.register(self.stop)
 
-    def _wait_until_ready(self, bootstrap: str) -> None:
+    def _wait_until_ready(self, bootstrap: str, deadline: float | None = None) -> None:
         assert self._process is not None and self._data_dir is not None
         port = int(bootstrap.rsplit(":", 1)[1])
-        deadline = time.monotonic() + self._startup_timeout
+        if deadline is None:
+            deadline = time.monotonic() + self._startup_timeout
         while True:
             code = self._process.poll()
             if code is not None:
@@ -829,7 +913,7 @@ class LocalKafkaBroker:
                     f"The local Kafka broker exited with code {code} while starting."
                     + self._log_hint()
                 )
-            if port_accepts(port) and broker_answers(bootstrap, timeout=2.0):
+            if port_accepts(port) and node_serves(bootstrap, self.node_id, timeout=2.0):
                 return
             if time.monotonic() > deadline:
                 raise BrokerError(
@@ -911,14 +995,25 @@ def stop_recorded_broker(grace: float = 20.0) -> BrokerState | None:
     state = read_state()
     if state is None:
         return None
-    terminate_pid(state.pid, grace)
-    if _pid_alive(state.pid):
+    pids = [state.pid] + [pid for pid, data_dir in state.other_nodes]
+    alive = [
+        p for p, d in [(state.pid, state.data_dir), *state.other_nodes] if is_broker_process(p, d)
+    ]
+    for pid in alive:  # all at once: a cluster's last node must not wait for a gone quorum
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    for pid in alive:
+        terminate_pid(pid, grace)
+    survivors = [pid for pid in pids if _pid_alive(pid) and pid in alive]
+    if survivors:
         raise BrokerError(
-            f"Kafka broker pid {state.pid} survived SIGKILL; check `ps -p {state.pid}`."
+            f"Kafka broker pids {survivors} survived SIGKILL; check `ps -p {survivors[0]}`."
         )
     clear_state(state.pid)
     if state.temporary:
-        shutil.rmtree(state.data_dir, ignore_errors=True)
+        # a cluster's nodes live in node-<i>/ under one temporary dir
+        root = Path(state.data_dir).parent if state.other_nodes else Path(state.data_dir)
+        shutil.rmtree(root, ignore_errors=True)
     return state
 
 
