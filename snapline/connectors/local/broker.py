@@ -538,12 +538,19 @@ def terminate_pid(pid: int, grace: float = 20.0) -> None:
 def _sweep_orphaned_data_dirs() -> None:
     """Delete temporary data dirs whose broker died without cleaning up (e.g. SIGKILL)."""
     for path in Path(tempfile.gettempdir()).glob(f"{TEMP_DIR_PREFIX}*"):
-        pid_file = path / "broker.pid"
+        try:  # a LocalKafkaCluster's launcher may restart its nodes: not orphaned yet
+            if _pid_alive(int((path / "owner.pid").read_text().strip())):
+                continue
+        except (OSError, ValueError):
+            pass
+        # a single broker's pid file, or each node's of a LocalKafkaCluster
+        pid_files = [path / "broker.pid"] if (path / "broker.pid").exists() else []
+        pid_files = pid_files or sorted(path.glob("node-*/broker.pid"))
         try:
-            pid = int(pid_file.read_text().strip())
+            pids = [int(f.read_text().strip()) for f in pid_files]
         except (OSError, ValueError):
             continue  # still starting, or not ours
-        if not _pid_alive(pid):
+        if pids and not any(_pid_alive(pid) for pid in pids):
             logger.debug("Removing orphaned broker data dir %s", path)
             shutil.rmtree(path, ignore_errors=True)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -272,6 +273,9 @@ class LocalKafkaCluster:
         else:
             self._data_dir = Path(tempfile.mkdtemp(prefix=f"{TEMP_DIR_PREFIX}cluster-"))
             self._temporary = True
+            # While this process lives, the dir is not swept as orphaned, even with every node
+            # down (a whole-cluster bounce).
+            (self._data_dir / "owner.pid").write_text(str(os.getpid()))
         self._load_or_choose_layout()
         voters = ",".join(f"{i}@127.0.0.1:{self._ports[i][1]}" for i in self.node_ids)
         for i in self.node_ids:
