@@ -15,7 +15,7 @@ def kafka(bootstrap: str | None) -> Iterator[str]:
         yield bootstrap
         return
     try:
-        from snapline.connectors.local_broker import LocalKafkaBroker
+        from snapline.connectors.local.broker import LocalKafkaBroker
     except ImportError as exc:
         raise click.ClickException(
             f"no --bootstrap-servers given and the local broker launcher cannot be imported "

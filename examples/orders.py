@@ -21,7 +21,8 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 def create_topics(bootstrap: str, topics: dict[str, int]) -> None:
     admin = AdminClient({"bootstrap.servers": bootstrap})
-    futures = admin.create_topics([NewTopic(t, n, 1) for t, n in topics.items()])
+    # The broker's default.replication.factor: 1 on one broker, 3 on a local cluster.
+    futures = admin.create_topics([NewTopic(t, n) for t, n in topics.items()])
     for future in futures.values():
         try:
             future.result()

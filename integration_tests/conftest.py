@@ -45,7 +45,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_report_header(config: pytest.Config) -> str:
     if os.environ.get("SNAPLINE_BOOTSTRAP_SERVERS"):
         return f"kafka: SNAPLINE_BOOTSTRAP_SERVERS={os.environ['SNAPLINE_BOOTSTRAP_SERVERS']}"
-    from snapline.connectors.local_broker import kafka_version
+    from snapline.connectors.local.broker import kafka_version
 
     wanted = "testcontainers if a Docker engine answers, else " if _docker_requested() else ""
     return f"kafka: {wanted}local broker {kafka_version()} (launched on first use)"
@@ -89,12 +89,12 @@ def _docker_kafka() -> Iterator[KafkaInfo]:
 
 @contextmanager
 def _launched_kafka(request: pytest.FixtureRequest) -> Iterator[KafkaInfo]:
-    from snapline.connectors.local_broker import (
+    from snapline.connectors.local.broker import (
         LocalKafkaBroker,
         ensure_kafka_jars,
         jars_are_complete,
     )
-    from snapline.connectors.local_broker import libs_dir as kafka_libs
+    from snapline.connectors.local.broker import libs_dir as kafka_libs
 
     config = request.config
     reporter = config.pluginmanager.get_plugin("terminalreporter")
@@ -229,14 +229,14 @@ def postgres_dsn() -> Iterator[str]:
     """DSN of a PostgreSQL database for the session.
 
     ``SNAPLINE_POSTGRES_DSN`` names an existing database; otherwise a throwaway server from
-    Debian's packages is started (``snapline.connectors.postgres_local``; install it with
+    Debian's packages is started (``snapline.connectors.local.postgres``; install it with
     ``bash scripts/install-postgres.sh``).
     """
     from_env = os.environ.get("SNAPLINE_POSTGRES_DSN")
     if from_env:
         yield from_env
         return
-    from snapline.connectors.postgres_local import LocalPostgres
+    from snapline.connectors.local.postgres import LocalPostgres
     from snapline.pipeline.errors import SnaplineError
 
     server = LocalPostgres()

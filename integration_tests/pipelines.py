@@ -53,3 +53,17 @@ def repartition_mismatch() -> Pipeline:
         .sink(KafkaSink(f"{PREFIX}totals"))
     )
     return pipeline
+
+
+def embedded_total() -> Pipeline:
+    """The running total of examples/, on topics it creates itself (for the embedded broker)."""
+    from examples.running_total import RunningTotal
+
+    pipeline = Pipeline(f"{PREFIX}job", checkpoint_interval=0.5)
+    (
+        pipeline.source(KafkaSource(f"{PREFIX}orders", create_partitions=2))
+        .key_by(lambda v: v["customer"])
+        .process(RunningTotal())
+        .sink(KafkaSink(f"{PREFIX}totals"))
+    )
+    return pipeline

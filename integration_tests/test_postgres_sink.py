@@ -1,5 +1,5 @@
 """PostgresSink against a real PostgreSQL (Debian's server, started by
-snapline.connectors.postgres_local).
+snapline.connectors.local.postgres).
 
 The sink is driven through the contract (write / pre_commit / commit / abort / recover) with
 crashes simulated by abandoning writers, a database outage, and a writer process that is
@@ -26,7 +26,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from snapline.connectors.postgres_local import LocalPostgres
+from snapline.connectors.local.postgres import LocalPostgres
 from snapline.pipeline.errors import ConfigurationError, SinkError
 from snapline.pipeline.record import Record
 from snapline.pipeline.sink import SinkContext

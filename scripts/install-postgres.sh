@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install Debian's PostgreSQL server binaries for the PostgreSQL sink's tests and demo.
 # Idempotent: does nothing when /usr/lib/postgresql/<version>/bin/initdb already exists.
-# Snapline starts its own throwaway servers (connectors/postgres_local.py), so the package's
+# Snapline starts its own throwaway servers (connectors/local/postgres.py), so the package's
 # default cluster is not needed and is not created.
 set -euo pipefail
 

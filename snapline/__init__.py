@@ -49,6 +49,7 @@ __all__ = [
     "KeyedStream",
     "ListState",
     "LocalKafkaBroker",
+    "LocalKafkaCluster",
     "MapState",
     "ParquetSink",
     "PickleSerde",
@@ -75,7 +76,11 @@ def __getattr__(name: str) -> Any:
 
         return sinks.PostgresSink
     if name == "LocalKafkaBroker":
-        from snapline.connectors.local_broker import LocalKafkaBroker
+        from snapline.connectors.local.broker import LocalKafkaBroker
 
         return LocalKafkaBroker
+    if name == "LocalKafkaCluster":
+        from snapline.connectors.local.cluster import LocalKafkaCluster
+
+        return LocalKafkaCluster
     raise AttributeError(name)

@@ -1,4 +1,4 @@
-"""Kafka connectors: the source, admin helpers and the local broker launcher."""
+"""Kafka connectors: the source and admin helpers (local infrastructure lives in `local/`)."""
 
 from typing import Any
 
@@ -10,7 +10,7 @@ __all__ = ["KafkaSource", "LocalKafkaBroker"]
 def __getattr__(name: str) -> Any:
     # The launcher pulls in subprocess/ctypes machinery; import it only when asked for.
     if name == "LocalKafkaBroker":
-        from snapline.connectors.local_broker import LocalKafkaBroker
+        from snapline.connectors.local.broker import LocalKafkaBroker
 
         return LocalKafkaBroker
     raise AttributeError(name)

@@ -60,7 +60,11 @@ def main() -> None:
     "--bootstrap-servers",
     envvar="SNAPLINE_BOOTSTRAP_SERVERS",
     default=None,
-    help="Kafka bootstrap servers; without it an embedded local broker is started.",
+    help="Kafka bootstrap servers. Without it, an embedded local broker is used whose data "
+    "lives beside a local checkpoint dir (its parent's kafka/: .snapline/kafka by default, and "
+    "for a checkpoint URI): it restarts on the same port with the same topics, offsets and "
+    "cluster id, so a stopped job continues where it stopped. A broker started with `snapline "
+    "kafka start --data-dir` on that directory is reused.",
 )
 @click.option(
     "--checkpoint-dir",
@@ -122,7 +126,12 @@ def run(
 
     Exit codes: 0 stopped; 78 configuration error (fix what the message names; a supervisor
     stops all workers); 75 restart me (a supervisor restarts the worker with backoff);
-    1 other errors (restarted with backoff, given up after 5 failures in a row)."""
+    1 other errors (restarted with backoff, given up after 5 failures in a row).
+
+    Without --bootstrap-servers the job runs on an embedded Kafka broker that behaves like a
+    deployment across restarts: its data dir is beside the checkpoints (.snapline/kafka by
+    default), it comes back on the same port, and a second run continues from the committed
+    checkpoint. If that port is taken by another process, the run stops and says so."""
     _setup_logging(log_level)
     sys.path.insert(0, os.getcwd())
     from snapline.pipeline.graph import load_pipeline
@@ -145,11 +154,14 @@ def run(
     )
     broker = None
     if not bootstrap_servers:
-        from snapline.connectors.local_broker import LocalKafkaBroker
+        from snapline.connectors.local.embedded import start_embedded_broker
 
-        broker = LocalKafkaBroker()
-        bootstrap_servers = broker.start()
-        click.echo(f"embedded Kafka broker at {bootstrap_servers}", err=True)
+        try:
+            embedded = start_embedded_broker(checkpoint_dir)
+        except SnaplineError as exc:
+            raise click.ClickException(str(exc)) from exc
+        broker, bootstrap_servers = embedded.broker, embedded.bootstrap_servers
+        click.echo(embedded.description, err=True)
     if from_savepoint:
         from snapline.pipeline.savepoint.restore import seed_from_savepoint
 
@@ -249,7 +261,7 @@ _register_savepoints()
 
 def _register_optional() -> None:
     try:
-        from snapline.connectors.broker_cli import kafka
+        from snapline.connectors.local.broker_cli import kafka
     except ImportError:
         return
     main.add_command(kafka)

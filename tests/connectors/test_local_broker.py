@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from snapline.connectors import local_broker
-from snapline.connectors.local_broker import (
+from snapline.connectors.local import broker as local_broker
+from snapline.connectors.local.broker import (
     DEFAULT_KAFKA_VERSION,
     MARKER_NAME,
     BrokerState,
@@ -92,6 +92,27 @@ def test_server_properties_describe_a_single_loopback_kraft_node(tmp_path: Path)
     assert props["offsets.topic.replication.factor"] == "1"
     assert props["group.initial.rebalance.delay.ms"] == "0"
     assert props["auto.create.topics.enable"] == "false"
+
+
+def test_server_properties_of_a_cluster_node_replicate_internal_topics(tmp_path: Path) -> None:
+    voters = "1@127.0.0.1:9093,2@127.0.0.1:9095,3@127.0.0.1:9097"
+    props = parse_properties(
+        render_server_properties(
+            port=9094, controller_port=9095, log_dirs=tmp_path, node_id=2, quorum_voters=voters
+        )
+    )
+    assert props["node.id"] == "2"
+    assert props["controller.quorum.voters"] == voters
+    assert "controller.quorum.bootstrap.servers" not in props  # a static quorum
+    for key in (
+        "offsets.topic.replication.factor",
+        "transaction.state.log.replication.factor",
+        "default.replication.factor",
+    ):
+        assert props[key] == "3", key
+    assert props["transaction.state.log.min.isr"] == "2"
+    assert props["min.insync.replicas"] == "2"
+    assert props["unclean.leader.election.enable"] == "false"
 
 
 def test_server_properties_overrides_win(tmp_path: Path) -> None:
@@ -394,7 +415,7 @@ def test_watchdog_kills_the_child_when_its_parent_is_killed(tmp_path: Path) -> N
     sleep = shutil.which("sleep")
     parent_code = (
         "import subprocess, time\n"
-        "from snapline.connectors.local_broker import with_parent_watchdog\n"
+        "from snapline.connectors.local.broker import with_parent_watchdog\n"
         f"child = subprocess.Popen(with_parent_watchdog([{sleep!r}, '60']))\n"
         f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
         "time.sleep(60)\n"

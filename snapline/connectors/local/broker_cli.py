@@ -1,11 +1,12 @@
 """`snapline kafka ...`: start, stop and inspect the local Kafka broker from a shell.
 
 The click group ``kafka`` is mounted by ``snapline.pipeline.cli``;
-``python -m snapline.connectors.broker_cli`` runs it alone (CI uses its ``fetch`` command).
+``python -m snapline.connectors.local.broker_cli`` runs it alone (CI uses its ``fetch`` command).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
 import time
@@ -17,7 +18,7 @@ from types import FrameType
 import click
 from rich.console import Console
 
-from snapline.connectors.local_broker import (
+from snapline.connectors.local.broker import (
     LocalKafkaBroker,
     broker_answers,
     clear_state,
@@ -30,6 +31,7 @@ from snapline.connectors.local_broker import (
     tail_lines,
     write_state,
 )
+from snapline.connectors.local.cluster import LocalKafkaCluster
 from snapline.pipeline.errors import BrokerError
 
 console = Console(highlight=False, soft_wrap=True)
@@ -119,10 +121,23 @@ def fetch(version: str | None) -> None:
 @click.option(
     "--timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for startup."
 )
+@click.option(
+    "--brokers",
+    type=click.IntRange(1, 9),
+    default=1,
+    show_default=True,
+    help="Nodes (each broker and controller, its own ports and node-<i>/ data dir). With 3 or "
+    "more, internal and new topics get 3 replicas and min ISR 2, so one node may be down.",
+)
 def start(
-    version: str | None, detach: bool, port: int | None, data_dir: Path | None, timeout: float
+    version: str | None,
+    detach: bool,
+    port: int | None,
+    data_dir: Path | None,
+    timeout: float,
+    brokers: int,
 ) -> None:
-    """Start the broker and print its bootstrap address.
+    """Start the broker (or a cluster of --brokers N) and print its bootstrap address.
 
     In the foreground (default) the broker stops with Ctrl-C; with --detach it keeps
     running after this command returns, until `snapline kafka stop`.
@@ -137,6 +152,11 @@ def start(
             console.print(running.bootstrap_servers)
             return
         version = kafka_version(version)
+        if brokers > 1:
+            if port is not None:
+                raise click.UsageError("--port applies to a single broker; drop it with --brokers")
+            _start_cluster(version, brokers, detach, data_dir, timeout)
+            return
         with _download_progress(version) as progress:
             broker = LocalKafkaBroker(
                 version,
@@ -159,7 +179,44 @@ def start(
         _serve_in_foreground(broker)
 
 
-def _serve_in_foreground(broker: LocalKafkaBroker) -> None:
+def _start_cluster(
+    version: str, brokers: int, detach: bool, data_dir: Path | None, timeout: float
+) -> None:
+    with _download_progress(version) as progress:
+        cluster = LocalKafkaCluster(
+            brokers,
+            version,
+            data_dir=data_dir,
+            startup_timeout=max(timeout, 120.0),
+            die_with_parent=not detach,
+            progress=progress,
+        )
+        with err_console.status(f"Starting a Kafka {version} cluster of {brokers} nodes…"):
+            bootstrap = cluster.start()
+    first = cluster.node(1)
+    record = first.state(detached=detach)
+    others = tuple(
+        (cluster.node(i).pid or 0, str(cluster.node(i).data_dir)) for i in cluster.node_ids[1:]
+    )
+    write_state(
+        dataclasses.replace(
+            record,
+            bootstrap_servers=bootstrap,
+            temporary=cluster.temporary,
+            other_nodes=others,
+        )
+    )
+    if detach:
+        err_console.print(
+            f"Kafka {version} cluster of {brokers} nodes running in the background (data "
+            f"{cluster.data_dir}); stop it with `snapline kafka stop`."
+        )
+        console.print(bootstrap)
+        return
+    _serve_in_foreground(cluster)
+
+
+def _serve_in_foreground(broker: LocalKafkaBroker | LocalKafkaCluster) -> None:
     err_console.print(
         f"Kafka {broker.version} ready (pid {broker.pid}); log: {broker.log_path}. "
         "Press Ctrl-C to stop."
@@ -221,6 +278,9 @@ def status() -> None:
     console.print(f"  pid       {state.pid} ({'detached' if state.detached else 'foreground'})")
     console.print(f"  started   {state.started_at}")
     console.print(f"  log       {state.log_path}")
+    if state.other_nodes:
+        pids = ", ".join(str(pid) for pid, _ in state.other_nodes)
+        console.print(f"  nodes     {1 + len(state.other_nodes)} (other pids {pids})")
     kept = "temporary, deleted on stop" if state.temporary else "kept"
     console.print(f"  data dir  {state.data_dir} ({kept})")
     if not answers:
@@ -228,4 +288,4 @@ def status() -> None:
 
 
 if __name__ == "__main__":
-    kafka(prog_name="python -m snapline.connectors.broker_cli")
+    kafka(prog_name="python -m snapline.connectors.local.broker_cli")

@@ -11,8 +11,8 @@ server gets SIGINT (fast shutdown) when the *thread* that started it exits (Linu
 
 Command line (for people)::
 
-    python -m snapline.connectors.postgres_local start --dir /tmp/snapline-pg   # prints the DSN
-    python -m snapline.connectors.postgres_local stop --dir /tmp/snapline-pg
+    python -m snapline.connectors.local.postgres start --dir /tmp/snapline-pg   # prints the DSN
+    python -m snapline.connectors.local.postgres stop --dir /tmp/snapline-pg
 """
 
 from __future__ import annotations
@@ -405,7 +405,7 @@ def _recorded_running(directory: str) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m snapline.connectors.postgres_local",
+        prog="python -m snapline.connectors.local.postgres",
         description="A throwaway local PostgreSQL for Snapline.",
     )
     sub = parser.add_subparsers(dest="command", required=True)

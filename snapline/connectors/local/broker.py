@@ -47,6 +47,7 @@ __all__ = [
     "jars_are_complete",
     "kafka_version",
     "libs_dir",
+    "port_accepts",
     "read_state",
     "render_server_properties",
     "stop_recorded_broker",
@@ -187,7 +188,9 @@ def find_maven() -> str:
 
 def render_pom(version: str) -> str:
     """The Maven project whose runtime dependencies are the broker's classpath."""
-    template = resources.files("snapline.connectors").joinpath("kafka/pom.xml").read_text("utf-8")
+    template = (
+        resources.files("snapline.connectors.local").joinpath("kafka/pom.xml").read_text("utf-8")
+    )
     return template.replace("@KAFKA_VERSION@", kafka_version(version))
 
 
@@ -337,14 +340,25 @@ def render_server_properties(
     controller_port: int,
     log_dirs: Path | str,
     node_id: int = 1,
+    quorum_voters: str | None = None,
     overrides: Mapping[str, str] | None = None,
 ) -> str:
-    """``server.properties`` of a combined broker+controller KRaft node on 127.0.0.1."""
+    """``server.properties`` of a combined broker+controller KRaft node on 127.0.0.1.
+
+    Alone (``quorum_voters=None``) the node is its own quorum; in a cluster
+    (``quorum_voters="1@127.0.0.1:<port>,2@..."``, see :class:`LocalKafkaCluster`) the voters
+    are static and internal topics are replicated to 3 nodes with min ISR 2.
+    """
     listeners = f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}"
+    quorum = (
+        {"controller.quorum.voters": quorum_voters}
+        if quorum_voters
+        else {"controller.quorum.bootstrap.servers": f"127.0.0.1:{controller_port}"}
+    )
     settings: dict[str, str] = {
         "process.roles": "broker,controller",
         "node.id": str(node_id),
-        "controller.quorum.bootstrap.servers": f"127.0.0.1:{controller_port}",
+        **quorum,
         "listeners": listeners,
         "advertised.listeners": listeners,
         "controller.listener.names": "CONTROLLER",
@@ -362,9 +376,24 @@ def render_server_properties(
         # A mistyped topic name must fail, not silently create an empty topic.
         "auto.create.topics.enable": "false",
     }
+    if quorum_voters:
+        replicas = str(min(3, quorum_voters.count("@")))
+        min_isr = str(max(1, int(replicas) - 1))
+        settings.update(
+            {
+                # Every partition survives one node down and acknowledges a write only once
+                # two nodes hold it (acks=all, which transactional producers use).
+                "offsets.topic.replication.factor": replicas,
+                "transaction.state.log.replication.factor": replicas,
+                "transaction.state.log.min.isr": min_isr,
+                "default.replication.factor": replicas,
+                "min.insync.replicas": min_isr,
+                "unclean.leader.election.enable": "false",
+            }
+        )
     if overrides:
         settings.update({str(k): str(v) for k, v in overrides.items()})
-    lines = ["# Written by Snapline's local broker launcher (connectors/local_broker.py)."]
+    lines = ["# Written by Snapline's local broker launcher (connectors/local/broker.py)."]
     lines += [f"{key}={value}" for key, value in settings.items()]
     return "\n".join(lines) + "\n"
 
@@ -395,7 +424,8 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def _port_accepts(port: int) -> bool:
+def port_accepts(port: int) -> bool:
+    """Whether something accepts TCP connections on 127.0.0.1:``port`` right now."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5):
             return True
@@ -414,6 +444,19 @@ def broker_answers(bootstrap: str, timeout: float) -> bool:
     except KafkaException:
         return False
     return bool(metadata.brokers)
+
+
+def node_serves(bootstrap: str, node_id: int, timeout: float) -> bool:
+    """Whether the cluster at ``bootstrap`` lists node ``node_id`` as a live broker."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap, "logger": logger})
+    try:
+        metadata = admin.list_topics(timeout=timeout)
+    except KafkaException:
+        return False
+    return node_id in metadata.brokers
 
 
 def tail_lines(path: Path, count: int = 25) -> list[str]:
@@ -495,12 +538,19 @@ def terminate_pid(pid: int, grace: float = 20.0) -> None:
 def _sweep_orphaned_data_dirs() -> None:
     """Delete temporary data dirs whose broker died without cleaning up (e.g. SIGKILL)."""
     for path in Path(tempfile.gettempdir()).glob(f"{TEMP_DIR_PREFIX}*"):
-        pid_file = path / "broker.pid"
+        try:  # a LocalKafkaCluster's launcher may restart its nodes: not orphaned yet
+            if _pid_alive(int((path / "owner.pid").read_text().strip())):
+                continue
+        except (OSError, ValueError):
+            pass
+        # a single broker's pid file, or each node's of a LocalKafkaCluster
+        pid_files = [path / "broker.pid"] if (path / "broker.pid").exists() else []
+        pid_files = pid_files or sorted(path.glob("node-*/broker.pid"))
         try:
-            pid = int(pid_file.read_text().strip())
+            pids = [int(f.read_text().strip()) for f in pid_files]
         except (OSError, ValueError):
             continue  # still starting, or not ours
-        if not _pid_alive(pid):
+        if pids and not any(_pid_alive(pid) for pid in pids):
             logger.debug("Removing orphaned broker data dir %s", path)
             shutil.rmtree(path, ignore_errors=True)
 
@@ -520,6 +570,8 @@ class BrokerState:
     version: str
     started_at: str
     detached: bool
+    #: the other nodes of a ``--brokers N`` cluster: (pid, data dir) each
+    other_nodes: tuple[tuple[int, str], ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -536,6 +588,7 @@ class BrokerState:
             version=str(raw["version"]),
             started_at=str(raw["started_at"]),
             detached=bool(raw["detached"]),
+            other_nodes=tuple((int(p), str(d)) for p, d in raw.get("other_nodes", ())),
         )
 
 
@@ -566,8 +619,14 @@ class LocalKafkaBroker:
         die_with_parent: bool = True,
         server_overrides: Mapping[str, str] | None = None,
         progress: ProgressCallback | None = None,
+        node_id: int = 1,
+        cluster_id: str | None = None,
+        quorum_voters: str | None = None,
     ) -> None:
         self.version = kafka_version(version)
+        self.node_id = node_id
+        self._cluster_id = cluster_id
+        self._quorum_voters = quorum_voters
         self._requested_data_dir = Path(data_dir).expanduser().resolve() if data_dir else None
         self._requested_port = port
         self._requested_controller_port = controller_port
@@ -630,8 +689,18 @@ class LocalKafkaBroker:
 
     def start(self) -> str:
         """Provision and start the broker; returns its bootstrap address once it serves metadata."""
-        if self.running:
-            return self.bootstrap_servers
+        if self.running and self._bootstrap is not None:
+            return self._bootstrap
+        bootstrap = self.launch()
+        self.wait_until_ready(bootstrap)
+        return bootstrap
+
+    def launch(self) -> str:
+        """Provision and start the JVM without waiting for it to serve; returns its address.
+
+        A node of a cluster cannot serve until a majority of the quorum runs, so
+        :class:`LocalKafkaCluster` launches every node first, then waits for each.
+        """
         java = find_java()
         libs = ensure_kafka_jars(self.version, self._progress)
         _sweep_orphaned_data_dirs()
@@ -641,15 +710,36 @@ class LocalKafkaBroker:
             self._write_config(data_dir, port, controller_port)
             self._format_storage(java, libs, data_dir)
             self._launch(java, libs, data_dir)
-            bootstrap = f"127.0.0.1:{port}"
-            self._wait_until_ready(bootstrap)
+        except BaseException:
+            self._kill_after_failed_start()
+            raise
+        return f"127.0.0.1:{port}"
+
+    def wait_until_ready(self, bootstrap: str, deadline: float | None = None) -> None:
+        """Block until the launched node serves metadata at ``bootstrap`` (or fail with its log)."""
+        try:
+            self._wait_until_ready(bootstrap, deadline)
         except BaseException:
             self._kill_after_failed_start()
             raise
         self._bootstrap = bootstrap
         self._started_at = _now()
         logger.info("Local Kafka %s ready at %s (log %s)", self.version, bootstrap, self.log_path)
-        return bootstrap
+
+    def request_stop(self) -> None:
+        """Send SIGTERM (controlled shutdown) without waiting; :meth:`stop` then waits."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+
+    def kill(self) -> None:
+        """SIGKILL the broker (a crash: no controlled shutdown) and wait until it is gone."""
+        process, self._process = self._process, None
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.stop)
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+        self._bootstrap = None
 
     def stop(self, timeout: float = 20.0) -> None:
         """Shut the broker down (SIGTERM, SIGKILL after ``timeout`` s) and wait until it is gone.
@@ -721,7 +811,7 @@ class LocalKafkaBroker:
             port = port if port is not None else fresh[0]
             controller_port = controller_port if controller_port is not None else fresh[1]
         for candidate in (port, controller_port):
-            if _port_accepts(candidate):
+            if port_accepts(candidate):
                 raise BrokerError(
                     f"Port {candidate} on 127.0.0.1 is already in use; choose another with "
                     "--port, or stop what listens there (`snapline kafka status`)."
@@ -736,11 +826,13 @@ class LocalKafkaBroker:
                 port=port,
                 controller_port=controller_port,
                 log_dirs=data_dir / "kraft-logs",
+                node_id=self.node_id,
+                quorum_voters=self._quorum_voters,
                 overrides=self._overrides,
             ),
             "utf-8",
         )
-        template = resources.files("snapline.connectors").joinpath("kafka/log4j2.properties")
+        template = resources.files("snapline.connectors.local").joinpath("kafka/log4j2.properties")
         (data_dir / "log4j2.properties").write_text(template.read_text("utf-8"), "utf-8")
 
     def _java_command(self, java: str, libs: Path, data_dir: Path, log_file: Path) -> list[str]:
@@ -760,12 +852,14 @@ class LocalKafkaBroker:
     def _format_storage(self, java: str, libs: Path, data_dir: Path) -> None:
         if (data_dir / "kraft-logs" / "meta.properties").exists():
             return  # a kept data dir: formatting again would need its original cluster id
+        # A cluster's voters are static (in server.properties); a single node is its own quorum.
+        quorum = [] if self._quorum_voters else ["--standalone"]
         command = self._java_command(java, libs, data_dir, data_dir / "storage-format.log") + [
             "kafka.tools.StorageTool",
             "format",
-            "--standalone",
+            *quorum,
             "-t",
-            new_cluster_id(),
+            self._cluster_id or new_cluster_id(),
             "-c",
             str(data_dir / "server.properties"),
         ]
@@ -814,10 +908,11 @@ class LocalKafkaBroker:
         if self._die_with_parent:
             atexit.register(self.stop)
 
-    def _wait_until_ready(self, bootstrap: str) -> None:
+    def _wait_until_ready(self, bootstrap: str, deadline: float | None = None) -> None:
         assert self._process is not None and self._data_dir is not None
         port = int(bootstrap.rsplit(":", 1)[1])
-        deadline = time.monotonic() + self._startup_timeout
+        if deadline is None:
+            deadline = time.monotonic() + self._startup_timeout
         while True:
             code = self._process.poll()
             if code is not None:
@@ -825,7 +920,7 @@ class LocalKafkaBroker:
                     f"The local Kafka broker exited with code {code} while starting."
                     + self._log_hint()
                 )
-            if _port_accepts(port) and broker_answers(bootstrap, timeout=2.0):
+            if port_accepts(port) and node_serves(bootstrap, self.node_id, timeout=2.0):
                 return
             if time.monotonic() > deadline:
                 raise BrokerError(
@@ -907,14 +1002,25 @@ def stop_recorded_broker(grace: float = 20.0) -> BrokerState | None:
     state = read_state()
     if state is None:
         return None
-    terminate_pid(state.pid, grace)
-    if _pid_alive(state.pid):
+    pids = [state.pid] + [pid for pid, data_dir in state.other_nodes]
+    alive = [
+        p for p, d in [(state.pid, state.data_dir), *state.other_nodes] if is_broker_process(p, d)
+    ]
+    for pid in alive:  # all at once: a cluster's last node must not wait for a gone quorum
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    for pid in alive:
+        terminate_pid(pid, grace)
+    survivors = [pid for pid in pids if _pid_alive(pid) and pid in alive]
+    if survivors:
         raise BrokerError(
-            f"Kafka broker pid {state.pid} survived SIGKILL; check `ps -p {state.pid}`."
+            f"Kafka broker pids {survivors} survived SIGKILL; check `ps -p {survivors[0]}`."
         )
     clear_state(state.pid)
     if state.temporary:
-        shutil.rmtree(state.data_dir, ignore_errors=True)
+        # a cluster's nodes live in node-<i>/ under one temporary dir
+        root = Path(state.data_dir).parent if state.other_nodes else Path(state.data_dir)
+        shutil.rmtree(root, ignore_errors=True)
     return state
 
 
