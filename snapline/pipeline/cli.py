@@ -108,6 +108,14 @@ def main() -> None:
     is_flag=True,
     help="With --from-savepoint: drop savepoint state that the pipeline no longer declares.",
 )
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    envvar="SNAPLINE_METRICS_PORT",
+    default=None,
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics (docs/operations.md lists "
+    "them). With --workers N, worker i uses PORT+i. 0: any free port (logged).",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def run(
     spec: str,
@@ -120,6 +128,7 @@ def run(
     reset_state: bool,
     from_savepoint: str | None,
     allow_non_restored_state: bool,
+    metrics_port: int | None,
     log_level: str,
 ) -> None:
     """Run the pipeline SPEC (module:attribute) as one or more workers.
@@ -181,7 +190,12 @@ def run(
     try:
         if workers == 1 and broker is None:
             settings = WorkerSettings(
-                bootstrap_servers, base_id, checkpoint_dir, local_dir or "", on_missing
+                bootstrap_servers,
+                base_id,
+                checkpoint_dir,
+                local_dir or "",
+                on_missing,
+                metrics_port=metrics_port,
             )
             from snapline.pipeline.runtime.topics import KafkaUnavailableError
 
@@ -213,6 +227,7 @@ def run(
                 *(["--local-dir", local_dir] if local_dir else []),
                 *([f"--{on_missing}"] if on_missing != "fail" else []),
             ],
+            metrics_port=metrics_port,
         )
         code = supervisor.run()
         if supervisor.failure_message:

@@ -47,6 +47,8 @@ EX_TEMPFAIL = 75
 #: supervisor prints it once instead of every worker printing it).
 MESSAGE_FILE_ENV = "SNAPLINE_SUPERVISOR_MESSAGE_FILE"
 POLL_INTERVAL = 0.2
+#: The supervisor tells a worker how often it restarted it (its snapline_worker_restarts).
+RESTARTS_ENV = "SNAPLINE_WORKER_RESTARTS"
 
 
 @dataclass(frozen=True)
@@ -118,8 +120,12 @@ class Supervisor:
         worker_ids: Sequence[str],
         extra_args: Sequence[str],
         policy: RestartPolicy | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         self.spec = spec
+        #: Worker i serves its metrics on metrics_port + i.
+        self.metrics_port = metrics_port
+        self.restarts: dict[str, int] = {w: 0 for w in worker_ids}
         self.worker_ids = list(worker_ids)
         self.extra_args = list(extra_args)
         self.policy = policy or RestartPolicy()
@@ -143,14 +149,30 @@ class Supervisor:
             "--worker-id",
             worker_id,
             *self.extra_args,
+            *(
+                ["--metrics-port", str(self._metrics_port_of(worker_id))]
+                if self.metrics_port is not None
+                else []
+            ),
         ]
+
+    def _metrics_port_of(self, worker_id: str) -> int:
+        """metrics_port + i for worker i; 0 (any free port) for every worker."""
+        assert self.metrics_port is not None
+        if self.metrics_port == 0:
+            return 0
+        return self.metrics_port + self.worker_ids.index(worker_id)
 
     def _message_file(self, worker_id: str) -> Path:
         return self._messages / f"{worker_id}.message"
 
     def _start(self, worker_id: str) -> None:
         self._message_file(worker_id).unlink(missing_ok=True)
-        env = {**os.environ, MESSAGE_FILE_ENV: str(self._message_file(worker_id))}
+        env = {
+            **os.environ,
+            MESSAGE_FILE_ENV: str(self._message_file(worker_id)),
+            RESTARTS_ENV: str(self.restarts[worker_id]),
+        }
         self.children[worker_id] = subprocess.Popen(self._command(worker_id), env=env)
         self.started_at[worker_id] = time.monotonic()
         log.info("started worker %s (pid %d)", worker_id, self.children[worker_id].pid)
@@ -199,6 +221,7 @@ class Supervisor:
                 if decision.action == "restart":
                     log.warning("worker %s exited with %s: %s", worker_id, code, decision.reason)
                     self.restart_due[worker_id] = now + decision.delay
+                    self.restarts[worker_id] += 1
                 elif decision.action == "stop_all":
                     if code == EX_CONFIG and self.failure_message is None:
                         self.failure_message = self._read_message(worker_id)

@@ -77,6 +77,12 @@ class TaskCheckpoint:
     sinks: dict[str, dict[str, Any]] = field(default_factory=dict)
     states: list[dict[str, Any]] = field(default_factory=list)
     created_at: float = 0.0
+    #: Seconds per phase of this task's part of the checkpoint: "sync" (the synchronous
+    #: snapshot at the barrier), "alignment" (trigger until the barrier passed, sync
+    #: excluded), "async" (materializing the state); for the checkpoint history.
+    timings: dict[str, float] = field(default_factory=dict)
+    #: Wall-clock time the checkpoint was triggered (0.0: not recorded).
+    triggered_at: float = 0.0
 
     @property
     def checkpoint_id(self) -> int:
@@ -95,6 +101,8 @@ class TaskCheckpoint:
             "sinks": self.sinks,
             "states": self.states,
             "created_at": self.created_at,
+            "timings": self.timings,
+            "triggered_at": self.triggered_at,
         }
 
     def encode(self) -> bytes:
@@ -126,6 +134,8 @@ class TaskCheckpoint:
             sinks=body.get("sinks", {}),
             states=body.get("states", []),
             created_at=float(body.get("created_at", 0.0)),
+            timings={k: float(v) for k, v in body.get("timings", {}).items()},
+            triggered_at=float(body.get("triggered_at", 0.0)),
         )
 
     def write(self, storage: CheckpointStorage) -> str:

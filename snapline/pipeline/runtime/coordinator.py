@@ -40,6 +40,8 @@ class PendingCheckpoint:
     snapshots: dict[str, TaskSnapshot] = field(default_factory=dict)
     futures: dict[str, Future[TaskCheckpoint]] = field(default_factory=dict)
     aligned_at: float = 0.0
+    #: Wall-clock trigger time (the checkpoint history shows it).
+    triggered_wall: float = field(default_factory=time.time)
 
     @property
     def all_acknowledged(self) -> bool:
@@ -53,6 +55,7 @@ class CompletedCheckpoint:
     triggered_at: float
     aligned_at: float
     durable_at: float
+    triggered_wall: float = 0.0
 
 
 class CheckpointCoordinator:
@@ -106,11 +109,20 @@ class CheckpointCoordinator:
                 f"in flight: {pending.checkpoint_id if pending else None}"
             )
         pending.snapshots[snapshot.task_id] = snapshot
-        pending.futures[snapshot.task_id] = self._pool.submit(self._materialize, snapshot)
+        timings = {
+            "sync": snapshot.sync_seconds,
+            "alignment": max(0.0, time.monotonic() - pending.triggered_at - snapshot.sync_seconds),
+        }
+        pending.futures[snapshot.task_id] = self._pool.submit(
+            self._materialize, snapshot, timings, pending.triggered_wall
+        )
         if pending.all_acknowledged:
             pending.aligned_at = time.monotonic()
 
-    def _materialize(self, snapshot: TaskSnapshot) -> TaskCheckpoint:
+    def _materialize(
+        self, snapshot: TaskSnapshot, timings: dict[str, float], triggered_wall: float
+    ) -> TaskCheckpoint:
+        started = time.monotonic()
         ref = CheckpointRef(snapshot.checkpoint_id, self.attempt)
         directory = ref.directory(self.job, snapshot.task_id)
         handle = None
@@ -143,6 +155,8 @@ class CheckpointCoordinator:
             sinks=sinks,
             states=self._states,
             created_at=time.time(),
+            timings={**timings, "async": round(time.monotonic() - started, 6)},
+            triggered_at=triggered_wall,
         )
         try:
             meta.write(self.storage)
@@ -191,7 +205,12 @@ class CheckpointCoordinator:
             ) from error
         self.faults.point("after_metadata_write")
         return CompletedCheckpoint(
-            pending.checkpoint_id, tasks, pending.triggered_at, pending.aligned_at, time.monotonic()
+            pending.checkpoint_id,
+            tasks,
+            pending.triggered_at,
+            pending.aligned_at,
+            time.monotonic(),
+            pending.triggered_wall,
         )
 
     def finish(self) -> None:

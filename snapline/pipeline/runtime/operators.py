@@ -428,8 +428,11 @@ class SinkOperator(Operator):
     def __init__(self, task: OperatorContext, name: str, writer: SinkWriter) -> None:
         super().__init__(task, name)
         self.writer = writer
+        #: Records handed to the sink (metrics: records out).
+        self.records_out = 0
 
     def process(self, records: list[Record]) -> None:
+        self.records_out += len(records)
         self.writer.write_batch(records, self.task.epoch)
 
     def on_barrier(self, barrier: Barrier) -> None:

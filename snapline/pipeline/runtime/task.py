@@ -15,6 +15,7 @@ Threads: everything here runs on the worker's task thread.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -74,6 +75,9 @@ class TaskSnapshot:
     positions: dict[TopicPartitionKey, int]
     state: SnapshotHandle | None
     sinks: dict[str, PreCommitResult]
+    #: Seconds the synchronous part took (operators' barrier handling: state snapshot, sink
+    #: pre-commit), for the checkpoint history and metrics.
+    sync_seconds: float = 0.0
 
 
 class Task:
@@ -255,6 +259,7 @@ class Task:
     # ------------------------------------------------------------------ barriers
     def _on_aligned(self, barrier: Barrier) -> None:
         n = barrier.checkpoint_id
+        sync_started = time.monotonic()
         self.sink_results = {}
         self._state_snapshot = None
         for op in self.operators:
@@ -263,7 +268,14 @@ class Task:
         self._faults.point("sync_snapshot")
         self.epoch = n + 1
         self._on_snapshot(
-            TaskSnapshot(self.task_id, n, self._barrier_positions.pop(n), state, self.sink_results)
+            TaskSnapshot(
+                self.task_id,
+                n,
+                self._barrier_positions.pop(n),
+                state,
+                self.sink_results,
+                sync_seconds=time.monotonic() - sync_started,
+            )
         )
         self.sink_results = {}
 

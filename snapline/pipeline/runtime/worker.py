@@ -81,6 +81,7 @@ from snapline.pipeline.runtime.kafka_calls import (
     kafka_error,
     sleep_unless,
 )
+from snapline.pipeline.runtime.metrics import WorkerMetrics
 from snapline.pipeline.runtime.task import Task, TaskSnapshot
 from snapline.pipeline.runtime.transaction import FencedError, TransactionalOutput
 from snapline.pipeline.savepoint.control import PAUSE_LIMIT, ControlChannel, Request, write_ack
@@ -120,6 +121,8 @@ class WorkerSettings:
     #: What to do for a task whose committed offsets are gone while checkpoints that committed
     #: are stored: "fail" (default), "restore-latest" or "reset-state" (see _missing_offsets).
     on_missing_offsets: str = "fail"
+    #: Serve Prometheus metrics on this port (None: no endpoint; 0: any free port).
+    metrics_port: int | None = None
 
     def resolved_local_dir(self) -> Path:
         """Where tasks keep local state: ``local_dir``, else beside a local checkpoint
@@ -186,6 +189,12 @@ class Worker:
         #: An exception raised in a rebalance callback, re-raised after the poll (_consume).
         self._callback_error: Exception | None = None
         self._metrics_path = os.environ.get("SNAPLINE_METRICS_FILE")
+        #: Prometheus metrics (--metrics-port) and the checkpoint history in storage.
+        self.metrics = WorkerMetrics(
+            pipeline.name, settings.worker_id, settings.checkpoint_dir, settings.metrics_port
+        )
+        #: Task id -> bytes of state its last restore read (for metrics).
+        self._restored_bytes: dict[str, int] = {}
         self.checkpoints_committed = 0
         self.plan = pipeline.stages()
         self._stage_of_topic = self.plan.stage_of_topics(pipeline.source_topics())
@@ -309,6 +318,8 @@ class Worker:
                 "event": "restored",
                 "seconds": round(time.monotonic() - started, 3),
                 "checkpoints": self._restored_from,
+                "bytes": self._restored_bytes,
+                "reason": "assigned",
             }
         )
 
@@ -372,6 +383,7 @@ class Worker:
         committed_by_tp = {(c.topic, c.partition): c for c in committed}
         seek: dict[tuple[str, int], int] = {}
         self._restored_from = {}
+        self._restored_bytes = {}
         for task_id, tps in sorted(by_task.items()):
             positions, ref = self._restore_task(
                 task_id, [committed_by_tp[(t.topic, t.partition)] for t in tps]
@@ -463,6 +475,8 @@ class Worker:
                 backend,
                 on_corrupt=self.pipeline.on_corrupt_checkpoint,
             )
+            if meta.state is not None:
+                self._restored_bytes[task_id] = sum(f.size for f in meta.state.files)
             if not is_marked_committed(self.storage, self.pipeline.name, task_id, ref):
                 # The committed offsets prove it: the worker that committed it died before
                 # its marker was written.
@@ -710,6 +724,7 @@ class Worker:
             entry,
         )
         self._event(entry)
+        self.metrics.checkpoint_completed(done, committed_at - commit_start)
 
     def _records_in(self) -> int:
         return sum(t.records_in for t in self.tasks.values())
@@ -719,7 +734,9 @@ class Worker:
         return self._records_in() == self._records_at_trigger
 
     def _event(self, entry: dict[str, Any]) -> None:
-        """Append a metrics event (JSON line) when SNAPLINE_METRICS_FILE is set."""
+        """Append a metrics event (JSON line) when SNAPLINE_METRICS_FILE is set; feed the
+        Prometheus metrics and the checkpoint history."""
+        self.metrics.on_event(entry, self.coordinator.pending)
         if self._metrics_path:
             entry = {
                 **entry,
@@ -785,7 +802,17 @@ class Worker:
             return  # a rebalance callback rebuilt the tasks
         self._restore_pending = False
         assignment = self.consumer.assignment()
+        started = time.monotonic()
         restored = self._restore(assignment)
+        self._event(
+            {
+                "event": "restored",
+                "seconds": round(time.monotonic() - started, 3),
+                "checkpoints": self._restored_from,
+                "bytes": self._restored_bytes,
+                "reason": "after a failed checkpoint",
+            }
+        )
         for (topic, partition), offset in restored.items():
             self.consumer.seek(TopicPartition(topic, partition, offset))
 
@@ -955,6 +982,7 @@ class Worker:
         for task in self.tasks.values():
             task.run()
         self.output.poll()
+        self.metrics.maybe_sample(self.tasks, self.output.held, self.consumer)
         if self.coordinator.pending is not None:
             try:
                 done = self.coordinator.poll()
@@ -1032,6 +1060,11 @@ class Worker:
         if not self.tasks:
             return True
         if self.coordinator.pending is None and self._nothing_read_since_trigger():
+            if reason == "stop":
+                log.info(
+                    "stop: nothing read since checkpoint %d; no final checkpoint needed",
+                    self.coordinator.next_id - 1,
+                )
             return True  # nothing read since the last committed checkpoint
         log.info("%s: taking a final checkpoint", reason)
         bound = self.pipeline.checkpoint_timeout
@@ -1058,6 +1091,7 @@ class Worker:
                 self._event({"event": "checkpoint_failed", "error": str(exc)[:500]})
                 return False
             if done is not None and done.checkpoint_id == target:
+                log.info("%s: final checkpoint %d committed", reason, target)
                 return True
             time.sleep(0.001)
         return False
@@ -1117,6 +1151,7 @@ class Worker:
             task.close()
         self.tasks = {}
         self.coordinator.shutdown()
+        self.metrics.close()
         self._control.close()
         try:
             self._consumer_call("close", 10.0, self.consumer.close)

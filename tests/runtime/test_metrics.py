@@ -1,0 +1,110 @@
+"""Worker metrics without a broker: stage labels, the Prometheus series a checkpoint and a
+restore produce, the checkpoint history they write, and the supervisor's metrics ports."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from snapline.pipeline.checkpoint.history import read_history
+from snapline.pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint
+from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.runtime.coordinator import CompletedCheckpoint, PendingCheckpoint
+from snapline.pipeline.runtime.metrics import WorkerMetrics, stage_of
+from snapline.pipeline.state.backend import StateFile, StateHandle
+from snapline.pipeline.supervisor import Supervisor
+
+
+def test_stage_label_is_the_digit_after_s() -> None:
+    assert stage_of("p3") == "0"
+    assert stage_of("s1-p3") == "1"
+    assert stage_of("s12-p0") == "12"
+
+
+def _done(n: int, files: tuple[StateFile, ...]) -> CompletedCheckpoint:
+    now = time.monotonic()
+    meta = TaskCheckpoint(
+        job="orders",
+        task_id="s1-p0",
+        ref=CheckpointRef(n, "abc"),
+        worker_id="w0",
+        positions={("orders", 0): 10 * n},
+        state=StateHandle("memory", files),
+        timings={"sync": 0.002, "alignment": 0.01, "async": 0.05},
+        triggered_at=time.time() - 0.2,
+    )
+    return CompletedCheckpoint(n, {"s1-p0": meta}, now - 0.2, now - 0.15, now - 0.05, time.time())
+
+
+def _scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    found: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            found.setdefault(s.name, []).append((dict(s.labels), s.value))
+    return found
+
+
+def test_checkpoints_and_restores_become_series_and_history(tmp_path: Path) -> None:
+    metrics = WorkerMetrics("orders", "w0", str(tmp_path), port=0, addr="127.0.0.1")
+    try:
+        assert metrics.port
+        a, b = StateFile("orders/shared/a", 100, "crc32:0"), StateFile("orders/shared/b", 30, "x")
+        metrics.checkpoint_completed(_done(1, (a,)), 0.01)
+        metrics.checkpoint_completed(_done(2, (a, b)), 0.02)
+        pending = PendingCheckpoint(3, {"s1-p0"}, time.monotonic() - 1.0)
+        metrics.on_event({"event": "checkpoint_failed", "error": "disk full"}, pending)
+        metrics.on_event(
+            {
+                "event": "restored",
+                "seconds": 0.5,
+                "checkpoints": {"s1-p0": 2},
+                "bytes": {"s1-p0": 130},
+            },
+            None,
+        )
+        found = _scrape(metrics.port)
+    finally:
+        metrics.close()
+    task = {"job": "orders", "worker": "w0", "stage": "1", "task": "s1-p0"}
+    sizes = {s[0]["kind"]: s[1] for s in found["snapline_checkpoint_size_bytes"]}
+    assert sizes == {"full": 130, "incremental": 30}
+    assert found["snapline_checkpoint_uploaded_bytes_total"] == [(task, 130.0)]
+    statuses = {s[0]["status"]: s[1] for s in found["snapline_checkpoints_total"]}
+    assert statuses == {"completed": 2, "failed": 1}
+    assert found["snapline_last_checkpoint_id"] == [(task, 2.0)]
+    assert found["snapline_restored_bytes_total"] == [(task, 130.0)]
+    phases = {s[0]["phase"] for s in found["snapline_task_checkpoint_duration_seconds_count"]}
+    assert phases == {"sync", "alignment", "async"}
+
+    history = read_history(CheckpointStorage(str(tmp_path)), "orders")
+    assert [(e.kind, e.status, e.checkpoint_id) for e in history] == [
+        ("restore", "restored", 2),
+        ("checkpoint", "failed", 3),
+        ("checkpoint", "completed", 2),
+        ("checkpoint", "completed", 1),
+    ]
+    assert history[1].reason == "disk full"
+    assert history[2].tasks["s1-p0"].incremental_bytes == 30
+    assert history[2].tasks["s1-p0"].sync == 0.002
+
+
+def test_history_is_written_without_a_metrics_port(tmp_path: Path) -> None:
+    metrics = WorkerMetrics("orders", "w/0", str(tmp_path))
+    metrics.checkpoint_completed(_done(1, ()), 0.01)
+    metrics.close()
+    (entry,) = read_history(CheckpointStorage(str(tmp_path)), "orders")
+    assert (entry.worker, entry.checkpoint_id) == ("w/0", 1)
+
+
+def test_supervised_workers_get_consecutive_metrics_ports() -> None:
+    supervisor = Supervisor("m:p", ["w-0", "w-1"], [], metrics_port=9400)
+    commands = [supervisor._command(w) for w in ("w-0", "w-1")]
+    assert [c[c.index("--metrics-port") + 1] for c in commands] == ["9400", "9401"]
+    any_port = Supervisor("m:p", ["w-0", "w-1"], [], metrics_port=0)
+    assert any_port._command("w-1")[-1] == "0"
+    assert "--metrics-port" not in Supervisor("m:p", ["w-0"], [])._command("w-0")
