@@ -16,6 +16,7 @@ from typing import NoReturn
 
 import click
 
+from snapline.pipeline.cli_help import FullSummaryGroup
 from snapline.pipeline.errors import ConfigurationError, SnaplineError
 from snapline.pipeline.supervisor import EX_CONFIG, EX_TEMPFAIL, MESSAGE_FILE_ENV
 
@@ -42,24 +43,37 @@ def _configuration_error(exc: ConfigurationError) -> NoReturn:
     raise error
 
 
-@click.group()
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+@click.group(
+    cls=FullSummaryGroup,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
+@click.version_option(package_name="snapline", prog_name="snapline")
 def main() -> None:
-    """Snapline: exactly-once stream pipelines on Apache Kafka."""
+    """Snapline: exactly-once stream pipelines on Apache Kafka.
+
+    Start with `snapline run module:pipeline`; `snapline COMMAND --help` explains each
+    command."""
 
 
-@main.command()
+@main.command(short_help="Run a pipeline as one or more worker processes.")
 @click.argument("spec")
 @click.option(
     "--workers",
     type=int,
     default=1,
     show_default=True,
-    help="Worker processes to run on this host (each a consumer-group member).",
+    help="Worker processes to run on this host (each a consumer-group member). A supervisor "
+    "restarts crashed ones.",
 )
 @click.option(
     "--bootstrap-servers",
     envvar="SNAPLINE_BOOTSTRAP_SERVERS",
+    show_envvar=True,
     default=None,
+    show_default="an embedded local broker",
     help="Kafka bootstrap servers. Without it, an embedded local broker is used whose data "
     "lives beside a local checkpoint dir (its parent's kafka/: .snapline/kafka by default, and "
     "for a checkpoint URI): it restarts on the same port with the same topics, offsets and "
@@ -69,21 +83,26 @@ def main() -> None:
 @click.option(
     "--checkpoint-dir",
     envvar="SNAPLINE_CHECKPOINT_DIR",
+    show_envvar=True,
     default=None,
+    show_default="the pipeline's checkpoint_dir, else .snapline/checkpoints",
     help="Checkpoint storage: a directory or a pyarrow.fs URI (s3://, gs://, hdfs://).",
 )
 @click.option(
     "--worker-id",
     envvar="SNAPLINE_WORKER_ID",
+    show_envvar=True,
     default=None,
-    help="Stable id of this worker (fences its previous incarnation). Default: hostname.",
+    show_default="the hostname; with --workers N: ID-0 .. ID-(N-1)",
+    help="Stable id of this worker (fences its previous incarnation).",
 )
 @click.option(
     "--local-dir",
     envvar="SNAPLINE_LOCAL_DIR",
+    show_envvar=True,
     default=None,
-    help="Scratch directory for local state (RocksDB) and local recovery. Default: beside a "
-    "local checkpoint dir, or ~/.cache/snapline/local for a remote one.",
+    show_default="beside a local checkpoint dir, or ~/.cache/snapline/local for a remote one",
+    help="Scratch directory for local state (RocksDB) and local recovery.",
 )
 @click.option(
     "--restore-latest",
@@ -112,11 +131,17 @@ def main() -> None:
     "--metrics-port",
     type=click.IntRange(0, 65535),
     envvar="SNAPLINE_METRICS_PORT",
+    show_envvar=True,
     default=None,
     help="Serve Prometheus metrics at http://HOST:PORT/metrics (docs/operations.md lists "
     "them). With --workers N, worker i uses PORT+i. 0: any free port (logged).",
 )
-@click.option("--log-level", default="INFO", show_default=True)
+@click.option(
+    "--log-level",
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
+    default="INFO",
+    show_default=True,
+)
 def run(
     spec: str,
     workers: int,
@@ -238,31 +263,16 @@ def run(
             broker.stop()
 
 
-@main.command()
-@click.argument("spec")
-@click.option("--checkpoint-dir", envvar="SNAPLINE_CHECKPOINT_DIR", default=None)
-def checkpoints(spec: str, checkpoint_dir: str | None) -> None:
-    """List the stored checkpoints of each task of the pipeline SPEC."""
-    sys.path.insert(0, os.getcwd())
-    from snapline.pipeline.checkpoint.metadata import TaskCheckpoint, list_checkpoints
-    from snapline.pipeline.checkpoint.storage import CheckpointStorage
-    from snapline.pipeline.graph import load_pipeline
+def _register_inspection() -> None:
+    from snapline.pipeline.status_cli import checkpoints, status
+    from snapline.pipeline.ui.cli import ui
 
-    pipeline = load_pipeline(spec)
-    storage = CheckpointStorage(
-        checkpoint_dir or pipeline.checkpoint_dir or os.path.join(".snapline", "checkpoints")
-    )
-    for task_id in storage.list_dir(f"{pipeline.name}/tasks"):
-        for ref in list_checkpoints(storage, pipeline.name, task_id):
-            try:
-                meta = TaskCheckpoint.read(storage, pipeline.name, task_id, ref)
-                size = sum(f.size for f in meta.state.files) if meta.state else 0
-                click.echo(
-                    f"{task_id}\tchk {ref.checkpoint_id}\t{ref.attempt}\t{size} B\t"
-                    f"{dict(meta.positions)}"
-                )
-            except SnaplineError as exc:
-                click.echo(f"{task_id}\tchk {ref.checkpoint_id}\t{ref.attempt}\tINCOMPLETE ({exc})")
+    main.add_command(checkpoints)
+    main.add_command(status)
+    main.add_command(ui)
+
+
+_register_inspection()
 
 
 def _register_savepoints() -> None:

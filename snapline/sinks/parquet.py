@@ -328,8 +328,9 @@ def _read_table_schema(table: Path) -> pa.Schema | None:
     return pa.ipc.read_schema(pa.py_buffer(data))
 
 
-def _store_table_schema(table: Path, schema: pa.Schema) -> pa.Schema:
-    """Record ``schema`` as the table's unless one exists; return the table's schema."""
+def _store_table_schema(table: Path, schema: pa.Schema) -> tuple[pa.Schema, bool]:
+    """Record ``schema`` as the table's unless one exists; return the table's schema and
+    whether this call recorded it."""
     _makedirs_durable(table)
     final = table / SCHEMA_FILE
     tmp = table / f".{SCHEMA_FILE}.{uuid.uuid4().hex}.tmp"
@@ -337,16 +338,18 @@ def _store_table_schema(table: Path, schema: pa.Schema) -> pa.Schema:
         handle.write(schema.serialize().to_pybytes())
         handle.flush()
         os.fsync(handle.fileno())
+    created = False
     try:
         os.link(tmp, final)  # atomic create: the first writer of a table decides its schema
         _fsync_path(table, directory=True)
+        created = True
     except FileExistsError:
         pass
     finally:
         tmp.unlink(missing_ok=True)
     stored = _read_table_schema(table)
     assert stored is not None
-    return stored
+    return stored, created
 
 
 # --------------------------------------------------------------------------- staged checkpoints
@@ -585,8 +588,10 @@ class ParquetSinkWriter(StagingSinkWriter[_StageJob, StagedCheckpoint]):
         exclude = (sink.checkpoint_column,) if sink.checkpoint_column else ()
         schema = infer_schema(values, sink.partition_by, exclude)
         _check_schema(schema, sink.partition_by, sink.checkpoint_column, "inferred")
-        schema = _store_table_schema(self.table, schema)
-        log.info("%s: table schema %s", sink.name, schema)
+        schema, created = _store_table_schema(self.table, schema)
+        # Every task infers a schema; only the one that recorded it says so (once per job).
+        if created:
+            log.info("%s: table schema %s", sink.name, schema)
         self._converter = RowConverter(schema)
         return self._converter
 

@@ -32,6 +32,7 @@ from snapline.connectors.local.broker import (
     write_state,
 )
 from snapline.connectors.local.cluster import LocalKafkaCluster
+from snapline.pipeline.cli_help import FullSummaryGroup
 from snapline.pipeline.errors import BrokerError
 
 console = Console(highlight=False, soft_wrap=True)
@@ -90,7 +91,7 @@ def _jar_summary(libs: Path) -> str:
     return f"{len(jars)} jars, {size:.0f} MB"
 
 
-@click.group(name="kafka")
+@click.group(name="kafka", cls=FullSummaryGroup)
 def kafka() -> None:
     """A real single-node Kafka broker on this machine, for development and tests."""
 

@@ -14,6 +14,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from snapline.pipeline.cli_help import FullSummaryGroup
 from snapline.pipeline.errors import SnaplineError
 
 console = Console(stderr=True)
@@ -55,7 +56,7 @@ _checkpoints = click.option(
 )
 
 
-@click.group()
+@click.group(cls=FullSummaryGroup)
 def savepoint() -> None:
     """Savepoints: self-contained, portable snapshots of a job for upgrades and rescaling.
 

@@ -1,0 +1,1 @@
+"""``snapline ui``: the job overview and checkpoint-history web page."""
