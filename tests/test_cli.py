@@ -147,3 +147,19 @@ def test_ui_page_and_json_from_storage(runner: CliRunner, tmp_path: Path) -> Non
     ]
     p0 = data["tasks"][0]["checkpoints"]
     assert [(c["id"], c["committed"]) for c in p0] == [(1, True), (2, False)]
+
+
+def test_progress_bar_completes_every_step() -> None:
+    import io
+
+    from rich.console import Console
+
+    from snapline.pipeline.progress import progress_bar
+
+    out = io.StringIO()
+    with progress_bar(Console(file=out, width=100)) as bar:
+        for done in range(3):
+            bar("state", done, 4)  # export reports before each task: never 4/4 by itself
+        bar("in flight: orders.repartition", 0, 1)
+    text = out.getvalue()
+    assert "4/4 tasks" in text and "1/1 tasks" in text

@@ -197,16 +197,21 @@ def run(
         broker, bootstrap_servers = embedded.broker, embedded.bootstrap_servers
         click.echo(embedded.description, err=True)
     if from_savepoint:
+        from rich.console import Console
+
+        from snapline.pipeline.progress import progress_bar
         from snapline.pipeline.savepoint.restore import seed_from_savepoint
 
         try:
-            seed_from_savepoint(
-                pipeline,
-                {"bootstrap.servers": bootstrap_servers, **pipeline.kafka_config},
-                checkpoint_dir,
-                from_savepoint,
-                allow_non_restored=allow_non_restored_state,
-            )
+            with progress_bar(Console(stderr=True)) as bar:
+                seed_from_savepoint(
+                    pipeline,
+                    {"bootstrap.servers": bootstrap_servers, **pipeline.kafka_config},
+                    checkpoint_dir,
+                    from_savepoint,
+                    allow_non_restored=allow_non_restored_state,
+                    progress=bar,
+                )
         except ConfigurationError as exc:
             _configuration_error(exc)
         except SnaplineError as exc:

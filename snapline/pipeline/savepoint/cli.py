@@ -16,6 +16,7 @@ from rich.table import Table
 
 from snapline.pipeline.cli_help import FullSummaryGroup
 from snapline.pipeline.errors import SnaplineError
+from snapline.pipeline.progress import progress_bar
 
 console = Console(stderr=True)
 
@@ -36,10 +37,6 @@ def _job(spec: str, bootstrap: str | None, checkpoint_dir: str | None) -> tuple[
         checkpoint_dir or pipeline.checkpoint_dir or os.path.join(".snapline", "checkpoints")
     )
     return pipeline, config, directory
-
-
-def _progress(what: str, done: int, total: int) -> None:
-    console.print(f"  {what}: {done}/{total} tasks" if what == "state" else f"  {what}")
 
 
 _bootstrap = click.option(
@@ -137,9 +134,10 @@ def create(
                 "savepoint?); try again"
             )
         console.print(f"all {len(acks)} workers committed and paused; writing {target}")
-        metadata = export_savepoint(
-            pipeline, config, directory, target, origin="savepoint", progress=_progress
-        )
+        with progress_bar(console) as bar:
+            metadata = export_savepoint(
+                pipeline, config, directory, target, origin="savepoint", progress=bar
+            )
         if not stop:
             control.send(config, pipeline.name, "resume", request)
             resumed = True
@@ -182,9 +180,10 @@ def from_checkpoint(
         )
     target = target or default_savepoint_uri(directory, pipeline.name)
     try:
-        metadata = export_savepoint(
-            pipeline, config, directory, target, origin="from-checkpoint", progress=_progress
-        )
+        with progress_bar(console) as bar:
+            metadata = export_savepoint(
+                pipeline, config, directory, target, origin="from-checkpoint", progress=bar
+            )
     except SnaplineError as exc:
         raise click.ClickException(str(exc)) from exc
     _summary(metadata)

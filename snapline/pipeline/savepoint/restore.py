@@ -30,6 +30,7 @@ import time
 import uuid
 import zlib
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,9 +171,11 @@ def seed_from_savepoint(
     savepoint_uri: str,
     *,
     allow_non_restored: bool = False,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> int | None:
     """Make ``savepoint_uri`` the job's starting point (see module). Returns the checkpoint
-    id the tasks start from, or None when the job was already restored from this savepoint."""
+    id the tasks start from, or None when the job was already restored from this savepoint.
+    ``progress(what, done, total)`` is told how many tasks' state is written."""
     where = str(kafka_config.get("bootstrap.servers"))
     pipeline.validate()
     sp_storage = CheckpointStorage(savepoint_uri)
@@ -257,7 +260,10 @@ def seed_from_savepoint(
     scratch = tempfile.mkdtemp(prefix="snapline-restore-")
     offsets: list[TopicPartition] = []
     try:
-        for task in job_tasks(pipeline, partitions):
+        all_tasks = job_tasks(pipeline, partitions)
+        for done, task in enumerate(all_tasks):
+            if progress is not None:
+                progress("restoring savepoint state", done, len(all_tasks))
             positions = {
                 (t, p): (
                     savepoint.source_offsets.get(t, {}).get(p, -1)
