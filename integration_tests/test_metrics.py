@@ -4,6 +4,7 @@ scraped over HTTP from each worker: the series exist, counters move, lag drops t
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -209,4 +210,38 @@ def test_two_workers_serve_metrics_that_move(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(30)
-    assert "final checkpoint" in log.read_text(errors="replace")
+    assert proc.returncode == 0, log.read_text(errors="replace")[-3000:]
+    text = log.read_text(errors="replace")
+    # SIGTERM names the final checkpoint of each worker.
+    assert (
+        len(
+            re.findall(
+                r"stop: (final checkpoint \d+ committed|nothing read since checkpoint \d+)", text
+            )
+        )
+        == 2
+    ), text[-3000:]
+
+    # `snapline status`, from Kafka and storage alone: everything committed, lag 0.
+    status = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snapline.pipeline.cli",
+            "status",
+            "examples.running_total:pipeline",
+            "--bootstrap-servers",
+            kafka_bootstrap,
+            "--checkpoint-dir",
+            str(tmp_path / "chk"),
+        ],
+        cwd=tmp_path,
+        env={**env, "COLUMNS": "250"},
+        capture_output=True,
+        timeout=120,
+    )
+    out = status.stdout.decode()
+    assert status.returncode == 0, status.stderr.decode()
+    assert f"total lag: 0 records over {PARTITIONS} tasks" in out, out
+    for i in range(PARTITIONS):
+        assert f"{prefix}orders[{i}]" in out, out

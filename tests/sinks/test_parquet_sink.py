@@ -598,3 +598,17 @@ def test_recovery_after_the_commit_log_was_pruned(table: Path, sink: ParquetSink
     successor, _ = make_writer(sink)
     successor.recover(1, meta)
     assert len(visible(table)) == 5
+
+
+def test_the_table_schema_is_logged_once_per_job(
+    table: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sink = ParquetSink(table)
+    writers = [make_writer(sink, task=f"t-{i}")[0] for i in range(3)]  # all open before a row
+    with caplog.at_level("INFO", logger="snapline.sinks.parquet"):
+        for i, writer in enumerate(writers):
+            writer.write_batch(records([{"id": f"r{i}", "n": i}]), 1)
+            metadata(writer.pre_commit(1))
+    assert sum("table schema" in r.getMessage() for r in caplog.records) == 1
+    for writer in writers:
+        writer.close()
