@@ -108,3 +108,32 @@ def test_supervised_workers_get_consecutive_metrics_ports() -> None:
     any_port = Supervisor("m:p", ["w-0", "w-1"], [], metrics_port=0)
     assert any_port._command("w-1")[-1] == "0"
     assert "--metrics-port" not in Supervisor("m:p", ["w-0"], [])._command("w-0")
+
+
+def test_incremental_bytes_after_a_restore_count_only_new_files(tmp_path: Path) -> None:
+    a, b = StateFile("orders/shared/a", 100, "x"), StateFile("orders/shared/b", 30, "x")
+    metrics = WorkerMetrics("orders", "w0", str(tmp_path))
+    metrics.restored_files("s1-p0", StateHandle("rocksdb", (a,)))
+    metrics.on_event(
+        {"event": "restored", "seconds": 0.1, "checkpoints": {"s1-p0": 1}, "bytes": {"s1-p0": 100}},
+        None,
+    )
+    metrics.checkpoint_completed(_done(2, (a, b)), 0.01)
+    metrics.close()
+    latest = read_history(CheckpointStorage(str(tmp_path)), "orders")[0]
+    assert (latest.bytes, latest.incremental_bytes) == (130, 30)
+
+
+def test_a_taken_metrics_port_is_a_configuration_error(tmp_path: Path) -> None:
+    import socket
+
+    import pytest
+
+    from snapline.pipeline.errors import ConfigurationError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigurationError, match="--metrics-port"):
+            WorkerMetrics("orders", "w0", str(tmp_path), port=port, addr="127.0.0.1")

@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from snapline.pipeline.checkpoint.history import HistoryEntry, HistoryWriter, TaskTimes
+from snapline.pipeline.errors import ConfigurationError
+from snapline.pipeline.state.backend import StateHandle
 from snapline.pipeline.supervisor import RESTARTS_ENV
 
 if TYPE_CHECKING:
@@ -76,7 +78,14 @@ class WorkerMetrics:
         from prometheus_client import start_http_server
 
         assert self._prom is not None
-        self._server, _thread = start_http_server(port, addr=addr, registry=self._prom.registry)
+        try:
+            self._server, _thread = start_http_server(port, addr=addr, registry=self._prom.registry)
+        except OSError as exc:
+            self.history.close()
+            raise ConfigurationError(
+                f"cannot serve metrics on {addr}:{port}: {exc}; choose a free --metrics-port "
+                "(with --workers N, PORT to PORT+N-1 must be free) or 0 for any free port"
+            ) from exc
         self.port = int(self._server.server_port)
         log.info("metrics of worker %s: http://%s:%d/metrics", self.worker, addr, self.port)
 
@@ -281,11 +290,18 @@ class WorkerMetrics:
                 )
             )
 
+    def restored_files(self, task_id: str, state: StateHandle) -> None:
+        """A task restored ``state``: its next checkpoint's incremental bytes are the files
+        not in it (RocksDB shares unchanged SST files between checkpoints)."""
+        self._files[task_id] = {f.path for f in state.files}
+
     def _restored(self, entry: Mapping[str, Any]) -> None:
         restored: dict[str, int | None] = dict(entry.get("checkpoints", {}))
         seconds = float(entry.get("seconds", 0.0))
         sizes = dict(entry.get("bytes", {}))
-        self._files.clear()
+        for task_id in list(self._files):
+            if task_id not in sizes:  # restored without state, or moved away
+                del self._files[task_id]
         prom = self._prom
         if prom is not None:
             prom.restore_seconds.labels(self.job, self.worker).observe(seconds)

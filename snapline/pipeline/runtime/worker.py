@@ -477,6 +477,7 @@ class Worker:
             )
             if meta.state is not None:
                 self._restored_bytes[task_id] = sum(f.size for f in meta.state.files)
+                self.metrics.restored_files(task_id, meta.state)
             if not is_marked_committed(self.storage, self.pipeline.name, task_id, ref):
                 # The committed offsets prove it: the worker that committed it died before
                 # its marker was written.
@@ -1122,7 +1123,14 @@ class Worker:
             self.consumer.pause(self.consumer.assignment())
             status = "stopped" if request.stop else "paused"
             self._exit_after_savepoint = request.stop
-        self._event({"event": "savepoint", "id": request.id, "status": status})
+        self._event(
+            {
+                "event": "savepoint",
+                "id": request.id,
+                "status": status,
+                "checkpoint": self.coordinator.next_id - 1 if ok else -1,
+            }
+        )
         write_ack(
             self.storage,
             self.pipeline.name,
