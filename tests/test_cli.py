@@ -158,8 +158,9 @@ def test_progress_bar_completes_every_step() -> None:
 
     out = io.StringIO()
     with progress_bar(Console(file=out, width=100)) as bar:
-        for done in range(3):
-            bar("state", done, 4)  # export reports before each task: never 4/4 by itself
+        for done in range(3):  # export reports before each task: never 4/4 by itself
+            bar(f"state ({done * 10} rows, 0.1 MB)", done, 4)
         bar("in flight: orders.repartition", 0, 1)
     text = out.getvalue()
-    assert "4/4 tasks" in text and "1/1 tasks" in text
+    assert "4/4 tasks" in text and "1/1 tasks" in text and "state (20 rows, 0.1 MB)" in text
+    assert text.count("state (") == 1

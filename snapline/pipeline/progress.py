@@ -27,7 +27,9 @@ ProgressCallback = Callable[[str, int, int], None]
 
 @contextmanager
 def progress_bar(console: Console, unit: str = "tasks") -> Iterator[ProgressCallback]:
-    """A callback that drives one bar per step ``what``; every bar is completed on exit."""
+    """A callback that drives one bar per step ``what`` (text after " (" is a detail that
+    updates the bar's description, e.g. rows and bytes so far); every bar is completed on
+    exit."""
     bars: dict[str, tuple[TaskID, int]] = {}
     with Progress(
         TextColumn("  {task.description}"),
@@ -41,11 +43,13 @@ def progress_bar(console: Console, unit: str = "tasks") -> Iterator[ProgressCall
     ) as progress:
 
         def update(what: str, done: int, total: int) -> None:
-            if what not in bars:
-                bars[what] = (progress.add_task(what, total=max(total, 1)), total)
-            task_id, _ = bars[what]
-            progress.update(task_id, completed=done, total=max(total, 1))
-            bars[what] = (task_id, total)
+            # "state (1,234 rows, 5.0 MB)": one bar per step, its details in the description.
+            step = what.split(" (", 1)[0]
+            if step not in bars:
+                bars[step] = (progress.add_task(what, total=max(total, 1)), total)
+            task_id, _ = bars[step]
+            progress.update(task_id, completed=done, total=max(total, 1), description=what)
+            bars[step] = (task_id, total)
 
         try:
             yield update

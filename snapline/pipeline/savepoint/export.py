@@ -242,6 +242,13 @@ def read_in_flight(
     return pa.table(columns, schema=IN_FLIGHT_SCHEMA)
 
 
+def _state_progress(files: dict[str, list[SavepointFile]]) -> str:
+    """The progress step of state export, with the rows and bytes written so far."""
+    rows = sum(f.rows for entries in files.values() for f in entries)
+    size = sum(f.size for entries in files.values() for f in entries)
+    return f"state ({rows:,} rows, {size / 1e6:.1f} MB)"
+
+
 def default_savepoint_uri(checkpoint_dir: str, job: str) -> str:
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     return f"{checkpoint_dir.rstrip('/')}/{job}/savepoints/sp-{stamp}-{uuid.uuid4().hex[:6]}"
@@ -282,7 +289,7 @@ def export_savepoint(
     try:
         for done, task in enumerate(tasks):
             if progress is not None:
-                progress("state", done, len(tasks))
+                progress(_state_progress(files), done, len(tasks))
             tp_committed = [committed[tp] for tp in task.inputs]
             ref = named_checkpoint(task, tp_committed)
             for c in tp_committed:
@@ -323,6 +330,8 @@ def export_savepoint(
                     for d in meta.states
                     if (d.get("uid") or pipeline.operator_uids().get(int(d["operator"]))) == uid
                 ]
+        if progress is not None:
+            progress(_state_progress(files), len(tasks), len(tasks))
         in_flight = []
         for rep in plan.repartitions.values():
             if progress is not None:
