@@ -252,8 +252,10 @@ def checkpoints(spec: str, checkpoint_dir: str | None) -> None:
 
 def _register_savepoints() -> None:
     from snapline.pipeline.savepoint.cli import savepoint
+    from snapline.pipeline.spark.cli import spark
 
     main.add_command(savepoint)
+    main.add_command(spark)
 
 
 _register_savepoints()
