@@ -291,3 +291,36 @@ def test_savepoint_state_is_readable_by_pyarrow_and_spark_with_per_key_values(
     assert {r["customer"]: r["total"] for r in totals.collect()} == job.expected
     top = [r["customer"] for r in totals.orderBy(F.desc("total"), "customer").limit(10).collect()]
     assert top == sorted(job.expected, key=lambda c: (-job.expected[c], c))[:10]
+
+
+def test_an_upgraded_pipeline_restores_and_an_incompatible_one_is_refused(
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list[Any]
+) -> None:
+    """After stop-with-savepoint: code with one added state and one added operator restores
+    and continues exactly-once; code that changed a state's kind is refused, naming it."""
+    job = WarehouseJob(
+        kafka_bootstrap,
+        unique_name,
+        tmp_path,
+        postgres_dsn,
+        partitions=2,
+        workers=1,
+        keyed_by_order=True,
+        extra_env={"SNAPLINE_EXAMPLE_STAGES": "2"},
+    )
+    jobs.append(job)
+    worker = job.workers[0]
+    worker.start()
+    job.produce(5_000)
+    wait_running(job)
+    path = snapline(job, "savepoint", "create", SPEC, "--stop")
+    assert worker.wait_exit(60) == 0
+    worker.env["SNAPLINE_EXAMPLE_VARIANT"] = "incompatible"
+    worker.start(extra_args=["--from-savepoint", path])
+    assert worker.wait_exit(120) == 78, worker.tail()
+    assert "state 'total' of operator 'RunningTotal' is a value state" in worker.tail(80)
+    worker.env["SNAPLINE_EXAMPLE_VARIANT"] = "upgraded"
+    worker.start(extra_args=["--from-savepoint", path])
+    job.produce(5_000)
+    job.verify()  # totals continue from the savepoint's state through the added operator
+    job.stop_all()
