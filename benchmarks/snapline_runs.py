@@ -84,6 +84,26 @@ SNAPLINE_SYSTEMS: tuple[System, ...] = (
 )
 
 
+# The stages suite (input keyed by order id): key_by(customer) re-keys through a repartition
+# topic, so the running total is a second stage.
+SNAPLINE_STAGE_SYSTEMS: tuple[System, ...] = (
+    _system(
+        "snapline-2stage-memory",
+        "Snapline 2-stage running total (key_by → repartition), memory, exactly-once",
+        "running_total_two_stages",
+        "memory",
+        "exactly_once",
+    ),
+    _system(
+        "snapline-2stage-rocksdb",
+        "Snapline 2-stage running total (key_by → repartition), rocksdb, exactly-once",
+        "running_total_two_stages",
+        "rocksdb",
+        "exactly_once",
+    ),
+)
+
+
 def runtime_missing() -> str:
     """Why the Snapline runtime cannot be benchmarked yet, or "" when it can."""
     try:

@@ -56,3 +56,9 @@ QUIX = System(
     module="benchmarks.quix_peer",
     notes='sdf.apply(stateful=True), processing_guarantee="exactly-once", commit_interval=1.0',
 )
+QUIX_GROUP_BY = System(
+    name="quix-group-by", label="Quix Streams 3.x group_by, exactly-once", role="peer",
+    module="benchmarks.quix_peer", args=("--group-by",),
+    notes='sdf.group_by(customer) (repartition topic) → sdf.apply(stateful=True), '
+          'processing_guarantee="exactly-once", commit_interval=1.0',
+)
