@@ -104,8 +104,10 @@ def unordered_expected() -> Expected:
 
 def test_unordered_input_accepts_any_per_key_merge_order() -> None:
     # Input keyed by order id: a's 4 may be processed before its 3 (totals 4, 7, not 3, 7).
-    merged = [orjson.dumps({"customer": k, "total": t})
-              for k, t in [("a", 4), ("b", 5), ("a", 7), ("c", 1), ("b", 7)]]
+    merged = [
+        orjson.dumps({"customer": k, "total": t})
+        for k, t in [("a", 4), ("b", 5), ("a", 7), ("c", 1), ("b", 7)]
+    ]
     assert check(tally_of(merged), expected(), exactly_once=True)  # ordered: wrong
     assert check(tally_of(merged), unordered_expected(), exactly_once=True) == []
 
@@ -113,8 +115,10 @@ def test_unordered_input_accepts_any_per_key_merge_order() -> None:
 def test_unordered_input_catches_a_lost_output_hidden_by_a_duplicate() -> None:
     # a's first output lost and its last one replayed: count, per-key counts and final totals
     # are right.
-    merged = [orjson.dumps({"customer": k, "total": t})
-              for k, t in [("b", 5), ("a", 7), ("c", 1), ("b", 7), ("a", 7)]]
+    merged = [
+        orjson.dumps({"customer": k, "total": t})
+        for k, t in [("b", 5), ("a", 7), ("c", 1), ("b", 7), ("a", 7)]
+    ]
     problems = check(tally_of(merged), unordered_expected(), exactly_once=True)
     assert problems
 
