@@ -41,6 +41,7 @@ def _system(
         backend=backend,
         guarantee=guarantee,
         notes=f"{factory}, state_backend={backend}, guarantee={guarantee}, checkpoint every 1 s",
+        profiles_itself=True,
     )
 
 
