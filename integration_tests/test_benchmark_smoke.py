@@ -46,7 +46,8 @@ def test_benchmark_harness_quick_run(kafka_bootstrap: str, tmp_path: Path) -> No
 
 def test_benchmark_stages_suite_quick_run(kafka_bootstrap: str, tmp_path: Path) -> None:
     """The stages suite's code path (order-keyed input, Quix group_by, Snapline's repartition
-    stage, the order-free verifier) on a small input: well under a minute."""
+    stage, the order-free verifier) on a small input, throughput runs only, to stay well under
+    a minute; the latency runs' code is the keyed suite's, exercised above."""
     output = tmp_path / "stages.json"
     result = subprocess.run(
         [
@@ -58,13 +59,10 @@ def test_benchmark_stages_suite_quick_run(kafka_bootstrap: str, tmp_path: Path) 
             "stages",
             "--quick",
             "--records",
-            "20000",
+            "10000",
             "--keys",
-            "500",
-            "--latency-rate",
-            "1000",
-            "--latency-seconds",
-            "1",
+            "200",
+            "--no-latency",
             "--bootstrap-servers",
             kafka_bootstrap,
             "--output",
@@ -82,4 +80,4 @@ def test_benchmark_stages_suite_quick_run(kafka_bootstrap: str, tmp_path: Path) 
     assert "FAILED" not in json.dumps(payload)
     runs = {(r["system"], r["kind"]) for r in payload["runs"] if r["status"] == "ok"}
     systems = ("baseline-a", "quix-group-by", "snapline-2stage-memory", "snapline-2stage-rocksdb")
-    assert runs == {(s, k) for s in systems for k in ("throughput", "latency")}
+    assert runs == {(s, "throughput") for s in systems}
