@@ -15,7 +15,8 @@ then takes one checkpoint, with the services' commit protocol:
    ``snapline-spark-<run>-<task>``: the commit point;
 3. the other sinks commit (publish), as after a services checkpoint.
 
-A retried (or speculative) attempt that finds the ledger committed produces nothing to Kafka,
+Every attempt fences the earlier ones (``init_transactions``) before it reads the ledger; a
+retried (or speculative) attempt that finds the ledger committed produces nothing to Kafka,
 discards its own staged output and re-publishes what the committed attempt staged
 (``recover``), so Kafka, Parquet and PostgreSQL see each input once. Parquet readers see the
 run per committed Spark task. At the end the run writes a savepoint (the state of every task
@@ -177,15 +178,21 @@ def run_stage_task(
             "isolation.level": "read_committed",
         }
     )
+    kafka: TransactionalOutput | None = TransactionalOutput(
+        {**config.kafka_config, "client.id": task_id},
+        transactional_id=f"snapline-spark-{config.run_id}-{task_id}",
+    )
     try:
+        # init_transactions first: it fences every earlier attempt of this task (an open
+        # transaction of theirs is aborted, none can commit later), so the ledger read next
+        # is final.
+        assert kafka is not None
+        kafka.init()
         committed = ledger.committed([control], timeout=30)[0].offset >= 1
-        kafka = None
-        if not committed:
-            kafka = TransactionalOutput(
-                {**config.kafka_config, "client.id": task_id},
-                transactional_id=f"snapline-spark-{config.run_id}-{task_id}",
-            )
-            kafka.init()
+        if committed:
+            kafka.close()
+            kafka = None
+        else:
             kafka.begin(1)
         repartitioned = {rep.topic for rep in plan.repartitions.values()}
         output = _Output(kafka, repartitioned)
@@ -303,10 +310,10 @@ def run_stage_task(
         for seq, (topic, target, key, value, ts) in enumerate(output.shuffled):
             yield ("shuffle", topic, target, (stage, partition, seq), key, value, ts)
         yield ("count", stage, records, len(output.shuffled))
-        if kafka is not None:
-            kafka.close()
     finally:
         ledger.close()
+        if kafka is not None:
+            kafka.close()
 
 
 def _inject_fault(task_id: str) -> None:
