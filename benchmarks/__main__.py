@@ -32,6 +32,11 @@ def cli() -> None:
 
 
 @cli.command()
+@click.option("--suite", type=click.Choice(["keyed", "stages"]), default="keyed",
+              show_default=True,
+              help="keyed: input keyed by customer, one-stage running total; stages: input "
+                   "keyed by order id, 2-stage running total (key_by → repartition) vs "
+                   "baseline A and Quix group_by")
 @click.option("--records", type=int, default=None, help="input records [1,000,000; quick 50,000]")
 @click.option("--keys", type=int, default=None, help="distinct customers [100,000; quick 1,000]")
 @click.option("--partitions", type=int, default=8, show_default=True)
@@ -50,7 +55,7 @@ def cli() -> None:
 @click.option("--output", type=click.Path(path_type=Path), default=None,
               help="results JSON path (default benchmarks/results/<date>-<machine>.json; "
                    "quick runs go to benchmarks/results/tmp/ and leave the README alone)")
-def run(records: int | None, keys: int | None, partitions: int, repetitions: int | None,
+def run(suite: str, records: int | None, keys: int | None, partitions: int, repetitions: int | None,
         quick: bool, bootstrap_servers: str | None, only: str | None, profile: bool,
         no_latency: bool, latency_rate: float | None, latency_seconds: float | None,
         time_budget: float | None, output: Path | None) -> None:
@@ -74,9 +79,10 @@ def run(records: int | None, keys: int | None, partitions: int, repetitions: int
         output=output,
         command=_command_line(),
         time_budget=time_budget or (900.0 if quick else None),
+        suite=suite,
     )
     try:
-        select(config.only)
+        select(config.only, config.suite)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--only") from None
     console = _console()

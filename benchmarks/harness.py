@@ -27,7 +27,7 @@ from benchmarks.snapline_runs import METRICS_ENV, checkpoint_metrics
 from benchmarks.stats import percentile, summarize
 from benchmarks.systems import System
 from benchmarks.verifier import Verifier, check
-from benchmarks.workload import Expected, LatencyLedger, RateProducer
+from benchmarks.workload import Expected, KeyedBy, LatencyLedger, RateProducer
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class Settings:
     latency_rate: float = 5000.0
     latency_seconds: float = 10.0
     latency_keys: int = 1000
+    keyed_by: KeyedBy = "customer"  # the Kafka key of the input records
     profile_dir: Path | None = None
 
 
@@ -205,7 +206,7 @@ class Bench:
         produce → visible-to-read_committed latency of every record after a warm-up."""
         s = self.settings
         in_topic = self.topics.create(f"{self.prefix}-{system.name}-lat-in", s.partitions)
-        producer = RateProducer(self.bootstrap, in_topic, s.latency_keys)
+        producer = RateProducer(self.bootstrap, in_topic, s.latency_keys, keyed_by=s.keyed_by)
         try:
             child, env, result, verifier = self._start(system, in_topic, "lat", False,
                                                        producer.ledger)

@@ -124,10 +124,10 @@ def write_results(path: Path, payload: dict[str, Any]) -> Path:
     return path
 
 
-def results_path(m: Machine, quick: bool) -> Path:
+def results_path(m: Machine, quick: bool, suffix: str = "") -> Path:
     date = datetime.now(UTC).strftime("%Y-%m-%d")
     folder = RESULTS_DIR / "tmp" if quick else RESULTS_DIR
-    return folder / f"{date}-{m.short}.json"
+    return folder / f"{date}-{m.short}{suffix}.json"
 
 
 # ---------------------------------------------------------------------- tables

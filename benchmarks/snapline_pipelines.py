@@ -70,6 +70,28 @@ def running_total() -> Pipeline:
     return pipeline
 
 
+def running_total_two_stages() -> Pipeline:
+    """The stages suite: input keyed by order id, re-keyed by customer through the repartition
+    topic ``<job>.by-customer.repartition`` (as many partitions as the input)."""
+    env = ChildEnv.from_environ()
+    pipeline = _pipeline(env)
+    marker = StartMarker(env.start_file)
+
+    def customer(value: dict[str, Any]) -> str:
+        # The run starts when the first stage sees its first record, not when the second
+        # stage does (that is after the first stage's first commit).
+        marker.mark()
+        return value["customer"]  # type: ignore[no-any-return]
+
+    (
+        pipeline.source(KafkaSource(env.in_topic, value_format="json"))
+        .key_by(customer, name="by-customer")
+        .process(RunningTotal(env.start_file))
+        .sink(KafkaSink(env.out_topic, value_format="json"))
+    )
+    return pipeline
+
+
 def running_total_with_note() -> Pipeline:
     env = ChildEnv.from_environ()
     pipeline = _pipeline(env)

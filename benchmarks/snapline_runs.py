@@ -41,6 +41,7 @@ def _system(
         backend=backend,
         guarantee=guarantee,
         notes=f"{factory}, state_backend={backend}, guarantee={guarantee}, checkpoint every 1 s",
+        profiles_itself=True,
     )
 
 
@@ -80,6 +81,26 @@ SNAPLINE_SYSTEMS: tuple[System, ...] = (
         "running_total",
         "rocksdb",
         "at_least_once",
+    ),
+)
+
+
+# The stages suite (input keyed by order id): key_by(customer) re-keys through a repartition
+# topic, so the running total is a second stage.
+SNAPLINE_STAGE_SYSTEMS: tuple[System, ...] = (
+    _system(
+        "snapline-2stage-memory",
+        "Snapline 2-stage running total (key_by → repartition), memory, exactly-once",
+        "running_total_two_stages",
+        "memory",
+        "exactly_once",
+    ),
+    _system(
+        "snapline-2stage-rocksdb",
+        "Snapline 2-stage running total (key_by → repartition), rocksdb, exactly-once",
+        "running_total_two_stages",
+        "rocksdb",
+        "exactly_once",
     ),
 )
 

@@ -17,11 +17,31 @@ from rich.console import Console
 from benchmarks import report
 from benchmarks.harness import Bench, RunResult, Settings
 from benchmarks.kafka_admin import Topics
-from benchmarks.snapline_runs import SNAPLINE_SYSTEMS, runtime_missing
-from benchmarks.systems import BASELINE_A, BASELINE_B, QUIX, System
-from benchmarks.workload import RECORD_BYTES, generate, prepare_input
+from benchmarks.snapline_runs import SNAPLINE_STAGE_SYSTEMS, SNAPLINE_SYSTEMS, runtime_missing
+from benchmarks.systems import BASELINE_A, BASELINE_B, QUIX, QUIX_GROUP_BY, System
+from benchmarks.workload import RECORD_BYTES, KeyedBy, generate, prepare_input
 
-ALL_SYSTEMS: tuple[System, ...] = (BASELINE_A, BASELINE_B, QUIX, *SNAPLINE_SYSTEMS)
+
+@dataclass(frozen=True)
+class Suite:
+    """A set of systems measured on one input: how that input is keyed, where results go."""
+
+    name: str
+    systems: tuple[System, ...]
+    keyed_by: KeyedBy
+    readme_marker: str  # the README section its full runs replace
+    results_suffix: str  # added to the results file name
+
+
+SUITES: dict[str, Suite] = {
+    # Input keyed by customer: the running total needs no repartition (one stage).
+    "keyed": Suite("keyed", (BASELINE_A, BASELINE_B, QUIX, *SNAPLINE_SYSTEMS), "customer",
+                   "results-table", ""),
+    # Input keyed by order id: the running total per customer re-keys (two stages).
+    "stages": Suite("stages", (BASELINE_A, QUIX_GROUP_BY, *SNAPLINE_STAGE_SYSTEMS), "order",
+                    "stages-table", "-stages"),
+}
+ALL_SYSTEMS: tuple[System, ...] = SUITES["keyed"].systems
 
 
 @dataclass(frozen=True)
@@ -39,16 +59,19 @@ class SuiteConfig:
     output: Path | None
     command: str
     time_budget: float | None = None  # seconds; later runs are SKIPPED once it is used up
+    suite: str = "keyed"
 
 
-def select(only: tuple[str, ...]) -> list[System]:
+def select(only: tuple[str, ...], suite: str = "keyed") -> list[System]:
+    systems = SUITES[suite].systems
     if not only:
-        return list(ALL_SYSTEMS)
-    names = {s.name for s in ALL_SYSTEMS}
+        return list(systems)
+    names = {s.name for s in systems}
     unknown = [n for n in only if n not in names]
     if unknown:
-        raise ValueError(f"unknown system(s) {unknown}; choose from {sorted(names)}")
-    return [s for s in ALL_SYSTEMS if s.name in only]
+        raise ValueError(f"unknown system(s) {unknown} in suite {suite!r}; choose from "
+                         f"{sorted(names)}")
+    return [s for s in systems if s.name in only]
 
 
 def _line(result: RunResult) -> str:
@@ -63,7 +86,8 @@ def _line(result: RunResult) -> str:
 
 
 def run_suite(config: SuiteConfig, bootstrap: str, console: Console) -> dict[str, Any]:
-    systems = select(config.only)
+    suite = SUITES[config.suite]
+    systems = select(config.only, config.suite)
     missing = runtime_missing()
     prefix = f"bench-{datetime.now(UTC):%m%d%H%M%S}-{secrets.token_hex(2)}"
     workdir = Path(tempfile.mkdtemp(prefix="snapline-bench-"))
@@ -76,6 +100,7 @@ def run_suite(config: SuiteConfig, bootstrap: str, console: Console) -> dict[str
         startup_timeout=60.0 if config.quick else 120.0,
         stall_timeout=30.0 if config.quick else 60.0,
         profile_dir=profile_dir,
+        keyed_by=suite.keyed_by,
     )
     topics = Topics(bootstrap)
     bench = Bench(bootstrap, topics, prefix, workdir, settings)
@@ -96,10 +121,12 @@ def run_suite(config: SuiteConfig, bootstrap: str, console: Console) -> dict[str
     try:
         in_topic = topics.create(f"{prefix}-in", config.partitions)
         t0 = time.monotonic()
-        expected = prepare_input(bootstrap, in_topic, generate(config.records, config.keys))
+        expected = prepare_input(bootstrap, in_topic, generate(config.records, config.keys),
+                                 keyed_by=suite.keyed_by)
         console.print(f"input: {config.records:,} records of {RECORD_BYTES} B, "
-                      f"{len(expected.totals):,} keys, {config.partitions} partitions "
-                      f"→ {in_topic} in {time.monotonic() - t0:.1f}s")
+                      f"{len(expected.totals):,} customers, keyed by {suite.keyed_by}, "
+                      f"{config.partitions} partitions → {in_topic} in "
+                      f"{time.monotonic() - t0:.1f}s")
         for rep in range(1, config.repetitions + 1):
             for system in systems:
                 if system.role == "snapline" and missing:
@@ -131,7 +158,8 @@ def run_suite(config: SuiteConfig, bootstrap: str, console: Console) -> dict[str
         shutil.rmtree(workdir, ignore_errors=True)
 
     rows = report.summarize_systems(systems, results)
-    title = (f"{config.records:,} records, {config.keys:,} keys, {config.partitions} partitions, "
+    title = (f"suite {suite.name}: {config.records:,} records keyed by {suite.keyed_by}, "
+             f"{config.keys:,} customers, {config.partitions} partitions, "
              f"{config.repetitions} repetition(s) — {m.description}")
     report.print_table(rows, title, console)
     payload = {
@@ -155,7 +183,7 @@ def run_suite(config: SuiteConfig, bootstrap: str, console: Console) -> dict[str
         "runs": [r.to_json() for r in results],
         "snapline_runtime": missing or "available",
     }
-    path = config.output or report.results_path(m, config.quick)
+    path = config.output or report.results_path(m, config.quick, suite.results_suffix)
     report.write_results(path, payload)
     console.print(f"results: {path}")
     if profile_dir is not None:
@@ -164,7 +192,8 @@ def run_suite(config: SuiteConfig, bootstrap: str, console: Console) -> dict[str
         report.update_readme(
             f"Measured {payload['date']} on {m.description}:\n\n"
             f"`{config.command}`\n\n{report.markdown_table(rows)}\n\n"
-            f"Raw results: [`results/{path.name}`](results/{path.name})")
+            f"Raw results: [`results/{path.name}`](results/{path.name})",
+            marker=suite.readme_marker)
         console.print(f"table updated in {report.README}")
     return payload
 

@@ -31,9 +31,14 @@ class System:
     guarantee: str = "exactly_once"
     notes: str = ""
     extra_env: dict[str, str] = field(default_factory=dict)
+    # The program takes ``--profile-to PATH`` and profiles itself (a Snapline worker ends with
+    # os._exit, so an outer ``python -m pyinstrument`` would never save its session).
+    profiles_itself: bool = False
 
     def argv(self, bootstrap: str, profile_to: Path | None = None) -> list[str]:
         args = [a.replace("{bootstrap}", bootstrap) for a in self.args]
+        if profile_to is not None and self.profiles_itself:
+            return [sys.executable, "-m", self.module, "--profile-to", str(profile_to), *args]
         if profile_to is not None:
             return profiled_argv(self.module, args, profile_to)
         return [sys.executable, "-m", self.module, *args]
@@ -55,4 +60,10 @@ QUIX = System(
     name="quix", label="Quix Streams 3.x exactly-once", role="peer",
     module="benchmarks.quix_peer",
     notes='sdf.apply(stateful=True), processing_guarantee="exactly-once", commit_interval=1.0',
+)
+QUIX_GROUP_BY = System(
+    name="quix-group-by", label="Quix Streams 3.x group_by, exactly-once", role="peer",
+    module="benchmarks.quix_peer", args=("--group-by",),
+    notes='sdf.group_by(customer) (repartition topic) → sdf.apply(stateful=True), '
+          'processing_guarantee="exactly-once", commit_interval=1.0',
 )

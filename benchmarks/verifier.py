@@ -30,6 +30,7 @@ class Tally:
     count: int = 0
     amount_sum: int = 0
     sum_of_totals: int = 0
+    step_squares: int = 0  # sum over outputs of (total - the key's previous total)²
     out_of_order: int = 0
     undecodable: int = 0
     counts: dict[str, int] = field(default_factory=dict)
@@ -52,8 +53,10 @@ class Tally:
             self.amount_sum += value.get("amount", 0)
         else:
             total = value.get("total", 0)
-            if total <= self.last_total.get(customer, 0):
+            previous = self.last_total.get(customer, 0)
+            if total <= previous:
                 self.out_of_order += 1
+            self.step_squares += (total - previous) ** 2
             self.last_total[customer] = total
             self.sum_of_totals += total
         if ledger is not None:
@@ -98,9 +101,14 @@ def check(tally: Tally, expected: Expected, exactly_once: bool) -> list[str]:
                         f"{tally.last_total.get(k)} != {expected.totals[k]}")
     if tally.out_of_order and exactly_once:
         problems.append(f"{tally.out_of_order} totals did not increase (reordered or replayed)")
-    if exactly_once and tally.sum_of_totals != expected.sum_of_totals and not wrong:
-        problems.append(f"sum of all output totals {tally.sum_of_totals} != "
-                        f"{expected.sum_of_totals} (lost or duplicated intermediate outputs)")
+    if exactly_once and not wrong:
+        if expected.ordered and tally.sum_of_totals != expected.sum_of_totals:
+            problems.append(f"sum of all output totals {tally.sum_of_totals} != "
+                            f"{expected.sum_of_totals} (lost or duplicated intermediate outputs)")
+        if tally.step_squares != expected.amount_squares:
+            problems.append(f"sum of squared steps between a key's totals {tally.step_squares} "
+                            f"!= sum of squared amounts {expected.amount_squares} (lost or "
+                            "duplicated intermediate outputs)")
     return problems
 
 

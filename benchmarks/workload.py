@@ -1,4 +1,5 @@
-"""The benchmark input: ~100-byte JSON records keyed by customer, and what a correct run outputs.
+"""The benchmark input: ~100-byte JSON records keyed by customer (or, for the stages suite, by
+order id), and what a correct run outputs.
 
 ``prepare_input`` produces the throughput workload once; ``RateProducer`` produces the latency
 workload at a fixed rate while a system runs. Both keep the expected effect of every record
@@ -13,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 import orjson
 from confluent_kafka import KafkaException, Producer
@@ -25,28 +27,50 @@ def customer_key(index: int) -> str:
     return f"c{index:07d}"
 
 
+def order_key(index: int) -> str:
+    return f"o{index:09d}"
+
+
+KeyedBy = Literal["customer", "order"]
+
+
 def encode_record(customer: str, amount: int, ts_ms: int, size: int = RECORD_BYTES,
-                  filler: str = "") -> bytes:
+                  filler: str = "", order: str | None = None) -> bytes:
     """One input record, padded with ``note`` to ``size`` bytes (when ``size`` allows).
 
     The note repeats "x" unless ``filler`` (at least as long as the padding) is given: random
-    filler keeps state that stores the note from compressing to nothing.
+    filler keeps state that stores the note from compressing to nothing. ``order``: the order
+    id, carried as the first field of order-keyed records (the size stays ``size``).
     """
-    bare = orjson.dumps({"customer": customer, "amount": amount, "ts": ts_ms, "note": ""})
+    head: dict[str, object] = {} if order is None else {"order": order}
+    bare = orjson.dumps({**head, "customer": customer, "amount": amount, "ts": ts_ms,
+                         "note": ""})
     pad = max(0, size - len(bare))
     note = filler[:pad] if len(filler) >= pad else "x" * pad
-    return orjson.dumps({"customer": customer, "amount": amount, "ts": ts_ms, "note": note})
+    return orjson.dumps({**head, "customer": customer, "amount": amount, "ts": ts_ms,
+                         "note": note})
 
 
 @dataclass
 class Expected:
-    """The effect a correct keyed running total (or map) has for the produced input."""
+    """The effect a correct keyed running total (or map) has for the produced input.
+
+    ``ordered``: a customer's records are in one partition, so every system sees them in
+    produce order and each intermediate total is known. Input keyed by order id spreads a
+    customer over all partitions: the order in which a system merges them is its own, so
+    only order-free facts are checked (counts, final totals, and ``amount_squares``).
+    """
 
     count: int = 0
     amount_sum: int = 0
     # Sum over all outputs of the running total they carry: catches lost and duplicated
-    # outputs that happen to leave the final totals right.
+    # outputs that happen to leave the final totals right (ordered input only).
     sum_of_totals: int = 0
+    # Sum of amount² over all inputs. A correct running total's outputs step by exactly one
+    # amount each, in any order, so the squares of the steps sum to this; a lost output makes
+    # one step a + b ((a + b)² ≠ a² + b²), a duplicated one a step of 0.
+    amount_squares: int = 0
+    ordered: bool = True
     totals: dict[str, int] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
 
@@ -56,6 +80,7 @@ class Expected:
         self.counts[customer] = self.counts.get(customer, 0) + 1
         self.count += 1
         self.amount_sum += amount
+        self.amount_squares += amount * amount
         self.sum_of_totals += total
 
 
@@ -99,10 +124,13 @@ def _produce(producer: Producer, topic: str, key: bytes, value: bytes) -> None:
 
 def prepare_input(bootstrap: str, topic: str, rows: Iterable[tuple[str, int, int]],
                   record_bytes: int = RECORD_BYTES, random_notes: bool = False,
-                  timeout: float = 300.0) -> Expected:
+                  timeout: float = 300.0, keyed_by: KeyedBy = "customer") -> Expected:
     """Produce ``rows`` (from ``generate`` or ``each_key_once``) to ``topic`` (which must
-    exist) and return their expected effect. ``random_notes``: incompressible padding."""
-    expected = Expected()
+    exist) and return their expected effect. ``random_notes``: incompressible padding.
+    ``keyed_by="order"``: the Kafka key is the order id (the row's index, also in the value)
+    instead of the customer, so a customer's records land on every partition."""
+    by_order = keyed_by == "order"
+    expected = Expected(ordered=not by_order)
     errors: list[str] = []
 
     def on_delivery(err: object, _msg: object) -> None:
@@ -114,8 +142,9 @@ def prepare_input(bootstrap: str, topic: str, rows: Iterable[tuple[str, int, int
     for i, (customer, amount, ts_ms) in enumerate(rows):
         filler = base64.urlsafe_b64encode(rng.randbytes(record_bytes)).decode() \
             if random_notes else ""
-        _produce(producer, topic, customer.encode(),
-                 encode_record(customer, amount, ts_ms, record_bytes, filler))
+        order = order_key(i) if by_order else None
+        _produce(producer, topic, (order or customer).encode(),
+                 encode_record(customer, amount, ts_ms, record_bytes, filler, order))
         expected.add(customer, amount)
         if i % 10_000 == 0:
             producer.poll(0)
@@ -132,13 +161,16 @@ class LatencyLedger:
     Per-key order is kept from input to output by every system benchmarked (the input is
     partitioned by customer and each system writes a key's outputs in order), so the n-th
     output of a key belongs to the n-th input of that key: that is how the verifier finds the
-    produce time of an output that does not carry it.
+    produce time of an output that does not carry it. With input keyed by order id
+    (``ordered=False``) two records of one customer on different partitions can swap places;
+    the match is then off by at most the produce-time gap between the two, which is small
+    exactly when such a swap can happen (both in flight at once).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ordered: bool = True) -> None:
         self.sent: dict[str, list[float]] = {}
         self.measured_from = 0  # per-key ordinals below this mark are warm-up
-        self.expected = Expected()
+        self.expected = Expected(ordered=ordered)
         self._warmup_done_at: float | None = None
 
     def record(self, customer: str, amount: int, produced_at: float) -> None:
@@ -165,8 +197,10 @@ class RateProducer:
     it is handed to the producer, so an output can never be seen before its input is known.
     """
 
-    def __init__(self, bootstrap: str, topic: str, keys: int, seed: int = 11) -> None:
-        self.ledger = LatencyLedger()
+    def __init__(self, bootstrap: str, topic: str, keys: int, seed: int = 11,
+                 keyed_by: KeyedBy = "customer") -> None:
+        self.ledger = LatencyLedger(ordered=keyed_by == "customer")
+        self._by_order = keyed_by == "order"
         self._topic = topic
         self._keys = keys
         self._rng = random.Random(seed)
@@ -180,8 +214,9 @@ class RateProducer:
         amount = self._rng.randrange(1, 101)
         now = time.time()
         self.ledger.record(customer, amount, now)
-        _produce(self._producer, self._topic, customer.encode(),
-                 encode_record(customer, amount, int(now * 1000)))
+        order = order_key(self.produced) if self._by_order else None
+        _produce(self._producer, self._topic, (order or customer).encode(),
+                 encode_record(customer, amount, int(now * 1000), order=order))
         self._producer.poll(0)
         self.produced += 1
 

@@ -26,6 +26,7 @@ from snapline import (
     KafkaSink,
     KafkaSource,
     KeyedProcessFunction,
+    ListState,
     ParquetSink,
     Pipeline,
     PostgresSink,
@@ -43,6 +44,36 @@ class BucketSequence(KeyedProcessFunction):
         n = self.seen.value() + 1
         self.seen.update(n)
         yield {**value, "bucket_seq": n}
+
+
+class RunningTotalV2(RunningTotal):
+    """The running total after an upgrade that added a state (savepoint tests)."""
+
+    largest = ValueState("largest", default=0)
+
+    def process(self, value: dict[str, Any], ctx: Context) -> Iterator[dict[str, Any]]:
+        self.largest.update(max(self.largest.value(), value["amount"]))
+        yield from super().process(value, ctx)
+
+
+class Audit(KeyedProcessFunction):
+    """An operator added by an upgrade: counts outputs per customer, passes them on."""
+
+    outputs = ValueState("outputs", default=0)
+
+    def process(self, value: dict[str, Any], ctx: Context) -> Iterator[dict[str, Any]]:
+        self.outputs.update(self.outputs.value() + 1)
+        yield value
+
+
+class RunningTotalAsList(KeyedProcessFunction):
+    """Incompatible with RunningTotal's savepoints: ``total`` became a list state."""
+
+    total = ListState("total")
+
+    def process(self, value: dict[str, Any], ctx: Context) -> Iterator[dict[str, Any]]:
+        self.total.add(value["amount"])
+        yield value
 
 
 def build() -> Pipeline:
@@ -76,7 +107,13 @@ def build() -> Pipeline:
         )
     else:
         raise ValueError(f"SNAPLINE_EXAMPLE_STAGES={stages!r}: use 1, 2 or 3")
-    totals = keyed.process(RunningTotal())
+    variant = env("SNAPLINE_EXAMPLE_VARIANT", "")
+    if variant == "upgraded":  # a savepoint upgrade: one added state, one added operator
+        totals = keyed.process(RunningTotalV2(), uid="RunningTotal").process(Audit())
+    elif variant == "incompatible":  # the same state name with another kind
+        totals = keyed.process(RunningTotalAsList(), uid="RunningTotal")
+    else:
+        totals = keyed.process(RunningTotal())
     totals.sink(KafkaSink(f"{prefix}customer-totals", value_format="json"))
     totals.sink(
         ParquetSink(

@@ -126,12 +126,14 @@ class BounceJob(WarehouseJob):
         return "\n".join(f"--- {w.worker_id}\n{w.tail(60)}" for w in self.workers)
 
 
-def wait_for_recommits(job: BounceJob, outage: Outage) -> dict[str, float]:
+def wait_for_recommits(
+    job: BounceJob, outage: Outage, deadline_s: float = RECOMMIT_DEADLINE
+) -> dict[str, float]:
     """Until every worker that lived through ``outage`` committed again in the same process.
 
     Returns worker id -> seconds from broker-back to that commit. A survivor that exited by
     itself meanwhile (exit 75) is reported and dropped; it did not ride the outage out."""
-    deadline = time.monotonic() + RECOMMIT_DEADLINE
+    deadline = time.monotonic() + deadline_s
     waiting = dict(outage.survivors)
     delays: dict[str, float] = {}
     while waiting:
@@ -146,8 +148,7 @@ def wait_for_recommits(job: BounceJob, outage: Outage) -> dict[str, float]:
         if waiting and time.monotonic() > deadline:
             raise AssertionError(
                 f"after the {outage.kind} outage, workers {sorted(waiting)} lived through it "
-                f"but did not commit within {RECOMMIT_DEADLINE:.0f}s of the broker's return\n"
-                + job.logs()
+                f"but did not commit within {deadline_s:.0f}s of the broker's return\n" + job.logs()
             )
         if waiting:
             time.sleep(0.5)
@@ -311,8 +312,11 @@ class BounceRun:
     within STOP_BOUND) or SIGKILLed and restarted; after it, every worker that lived through it
     must commit again by itself. Then the final check by independent readers and the report."""
 
-    def __init__(self, job: BounceJob, seed: int) -> None:
+    def __init__(
+        self, job: BounceJob, seed: int, recommit_deadline: float = RECOMMIT_DEADLINE
+    ) -> None:
         self.job = job
+        self.recommit_deadline = recommit_deadline
         self.rng = random.Random(seed)
         self.outages: list[Outage] = []
         self.delays: list[float] = []
@@ -382,7 +386,7 @@ class BounceRun:
             w: pid for w, pid in outage.survivors.items() if job.pids().get(w) == pid
         }
         self.outages.append(outage)
-        recommits = wait_for_recommits(job, outage)
+        recommits = wait_for_recommits(job, outage, self.recommit_deadline)
         self.delays.extend(recommits.values())
         exits = job.self_exits[outage.exits_before :]
         assert recommits or not survivor_must_commit, (
@@ -406,7 +410,7 @@ class BounceRun:
 
     def _first_commit_of_any(self, outage: Outage) -> float:
         job = self.job
-        deadline = time.monotonic() + RECOMMIT_DEADLINE
+        deadline = time.monotonic() + self.recommit_deadline
         while True:
             job.supervise()
             first = job.commits_after(outage.back_at)
@@ -414,7 +418,7 @@ class BounceRun:
                 return min(first.values()) - outage.back_at
             assert time.monotonic() < deadline, (
                 f"after the {outage.kind} outage no worker committed within "
-                f"{RECOMMIT_DEADLINE:.0f}s of the broker's return\n" + job.logs()
+                f"{self.recommit_deadline:.0f}s of the broker's return\n" + job.logs()
             )
             time.sleep(0.5)
 

@@ -1,5 +1,6 @@
 """The benchmark harness runs end to end in CI (``--quick``): every system produces correct
-output on the shared broker. No performance thresholds: numbers on a shared 2-core machine
+output on the shared broker, in the keyed suite and in the stages suite (input keyed by order
+id, 2-stage running total). No performance thresholds: numbers on a shared 2-core machine
 are compared as ratios within one run, in benchmarks/README.md, never asserted here."""
 
 from __future__ import annotations
@@ -41,3 +42,42 @@ def test_benchmark_harness_quick_run(kafka_bootstrap: str, tmp_path: Path) -> No
     assert output.exists()
     text = json.dumps(json.loads(output.read_text()))
     assert "FAILED" not in text
+
+
+def test_benchmark_stages_suite_quick_run(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """The stages suite's code path (order-keyed input, Quix group_by, Snapline's repartition
+    stage, the order-free verifier) on a small input, throughput runs only, to stay well under
+    a minute; the latency runs' code is the keyed suite's, exercised above."""
+    output = tmp_path / "stages.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks",
+            "run",
+            "--suite",
+            "stages",
+            "--quick",
+            "--records",
+            "10000",
+            "--keys",
+            "200",
+            "--no-latency",
+            "--bootstrap-servers",
+            kafka_bootstrap,
+            "--output",
+            str(output),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    print(result.stdout[-6000:])
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    payload = json.loads(output.read_text())
+    assert "FAILED" not in json.dumps(payload)
+    runs = {(r["system"], r["kind"]) for r in payload["runs"] if r["status"] == "ok"}
+    systems = ("baseline-a", "quix-group-by", "snapline-2stage-memory", "snapline-2stage-rocksdb")
+    assert runs == {(s, "throughput") for s in systems}

@@ -104,7 +104,10 @@ def test_workers_ride_out_cluster_bounces(
     bouncer = Bouncer(tmp_path / "kafka")
     try:
         job = BounceJob(bouncer.bootstrap, unique_name, tmp_path, postgres_dsn)
-        run = BounceRun(job, seed=11)
+        # A survivor whose Kafka calls cannot complete exits with 75 only after the runtime's
+        # longest bound (init_transactions: 120 s, plus 15 s grace); wait past it, so that
+        # such a worker is told apart from one that hangs for good.
+        run = BounceRun(job, seed=11, recommit_deadline=180.0)
         try:
             run.start()
             for kind, node, down, w0_action in SCHEDULE:

@@ -7,10 +7,7 @@ check every sink: a read_committed consumer, pyarrow on the Parquet table, SQL.
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -23,72 +20,17 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from examples.orders import verify_totals
-from examples.workers import REPO, read_events
-from integration_tests.warehouse_job import SPEC, WarehouseJob, wait_for
+from integration_tests.warehouse_job import (
+    SPEC,
+    WarehouseJob,
+    kill_randomly,
+    snapline,
+    start_from_savepoint,
+    wait_for,
+    wait_running,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres, pytest.mark.slow]
-
-
-def snapline(job: WarehouseJob, *args: str, env: dict[str, str] | None = None) -> str:
-    """Run the snapline CLI for the job; its stdout (the savepoint path for create)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "snapline.pipeline.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=job.workdir,
-        env={
-            **os.environ,
-            **job.env,
-            **(env or {}),
-            "PYTHONPATH": str(REPO),
-            "SNAPLINE_BOOTSTRAP_SERVERS": job.bootstrap,
-            "SNAPLINE_CHECKPOINT_DIR": str(job.checkpoint_dir),
-        },
-    )
-    assert result.returncode == 0, f"snapline {args}: {result.stderr}\n{job.logs()}"
-    return result.stdout.strip().splitlines()[-1]
-
-
-def start_from_savepoint(job: WarehouseJob, path: str, partitions: int) -> None:
-    """The first worker seeds the job from the savepoint; the others join once it runs."""
-    job.env["SNAPLINE_EXAMPLE_PARTITIONS"] = str(partitions)
-    for worker in job.workers:
-        worker.env["SNAPLINE_EXAMPLE_PARTITIONS"] = str(partitions)
-    first, *others = job.workers
-    first.start(extra_args=["--from-savepoint", path])
-    marker = job.checkpoint_dir / job.name / "restored-from-savepoint.json"
-    wait_for(
-        "the job seeded from the savepoint",
-        lambda: marker.exists() and orjson.loads(marker.read_bytes())["savepoint"] == path,
-        120,
-        job.logs,
-    )
-    for worker in others:
-        worker.start(extra_args=["--from-savepoint", path])
-
-
-def wait_running(job: WarehouseJob) -> None:
-    """Until every worker committed a checkpoint (it is a member with its assignment)."""
-
-    def running() -> bool:
-        events = read_events(job.workers[0].metrics_path)
-        done = {e["worker"] for e in events if e.get("event") == "checkpoint"}
-        return done >= {w.worker_id for w in job.workers}
-
-    wait_for("every worker running", running, 120, job.logs)
-
-
-def kill_randomly(job: WarehouseJob, kills: int, rng: random.Random, orders: int) -> None:
-    for i in range(kills):
-        job.produce(orders // kills)
-        time.sleep(rng.uniform(0.3, 1.5))
-        victim = rng.choice(job.workers)
-        victim.kill()
-        time.sleep(rng.uniform(0.0, 0.4))
-        victim.start()
-        if i == kills - 1:
-            time.sleep(1)
 
 
 def saved_totals(path: str, uid: str = "RunningTotal") -> dict[str, int]:
@@ -349,3 +291,36 @@ def test_savepoint_state_is_readable_by_pyarrow_and_spark_with_per_key_values(
     assert {r["customer"]: r["total"] for r in totals.collect()} == job.expected
     top = [r["customer"] for r in totals.orderBy(F.desc("total"), "customer").limit(10).collect()]
     assert top == sorted(job.expected, key=lambda c: (-job.expected[c], c))[:10]
+
+
+def test_an_upgraded_pipeline_restores_and_an_incompatible_one_is_refused(
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list[Any]
+) -> None:
+    """After stop-with-savepoint: code with one added state and one added operator restores
+    and continues exactly-once; code that changed a state's kind is refused, naming it."""
+    job = WarehouseJob(
+        kafka_bootstrap,
+        unique_name,
+        tmp_path,
+        postgres_dsn,
+        partitions=2,
+        workers=1,
+        keyed_by_order=True,
+        extra_env={"SNAPLINE_EXAMPLE_STAGES": "2"},
+    )
+    jobs.append(job)
+    worker = job.workers[0]
+    worker.start()
+    job.produce(5_000)
+    wait_running(job)
+    path = snapline(job, "savepoint", "create", SPEC, "--stop")
+    assert worker.wait_exit(60) == 0
+    worker.env["SNAPLINE_EXAMPLE_VARIANT"] = "incompatible"
+    worker.start(extra_args=["--from-savepoint", path])
+    assert worker.wait_exit(120) == 78, worker.tail()
+    assert "state 'total' of operator 'RunningTotal' is a value state" in worker.tail(80)
+    worker.env["SNAPLINE_EXAMPLE_VARIANT"] = "upgraded"
+    worker.start(extra_args=["--from-savepoint", path])
+    job.produce(5_000)
+    job.verify()  # totals continue from the savepoint's state through the added operator
+    job.stop_all()

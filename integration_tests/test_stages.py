@@ -159,7 +159,7 @@ def test_rekeyed_pipeline_is_exactly_once_under_kills(
         },
     )
     jobs.append(job)
-    hits = run_under_kills(job, 60_000 if stages == 2 else 30_000, 20 if stages == 2 else 6)
+    hits = run_under_kills(job, 60_000 if stages == 2 else 30_000, 20)
     job.verify()
     names = ["by-customer"] if stages == 2 else ["by-bucket", "by-customer"]
     for name in names:

@@ -5,18 +5,23 @@ with an independent reader (read_committed consumer, pyarrow on the table, SQL).
 
 from __future__ import annotations
 
+import os
+import random
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
 import psycopg
 import pyarrow.dataset as ds
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from examples.orders import create_topics, produce_orders, read_committed, verify_totals
-from examples.workers import WorkerProcess
+from examples.workers import REPO, WorkerProcess, read_events
 
 SPEC = "examples.warehouse:pipeline"
 
@@ -225,3 +230,66 @@ class WarehouseJob:
         for worker in self.workers:
             if worker.alive:
                 worker.stop()
+
+
+def snapline(job: WarehouseJob, *args: str, env: dict[str, str] | None = None) -> str:
+    """Run the snapline CLI for the job; its stdout (the savepoint path for create)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "snapline.pipeline.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=job.workdir,
+        env={
+            **os.environ,
+            **job.env,
+            **(env or {}),
+            "PYTHONPATH": str(REPO),
+            "SNAPLINE_BOOTSTRAP_SERVERS": job.bootstrap,
+            "SNAPLINE_CHECKPOINT_DIR": str(job.checkpoint_dir),
+        },
+    )
+    assert result.returncode == 0, f"snapline {args}: {result.stderr}\n{job.logs()}"
+    (job.workdir / "cli-stderr.log").write_text(result.stderr)  # the last command's, for checks
+    return result.stdout.strip().splitlines()[-1]
+
+
+def start_from_savepoint(job: WarehouseJob, path: str, partitions: int) -> None:
+    """The first worker seeds the job from the savepoint; the others join once it runs."""
+    job.env["SNAPLINE_EXAMPLE_PARTITIONS"] = str(partitions)
+    for worker in job.workers:
+        worker.env["SNAPLINE_EXAMPLE_PARTITIONS"] = str(partitions)
+    first, *others = job.workers
+    first.start(extra_args=["--from-savepoint", path])
+    marker = job.checkpoint_dir / job.name / "restored-from-savepoint.json"
+    wait_for(
+        "the job seeded from the savepoint",
+        lambda: marker.exists() and orjson.loads(marker.read_bytes())["savepoint"] == path,
+        120,
+        job.logs,
+    )
+    for worker in others:
+        worker.start(extra_args=["--from-savepoint", path])
+
+
+def wait_running(job: WarehouseJob) -> None:
+    """Until every worker committed a checkpoint (it is a member with its assignment)."""
+
+    def running() -> bool:
+        events = read_events(job.workers[0].metrics_path)
+        done = {e["worker"] for e in events if e.get("event") == "checkpoint"}
+        return done >= {w.worker_id for w in job.workers}
+
+    wait_for("every worker running", running, 120, job.logs)
+
+
+def kill_randomly(job: WarehouseJob, kills: int, rng: random.Random, orders: int) -> None:
+    for i in range(kills):
+        job.produce(orders // kills)
+        time.sleep(rng.uniform(0.3, 1.5))
+        victim = rng.choice(job.workers)
+        victim.kill()
+        time.sleep(rng.uniform(0.0, 0.4))
+        victim.start()
+        if i == kills - 1:
+            time.sleep(1)

@@ -282,8 +282,10 @@ _register_inspection()
 
 def _register_savepoints() -> None:
     from snapline.pipeline.savepoint.cli import savepoint
+    from snapline.pipeline.spark.cli import spark
 
     main.add_command(savepoint)
+    main.add_command(spark)
 
 
 _register_savepoints()

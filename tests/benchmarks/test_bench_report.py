@@ -113,3 +113,21 @@ def test_system_selection() -> None:
         assert "nope" in str(exc)
     else:
         raise AssertionError("unknown system accepted")
+
+
+def test_stages_suite_compares_the_two_stage_total_with_baseline_a_and_quix_group_by() -> None:
+    names = [s.name for s in select((), "stages")]
+    assert names == [
+        "baseline-a",
+        "quix-group-by",
+        "snapline-2stage-memory",
+        "snapline-2stage-rocksdb",
+    ]
+    assert [s.name for s in select(()) if s.role == "peer"] == ["quix"]
+    assert [s.name for s in select((), "stages") if s.role == "peer"] == ["quix-group-by"]
+    try:
+        select(("snapline-memory",), "stages")  # one stage cannot total order-keyed input
+    except ValueError as exc:
+        assert "stages" in str(exc)
+    else:
+        raise AssertionError("a keyed-suite system accepted in the stages suite")

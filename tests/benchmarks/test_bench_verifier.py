@@ -93,3 +93,43 @@ def test_latency_matches_the_nth_output_of_a_key_to_its_nth_input() -> None:
     assert tally.unmatched == 0
     tally.observe(orjson.dumps({"customer": "b", "total": 9}), 203.0, ledger)
     assert tally.unmatched == 1
+
+
+def unordered_expected() -> Expected:
+    exp = Expected(ordered=False)
+    for key, amount in INPUTS:
+        exp.add(key, amount)
+    return exp
+
+
+def test_unordered_input_accepts_any_per_key_merge_order() -> None:
+    # Input keyed by order id: a's 4 may be processed before its 3 (totals 4, 7, not 3, 7).
+    merged = [
+        orjson.dumps({"customer": k, "total": t})
+        for k, t in [("a", 4), ("b", 5), ("a", 7), ("c", 1), ("b", 7)]
+    ]
+    assert check(tally_of(merged), expected(), exactly_once=True)  # ordered: wrong
+    assert check(tally_of(merged), unordered_expected(), exactly_once=True) == []
+
+
+def test_unordered_input_catches_a_lost_output_hidden_by_a_duplicate() -> None:
+    # a's first output lost and its last one replayed: count, per-key counts and final totals
+    # are right.
+    merged = [
+        orjson.dumps({"customer": k, "total": t})
+        for k, t in [("b", 5), ("a", 7), ("c", 1), ("b", 7), ("a", 7)]
+    ]
+    problems = check(tally_of(merged), unordered_expected(), exactly_once=True)
+    assert problems
+
+
+def test_unordered_squares_catch_a_lost_step_with_right_final_total() -> None:
+    exp = Expected(ordered=False)
+    for key, amount in [("a", 3), ("a", 4), ("a", 5)]:
+        exp.add(key, amount)
+    # three increasing outputs ending at 12 either way: steps 3, 5, 4 are the amounts in
+    # another order; steps 2, 5, 5 are not
+    good = [orjson.dumps({"customer": "a", "total": t}) for t in (3, 8, 12)]
+    bad = [orjson.dumps({"customer": "a", "total": t}) for t in (2, 7, 12)]
+    assert check(tally_of(good), exp, exactly_once=True) == []
+    assert any("squared steps" in p for p in check(tally_of(bad), exp, exactly_once=True))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-from benchmarks.workload import Expected, each_key_once, encode_record, generate
+from benchmarks.workload import Expected, each_key_once, encode_record, generate, order_key
 
 
 def test_records_are_100_bytes_of_json() -> None:
@@ -12,6 +12,14 @@ def test_records_are_100_bytes_of_json() -> None:
         raw = encode_record("c0000123", amount, 1790000000123)
         assert len(raw) == 100
         assert orjson.loads(raw)["amount"] == amount
+
+
+def test_order_keyed_records_carry_the_order_id_and_keep_the_size() -> None:
+    raw = encode_record("c0000123", 17, 1790000000123, order=order_key(42))
+    assert len(raw) == 100
+    value = orjson.loads(raw)
+    assert value["order"] == "o000000042"
+    assert (value["customer"], value["amount"]) == ("c0000123", 17)
 
 
 def test_random_filler_keeps_the_size() -> None:

@@ -1,0 +1,623 @@
+"""The same pipeline on Spark, bounded (DESIGN §10): ``snapline spark run`` reads an offset range
+of the source topics with Spark's Kafka source and runs the declared stages on the executors.
+
+How a stage runs: its input is partitioned like the services' tasks (stage 0 by source
+partition, a keyed stage by key-group range: the repartition topic becomes a Spark shuffle),
+sorted in the order a service task would read it (offset order per source partition;
+upstream-task order for shuffled records), and each Spark task runs a real Snapline ``Task``
+(the same operators, state API and sink writers as a worker) over it with in-memory state,
+then takes one checkpoint, with the services' commit protocol:
+
+1. the sinks pre-commit (Parquet stages files, PostgreSQL stages rows); their pre-commit
+   results are written to ``<checkpoint dir>/<job>/spark/<run>/<task>.json``;
+2. the Kafka output goes in one transaction (``transactional.id`` per run and task, so a retry
+   fences an earlier attempt) that also commits an offset for the **ledger** group
+   ``snapline-spark-<run>-<task>``: the commit point;
+3. the other sinks commit (publish), as after a services checkpoint.
+
+Every attempt fences the earlier ones (``init_transactions``) before it reads the ledger; a
+retried (or speculative) attempt that finds the ledger committed produces nothing to Kafka,
+discards its own staged output and re-publishes what the committed attempt staged
+(``recover``), so Kafka, Parquet and PostgreSQL see each input once. Parquet readers see the
+run per committed Spark task. At the end the run writes a savepoint (the state of every task
+and the end offsets) from which ``snapline run --from-savepoint`` continues live; a run can
+also start from a services' savepoint (``--from savepoint:URI``).
+
+Threads: the driver's main thread; each Spark task in its executor's Python worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import orjson
+
+from snapline.pipeline.errors import ConfigurationError
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a Spark task needs (plain data: it is pickled to the executors)."""
+
+    spec: str
+    run_id: str
+    kafka_config: dict[str, Any]
+    checkpoint_dir: str
+    savepoint_out: str
+    savepoint_in: str | None
+    stage_partitions: dict[int, int]
+    #: (uid, state name) -> new state id, for state restored from savepoint_in
+    mapping: dict[tuple[str, str], Any] = field(default_factory=dict)
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    records: dict[int, int]
+    savepoint: str
+    seconds: float
+    source_records: int
+
+
+def _ms(value: Any) -> int:
+    if isinstance(value, datetime):
+        return int(value.timestamp() * 1000)
+    return int(value or 0)
+
+
+class _Message:
+    """The slice of confluent_kafka.Message a task's source operators read."""
+
+    __slots__ = ("_key", "_offset", "_partition", "_timestamp", "_topic", "_value")
+
+    def __init__(
+        self, topic: str, partition: int, offset: int, key: Any, value: Any, ts: int
+    ) -> None:
+        self._topic, self._partition, self._offset = topic, partition, offset
+        self._key, self._value, self._timestamp = key, value, ts
+
+    def value(self) -> bytes | None:
+        return self._value
+
+    def key(self) -> bytes | None:
+        return self._key
+
+    def offset(self) -> int:
+        return self._offset
+
+    def timestamp(self) -> tuple[int, int]:
+        return (1, self._timestamp)
+
+    def topic(self) -> str:
+        return self._topic
+
+    def partition(self) -> int:
+        return self._partition
+
+    def headers(self) -> None:
+        return None
+
+    def error(self) -> None:
+        return None
+
+
+class _Output:
+    """The task's output: repartition records to the next stage's shuffle, the rest to Kafka
+    (the transaction, or nowhere for an attempt whose ledger already committed)."""
+
+    def __init__(self, kafka: Any, repartitioned: set[str]) -> None:
+        self.kafka = kafka
+        self.repartitioned = repartitioned
+        self.shuffled: list[tuple[str, int, bytes | None, bytes | None, int]] = []
+        self.held = 0
+
+    def produce(
+        self,
+        epoch: int,
+        topic: str,
+        value: bytes | None,
+        key: bytes | None,
+        headers: Any = None,
+        partition: int = -1,
+        timestamp: int = 0,
+    ) -> None:
+        if topic in self.repartitioned:
+            self.shuffled.append((topic, partition, key, value, timestamp))
+        elif self.kafka is not None:
+            self.kafka.produce(epoch, topic, value, key, headers, partition, timestamp)
+
+
+def _ledger_group(config: RunConfig, task_id: str) -> str:
+    return f"snapline-spark-{config.run_id}-{task_id}"
+
+
+def run_stage_task(
+    config: RunConfig, stage: int, partition: int, rows: Iterable[tuple[Any, ...]]
+) -> Iterator[tuple[Any, ...]]:
+    """One Spark task: a Snapline task of ``stage`` over its sorted input (see module)."""
+    from concurrent.futures import Future
+
+    from confluent_kafka import Consumer, TopicPartition
+
+    from snapline.pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint
+    from snapline.pipeline.checkpoint.storage import CheckpointStorage
+    from snapline.pipeline.graph import load_pipeline
+    from snapline.pipeline.keygroups import key_group_range
+    from snapline.pipeline.runtime.faults import FaultInjector
+    from snapline.pipeline.runtime.task import Task, TaskSnapshot
+    from snapline.pipeline.runtime.transaction import TransactionalOutput
+    from snapline.pipeline.savepoint.control import control_topic
+    from snapline.pipeline.savepoint.export import export_task_state
+    from snapline.pipeline.savepoint.format import read_metadata, write_table
+    from snapline.pipeline.savepoint.restore import _load_operator
+    from snapline.pipeline.stages import SOURCE_STAGE, task_id_for
+    from snapline.pipeline.state import create_backend
+
+    pipeline = load_pipeline(config.spec)
+    plan = pipeline.stages()
+    task_id = f"spark-{config.run_id}-{task_id_for(stage, partition)}"
+    storage = CheckpointStorage(config.checkpoint_dir)
+    precommit_path = f"{pipeline.name}/spark/{config.run_id}/{task_id}.json"
+    control = TopicPartition(control_topic(pipeline.name), 0)
+    ledger = Consumer(
+        {
+            **config.kafka_config,
+            "group.id": _ledger_group(config, task_id),
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+        }
+    )
+    kafka: TransactionalOutput | None = TransactionalOutput(
+        {**config.kafka_config, "client.id": task_id},
+        transactional_id=f"snapline-spark-{config.run_id}-{task_id}",
+    )
+    try:
+        # init_transactions first: it fences every earlier attempt of this task (an open
+        # transaction of theirs is aborted, none can commit later), so the ledger read next
+        # is final.
+        assert kafka is not None
+        kafka.init()
+        committed = ledger.committed([control], timeout=30)[0].offset >= 1
+        if committed:
+            kafka.close()
+            kafka = None
+        else:
+            kafka.begin(1)
+        repartitioned = {rep.topic for rep in plan.repartitions.values()}
+        output = _Output(kafka, repartitioned)
+        reads = plan.stages[stage].reads
+        partitions = {topic: config.stage_partitions[stage] for topic in reads}
+        for rep in plan.repartitions.values():
+            partitions[rep.topic] = config.stage_partitions[rep.downstream]
+        backend = create_backend("memory", task_dir="", options={})
+        if config.savepoint_in:
+            sp = CheckpointStorage(config.savepoint_in)
+            meta = read_metadata(sp)
+            uids = pipeline.operator_uids()
+            stage_nodes = plan.stages[stage].node_ids
+            for op in meta.operators:
+                nodes = [n for n, u in uids.items() if u == op.uid and n in stage_nodes]
+                if nodes and any(uid == op.uid for uid, _ in config.mapping):
+                    _load_operator(
+                        backend,
+                        sp,
+                        op,
+                        config.mapping,
+                        partition,
+                        partitions,
+                        reads,
+                        pipeline.max_parallelism,
+                    )
+        inputs = reads or tuple(pipeline.source_topics())
+        snapshots: list[TaskSnapshot] = []
+        task = Task(
+            task_id,
+            pipeline,
+            {(topic, partition): 0 for topic in inputs},
+            backend,
+            output,  # type: ignore[arg-type]
+            worker_id="spark",
+            epoch=1,
+            on_snapshot=snapshots.append,
+            faults=FaultInjector(""),
+            stage=stage,
+            plan=plan,
+            topic_partitions=partitions,
+        )
+        if not committed:
+            task.recover_sinks(None, {})
+        batch: list[_Message] = []
+        current: str | None = None
+        records = 0
+
+        def flush() -> None:
+            if batch:
+                task.enqueue((current or "", partition), list(batch))
+                task.run()
+                batch.clear()
+
+        for topic, offset, key, value, ts in rows:
+            if topic != current:
+                flush()
+                current = topic
+            batch.append(_Message(topic, partition, offset, key, value, ts))
+            records += 1
+            if len(batch) >= 2048:
+                flush()
+        flush()
+        task.inject_barrier(1)
+        task.run()
+        (snapshot,) = snapshots
+        sinks: dict[str, Any] = {}
+        for name, result in snapshot.sinks.items():
+            if isinstance(result, Future):
+                result = result.result(timeout=600)
+            if result:
+                sinks[name] = result
+        if committed:  # an earlier attempt passed the commit point: publish what it staged
+            previous = orjson.loads(storage.read_bytes(precommit_path))["sinks"]
+            for name, sink_op in task.sink_writers.items():
+                sink_op.writer.abort(1)
+                sink_op.writer.recover(1, previous.get(name))
+        else:
+            storage.write_bytes(precommit_path, orjson.dumps({"sinks": sinks}))
+            assert kafka is not None
+            kafka.commit([TopicPartition(control.topic, 0, 1)], ledger.consumer_group_metadata())
+            _inject_fault(task_id)
+            task.notify_committed(1)
+        # The task's state, for the savepoint the run ends with.
+        states = [
+            {**desc.describe(), "id": sid, "operator": node_id, "uid": uids_}
+            for node_id, entries in pipeline.state_ids().items()
+            for sid, desc in entries
+            for uids_ in [pipeline.operator_uids()[node_id]]
+        ]
+        fake = TaskCheckpoint(
+            pipeline.name, task_id, CheckpointRef(1, "spark"), "spark", {}, None, states=states
+        )
+        out = CheckpointStorage(config.savepoint_out)
+        for uid, table in export_task_state(pipeline, fake, backend).items():
+            if stage == SOURCE_STAGE:
+                entry = write_table(
+                    out, f"operators/{uid}/p{partition:05d}.parquet", table, partition=partition
+                )
+                partitioning = "source"
+            else:
+                groups = key_group_range(
+                    partition, config.stage_partitions[stage], pipeline.max_parallelism
+                )
+                entry = write_table(
+                    out,
+                    f"operators/{uid}/kg-{groups.start:05d}-{groups.stop - 1:05d}.parquet",
+                    table,
+                    key_groups=(groups.start, groups.stop - 1),
+                    partition=partition,
+                )
+                partitioning = "keyed"
+            yield ("state", uid, partitioning, orjson.dumps(entry.to_json()))
+        task.close()
+        for seq, (topic, target, key, value, ts) in enumerate(output.shuffled):
+            yield ("shuffle", topic, target, (stage, partition, seq), key, value, ts)
+        yield ("count", stage, records, len(output.shuffled))
+    finally:
+        ledger.close()
+        if kafka is not None:
+            kafka.close()
+
+
+def _inject_fault(task_id: str) -> None:
+    """Tests: fail the first attempt of the named task after its commit point."""
+    import os
+
+    from pyspark import TaskContext
+
+    target = os.environ.get("SNAPLINE_SPARK_FAIL_AFTER_COMMIT", "")
+    context = TaskContext.get()
+    if target and task_id.endswith(target) and context is not None and not context.attemptNumber():
+        raise RuntimeError(f"injected failure of {task_id} after its commit point")
+
+
+def _offsets(text: str, admin: Any, consumer: Any, topics: list[str], latest: bool) -> dict:
+    """``earliest``/``latest`` or JSON ``{"topic": {"0": offset}}`` to {(topic, p): offset}."""
+    from confluent_kafka import TopicPartition
+
+    metadata = admin.list_topics(timeout=30)
+    result = {}
+    for topic in topics:
+        for p in metadata.topics[topic].partitions:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
+            result[(topic, p)] = high if latest else low
+    if text not in ("earliest", "latest"):
+        try:
+            given = json.loads(text)
+            for topic, parts in given.items():
+                for p, offset in parts.items():
+                    result[(topic, int(p))] = int(offset)
+        except (ValueError, AttributeError) as exc:
+            raise ConfigurationError(
+                f"{text!r}: use earliest, latest, savepoint:URI or JSON like "
+                '{"orders": {"0": 1200, "1": 980}}'
+            ) from exc
+    return result
+
+
+def run_bounded(
+    spec: str,
+    kafka_config: dict[str, Any],
+    checkpoint_dir: str,
+    *,
+    start: str = "earliest",
+    end: str = "latest",
+    master: str = "local[*,4]",
+    savepoint_out: str | None = None,
+    run_id: str | None = None,
+    progress: Progress | None = None,
+) -> RunResult:
+    """Run ``spec`` over the source range [start, end) on Spark (see module)."""
+    import os
+    import sys
+
+    from confluent_kafka import Consumer
+    from confluent_kafka.admin import AdminClient
+    from pyspark.sql import SparkSession
+
+    from snapline.pipeline.checkpoint.storage import CheckpointStorage
+    from snapline.pipeline.graph import load_pipeline
+    from snapline.pipeline.runtime.topics import TopicManager, pipeline_topics
+    from snapline.pipeline.savepoint.control import ensure_control_topic
+    from snapline.pipeline.savepoint.export import SNAPLINE_VERSION, default_savepoint_uri
+    from snapline.pipeline.savepoint.format import (
+        METADATA_FILE,
+        InFlight,
+        OperatorState,
+        SavepointFile,
+        SavepointMetadata,
+        read_metadata,
+        read_table,
+    )
+    from snapline.pipeline.savepoint.restore import match_states
+    from snapline.pipeline.spark.jars import ensure_spark_kafka_jars
+
+    say = progress or (lambda message: log.info("%s", message))
+    started = time.monotonic()
+    sys.path.insert(0, os.getcwd())
+    pipeline = load_pipeline(spec)
+    pipeline.validate()
+    if not pipeline.exactly_once:
+        raise ConfigurationError("snapline spark run needs guarantee='exactly_once'")
+    run_id = run_id or uuid.uuid4().hex[:8]
+    where = str(kafka_config.get("bootstrap.servers"))
+    plan = pipeline.stages()
+    topic_plan = TopicManager(kafka_config, where).ensure(pipeline_topics(pipeline))
+    ensure_control_topic(kafka_config, pipeline.name)
+    sources = pipeline.source_topics()
+    default = max(topic_plan.partitions[t] for t in sources)
+    stage_partitions = {0: default}
+    for rep in plan.repartitions.values():
+        stage_partitions[rep.downstream] = topic_plan.partitions.get(rep.topic, default)
+    admin = AdminClient(kafka_config)
+    probe = Consumer({**kafka_config, "group.id": f"snapline-spark-probe-{run_id}"})
+    savepoint_in = None
+    mapping: dict[tuple[str, str], Any] = {}
+    in_flight: list[tuple[str, bytes, bytes, int, int]] = []
+    try:
+        if start.startswith("savepoint:"):
+            savepoint_in = start.split(":", 1)[1]
+            saved = read_metadata(CheckpointStorage(savepoint_in))
+            mapping = match_states(pipeline, saved, allow_non_restored=False)
+            starts = _offsets("earliest", admin, probe, sources, latest=False)
+            for topic, parts in saved.source_offsets.items():
+                for p, offset in parts.items():
+                    starts[(topic, p)] = offset
+            sp = CheckpointStorage(savepoint_in)
+            by_name = {rep.name: rep for rep in plan.repartitions.values()}
+            for flight in saved.in_flight:
+                for entry in flight.files:
+                    cols = read_table(sp, entry).to_pydict()
+                    for key, value, ts, off in zip(
+                        cols["key"], cols["value"], cols["timestamp"], cols["offset"], strict=True
+                    ):
+                        in_flight.append((by_name[flight.name].topic, key, value, ts, off))
+        else:
+            starts = _offsets(start, admin, probe, sources, latest=False)
+        ends = _offsets(end, admin, probe, sources, latest=True)
+    finally:
+        probe.close()
+    total = sum(max(0, ends[tp] - starts[tp]) for tp in ends)
+    say(
+        f"run {run_id}: {total} source records in {len(ends)} partitions, stages {len(plan.stages)}"
+    )
+    savepoint_out = savepoint_out or default_savepoint_uri(checkpoint_dir, pipeline.name)
+    if CheckpointStorage(savepoint_out).exists(METADATA_FILE):
+        raise ConfigurationError(f"{savepoint_out} already holds a savepoint")
+    config = RunConfig(
+        spec,
+        run_id,
+        kafka_config,
+        checkpoint_dir,
+        savepoint_out,
+        savepoint_in,
+        stage_partitions,
+        mapping,
+    )
+    jars = ensure_spark_kafka_jars()
+    spark = (
+        SparkSession.builder.master(master)
+        .appName(f"snapline-{pipeline.name}-{run_id}")
+        .config("spark.jars", ",".join(str(j) for j in jars))
+        .config("spark.ui.showConsoleProgress", "true")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.sql.shuffle.partitions", str(max(stage_partitions.values())))
+        .config("spark.executorEnv.PYTHONPATH", os.pathsep.join(sys.path))
+        .getOrCreate()
+    )
+    try:
+        reader = (
+            spark.read.format("kafka")
+            .option("kafka.bootstrap.servers", where)
+            .option("kafka.isolation.level", "read_committed")
+            .option(
+                "assign", json.dumps({t: sorted(p for (tt, p) in ends if tt == t) for t in sources})
+            )
+            .option("startingOffsets", json.dumps(_by_topic(starts)))
+            .option("endingOffsets", json.dumps(_by_topic(ends)))
+            .option("failOnDataLoss", "false")
+        )
+        for key, value in pipeline.kafka_config.items():
+            reader = reader.option(f"kafka.{key}", str(value))
+        df = reader.load().select("topic", "partition", "offset", "key", "value", "timestamp")
+        source = df.rdd.map(lambda r: (r[1], (r[0], r[2], r[3], r[4], _ms(r[5])))).partitionBy(
+            stage_partitions[0], lambda p: p
+        )
+        outputs: list[Any] = []
+        pending: dict[int, list[Any]] = {}
+        if in_flight:
+            flight_rdd = spark.sparkContext.parallelize(
+                [
+                    (
+                        topic,
+                        _target(key, plan, topic, stage_partitions, pipeline.max_parallelism),
+                        (-1, 0, off),
+                        key,
+                        value,
+                        ts,
+                    )
+                    for topic, key, value, ts, off in in_flight
+                ]
+            )
+            for rep in plan.repartitions.values():
+                pending.setdefault(rep.downstream, []).append(
+                    flight_rdd.filter(_topic_is(rep.topic, 0))
+                )
+        stage_rdds: dict[int, Any] = {}
+        for stage in plan.stages:
+            k = stage.index
+            if k == 0:
+                sorted_input = source.mapPartitions(
+                    lambda it: iter(sorted((v for _, v in it), key=lambda r: (r[1], r[0])))
+                )
+            else:
+                feeds: list[Any] = pending.get(k, [])
+                if not feeds:
+                    continue
+                shuffled = feeds[0]
+                for extra in feeds[1:]:
+                    shuffled = shuffled.union(extra)
+                sorted_input = (
+                    shuffled.map(lambda r: (r[1], r))
+                    .partitionBy(stage_partitions[k], lambda p: p)
+                    .mapPartitions(
+                        lambda it: iter(
+                            (r[0], i, r[3], r[4], r[5])
+                            for i, r in enumerate(sorted((v for _, v in it), key=lambda r: r[2]))
+                        )
+                    )
+                )
+            result = sorted_input.mapPartitionsWithIndex(_stage_runner(config, k)).persist()
+            stage_rdds[k] = result
+            outputs.append(result)
+            for rep in plan.repartitions.values():
+                if rep.upstream == k:
+                    pending.setdefault(rep.downstream, []).append(
+                        result.filter(_topic_is(rep.topic, 1)).map(
+                            lambda r: (r[1], r[2], r[3], r[4], r[5], r[6])
+                        )
+                    )
+        records: dict[int, int] = {}
+        files: dict[str, list[SavepointFile]] = {}
+        partitioning: dict[str, str] = {}
+        for k, result in stage_rdds.items():
+            for row in result.filter(lambda r: r[0] in ("state", "count")).collect():
+                if row[0] == "count":
+                    records[k] = records.get(k, 0) + row[2]
+                else:
+                    files.setdefault(row[1], []).append(
+                        SavepointFile.from_json(orjson.loads(row[3]))
+                    )
+                    partitioning[row[1]] = row[2]
+            say(f"stage {k}: {records.get(k, 0)} records processed")
+        uids = pipeline.operator_uids()
+        states = {
+            uids[node_id]: [
+                {kk: d.describe()[kk] for kk in ("name", "kind", "serde")} for _, d in entries
+            ]
+            for node_id, entries in pipeline.state_ids().items()
+        }
+        metadata = SavepointMetadata(
+            pipeline=pipeline.name,
+            snapline_version=SNAPLINE_VERSION,
+            max_parallelism=pipeline.max_parallelism,
+            source_offsets=_by_topic_int(ends),
+            source_partitions={t: topic_plan.partitions[t] for t in sources},
+            operators=[
+                OperatorState(uid, partitioning[uid], states[uid], sorted(fs, key=lambda f: f.path))
+                for uid, fs in files.items()
+            ],
+            in_flight=[
+                InFlight(r.name, r.topic, stage_partitions[r.downstream], [])
+                for r in plan.repartitions.values()
+            ],
+            origin=f"spark:{run_id}",
+        )
+        CheckpointStorage(savepoint_out).write_bytes(METADATA_FILE, metadata.encode())
+        say(f"savepoint at the end offsets: {savepoint_out}")
+        for result in outputs:
+            result.unpersist()
+    finally:
+        spark.stop()
+    return RunResult(run_id, records, savepoint_out, time.monotonic() - started, total)
+
+
+def _topic_is(topic: str, column: int) -> Callable[[tuple[Any, ...]], bool]:
+    """A row filter: shuffled records (or in-flight ones) of ``topic``."""
+
+    def keep(row: tuple[Any, ...]) -> bool:
+        if column == 1:
+            return bool(row[0] == "shuffle" and row[1] == topic)
+        return bool(row[0] == topic)
+
+    return keep
+
+
+def _stage_runner(
+    config: RunConfig, stage: int
+) -> Callable[[int, Iterable[tuple[Any, ...]]], Iterator[tuple[Any, ...]]]:
+    def run(index: int, rows: Iterable[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
+        return run_stage_task(config, stage, index, rows)
+
+    return run
+
+
+def _target(key: bytes, plan: Any, topic: str, stage_partitions: dict[int, int], maxp: int) -> int:
+    import zlib
+
+    from snapline.pipeline.stages import repartition_partition
+
+    downstream = next(r.downstream for r in plan.repartitions.values() if r.topic == topic)
+    return repartition_partition(zlib.crc32(key[1:]) % maxp, stage_partitions[downstream], maxp)
+
+
+def _by_topic(offsets: dict[tuple[str, int], int]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for (topic, p), offset in offsets.items():
+        out.setdefault(topic, {})[str(p)] = offset
+    return out
+
+
+def _by_topic_int(offsets: dict[tuple[str, int], int]) -> dict[str, dict[int, int]]:
+    out: dict[str, dict[int, int]] = {}
+    for (topic, p), offset in offsets.items():
+        out.setdefault(topic, {})[p] = offset
+    return out
