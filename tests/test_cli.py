@@ -72,7 +72,7 @@ def test_version(runner: CliRunner) -> None:
 
 
 def test_command_summaries_are_not_cut_off(runner: CliRunner) -> None:
-    for args in ([], ["savepoint"], ["kafka"]):
+    for args in ([], ["savepoint"], ["kafka"], ["spark"]):
         result = runner.invoke(main, [*args, "--help"])
         assert result.exit_code == 0, result.output
         commands = result.output.split("Commands:")[1]

@@ -10,10 +10,11 @@ import sys
 
 import click
 
+from snapline.pipeline.cli_help import FullSummaryGroup
 from snapline.pipeline.errors import SnaplineError
 
 
-@click.group()
+@click.group(cls=FullSummaryGroup)
 def spark() -> None:
     """Run the same pipeline module on Spark (PySpark)."""
 
