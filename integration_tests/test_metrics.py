@@ -78,9 +78,12 @@ def wait_for(what: str, predicate, timeout: float, proc: subprocess.Popen[bytes]
     raise AssertionError(f"{what}: not within {timeout} s (job exit {proc.poll()})\n{tail}")
 
 
+@pytest.mark.parametrize("stages", [1, 2])
 def test_two_workers_serve_metrics_that_move(
-    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str, stages: int
 ) -> None:
+    """``stages=2`` re-keys through a repartition topic: tasks s1-p<i> (label stage "1")
+    read it, and its lag (a transactional topic with commit markers) drops to 0 too."""
     prefix = f"{unique_name}-"
     job = f"{unique_name}-job"
     create_topics(kafka_bootstrap, {f"{prefix}orders": PARTITIONS, f"{prefix}customer-totals": 2})
@@ -93,7 +96,13 @@ def test_two_workers_serve_metrics_that_move(
         "SNAPLINE_EXAMPLE_PREFIX": prefix,
         "SNAPLINE_EXAMPLE_JOB": job,
         "SNAPLINE_EXAMPLE_INTERVAL": "0.5",
+        "SNAPLINE_EXAMPLE_STAGES": str(stages),
     }
+    tasks = {f"p{i}" for i in range(PARTITIONS)}
+    topics = {f"{prefix}orders"}
+    if stages == 2:
+        tasks |= {f"s1-p{i}" for i in range(PARTITIONS)}
+        topics.add(f"{job}.by-customer.repartition")
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [
@@ -145,11 +154,11 @@ def test_two_workers_serve_metrics_that_move(
             series = [labels for s in first for labels, _ in s.get(name, [])]
             assert series, f"no {name}"
             for labels in series:
-                assert labels["job"] == job and labels["stage"] == "0"
-                assert labels["task"].startswith("p") and labels["worker"] in workers
-        assert {labels["task"] for s in first for labels, _ in s["snapline_records_in_total"]} == {
-            f"p{i}" for i in range(PARTITIONS)
-        }
+                stage = "1" if labels["task"].startswith("s1-") else "0"
+                assert labels["job"] == job and labels["stage"] == stage
+                assert labels["task"] in tasks and labels["worker"] in workers
+        seen_tasks = {labels["task"] for s in first for labels, _ in s["snapline_records_in_total"]}
+        assert seen_tasks == tasks
         assert total(first, "snapline_records_out_total") >= 2000
         for name in (
             "snapline_held_output_records",
@@ -192,14 +201,15 @@ def test_two_workers_serve_metrics_that_move(
                 for s in scraped
                 for labels, v in s.get("snapline_consumer_lag_records", [])
             ]
-            parts = {labels["partition"] for labels, _ in lag}
-            if parts == {str(i) for i in range(PARTITIONS)} and all(v == 0 for _, v in lag):
+            parts = {(labels["topic"], labels["partition"]) for labels, _ in lag}
+            every = {(t, str(i)) for t in topics for i in range(PARTITIONS)}
+            if parts == every and all(v == 0 for _, v in lag):
                 return scraped
             return None
 
         final = wait_for("lag 0 on every partition", lag_zero, 60, proc, log)
         lag_labels = [labels for s in final for labels, _ in s["snapline_consumer_lag_records"]]
-        assert {labels["topic"] for labels in lag_labels} == {f"{prefix}orders"}
+        assert {labels["topic"] for labels in lag_labels} == topics
         wait_for("more checkpoints", checkpoints_done(completed + 1), 60, proc, log)
         text = log.read_text(errors="replace")
         assert f"http://0.0.0.0:{port}/metrics" in text and f":{port + 1}/metrics" in text
@@ -242,6 +252,7 @@ def test_two_workers_serve_metrics_that_move(
     )
     out = status.stdout.decode()
     assert status.returncode == 0, status.stderr.decode()
-    assert f"total lag: 0 records over {PARTITIONS} tasks" in out, out
-    for i in range(PARTITIONS):
-        assert f"{prefix}orders[{i}]" in out, out
+    assert f"total lag: 0 records over {len(tasks)} tasks" in out, out
+    for topic in topics:
+        for i in range(PARTITIONS):
+            assert f"{topic}[{i}]" in out, out

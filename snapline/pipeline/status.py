@@ -7,7 +7,8 @@ Used by ``snapline status`` and ``snapline ui``. Threads: the caller's.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from snapline.pipeline.checkpoint.metadata import (
@@ -23,6 +24,13 @@ from snapline.pipeline.stages import task_id_for
 
 log = logging.getLogger(__name__)
 
+#: Partitions less than this many offsets behind have their lag counted by reading the
+#: records (read_committed): offsets of transactional topics (repartition topics, input
+#: written in transactions) include commit markers, which are not records to process.
+COUNT_LAG_BELOW = 1000
+#: Seconds spent at most counting those records.
+COUNT_LAG_SECONDS = 3.0
+
 
 @dataclass(frozen=True)
 class PartitionStatus:
@@ -34,10 +42,17 @@ class PartitionStatus:
     end: int
     #: The checkpoint the committed offset names (None: none).
     checkpoint: CheckpointRef | None
+    #: Records after the committed offset, counted by reading them (None: not counted).
+    counted: int | None = None
 
     @property
     def lag(self) -> int | None:
-        """Records after the committed offset (None when either offset is unknown)."""
+        """Records after the committed offset (None when either offset is unknown).
+
+        Counted where they were read (a few behind: see ``COUNT_LAG_BELOW``); otherwise the
+        end offset minus the committed one, which also counts transaction markers."""
+        if self.counted is not None:
+            return self.counted
         if self.end < 0:
             return None
         return max(0, self.end - max(self.committed, 0))
@@ -188,6 +203,43 @@ def _kafka_partitions(
                 ref = None
             status = PartitionStatus(c.topic, c.partition, c.offset, high, ref)
             result.append((stage_of[c.topic], status))
-        return result
+        counted = _count_records(
+            consumer,
+            [
+                s
+                for _, s in result
+                if s.committed >= 0 and 0 < s.end - s.committed < COUNT_LAG_BELOW
+            ],
+        )
+        return [
+            (stage, replace(s, counted=counted.get((s.topic, s.partition)))) for stage, s in result
+        ]
     finally:
         consumer.close()
+
+
+def _count_records(consumer: Any, behind: list[PartitionStatus]) -> dict[tuple[str, int], int]:
+    """The committed records after each partition's committed offset, for the partitions
+    whose reading reached their end offset within COUNT_LAG_SECONDS (assigned, not
+    subscribed: the group is not joined and nothing is committed)."""
+    from confluent_kafka import TopicPartition
+
+    if not behind:
+        return {}
+    ends = {(s.topic, s.partition): s.end for s in behind}
+    counts = dict.fromkeys(ends, 0)
+    pending = set(ends)
+    consumer.assign([TopicPartition(s.topic, s.partition, s.committed) for s in behind])
+    deadline = time.monotonic() + COUNT_LAG_SECONDS
+    try:
+        while pending and time.monotonic() < deadline:
+            for msg in consumer.consume(500, 0.2):
+                key = (msg.topic(), msg.partition())
+                if msg.error() is None and key in pending and msg.offset() < ends[key]:
+                    counts[key] += 1
+            for tp in consumer.position([TopicPartition(t, p) for t, p in pending]):
+                if tp.offset >= ends[(tp.topic, tp.partition)]:
+                    pending.discard((tp.topic, tp.partition))
+    finally:
+        consumer.unassign()
+    return {key: n for key, n in counts.items() if key not in pending}

@@ -124,7 +124,9 @@ def status(spec: str, bootstrap_servers: str | None, checkpoint_dir: str | None)
     Columns:
       committed  the consumer group's committed offset (the next record to process)
       end        the partition's end offset (high watermark)
-      lag        end - committed: records not yet covered by a committed checkpoint
+      lag        records after the committed offset: not yet covered by a committed
+                 checkpoint (counted by reading them when fewer than 1000 offsets behind;
+                 beyond that end - committed, which includes transaction markers)
       checkpoint the last committed checkpoint and when it was taken"""
     import datetime as dt
 

@@ -191,8 +191,9 @@ LEGEND = {
     "Size": "all state files the checkpoint references (incremental: newly uploaded)",
     "Per task": "sync = the synchronous snapshot at the barrier; alignment = trigger until the "
     "task's barrier passed; async = writing that task's state",
-    "Lag": "records after the committed offset (from Kafka), or after the worker's read "
-    "position (from its metrics)",
+    "Lag": "records after the committed offset (from Kafka; counted by reading them when "
+    "fewer than 1000 offsets behind, else end minus committed offset, which includes "
+    "transaction markers), or after the worker's read position (from its metrics)",
 }
 
 
