@@ -274,7 +274,7 @@ class WorkerMetrics:
             prom.rebalances.labels(self.job, self.worker, "assigned").inc()
         elif kind == "broker_unavailable" and prom is not None:
             prom.recoveries.labels(self.job, self.worker, "broker_unavailable").inc()
-        elif kind == "restored":
+        elif kind in ("restored", "restored_after_failure"):
             self._restored(entry)
         elif kind == "savepoint":
             if prom is not None:

@@ -807,7 +807,8 @@ class Worker:
         restored = self._restore(assignment)
         self._event(
             {
-                "event": "restored",
+                # Not "restored" (tests read that one as the restore of an assignment).
+                "event": "restored_after_failure",
                 "seconds": round(time.monotonic() - started, 3),
                 "checkpoints": self._restored_from,
                 "bytes": self._restored_bytes,
