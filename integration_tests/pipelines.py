@@ -31,7 +31,7 @@ def dead_letters() -> Pipeline:
     pipeline = Pipeline(f"{PREFIX}job", checkpoint_interval=0.3)
     (
         pipeline.source(KafkaSource(f"{PREFIX}orders"))
-        .key_by(lambda v: v["customer"])
+        .key_by()  # orders are keyed by customer: the dead letters name the orders topic
         .process(StrictTotal())
         .sink(KafkaSink(f"{PREFIX}totals"))
     )
