@@ -273,11 +273,12 @@ def start_from_savepoint(job: WarehouseJob, path: str, partitions: int) -> None:
 
 
 def wait_running(job: WarehouseJob) -> None:
-    """Until every worker committed a checkpoint (it is a member with its assignment)."""
+    """Until every worker has restored its assignment (a member with its tasks; it may be idle:
+    an idle worker commits no checkpoint, so that cannot be the condition)."""
 
     def running() -> bool:
         events = read_events(job.workers[0].metrics_path)
-        done = {e["worker"] for e in events if e.get("event") == "checkpoint"}
+        done = {e["worker"] for e in events if e.get("event") == "restored"}
         return done >= {w.worker_id for w in job.workers}
 
     wait_for("every worker running", running, 120, job.logs)
