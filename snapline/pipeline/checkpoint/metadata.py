@@ -77,6 +77,8 @@ class TaskCheckpoint:
     sinks: dict[str, dict[str, Any]] = field(default_factory=dict)
     states: list[dict[str, Any]] = field(default_factory=list)
     created_at: float = 0.0
+    #: The task's clock (watermarks), so that recovery never moves event time backwards.
+    time: dict[str, Any] | None = None
 
     @property
     def checkpoint_id(self) -> int:
@@ -95,6 +97,7 @@ class TaskCheckpoint:
             "sinks": self.sinks,
             "states": self.states,
             "created_at": self.created_at,
+            **({"time": self.time} if self.time is not None else {}),
         }
 
     def encode(self) -> bytes:
@@ -126,6 +129,7 @@ class TaskCheckpoint:
             sinks=body.get("sinks", {}),
             states=body.get("states", []),
             created_at=float(body.get("created_at", 0.0)),
+            time=body.get("time"),
         )
 
     def write(self, storage: CheckpointStorage) -> str:

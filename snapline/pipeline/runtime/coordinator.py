@@ -143,6 +143,7 @@ class CheckpointCoordinator:
             sinks=sinks,
             states=self._states,
             created_at=time.time(),
+            time=snapshot.time,
         )
         try:
             meta.write(self.storage)

@@ -9,12 +9,18 @@ aligner blocks that channel (exactly-once) until all channels reached it; then t
 passes every operator in topological order — keyed operators take the synchronous snapshot,
 sinks pre-commit — and the task hands the checkpoint to the coordinator.
 
+Flow of time (docs/time.md): after each chunk the task's ``TaskClock`` recomputes the
+watermark (minimum over the channels, idle ones excluded); when it advances, every operator
+sees ``on_watermark`` in topological order (keyed operators fire their event-time timers);
+processing-time timers fire from ``run``. The clock's state travels in the task snapshot.
+
 Threads: everything here runs on the worker's task thread.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,7 +46,15 @@ from snapline.pipeline.runtime.operators import (
     SinkOperator,
     SourceOperator,
 )
+from snapline.pipeline.runtime.timers import processing_time_ms
 from snapline.pipeline.runtime.transaction import TransactionalOutput
+from snapline.pipeline.runtime.watermarks import (
+    ChannelClock,
+    SourceChannelClock,
+    TaskClock,
+    UpstreamChannelClock,
+    WatermarkRecord,
+)
 from snapline.pipeline.sink import PreCommitResult, SinkContext
 from snapline.pipeline.stages import SOURCE_STAGE, Stage, StagePlan
 from snapline.pipeline.state.backend import KeyedStateBackend, SnapshotHandle
@@ -74,6 +88,8 @@ class TaskSnapshot:
     positions: dict[TopicPartitionKey, int]
     state: SnapshotHandle | None
     sinks: dict[str, PreCommitResult]
+    #: The task's clock (watermarks per channel): restored with the checkpoint.
+    time: dict[str, Any] | None = None
 
 
 class Task:
@@ -95,6 +111,7 @@ class Task:
         stage: int = SOURCE_STAGE,
         plan: StagePlan | None = None,
         topic_partitions: dict[str, int] | None = None,
+        time_state: dict[str, Any] | None = None,
     ) -> None:
         self.task_id = task_id
         self.pipeline = pipeline
@@ -120,7 +137,43 @@ class Task:
         self.operators: list[Operator] = []
         self.sources: dict[str, SourceOperator | RepartitionSource] = {}
         self.sink_writers: dict[str, SinkOperator] = {}
+        self.clock = TaskClock(self._channel_clocks())
+        self.clock.restore(time_state)
+        #: The task's event-time watermark (never decreasing) and whether all inputs are idle.
+        self.watermark = self.clock.watermark
+        #: Timers fired or the watermark moved since the last barrier (the worker checkpoints
+        #: even when nothing was read, so that the outputs and watermarks get committed).
+        self._time_moved = False
         self._build(worker_id)
+
+    def _channel_clocks(self) -> dict[TopicPartitionKey, ChannelClock]:
+        sources = {t: s for s in self.pipeline.sources() for t in s.topic_list}
+        now = time.monotonic()
+        clocks: dict[TopicPartitionKey, ChannelClock] = {}
+        for tp in self.channels:
+            source = sources.get(tp[0])
+            if source is not None:
+                ooo = source.max_out_of_orderness
+                assert isinstance(ooo, int)
+                idle = source.idle_timeout
+                assert idle is None or isinstance(idle, float)
+                clocks[tp] = SourceChannelClock(ooo, idle, now)
+            else:
+                clocks[tp] = UpstreamChannelClock(self._upstream_writers(tp[0]))
+        return clocks
+
+    def _upstream_writers(self, topic: str) -> int:
+        """How many tasks write watermarks into ``topic``: the upstream stage's partitions."""
+        for rep in self.plan.repartitions.values():
+            if rep.topic == topic:
+                upstream = self.plan.stages[rep.upstream]
+                reads = (
+                    self.pipeline.source_topics()
+                    if upstream.index == SOURCE_STAGE
+                    else list(upstream.reads)
+                )
+                return max((self._topic_partitions.get(t, 1) for t in reads), default=1)
+        return 1
 
     # ------------------------------------------------------------------ building
     def _build(self, worker_id: str) -> None:
@@ -183,10 +236,15 @@ class Task:
                     self._topic_partitions.get(rep.topic, 1),
                 )
             return KeyByOperator(self, node.name, node.fn, self.pipeline.max_parallelism)
+        maxp = self.pipeline.max_parallelism
         if kind == "process":
-            return ProcessOperator(self, node.name, node.fn, states[node.id], self.backend)
+            return ProcessOperator(self, node.name, node.fn, states[node.id], self.backend, maxp)
         if kind == "co_process":
-            return CoProcessOperator(self, node.name, node.fn, states[node.id], self.backend)
+            return CoProcessOperator(self, node.name, node.fn, states[node.id], self.backend, maxp)
+        if kind == "window":
+            from snapline.pipeline.runtime.window_operator import WindowOperator
+
+            return WindowOperator(self, node.name, node.fn, states[node.id], self.backend, maxp)
         if kind == "union":
             return Operator(self, node.name)
         if kind == "sink":
@@ -250,7 +308,55 @@ class Task:
                 else:
                     chunk, items[0] = item[:CHUNK], item[CHUNK:]
                 topic, partition = channel.tp
-                self.sources[topic].process_messages(topic, partition, chunk)
+                max_ts = self.sources[topic].process_messages(topic, partition, chunk)
+                now = time.monotonic()
+                self.clock.observe(channel.tp, max_ts, now)
+                self._advance_time(now)
+        self._advance_time(time.monotonic())
+        self._fire_processing_time()
+
+    # ------------------------------------------------------------------ time
+    @property
+    def time_idle(self) -> bool:
+        """Every input of the task is idle (its watermark then holds nobody back)."""
+        return self.clock.idle
+
+    @property
+    def time_pending(self) -> bool:
+        """Time moved (timers fired, watermark changed) since the last barrier: worth a
+        checkpoint even if nothing was read."""
+        return self._time_moved or any(
+            isinstance(op, RepartitionWriter) and op.watermark_pending() for op in self.operators
+        )
+
+    def _advance_time(self, now: float) -> None:
+        backlog = {c.tp: bool(c.items) for c in self._channel_list}
+        idle = self.clock.idle
+        if self.clock.advance(now, backlog):
+            self._set_watermark(self.clock.watermark)
+        elif idle != self.clock.idle:
+            self._time_moved = True
+
+    def _set_watermark(self, watermark: int) -> None:
+        self.watermark = watermark
+        self._time_moved = True
+        for op in self.operators:
+            op.on_watermark(watermark)
+
+    def _fire_processing_time(self) -> None:
+        now_ms = processing_time_ms()
+        for op in self.operators:
+            if op.on_processing_time(now_ms):
+                self._time_moved = True
+
+    def on_watermark_record(self, tp: TopicPartitionKey, record: WatermarkRecord) -> None:
+        """An upstream task's watermark read from a repartition channel."""
+        self.clock.upstream(tp, record)
+
+    def end_of_input(self) -> None:
+        """The input is bounded and ended (the testing harness): all event time passed."""
+        self.clock.end_of_input()
+        self._set_watermark(self.clock.watermark)
 
     # ------------------------------------------------------------------ barriers
     def _on_aligned(self, barrier: Barrier) -> None:
@@ -263,8 +369,16 @@ class Task:
         self._faults.point("sync_snapshot")
         self.epoch = n + 1
         self._on_snapshot(
-            TaskSnapshot(self.task_id, n, self._barrier_positions.pop(n), state, self.sink_results)
+            TaskSnapshot(
+                self.task_id,
+                n,
+                self._barrier_positions.pop(n),
+                state,
+                self.sink_results,
+                self.clock.snapshot(),
+            )
         )
+        self._time_moved = False
         self.sink_results = {}
 
     def snapshot_state(self, checkpoint_id: int) -> None:
