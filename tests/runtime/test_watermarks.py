@@ -42,7 +42,16 @@ def test_an_idle_partition_stops_holding_the_watermark_back() -> None:
     assert clock.advance(2.5, {}) and clock.watermark == 49 and not clock.idle
     clock.observe(B, 10, 3.0)  # B wakes up behind the watermark: its records are late
     assert not clock.advance(3.0, {}) and clock.watermark == 49
-    assert clock.advance(10.0, {}) is False and clock.idle  # both idle: hold, and say so
+    # Both idle: the largest channel watermark (49), and say so.
+    assert clock.advance(10.0, {}) is False and clock.idle and clock.watermark == 49
+
+
+def test_when_every_channel_is_idle_the_watermark_moves_to_the_largest() -> None:
+    clock = TaskClock({A: SourceChannelClock(0, 1.0, 0.0), B: SourceChannelClock(0, 1.0, 0.0)})
+    clock.observe(A, 50, 0.0)
+    clock.observe(B, 20, 0.0)
+    assert clock.advance(0.5, {}) and clock.watermark == 19
+    assert clock.advance(2.0, {}) and clock.watermark == 49 and clock.idle
 
 
 def test_upstream_watermark_is_the_minimum_over_every_writer() -> None:
@@ -57,6 +66,7 @@ def test_upstream_watermark_is_the_minimum_over_every_writer() -> None:
     assert channel.watermark() == 100 and not channel.idle(0.0, False)
     channel.update(WatermarkRecord("p0", 100, True))
     assert channel.idle(0.0, False) and not channel.idle(0.0, True)
+    assert channel.watermark() == 100  # all idle: the largest, so that windows close
 
 
 def test_restore_continues_from_the_checkpointed_clock() -> None:

@@ -7,7 +7,9 @@ the upstream tasks that write to it (each sends ``WatermarkRecord``s inside its 
 A channel with nothing to read for ``idle_timeout`` seconds is idle and does not hold the
 task back; an upstream task whose inputs are all idle says so in its watermark record. The
 task's watermark is the minimum over its active channels and never goes backwards, across
-restores too: ``TaskClock.snapshot`` travels in the task's checkpoint metadata.
+restores too: ``TaskClock.snapshot`` travels in the task's checkpoint metadata. When every
+channel is idle, the watermark moves to the largest of theirs (as Flink's watermark valve
+does), so the windows of the data that did arrive close.
 
 Pure logic; the task thread owns a clock (``now`` is ``time.monotonic()``, passed in).
 """
@@ -101,7 +103,7 @@ class UpstreamChannelClock:
         if len(self.latest) < self.writers:
             return MIN_WATERMARK
         active = [w for w, idle in self.latest.values() if not idle]
-        return min(active) if active else MIN_WATERMARK
+        return min(active) if active else max(w for w, _ in self.latest.values())
 
     def idle(self, now: float, backlog: bool) -> bool:
         return (
@@ -148,9 +150,13 @@ class TaskClock:
         self.idle = not active
         if active:
             candidate = min(active)
-            if candidate > self.watermark:
-                self.watermark = candidate
-                return True
+        elif self.channels:  # all idle: what did arrive may close its windows
+            candidate = max(clock.watermark() for clock in self.channels.values())
+        else:
+            return False
+        if candidate > self.watermark:
+            self.watermark = candidate
+            return True
         return False
 
     def end_of_input(self) -> None:
