@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import tempfile
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -44,6 +44,7 @@ from snapline.pipeline.graph import Node, Pipeline
 from snapline.pipeline.record import Record
 from snapline.pipeline.runtime.faults import FaultInjector
 from snapline.pipeline.runtime.task import Task, TaskSnapshot
+from snapline.pipeline.runtime.timers import processing_time_ms
 from snapline.pipeline.runtime.transaction import TransactionalOutput
 from snapline.pipeline.runtime.watermarks import MAX_WATERMARK
 from snapline.pipeline.sink import PreCommitResult, Sink, SinkContext, SinkWriter
@@ -216,6 +217,7 @@ def run_pipeline(
     checkpoint_every: int = 100,
     crash_after: int | Sequence[int] = (),
     end_watermark: bool = True,
+    processing_time: Callable[[], int] | None = None,
 ) -> TestRun:
     """Run ``pipeline`` over ``inputs`` (topic -> values or ``Message``s) in-process.
 
@@ -223,7 +225,9 @@ def run_pipeline(
     the end. ``crash_after``: after that many records read (one number or several), the task
     crashes — uncommitted output is dropped, state is restored from the last committed
     checkpoint and input is re-read from its positions. ``end_watermark``: once the input is
-    read, the watermark advances to the end of time, stage by stage (windows fire)."""
+    read, the watermark advances to the end of time, stage by stage (windows fire).
+    ``processing_time``: the clock (ms) of processing-time timers and state TTL instead of
+    the wall clock; expired state is swept before every checkpoint."""
     pipeline.validate()
     crashes = sorted({crash_after} if isinstance(crash_after, int) else set(crash_after))
     result = TestRun()
@@ -252,9 +256,8 @@ def run_pipeline(
     channels = _encode_inputs(pipeline, inputs)
     with tempfile.TemporaryDirectory(prefix="snapline-testing-") as tmp:
         storage = CheckpointStorage(f"{tmp}/checkpoints")
-        _Runner(test_pipeline, channels, storage, tmp, result).run(
-            checkpoint_every, crashes, end_watermark
-        )
+        runner = _Runner(test_pipeline, channels, storage, tmp, result, processing_time)
+        runner.run(checkpoint_every, crashes, end_watermark)
     result.outputs = {name: list(values) for name, values in sink_lists.items()}
     return result
 
@@ -279,8 +282,10 @@ class _Runner:
         storage: CheckpointStorage,
         tmp: str,
         result: TestRun,
+        processing_time: Callable[[], int] | None = None,
     ) -> None:
         self.pipeline = pipeline
+        self.processing_time = processing_time or processing_time_ms
         self.plan = pipeline.stages()
         self.channels = dict(channels)
         for rep in self.plan.repartitions.values():
@@ -330,6 +335,8 @@ class _Runner:
                 plan=self.plan,
                 topic_partitions={r.topic: 1 for r in self.plan.repartitions.values()},
                 time_state=self.committed_time.get(stage),
+                clock=self.processing_time,
+                ttl_sweep_interval=0.0,
             )
         return tasks
 

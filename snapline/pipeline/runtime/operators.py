@@ -51,6 +51,8 @@ class OperatorContext(Protocol):
 
     def on_watermark_record(self, tp: tuple[str, int], record: WatermarkRecord) -> None: ...
 
+    def now_ms(self) -> int: ...
+
     def dead_letter(self, record: Record, reason: str, value: bytes | None = None) -> None: ...
 
     def snapshot_state(self, checkpoint_id: int) -> None: ...
@@ -409,7 +411,7 @@ class ProcessOperator(Operator):
         for state_id, desc in states:
             if isinstance(desc, TimerState):
                 store = desc.bind(backend, self._scope, state_id)
-                self._timers = TimerService(store, self._scope, max_parallelism)
+                self._timers = TimerService(store, self._scope, max_parallelism, task.now_ms)
                 continue
             assert desc.attribute is not None
             self._function.__dict__[desc.attribute] = desc.bind(backend, self._scope, state_id)
@@ -424,6 +426,7 @@ class ProcessOperator(Operator):
         scope = self._scope
         ctx = self._ctx
         ctx.watermark = self.task.watermark
+        scope.now = self.task.now_ms()
         if self._timers is not None:
             self._timers.watermark = ctx.watermark
         out: list[Record] = []
@@ -473,6 +476,7 @@ class ProcessOperator(Operator):
         scope = self._scope
         ctx = self._ctx
         ctx.watermark = self.task.watermark
+        scope.now = self.task.now_ms()
         ctx.time_domain = "event" if domain == EVENT_TIME else "processing"
         ctx.topic, ctx.partition, ctx.offset = "", -1, -1
         on_timer = self._function.on_timer

@@ -58,6 +58,7 @@ from snapline.pipeline.runtime.watermarks import (
 from snapline.pipeline.sink import PreCommitResult, SinkContext
 from snapline.pipeline.stages import SOURCE_STAGE, Stage, StagePlan
 from snapline.pipeline.state.backend import KeyedStateBackend, SnapshotHandle
+from snapline.pipeline.state.descriptors import expired_entries
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,8 @@ class Task:
         plan: StagePlan | None = None,
         topic_partitions: dict[str, int] | None = None,
         time_state: dict[str, Any] | None = None,
+        clock: Callable[[], int] = processing_time_ms,
+        ttl_sweep_interval: float = 60.0,
     ) -> None:
         self.task_id = task_id
         self.pipeline = pipeline
@@ -137,6 +140,16 @@ class Task:
         self.operators: list[Operator] = []
         self.sources: dict[str, SourceOperator | RepartitionSource] = {}
         self.sink_writers: dict[str, SinkOperator] = {}
+        #: Processing time in ms (timers, state TTL); the testing harness may replace it.
+        self.now_ms = clock
+        self._ttls = {
+            sid: desc.ttl_ms
+            for entries in pipeline.state_ids().values()
+            for sid, desc in entries
+            if desc.ttl_ms is not None
+        }
+        self._ttl_sweep_interval = ttl_sweep_interval
+        self._last_ttl_sweep = time.monotonic()
         self.clock = TaskClock(self._channel_clocks())
         self.clock.restore(time_state)
         #: The task's event-time watermark (never decreasing) and whether all inputs are idle.
@@ -344,7 +357,7 @@ class Task:
             op.on_watermark(watermark)
 
     def _fire_processing_time(self) -> None:
-        now_ms = processing_time_ms()
+        now_ms = self.now_ms()
         for op in self.operators:
             if op.on_processing_time(now_ms):
                 self._time_moved = True
@@ -384,7 +397,18 @@ class Task:
     def snapshot_state(self, checkpoint_id: int) -> None:
         """Synchronous part of the state snapshot, once per barrier for the task's backend."""
         if self._state_snapshot is None or self._state_snapshot[0] != checkpoint_id:
+            self._sweep_expired_state()
             self._state_snapshot = (checkpoint_id, self.backend.snapshot(checkpoint_id))
+
+    def _sweep_expired_state(self) -> None:
+        """State TTL: expired entries are invisible at once (descriptors check on read); here
+        they are removed physically, at most every ``ttl_sweep_interval`` s, before a
+        snapshot so that checkpoints do not carry them."""
+        now = time.monotonic()
+        if self._ttls and now - self._last_ttl_sweep >= self._ttl_sweep_interval:
+            self._last_ttl_sweep = now
+            removed = self.backend.delete_where(expired_entries(self._ttls, self.now_ms()))
+            log.debug("task %s: %d expired state entries removed", self.task_id, removed)
 
     # ------------------------------------------------------------------ after commit
     def notify_committed(self, checkpoint_id: int) -> None:

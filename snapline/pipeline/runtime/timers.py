@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from snapline.pipeline.formats import tag_key, untag_key
 from snapline.pipeline.keygroups import state_key_prefix
@@ -33,8 +33,15 @@ class TimerService:
     processed). Timestamps are int milliseconds: event time for ``*_event_time``, wall-clock
     time since the epoch for ``*_processing_time``."""
 
-    def __init__(self, store: TimerStore, scope: KeyScope, max_parallelism: int) -> None:
+    def __init__(
+        self,
+        store: TimerStore,
+        scope: KeyScope,
+        max_parallelism: int,
+        clock: Callable[[], int] | None = None,
+    ) -> None:
         self._store = store
+        self._clock = clock or processing_time_ms
         self._scope = scope
         self._heaps: tuple[list[_Entry], list[_Entry]] = ([], [])
         self.watermark = MIN_WATERMARK
@@ -48,7 +55,7 @@ class TimerService:
         return self.watermark
 
     def current_processing_time(self) -> int:
-        return processing_time_ms()
+        return self._clock()
 
     def register_event_time(self, timestamp: int) -> None:
         """Call ``on_timer(timestamp, ctx)`` for the current key once the watermark reaches
