@@ -48,12 +48,11 @@ from snapline.pipeline.runtime.timers import processing_time_ms
 from snapline.pipeline.runtime.transaction import TransactionalOutput
 from snapline.pipeline.runtime.watermarks import MAX_WATERMARK
 from snapline.pipeline.sink import PreCommitResult, Sink, SinkContext, SinkWriter
+from snapline.pipeline.stages import task_id_for
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.backend import StateHandle
 
 __all__ = ["Message", "TestRun", "run_pipeline"]
-
-TASK_ID = "test"
 
 
 @dataclass(frozen=True)
@@ -322,7 +321,7 @@ class _Runner:
             if handle is not None:
                 backend.restore(handle, self.storage)
             tasks[stage] = Task(
-                f"{TASK_ID}-s{stage}",
+                task_id_for(stage, 0),  # like a worker's: partition 0 of the stage
                 self.pipeline,
                 dict(positions),
                 backend,

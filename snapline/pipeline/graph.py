@@ -123,6 +123,18 @@ class Stream:
             ".key_by(lambda value: <key>) before .process(...)"
         )
 
+    def window(
+        self,
+        assigner: WindowAssigner,
+        *,
+        allowed_lateness: int | timedelta = 0,
+        on_late: str = "dead_letter",
+        name: str = "",
+    ) -> WindowedStream:
+        raise ConfigurationError(
+            "window() needs a keyed stream: call .key_by(lambda value: <key>) before .window(...)"
+        )
+
     def union(self, *others: Stream) -> Stream:
         """Merge this stream with others (from co-partitioned topics); barriers are aligned."""
         if not others:

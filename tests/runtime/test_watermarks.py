@@ -13,6 +13,7 @@ from snapline.pipeline.runtime.watermarks import (
 )
 
 A, B = ("t", 0), ("t", 1)
+S0 = frozenset({"s0"})
 
 
 def test_source_channel_trails_the_largest_timestamp_by_the_bound() -> None:
@@ -55,12 +56,13 @@ def test_when_every_channel_is_idle_the_watermark_moves_to_the_largest() -> None
 
 
 def test_upstream_watermark_is_the_minimum_over_every_writer() -> None:
-    channel = UpstreamChannelClock(writers=2)
+    channel = UpstreamChannelClock(frozenset({"p0", "p1"}))
     channel.update(WatermarkRecord("p0", 100, False))
     assert channel.watermark() == MIN_WATERMARK  # p1 not heard from yet
     channel.update(WatermarkRecord("p1", 40, False))
     assert channel.watermark() == 40
     channel.update(WatermarkRecord("p1", 30, False))  # a stale record never moves it back
+    channel.update(WatermarkRecord("p7", 0, False))  # not an upstream task (any more)
     assert channel.watermark() == 40
     channel.update(WatermarkRecord("p1", 40, True))  # p1 idle: p0 alone decides
     assert channel.watermark() == 100 and not channel.idle(0.0, False)
@@ -70,13 +72,13 @@ def test_upstream_watermark_is_the_minimum_over_every_writer() -> None:
 
 
 def test_restore_continues_from_the_checkpointed_clock() -> None:
-    clock = TaskClock({A: SourceChannelClock(3, None, 0.0), B: UpstreamChannelClock(1)})
+    clock = TaskClock({A: SourceChannelClock(3, None, 0.0), B: UpstreamChannelClock(S0)})
     clock.observe(A, 100, 0.0)
     clock.upstream(B, WatermarkRecord("s0", 70, False))
     clock.advance(0.0, {})
     saved = clock.snapshot()
     assert clock.watermark == 70
-    restored = TaskClock({A: SourceChannelClock(3, None, 0.0), B: UpstreamChannelClock(1)})
+    restored = TaskClock({A: SourceChannelClock(3, None, 0.0), B: UpstreamChannelClock(S0)})
     restored.restore(saved)
     assert restored.watermark == 70
     restored.observe(A, 50, 0.0)  # replayed records cannot pull the watermark back

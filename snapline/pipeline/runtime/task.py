@@ -56,7 +56,7 @@ from snapline.pipeline.runtime.watermarks import (
     WatermarkRecord,
 )
 from snapline.pipeline.sink import PreCommitResult, SinkContext
-from snapline.pipeline.stages import SOURCE_STAGE, Stage, StagePlan
+from snapline.pipeline.stages import SOURCE_STAGE, Stage, StagePlan, task_id_for
 from snapline.pipeline.state.backend import KeyedStateBackend, SnapshotHandle
 from snapline.pipeline.state.descriptors import expired_entries
 
@@ -175,8 +175,8 @@ class Task:
                 clocks[tp] = UpstreamChannelClock(self._upstream_writers(tp[0]))
         return clocks
 
-    def _upstream_writers(self, topic: str) -> int:
-        """How many tasks write watermarks into ``topic``: the upstream stage's partitions."""
+    def _upstream_writers(self, topic: str) -> frozenset[str]:
+        """The tasks that write watermarks into ``topic``: the upstream stage's partitions."""
         for rep in self.plan.repartitions.values():
             if rep.topic == topic:
                 upstream = self.plan.stages[rep.upstream]
@@ -185,8 +185,9 @@ class Task:
                     if upstream.index == SOURCE_STAGE
                     else list(upstream.reads)
                 )
-                return max((self._topic_partitions.get(t, 1) for t in reads), default=1)
-        return 1
+                count = max((self._topic_partitions.get(t, 1) for t in reads), default=1)
+                return frozenset(task_id_for(upstream.index, p) for p in range(count))
+        return frozenset()
 
     # ------------------------------------------------------------------ building
     def _build(self, worker_id: str) -> None:

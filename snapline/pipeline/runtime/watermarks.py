@@ -87,20 +87,23 @@ class SourceChannelClock:
 
 
 class UpstreamChannelClock:
-    """One repartition partition: the minimum over the ``writers`` upstream tasks' watermarks
-    (unknown until every one of them has sent one), excluding the idle ones."""
+    """One repartition partition: the minimum over the upstream tasks' (``writers``, their
+    task ids) watermarks, unknown until every one of them has sent one, excluding the idle
+    ones. Records of other writers (tasks of an earlier parallelism) are ignored."""
 
-    def __init__(self, writers: int) -> None:
+    def __init__(self, writers: frozenset[str]) -> None:
         self.writers = writers
         self.latest: dict[str, tuple[int, bool]] = {}
 
     def update(self, record: WatermarkRecord) -> None:
+        if record.writer not in self.writers:
+            return
         previous = self.latest.get(record.writer)
         watermark = record.watermark if previous is None else max(previous[0], record.watermark)
         self.latest[record.writer] = (watermark, record.idle)
 
     def watermark(self) -> int:
-        if len(self.latest) < self.writers:
+        if len(self.latest) < len(self.writers):
             return MIN_WATERMARK
         active = [w for w, idle in self.latest.values() if not idle]
         return min(active) if active else max(w for w, _ in self.latest.values())
@@ -108,7 +111,7 @@ class UpstreamChannelClock:
     def idle(self, now: float, backlog: bool) -> bool:
         return (
             not backlog
-            and len(self.latest) >= self.writers
+            and len(self.latest) >= len(self.writers)
             and all(idle for _, idle in self.latest.values())
         )
 
@@ -116,7 +119,11 @@ class UpstreamChannelClock:
         return {"up": {w: [wm, idle] for w, (wm, idle) in sorted(self.latest.items())}}
 
     def restore(self, data: Mapping[str, Any]) -> None:
-        self.latest = {w: (int(wm), bool(idle)) for w, (wm, idle) in data.get("up", {}).items()}
+        self.latest = {
+            w: (int(wm), bool(idle))
+            for w, (wm, idle) in data.get("up", {}).items()
+            if w in self.writers
+        }
 
 
 ChannelClock = SourceChannelClock | UpstreamChannelClock
