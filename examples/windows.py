@@ -12,6 +12,11 @@ is the minimum over every upstream task's), then
 Each result ``{"key", "start", "end", "value"}`` appears once the watermark passes the window's
 end, exactly once (docs/time.md). Records later than that go to the dead-letter topic.
 
+The per-minute rows ``{"customer", "window_start", "window_end", "orders", "amount"}`` also go
+to a Parquet table at ``$SNAPLINE_WAREHOUSE`` and to the PostgreSQL table
+``$SNAPLINE_POSTGRES_TABLE`` at ``$SNAPLINE_POSTGRES_DSN`` when those are set (upserted by
+``(customer, window_start)``).
+
 Environment (for tests and the demo): ``SNAPLINE_EXAMPLE_PREFIX``, ``SNAPLINE_EXAMPLE_JOB``,
 ``SNAPLINE_EXAMPLE_INTERVAL`` (checkpoint interval, s), ``SNAPLINE_EXAMPLE_BACKEND``,
 ``SNAPLINE_WINDOW_MS`` (60000), ``SNAPLINE_SESSION_GAP_MS`` (30000),
@@ -29,7 +34,9 @@ from snapline import (
     AggregateFunction,
     KafkaSink,
     KafkaSource,
+    ParquetSink,
     Pipeline,
+    PostgresSink,
     session,
     tumbling,
 )
@@ -54,6 +61,17 @@ class OrderStats(AggregateFunction[dict[str, Any], dict[str, int], dict[str, int
         return accumulator
 
 
+def row(result: dict[str, Any]) -> dict[str, Any]:
+    """A window result as a flat table row."""
+    return {
+        "customer": result["key"],
+        "window_start": result["start"],
+        "window_end": result["end"],
+        "orders": result["value"]["orders"],
+        "amount": result["value"]["amount"],
+    }
+
+
 def build() -> Pipeline:
     env = os.environ.get
     prefix = env("SNAPLINE_EXAMPLE_PREFIX", "")
@@ -71,11 +89,22 @@ def build() -> Pipeline:
         )
     )
     by_customer = orders.key_by(lambda order: order["customer"], name="by-customer")
-    (
-        by_customer.window(tumbling(int(env("SNAPLINE_WINDOW_MS", "60000"))))
-        .aggregate(OrderStats())
-        .sink(KafkaSink(f"{prefix}orders-per-minute"))
+    per_minute = by_customer.window(tumbling(int(env("SNAPLINE_WINDOW_MS", "60000")))).aggregate(
+        OrderStats()
     )
+    per_minute.sink(KafkaSink(f"{prefix}orders-per-minute"))
+    rows = per_minute.map(row)
+    if env("SNAPLINE_WAREHOUSE"):
+        rows.sink(ParquetSink(env("SNAPLINE_WAREHOUSE", "")))
+    if env("SNAPLINE_POSTGRES_DSN"):
+        rows.sink(
+            PostgresSink(
+                env("SNAPLINE_POSTGRES_DSN", ""),
+                env("SNAPLINE_POSTGRES_TABLE", "orders_per_minute"),
+                key_columns=["customer", "window_start"],
+                columns=["customer", "window_start", "window_end", "orders", "amount"],
+            )
+        )
     (
         by_customer.window(session(int(env("SNAPLINE_SESSION_GAP_MS", "30000"))))
         .count()

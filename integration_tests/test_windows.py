@@ -2,7 +2,8 @@
 by customer through a repartition topic, then a tumbling aggregate and a session count.
 
 - 2 workers, ≥ 20 random SIGKILLs plus every kill point: a read_committed reader sees every
-  window result exactly once with the value a reference computes from the produced orders,
+  window result exactly once with the value a reference computes from the produced orders
+  (pyarrow on the Parquet table and SQL on PostgreSQL: every per-minute row exactly once),
   and no record was late (the watermark crossing the repartition topic is the minimum over
   both upstream tasks: a wrong one would make records late or windows fire early).
 - a source partition that stays quiet does not stall the windows past its idle timeout.
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import psycopg
+import pyarrow.dataset as ds
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
@@ -44,7 +47,14 @@ class WindowJob:
     """Topics, workers and input of one run of the windows example."""
 
     def __init__(
-        self, bootstrap: str, name: str, workdir: Path, *, workers: int = 2, idle: float = 30
+        self,
+        bootstrap: str,
+        name: str,
+        workdir: Path,
+        *,
+        workers: int = 2,
+        idle: float = 30,
+        postgres_dsn: str | None = None,
     ) -> None:
         self.bootstrap = bootstrap
         self.name = name
@@ -62,6 +72,19 @@ class WindowJob:
             "SNAPLINE_OUT_OF_ORDERNESS_MS": str(OUT_OF_ORDERNESS_MS),
             "SNAPLINE_IDLE_TIMEOUT": str(idle),
         }
+        self.table = workdir / "warehouse" / "orders_per_minute"
+        self.pg_table = name.replace("-", "_").lower()
+        self.dsn = postgres_dsn
+        if postgres_dsn:
+            env["SNAPLINE_WAREHOUSE"] = str(self.table)
+            env["SNAPLINE_POSTGRES_DSN"] = postgres_dsn
+            env["SNAPLINE_POSTGRES_TABLE"] = self.pg_table
+            with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+                conn.execute(
+                    f"CREATE TABLE {self.pg_table} (customer text, window_start bigint, "
+                    "window_end bigint, orders bigint, amount bigint, "
+                    "PRIMARY KEY (customer, window_start))"
+                )
         self.workers = [
             WorkerProcess(SPEC, f"w{i}", bootstrap, workdir / "checkpoints", workdir, env)
             for i in range(workers)
@@ -98,6 +121,21 @@ class WindowJob:
             event = {"order_id": -1, "customer": "~end", "amount": 0, "ts": self.clock + 60_000}
             self.producer.produce(self.orders, orjson.dumps(event), b"end", partition=partition)
         self.producer.flush(30)
+
+    def table_windows(self) -> list[Window]:
+        """(customer, start, end) of every row of the Parquet table, duplicates included."""
+        if not self.table.exists():
+            return []
+        rows = ds.dataset(self.table, format="parquet").to_table().to_pylist()
+        return [(r["customer"], r["window_start"], r["window_end"]) for r in rows]
+
+    def database_windows(self) -> dict[Window, Any]:
+        assert self.dsn is not None
+        with psycopg.connect(self.dsn) as conn:
+            rows = conn.execute(
+                f"SELECT customer, window_start, window_end, orders, amount FROM {self.pg_table}"
+            ).fetchall()
+        return {(c, s, e): {"orders": n, "amount": a} for c, s, e, n, a in rows}
 
     def logs(self) -> str:
         return "\n".join(f"--- {w.worker_id}\n{w.tail(60)}" for w in self.workers)
@@ -171,10 +209,11 @@ def wait_for_windows(
         time.sleep(1)
 
 
+@pytest.mark.postgres
 def test_windows_are_exactly_once_under_kills(
-    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str
 ) -> None:
-    job = WindowJob(kafka_bootstrap, unique_name, tmp_path)
+    job = WindowJob(kafka_bootstrap, unique_name, tmp_path, postgres_dsn=postgres_dsn)
     fault_log = job.workers[0].fault_log
 
     def spec() -> str:
@@ -219,6 +258,18 @@ def test_windows_are_exactly_once_under_kills(
         assert got == tumbling, f"tumbling: {len(got)} of {len(tumbling)} windows\n{job.logs()}"
         got = wait_for_windows(job, job.sessions, sessions, 30)
         assert got == sessions, f"sessions: {len(got)} of {len(sessions)} windows\n{job.logs()}"
+        # The same windows in the Parquet table (each row once) and in PostgreSQL.
+        real = {w for w in tumbling}
+        deadline = time.monotonic() + 30
+        while set(job.table_windows()) < real and time.monotonic() < deadline:
+            time.sleep(0.5)
+        table = Counter(w for w in job.table_windows() if w[0] != "~end")
+        assert set(table) == real and max(table.values()) == 1, (
+            f"Parquet: {len(table)} of {len(real)} windows, "
+            f"{sum(1 for n in table.values() if n > 1)} twice"
+        )
+        database = {w: v for w, v in job.database_windows().items() if w[0] != "~end"}
+        assert database == tumbling, f"PostgreSQL: {len(database)} of {len(tumbling)} windows"
         late = read_results(kafka_bootstrap, f"{unique_name}.dead-letter", time.monotonic() + 5)
         assert not late, f"{len(late)} records were late: the watermark was wrong"
         print(
