@@ -65,7 +65,14 @@ class WindowOperator(Operator):
                 )
             elif isinstance(desc, MapState):
                 self._windows = desc.bind(backend, self._scope, state_id)
+                # The per-record path of fixed windows reads and writes the same map entries
+                # through the backend directly (one key encoding per window, no wrappers).
+                self._windows_sid = bytes([state_id])
+                self._dump_window = desc.key_serde.dumps
+                self._dump_acc = desc.serde.dumps
+                self._load_acc = desc.serde.loads
         assert timers is not None and self._windows is not None
+        self._backend = backend
         self._timers = timers
         self.late_records = 0
         self._out: list[Record] = []
@@ -112,19 +119,21 @@ class WindowOperator(Operator):
         if not accepted:
             self._late(r, watermark, windows)
             return
-        state = self._windows
-        assert state is not None
         agg = self._agg
+        backend = self._backend
+        assert self._scope.prefix is not None
+        prefix = self._scope.prefix + self._windows_sid
         for start, end in accepted:
-            window = [start, end]
-            acc = state.get(window, _MISSING)
-            acc = agg.add(agg.create() if acc is _MISSING else acc, r.value)
-            state.put(window, acc)
+            window = self._dump_window([start, end])
+            raw = backend.map_get(prefix, window)
+            new = raw is None
+            acc = agg.add(agg.create() if raw is None else self._load_acc(raw), r.value)
+            backend.map_put(prefix, window, self._dump_acc(acc))
             if end - 1 <= watermark:
                 self._emit(r.key, r.key_bytes, r.key_group, start, end, acc)
-            else:
+            elif new:  # an existing on-time window registered its timer when it was created
                 self._timers.register_event_time(end - 1)
-            if lateness:
+            if lateness and new:
                 self._timers.register_event_time(end - 1 + lateness)
 
     def _add_session(self, r: Record, watermark: int) -> None:
