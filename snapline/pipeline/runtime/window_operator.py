@@ -76,23 +76,27 @@ class WindowOperator(Operator):
         self._timers = timers
         self.late_records = 0
         self._out: list[Record] = []
+        #: Encoded map keys of recent windows: every key of a window shares them.
+        self._window_keys: dict[tuple[int, int], bytes] = {}
+        if isinstance(self._assigner, SessionWindows):
+            self._add = self._add_session
+        elif isinstance(self._assigner, SlidingWindows):
+            self._add = self._add_sliding
+        else:
+            self._add = self._add_fixed
 
     # ------------------------------------------------------------------ records
     def process(self, records: list[Record]) -> None:
         watermark = self.task.watermark
         scope = self._scope
+        add = self._add
         for r in records:
             key_bytes = r.key_bytes
             assert key_bytes is not None
             scope.prefix = state_key_prefix(r.key_group, key_bytes)
             scope.key = r.key
             try:
-                if isinstance(self._assigner, SessionWindows):
-                    self._add_session(r, watermark)
-                elif isinstance(self._assigner, SlidingWindows):
-                    self._add_sliding(r, watermark)
-                else:
-                    self._add_fixed(r, watermark)
+                add(r, watermark)
             except Exception as exc:
                 self.task.dead_letter(r, f"{self.name} raised {exc!r}")
         scope.prefix = None
@@ -123,8 +127,14 @@ class WindowOperator(Operator):
         backend = self._backend
         assert self._scope.prefix is not None
         prefix = self._scope.prefix + self._windows_sid
-        for start, end in accepted:
-            window = self._dump_window([start, end])
+        keys = self._window_keys
+        for span in accepted:
+            window = keys.get(span)
+            if window is None:
+                if len(keys) > 4096:
+                    keys.clear()
+                window = keys[span] = self._dump_window(list(span))
+            start, end = span
             raw = backend.map_get(prefix, window)
             new = raw is None
             acc = agg.add(agg.create() if raw is None else self._load_acc(raw), r.value)
