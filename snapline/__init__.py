@@ -18,6 +18,7 @@ from snapline.pipeline.errors import (
 )
 from snapline.pipeline.functions import Context, KeyedCoProcessFunction, KeyedProcessFunction
 from snapline.pipeline.graph import ConnectedStreams, KeyedStream, Pipeline, Stream
+from snapline.pipeline.runtime.timers import TimerService
 from snapline.pipeline.sink import Sink, SinkContext, SinkWriter
 from snapline.pipeline.state.descriptors import (
     AggregateFunction,
@@ -28,6 +29,7 @@ from snapline.pipeline.state.descriptors import (
     ValueState,
 )
 from snapline.pipeline.state.serde import JsonSerde, PickleSerde, Serde
+from snapline.pipeline.windows import WindowedStream, hopping, session, sliding, tumbling
 from snapline.sinks.kafka import KafkaSink
 from snapline.sinks.parquet import ParquetSink
 
@@ -64,7 +66,13 @@ __all__ = [
     "SnaplineError",
     "StateError",
     "Stream",
+    "TimerService",
     "ValueState",
+    "WindowedStream",
+    "hopping",
+    "session",
+    "sliding",
+    "tumbling",
 ]
 
 

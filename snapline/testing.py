@@ -19,6 +19,12 @@ repartition topic is a list that the next stage reads once the checkpoint commit
 no Kafka transaction (a checkpoint "commits" when its
 snapshot is durable in a temporary checkpoint directory).
 
+Event time works as in a worker: ``Message(timestamp=...)`` (or the source's ``timestamp=``
+function) drives the watermarks, which cross repartition topics as watermark records; one
+record is read at a time, so a record sees the watermark left by the records before it. At
+the end of the input the watermark jumps to the end of time (``end_watermark=True``, like
+Flink at the end of a bounded input): every window and event-time timer fires.
+
 Threads: everything runs on the caller's thread.
 """
 
@@ -26,7 +32,7 @@ from __future__ import annotations
 
 import tempfile
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -38,14 +44,15 @@ from snapline.pipeline.graph import Node, Pipeline
 from snapline.pipeline.record import Record
 from snapline.pipeline.runtime.faults import FaultInjector
 from snapline.pipeline.runtime.task import Task, TaskSnapshot
+from snapline.pipeline.runtime.timers import processing_time_ms
 from snapline.pipeline.runtime.transaction import TransactionalOutput
+from snapline.pipeline.runtime.watermarks import MAX_WATERMARK
 from snapline.pipeline.sink import PreCommitResult, Sink, SinkContext, SinkWriter
+from snapline.pipeline.stages import task_id_for
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.backend import StateHandle
 
 __all__ = ["Message", "TestRun", "run_pipeline"]
-
-TASK_ID = "test"
 
 
 @dataclass(frozen=True)
@@ -208,13 +215,18 @@ def run_pipeline(
     *,
     checkpoint_every: int = 100,
     crash_after: int | Sequence[int] = (),
+    end_watermark: bool = True,
+    processing_time: Callable[[], int] | None = None,
 ) -> TestRun:
     """Run ``pipeline`` over ``inputs`` (topic -> values or ``Message``s) in-process.
 
     A checkpoint is taken and committed after every ``checkpoint_every`` input records and at
     the end. ``crash_after``: after that many records read (one number or several), the task
     crashes — uncommitted output is dropped, state is restored from the last committed
-    checkpoint and input is re-read from its positions."""
+    checkpoint and input is re-read from its positions. ``end_watermark``: once the input is
+    read, the watermark advances to the end of time, stage by stage (windows fire).
+    ``processing_time``: the clock (ms) of processing-time timers and state TTL instead of
+    the wall clock; expired state is swept before every checkpoint."""
     pipeline.validate()
     crashes = sorted({crash_after} if isinstance(crash_after, int) else set(crash_after))
     result = TestRun()
@@ -243,7 +255,8 @@ def run_pipeline(
     channels = _encode_inputs(pipeline, inputs)
     with tempfile.TemporaryDirectory(prefix="snapline-testing-") as tmp:
         storage = CheckpointStorage(f"{tmp}/checkpoints")
-        _Runner(test_pipeline, channels, storage, tmp, result).run(checkpoint_every, crashes)
+        runner = _Runner(test_pipeline, channels, storage, tmp, result, processing_time)
+        runner.run(checkpoint_every, crashes, end_watermark)
     result.outputs = {name: list(values) for name, values in sink_lists.items()}
     return result
 
@@ -268,8 +281,10 @@ class _Runner:
         storage: CheckpointStorage,
         tmp: str,
         result: TestRun,
+        processing_time: Callable[[], int] | None = None,
     ) -> None:
         self.pipeline = pipeline
+        self.processing_time = processing_time or processing_time_ms
         self.plan = pipeline.stages()
         self.channels = dict(channels)
         for rep in self.plan.repartitions.values():
@@ -288,6 +303,8 @@ class _Runner:
             )
             for stage in self.plan.stages
         }
+        #: Per stage: the committed checkpoint's clock (watermarks).
+        self.committed_time: dict[int, dict[str, Any] | None] = {}
         self.snapshots: list[TaskSnapshot] = []
         self.restarts = 0
         self.tasks = self._new_tasks(1)
@@ -304,7 +321,7 @@ class _Runner:
             if handle is not None:
                 backend.restore(handle, self.storage)
             tasks[stage] = Task(
-                f"{TASK_ID}-s{stage}",
+                task_id_for(stage, 0),  # like a worker's: partition 0 of the stage
                 self.pipeline,
                 dict(positions),
                 backend,
@@ -316,13 +333,16 @@ class _Runner:
                 stage=stage,
                 plan=self.plan,
                 topic_partitions={r.topic: 1 for r in self.plan.repartitions.values()},
+                time_state=self.committed_time.get(stage),
+                clock=self.processing_time,
+                ttl_sweep_interval=0.0,
             )
         return tasks
 
     def _positions(self) -> dict[tuple[str, int], int]:
         return {tp: o for _, positions, _ in self.committed.values() for tp, o in positions.items()}
 
-    def run(self, checkpoint_every: int, crashes: list[int]) -> None:
+    def run(self, checkpoint_every: int, crashes: list[int], end_watermark: bool) -> None:
         read = 0
         next_checkpoint = checkpoint_every
         total = sum(len(c) for c in self.channels.values())
@@ -356,6 +376,13 @@ class _Runner:
                     self._checkpoint()
                     if any(positions[tp] < len(m) for tp, m in self.channels.items()):
                         continue
+                ending = [t for _, t in sorted(self.tasks.items()) if t.watermark < MAX_WATERMARK]
+                if end_watermark and ending:
+                    # The lowest stage first: its watermark records carry the end of time to
+                    # the next stage, which reads them after this checkpoint commits.
+                    ending[0].end_of_input()
+                    self._checkpoint()
+                    continue
                 break
             if read > 10 * (total + sum(len(c) for c in self.channels.values())) + 1000:
                 raise RuntimeError("the test run does not progress; check crash_after")
@@ -385,6 +412,7 @@ class _Runner:
                 if isinstance(result, Future):
                     result.result()
             handles[stage] = (n, dict(snapshot.positions), handle)
+            self.committed_time[stage] = snapshot.time
         # The commit point: every snapshot is durable; the output becomes visible.
         self.committed = handles
         for task in tasks.values():

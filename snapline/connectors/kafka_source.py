@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 from snapline.pipeline.errors import ConfigurationError
 from snapline.pipeline.formats import FORMATS
+from snapline.pipeline.time import duration_ms, seconds
 
 STARTING_POSITIONS = ("earliest", "latest")
 
@@ -22,6 +26,11 @@ class KafkaSource:
     topics with N partitions (handy with the embedded broker). Existing topics are used as
     they are. A KafkaSink's missing topic, by contrast, is created (see its docstring and
     ``snapline.pipeline.runtime.topics``).
+
+    Event time (docs/time.md): a record's timestamp is the Kafka record timestamp (ms), or
+    ``timestamp(value)`` when given. Each partition's watermark trails the largest timestamp
+    seen by ``max_out_of_orderness`` (ms or timedelta); a partition with nothing to read for
+    ``idle_timeout`` seconds stops holding the watermark back (None: never).
     """
 
     topics: tuple[str, ...] | str
@@ -29,8 +38,22 @@ class KafkaSource:
     key_format: str = "string"
     starting_position: str = "earliest"
     create_partitions: int | None = None
+    timestamp: Callable[[Any], Any] | None = None
+    max_out_of_orderness: int | timedelta = 0
+    idle_timeout: float | timedelta | None = 30.0
 
     def __post_init__(self) -> None:
+        if self.timestamp is not None and not callable(self.timestamp):
+            raise ConfigurationError(
+                f"KafkaSource timestamp={self.timestamp!r} must be a function of the value "
+                "returning int milliseconds"
+            )
+        object.__setattr__(
+            self,
+            "max_out_of_orderness",
+            duration_ms(self.max_out_of_orderness, "max_out_of_orderness"),
+        )
+        object.__setattr__(self, "idle_timeout", seconds(self.idle_timeout, "idle_timeout"))
         topics = (self.topics,) if isinstance(self.topics, str) else tuple(self.topics)
         object.__setattr__(self, "topics", topics)
         if not topics or not all(isinstance(t, str) and t for t in topics):

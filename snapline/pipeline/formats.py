@@ -46,3 +46,25 @@ def encode_key(key: Any) -> bytes | None:
     if isinstance(key, bytes):
         return key
     return orjson.dumps(key)
+
+
+# The first byte of a tagged key says how the key bytes decode (repartition records, timers).
+_KEY_STR, _KEY_BYTES, _KEY_JSON = b"s", b"b", b"j"
+
+
+def tag_key(key: Any, key_bytes: bytes) -> bytes:
+    """``key_bytes`` prefixed with a tag that lets ``untag_key`` rebuild ``key`` itself."""
+    tag = _KEY_STR if isinstance(key, str) else _KEY_BYTES if isinstance(key, bytes) else _KEY_JSON
+    return tag + key_bytes
+
+
+def untag_key(raw_key: bytes) -> tuple[Any, bytes]:
+    """The key and its key bytes from ``tag_key``'s output; ValueError if not tagged."""
+    tag, key_bytes = raw_key[:1], raw_key[1:]
+    if tag == _KEY_STR:
+        return key_bytes.decode(), key_bytes
+    if tag == _KEY_BYTES:
+        return key_bytes, key_bytes
+    if tag == _KEY_JSON:
+        return orjson.loads(key_bytes), key_bytes
+    raise ValueError(f"not a Snapline tagged key: {raw_key[:40]!r}")

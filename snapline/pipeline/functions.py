@@ -3,16 +3,32 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from snapline.pipeline.runtime.timers import TimerService
 
 
 class Context:
     """What a keyed process function knows about the record it is processing.
 
     One object per task, refreshed before each record; do not keep it past ``process``.
+    ``timestamp`` is the record's event time (ms); ``watermark`` the task's current watermark;
+    ``timers`` registers and deletes timers of the current key (see ``TimerService``). In
+    ``on_timer``, ``timestamp`` is the timer's time and ``time_domain`` says which kind fired.
     """
 
-    __slots__ = ("key", "timestamp", "topic", "partition", "offset", "task_id")
+    __slots__ = (
+        "key",
+        "timestamp",
+        "topic",
+        "partition",
+        "offset",
+        "task_id",
+        "timers",
+        "watermark",
+        "time_domain",
+    )
 
     def __init__(self, task_id: str) -> None:
         self.task_id = task_id
@@ -21,6 +37,10 @@ class Context:
         self.topic = ""
         self.partition = -1
         self.offset = -1
+        self.timers: TimerService | None = None
+        self.watermark = -(1 << 63)
+        #: "event" or "processing" in ``on_timer``; None in ``process``.
+        self.time_domain: str | None = None
 
     @property
     def position(self) -> tuple[str, int, int]:
@@ -50,6 +70,15 @@ class KeyedProcessFunction:
 
     def process(self, value: Any, ctx: Context) -> Iterable[Any] | None:
         raise NotImplementedError(f"{type(self).__name__} must implement process(value, ctx)")
+
+    def on_timer(self, timestamp: int, ctx: Context) -> Iterable[Any] | None:
+        """A timer of ``ctx.key`` registered through ``ctx.timers`` fired (once per
+        registration): event-time timers when the watermark reaches ``timestamp``,
+        processing-time timers when the wall clock does. Returns outputs like ``process``."""
+        raise NotImplementedError(
+            f"{type(self).__name__} registered a timer but does not implement "
+            "on_timer(timestamp, ctx)"
+        )
 
     def close(self) -> None:
         """Called when the task goes away."""
@@ -83,6 +112,15 @@ class KeyedCoProcessFunction:
 
     def process_right(self, value: Any, ctx: Context) -> Iterable[Any] | None:
         raise NotImplementedError(f"{type(self).__name__} must implement process_right(value, ctx)")
+
+    def on_timer(self, timestamp: int, ctx: Context) -> Iterable[Any] | None:
+        """A timer of ``ctx.key`` registered through ``ctx.timers`` fired (once per
+        registration): event-time timers when the watermark reaches ``timestamp``,
+        processing-time timers when the wall clock does. Returns outputs like ``process``."""
+        raise NotImplementedError(
+            f"{type(self).__name__} registered a timer but does not implement "
+            "on_timer(timestamp, ctx)"
+        )
 
     def close(self) -> None:
         """Called when the task goes away."""

@@ -17,11 +17,15 @@ from snapline.pipeline.functions import KeyedCoProcessFunction, KeyedProcessFunc
 from snapline.pipeline.keygroups import DEFAULT_MAX_PARALLELISM, MAX_MAX_PARALLELISM
 from snapline.pipeline.state import BACKENDS
 from snapline.pipeline.state.descriptors import StateDescriptor, declared_states
+from snapline.pipeline.state.timers import TimerState
 
 if TYPE_CHECKING:
+    from datetime import timedelta
+
     from snapline.connectors.kafka_source import KafkaSource
     from snapline.pipeline.sink import Sink
     from snapline.pipeline.stages import StagePlan
+    from snapline.pipeline.windows import WindowAssigner, WindowedStream, WindowSpec
 
 GUARANTEES = ("exactly_once", "at_least_once")
 ON_ERROR = ("dead_letter", "fail")
@@ -33,7 +37,8 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
 class Node:
     """One operator of the graph."""
 
-    kind: str  # source | map | filter | flat_map | key_by | process | co_process | union | sink
+    # source | map | filter | flat_map | key_by | process | co_process | window | union | sink
+    kind: str
     inputs: list[Node]
     fn: Any = None
     name: str = ""
@@ -118,6 +123,18 @@ class Stream:
             ".key_by(lambda value: <key>) before .process(...)"
         )
 
+    def window(
+        self,
+        assigner: WindowAssigner,
+        *,
+        allowed_lateness: int | timedelta = 0,
+        on_late: str = "dead_letter",
+        name: str = "",
+    ) -> WindowedStream:
+        raise ConfigurationError(
+            "window() needs a keyed stream: call .key_by(lambda value: <key>) before .window(...)"
+        )
+
     def union(self, *others: Stream) -> Stream:
         """Merge this stream with others (from co-partitioned topics); barriers are aligned."""
         if not others:
@@ -165,6 +182,34 @@ class KeyedStream(Stream):
                 options={"uid": uid},
             )
         )
+        return KeyedStream(self._pipeline, node)
+
+    def window(
+        self,
+        assigner: WindowAssigner,
+        *,
+        allowed_lateness: int | timedelta = 0,
+        on_late: str = "dead_letter",
+        name: str = "",
+    ) -> WindowedStream:
+        """Cut the keyed stream into event-time windows (``from snapline import tumbling,
+        hopping, sliding, session``); finish with ``.count()``, ``.reduce(fn)`` or
+        ``.aggregate(AggregateFunction)``. A window's result is emitted once the watermark
+        passes its end; records arriving later than ``allowed_lateness`` (ms or timedelta)
+        after that go to the dead-letter topic with the reason (``on_late="drop"``: counted
+        and dropped); records within it update the window and emit it again."""
+        from snapline.pipeline.windows import WindowAssigner, WindowedStream, check_window_args
+
+        if not isinstance(assigner, WindowAssigner):
+            raise ConfigurationError(
+                "window() needs a window assigner such as snapline.tumbling(60_000), "
+                f"got {assigner!r}"
+            )
+        lateness = check_window_args(allowed_lateness, on_late)
+        return WindowedStream(self, assigner, lateness, on_late, name)
+
+    def _window_node(self, spec: WindowSpec, name: str) -> KeyedStream:
+        node = self._pipeline._add(Node("window", [self.node], spec, name, True))
         return KeyedStream(self._pipeline, node)
 
     def connect(self, other: KeyedStream) -> ConnectedStreams:
@@ -348,15 +393,23 @@ class Pipeline:
         return [n for n in self.nodes if node in n.inputs]
 
     def state_ids(self) -> dict[int, list[tuple[int, StateDescriptor]]]:
-        """State id per declared state, per process node: ids are unique within the pipeline."""
+        """State id per declared state, per keyed operator: ids are unique within the
+        pipeline. The timers of each keyed operator are one more state, numbered after every
+        declared state (so adding timers keeps the ids of existing state)."""
         result: dict[int, list[tuple[int, StateDescriptor]]] = {}
         next_id = 1
         for node in self.nodes:
-            if node.kind in ("process", "co_process"):
+            if node.kind in ("process", "co_process", "window"):
                 result[node.id] = []
-                for desc in declared_states(type(node.fn)):
+                declared = (
+                    node.fn.states() if node.kind == "window" else declared_states(type(node.fn))
+                )
+                for desc in declared:
                     result[node.id].append((next_id, desc))
                     next_id += 1
+        for entries in result.values():
+            entries.append((next_id, TimerState()))
+            next_id += 1
         if next_id > 256:
             raise ConfigurationError("a pipeline may declare at most 255 keyed states")
         return result

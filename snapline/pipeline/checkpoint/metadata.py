@@ -83,6 +83,8 @@ class TaskCheckpoint:
     timings: dict[str, float] = field(default_factory=dict)
     #: Wall-clock time the checkpoint was triggered (0.0: not recorded).
     triggered_at: float = 0.0
+    #: The task's clock (watermarks), so that recovery never moves event time backwards.
+    time: dict[str, Any] | None = None
 
     @property
     def checkpoint_id(self) -> int:
@@ -103,6 +105,7 @@ class TaskCheckpoint:
             "created_at": self.created_at,
             "timings": self.timings,
             "triggered_at": self.triggered_at,
+            **({"time": self.time} if self.time is not None else {}),
         }
 
     def encode(self) -> bytes:
@@ -136,6 +139,7 @@ class TaskCheckpoint:
             created_at=float(body.get("created_at", 0.0)),
             timings={k: float(v) for k, v in body.get("timings", {}).items()},
             triggered_at=float(body.get("triggered_at", 0.0)),
+            time=body.get("time"),
         )
 
     def write(self, storage: CheckpointStorage) -> str:

@@ -157,6 +157,7 @@ class CheckpointCoordinator:
             created_at=time.time(),
             timings={**timings, "async": round(time.monotonic() - started, 6)},
             triggered_at=triggered_wall,
+            time=snapshot.time,
         )
         try:
             meta.write(self.storage)

@@ -17,14 +17,20 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from snapline.pipeline.formats import decoder, encode_key
+from snapline.pipeline.formats import tag_key as _tagged_key
+from snapline.pipeline.formats import untag_key as _untag_key
 from snapline.pipeline.functions import Context, KeyedCoProcessFunction, KeyedProcessFunction
 from snapline.pipeline.keygroups import state_key_prefix
 from snapline.pipeline.record import Record
 from snapline.pipeline.runtime.barrier import Barrier
+from snapline.pipeline.runtime.timers import TimerService, processing_time_ms
+from snapline.pipeline.runtime.watermarks import WatermarkRecord
 from snapline.pipeline.sink import PreCommitResult, SinkWriter
 from snapline.pipeline.stages import Repartition, repartition_partition
 from snapline.pipeline.state.backend import KeyedStateBackend
 from snapline.pipeline.state.descriptors import KeyScope, StateDescriptor
+from snapline.pipeline.state.timers import EVENT_TIME, PROCESSING_TIME, TimerState
+from snapline.pipeline.time import timestamp_ms
 
 if TYPE_CHECKING:
     from snapline.connectors.kafka_source import KafkaSource
@@ -32,12 +38,20 @@ if TYPE_CHECKING:
 
 class OperatorContext(Protocol):
     """What an operator may use of its task: the open epoch, dead letters, the task's Kafka
-    output, the synchronous state snapshot and the sinks' pre-commit results (the task
-    implements it; operators never see the worker)."""
+    output, the synchronous state snapshot, the sinks' pre-commit results and the task's
+    event time (the task implements it; operators never see the worker)."""
 
     task_id: str
     epoch: int
     sink_results: dict[str, PreCommitResult]
+    watermark: int
+
+    @property
+    def time_idle(self) -> bool: ...
+
+    def on_watermark_record(self, tp: tuple[str, int], record: WatermarkRecord) -> None: ...
+
+    def now_ms(self) -> int: ...
 
     def dead_letter(self, record: Record, reason: str, value: bytes | None = None) -> None: ...
 
@@ -79,6 +93,13 @@ class Operator:
     def on_barrier(self, barrier: Barrier) -> None:
         """The aligned barrier reaches this operator (its inputs are all before it)."""
 
+    def on_watermark(self, watermark: int) -> None:
+        """The task's watermark advanced (operators see it in topological order)."""
+
+    def on_processing_time(self, now_ms: int) -> bool:
+        """The wall clock is at ``now_ms``; True if processing-time timers fired."""
+        return False
+
     def close(self) -> None:
         """The task goes away."""
 
@@ -90,11 +111,15 @@ class SourceOperator(Operator):
         super().__init__(task, name)
         self._value = decoder(source.value_format)
         self._key = decoder(source.key_format)
+        self._timestamp = source.timestamp
 
-    def process_messages(self, topic: str, partition: int, messages: Sequence[Any]) -> None:
-        """Decode messages of one partition (a channel's chunk) and push them downstream."""
+    def process_messages(self, topic: str, partition: int, messages: Sequence[Any]) -> int | None:
+        """Decode messages of one partition (a channel's chunk) and push them downstream;
+        returns the largest event timestamp among them (None if none)."""
         decode_value = self._value
         decode_key = self._key
+        timestamp_of = self._timestamp
+        max_ts: int | None = None
         out: list[Record] = []
         append = out.append
         for msg in messages:
@@ -115,10 +140,22 @@ class SourceOperator(Operator):
                 )
                 self.task.dead_letter(record, f"{self.name}: cannot decode: {exc!r}")
                 continue
+            ts = msg.timestamp()[1]
+            if timestamp_of is not None:
+                try:
+                    ts = timestamp_ms(timestamp_of(value))
+                except Exception as exc:
+                    record = Record(
+                        value, ts, topic, partition, msg.offset(), raw=raw, raw_key=raw_key
+                    )
+                    self.task.dead_letter(record, f"{self.name}: timestamp raised {exc!r}")
+                    continue
+            if max_ts is None or ts > max_ts:
+                max_ts = ts
             append(
                 Record(
                     value,
-                    msg.timestamp()[1],
+                    ts,
                     topic,
                     partition,
                     msg.offset(),
@@ -130,6 +167,7 @@ class SourceOperator(Operator):
                 )
             )
         self.emit(out)
+        return max_ts
 
 
 class MapOperator(Operator):
@@ -235,26 +273,6 @@ class KeyByOperator(Operator):
         self.emit(out)
 
 
-# The first byte of a repartition record's Kafka key says how the key bytes decode.
-_KEY_STR, _KEY_BYTES, _KEY_JSON = b"s", b"b", b"j"
-
-
-def _tagged_key(key: Any, key_bytes: bytes) -> bytes:
-    tag = _KEY_STR if isinstance(key, str) else _KEY_BYTES if isinstance(key, bytes) else _KEY_JSON
-    return tag + key_bytes
-
-
-def _untag_key(raw_key: bytes) -> tuple[Any, bytes]:
-    tag, key_bytes = raw_key[:1], raw_key[1:]
-    if tag == _KEY_STR:
-        return key_bytes.decode(), key_bytes
-    if tag == _KEY_BYTES:
-        return key_bytes, key_bytes
-    if tag == _KEY_JSON:
-        return orjson.loads(key_bytes), key_bytes
-    raise ValueError(f"not a Snapline repartition key: {raw_key[:40]!r}")
-
-
 class RepartitionWriter(KeyByOperator):
     """A re-keying ``key_by``: computes the key and produces the record to the repartition
     topic, in the partition that owns its key-group, inside the task's Kafka transaction.
@@ -272,6 +290,11 @@ class RepartitionWriter(KeyByOperator):
         super().__init__(task, name, fn, max_parallelism)
         self._topic = repartition.topic
         self._partitions = partitions
+        #: The (watermark, idle) last sent to every partition of the topic (None: not yet).
+        self._sent: tuple[int, bool] | None = None
+
+    def watermark_pending(self) -> bool:
+        return self._sent != (self.task.watermark, self.task.time_idle)
 
     def process(self, records: list[Record]) -> None:
         produce = self.task.produce
@@ -296,6 +319,15 @@ class RepartitionWriter(KeyByOperator):
             )
 
     def on_barrier(self, barrier: Barrier) -> None:
+        # The task's watermark reaches every downstream partition in this epoch's transaction,
+        # behind the records it covers; downstream tasks take the minimum over the writers.
+        current = (self.task.watermark, self.task.time_idle)
+        if current != self._sent:
+            record = WatermarkRecord(self.task.task_id, *current)
+            key, value, now = record.key(), record.value(), processing_time_ms()
+            for partition in range(self._partitions):
+                self.task.produce(self._topic, value, key, partition, now)
+            self._sent = current
         # The epoch's records are handed to the producer; the commit has not happened yet.
         self.task.fault_point("after_repartition_produce")
 
@@ -316,6 +348,18 @@ class RepartitionSource(Operator):
         for msg in messages:
             raw = msg.value()
             raw_key = msg.key()
+            if raw_key is not None and raw_key[:1] == b"w":  # a control record, never data
+                self.emit(out)  # the records before it, at the watermark they were sent with
+                out = []
+                append = out.append
+                try:
+                    mark = WatermarkRecord.decode(raw_key, raw)
+                except Exception as exc:
+                    bad = Record(None, -1, topic, partition, msg.offset(), raw=raw, raw_key=raw_key)
+                    self.task.dead_letter(bad, f"{self.name}: bad watermark record: {exc!r}")
+                    continue
+                self.task.on_watermark_record((topic, partition), mark)
+                continue
             try:
                 key, key_bytes = _untag_key(raw_key)
                 value = loads(raw)
@@ -358,14 +402,21 @@ class ProcessOperator(Operator):
         function: KeyedProcessFunction | KeyedCoProcessFunction,
         states: list[tuple[int, StateDescriptor]],
         backend: KeyedStateBackend,
+        max_parallelism: int,
     ) -> None:
         super().__init__(task, name)
         self._scope = KeyScope()
         self._function = copy.copy(function)
+        self._timers: TimerService | None = None
         for state_id, desc in states:
+            if isinstance(desc, TimerState):
+                store = desc.bind(backend, self._scope, state_id)
+                self._timers = TimerService(store, self._scope, max_parallelism, task.now_ms)
+                continue
             assert desc.attribute is not None
             self._function.__dict__[desc.attribute] = desc.bind(backend, self._scope, state_id)
         self._ctx = Context(task.task_id)
+        self._ctx.timers = self._timers
         self._function.open(task.task_id)
 
     def process(self, records: list[Record]) -> None:
@@ -374,6 +425,10 @@ class ProcessOperator(Operator):
     def _run(self, records: list[Record], process: Callable[[Any, Context], Any]) -> None:
         scope = self._scope
         ctx = self._ctx
+        ctx.watermark = self.task.watermark
+        scope.now = self.task.now_ms()
+        if self._timers is not None:
+            self._timers.watermark = ctx.watermark
         out: list[Record] = []
         append = out.append
         for r in records:
@@ -397,6 +452,50 @@ class ProcessOperator(Operator):
 
     def on_barrier(self, barrier: Barrier) -> None:
         self.task.snapshot_state(barrier.checkpoint_id)
+
+    def on_watermark(self, watermark: int) -> None:
+        if self._timers is not None:
+            self._timers.watermark = watermark
+            self._fire(EVENT_TIME, watermark)
+
+    def on_processing_time(self, now_ms: int) -> bool:
+        timers = self._timers
+        if timers is None:
+            return False
+        due = timers.next_processing_time()
+        if due is None or due > now_ms:
+            return False
+        self._fire(PROCESSING_TIME, now_ms)
+        return True
+
+    def _fire(self, domain: int, limit: int) -> None:
+        """Run ``on_timer`` for every timer of ``domain`` due at ``limit``; outputs carry the
+        timer's time as their timestamp."""
+        timers = self._timers
+        assert timers is not None
+        scope = self._scope
+        ctx = self._ctx
+        ctx.watermark = self.task.watermark
+        scope.now = self.task.now_ms()
+        ctx.time_domain = "event" if domain == EVENT_TIME else "processing"
+        ctx.topic, ctx.partition, ctx.offset = "", -1, -1
+        on_timer = self._function.on_timer
+        out: list[Record] = []
+        for ts, group, key_bytes, key in timers.due(domain, limit):
+            scope.prefix = state_key_prefix(group, key_bytes)
+            scope.key = ctx.key = key
+            ctx.timestamp = ts
+            try:
+                produced = on_timer(ts, ctx)
+                if produced is not None:
+                    for value in produced:
+                        out.append(Record(value, ts, "", -1, -1, key, key_bytes, group))
+            except Exception as exc:
+                timer = Record(None, ts, f"timer:{self.name}", -1, -1, key, key_bytes, group)
+                self.task.dead_letter(timer, f"{self.name}.on_timer({ts}) raised {exc!r}")
+        scope.prefix = None
+        ctx.time_domain = None
+        self.emit(out)
 
     def close(self) -> None:
         self._function.close()

@@ -9,6 +9,11 @@ aligner blocks that channel (exactly-once) until all channels reached it; then t
 passes every operator in topological order — keyed operators take the synchronous snapshot,
 sinks pre-commit — and the task hands the checkpoint to the coordinator.
 
+Flow of time (docs/time.md): after each chunk the task's ``TaskClock`` recomputes the
+watermark (minimum over the channels, idle ones excluded); when it advances, every operator
+sees ``on_watermark`` in topological order (keyed operators fire their event-time timers);
+processing-time timers fire from ``run``. The clock's state travels in the task snapshot.
+
 Threads: everything here runs on the worker's task thread.
 """
 
@@ -41,10 +46,19 @@ from snapline.pipeline.runtime.operators import (
     SinkOperator,
     SourceOperator,
 )
+from snapline.pipeline.runtime.timers import processing_time_ms
 from snapline.pipeline.runtime.transaction import TransactionalOutput
+from snapline.pipeline.runtime.watermarks import (
+    ChannelClock,
+    SourceChannelClock,
+    TaskClock,
+    UpstreamChannelClock,
+    WatermarkRecord,
+)
 from snapline.pipeline.sink import PreCommitResult, SinkContext
-from snapline.pipeline.stages import SOURCE_STAGE, Stage, StagePlan
+from snapline.pipeline.stages import SOURCE_STAGE, Stage, StagePlan, task_id_for
 from snapline.pipeline.state.backend import KeyedStateBackend, SnapshotHandle
+from snapline.pipeline.state.descriptors import expired_entries
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +92,8 @@ class TaskSnapshot:
     #: Seconds the synchronous part took (operators' barrier handling: state snapshot, sink
     #: pre-commit), for the checkpoint history and metrics.
     sync_seconds: float = 0.0
+    #: The task's clock (watermarks per channel): restored with the checkpoint.
+    time: dict[str, Any] | None = None
 
 
 class Task:
@@ -99,6 +115,9 @@ class Task:
         stage: int = SOURCE_STAGE,
         plan: StagePlan | None = None,
         topic_partitions: dict[str, int] | None = None,
+        time_state: dict[str, Any] | None = None,
+        clock: Callable[[], int] = processing_time_ms,
+        ttl_sweep_interval: float = 60.0,
     ) -> None:
         self.task_id = task_id
         self.pipeline = pipeline
@@ -124,7 +143,54 @@ class Task:
         self.operators: list[Operator] = []
         self.sources: dict[str, SourceOperator | RepartitionSource] = {}
         self.sink_writers: dict[str, SinkOperator] = {}
+        #: Processing time in ms (timers, state TTL); the testing harness may replace it.
+        self.now_ms = clock
+        self._ttls = {
+            sid: desc.ttl_ms
+            for entries in pipeline.state_ids().values()
+            for sid, desc in entries
+            if desc.ttl_ms is not None
+        }
+        self._ttl_sweep_interval = ttl_sweep_interval
+        self._last_ttl_sweep = time.monotonic()
+        self.clock = TaskClock(self._channel_clocks())
+        self.clock.restore(time_state)
+        #: The task's event-time watermark (never decreasing) and whether all inputs are idle.
+        self.watermark = self.clock.watermark
+        #: Timers fired or the watermark moved since the last barrier (the worker checkpoints
+        #: even when nothing was read, so that the outputs and watermarks get committed).
+        self._time_moved = False
         self._build(worker_id)
+
+    def _channel_clocks(self) -> dict[TopicPartitionKey, ChannelClock]:
+        sources = {t: s for s in self.pipeline.sources() for t in s.topic_list}
+        now = time.monotonic()
+        clocks: dict[TopicPartitionKey, ChannelClock] = {}
+        for tp in self.channels:
+            source = sources.get(tp[0])
+            if source is not None:
+                ooo = source.max_out_of_orderness
+                assert isinstance(ooo, int)
+                idle = source.idle_timeout
+                assert idle is None or isinstance(idle, float)
+                clocks[tp] = SourceChannelClock(ooo, idle, now)
+            else:
+                clocks[tp] = UpstreamChannelClock(self._upstream_writers(tp[0]))
+        return clocks
+
+    def _upstream_writers(self, topic: str) -> frozenset[str]:
+        """The tasks that write watermarks into ``topic``: the upstream stage's partitions."""
+        for rep in self.plan.repartitions.values():
+            if rep.topic == topic:
+                upstream = self.plan.stages[rep.upstream]
+                reads = (
+                    self.pipeline.source_topics()
+                    if upstream.index == SOURCE_STAGE
+                    else list(upstream.reads)
+                )
+                count = max((self._topic_partitions.get(t, 1) for t in reads), default=1)
+                return frozenset(task_id_for(upstream.index, p) for p in range(count))
+        return frozenset()
 
     # ------------------------------------------------------------------ building
     def _build(self, worker_id: str) -> None:
@@ -187,10 +253,15 @@ class Task:
                     self._topic_partitions.get(rep.topic, 1),
                 )
             return KeyByOperator(self, node.name, node.fn, self.pipeline.max_parallelism)
+        maxp = self.pipeline.max_parallelism
         if kind == "process":
-            return ProcessOperator(self, node.name, node.fn, states[node.id], self.backend)
+            return ProcessOperator(self, node.name, node.fn, states[node.id], self.backend, maxp)
         if kind == "co_process":
-            return CoProcessOperator(self, node.name, node.fn, states[node.id], self.backend)
+            return CoProcessOperator(self, node.name, node.fn, states[node.id], self.backend, maxp)
+        if kind == "window":
+            from snapline.pipeline.runtime.window_operator import WindowOperator
+
+            return WindowOperator(self, node.name, node.fn, states[node.id], self.backend, maxp)
         if kind == "union":
             return Operator(self, node.name)
         if kind == "sink":
@@ -254,7 +325,55 @@ class Task:
                 else:
                     chunk, items[0] = item[:CHUNK], item[CHUNK:]
                 topic, partition = channel.tp
-                self.sources[topic].process_messages(topic, partition, chunk)
+                max_ts = self.sources[topic].process_messages(topic, partition, chunk)
+                now = time.monotonic()
+                self.clock.observe(channel.tp, max_ts, now)
+                self._advance_time(now)
+        self._advance_time(time.monotonic())
+        self._fire_processing_time()
+
+    # ------------------------------------------------------------------ time
+    @property
+    def time_idle(self) -> bool:
+        """Every input of the task is idle (its watermark then holds nobody back)."""
+        return self.clock.idle
+
+    @property
+    def time_pending(self) -> bool:
+        """Time moved (timers fired, watermark changed) since the last barrier: worth a
+        checkpoint even if nothing was read."""
+        return self._time_moved or any(
+            isinstance(op, RepartitionWriter) and op.watermark_pending() for op in self.operators
+        )
+
+    def _advance_time(self, now: float) -> None:
+        backlog = {c.tp: bool(c.items) for c in self._channel_list}
+        idle = self.clock.idle
+        if self.clock.advance(now, backlog):
+            self._set_watermark(self.clock.watermark)
+        elif idle != self.clock.idle:
+            self._time_moved = True
+
+    def _set_watermark(self, watermark: int) -> None:
+        self.watermark = watermark
+        self._time_moved = True
+        for op in self.operators:
+            op.on_watermark(watermark)
+
+    def _fire_processing_time(self) -> None:
+        now_ms = self.now_ms()
+        for op in self.operators:
+            if op.on_processing_time(now_ms):
+                self._time_moved = True
+
+    def on_watermark_record(self, tp: TopicPartitionKey, record: WatermarkRecord) -> None:
+        """An upstream task's watermark read from a repartition channel."""
+        self.clock.upstream(tp, record)
+
+    def end_of_input(self) -> None:
+        """The input is bounded and ended (the testing harness): all event time passed."""
+        self.clock.end_of_input()
+        self._set_watermark(self.clock.watermark)
 
     # ------------------------------------------------------------------ barriers
     def _on_aligned(self, barrier: Barrier) -> None:
@@ -275,14 +394,27 @@ class Task:
                 state,
                 self.sink_results,
                 sync_seconds=time.monotonic() - sync_started,
+                time=self.clock.snapshot(),
             )
         )
+        self._time_moved = False
         self.sink_results = {}
 
     def snapshot_state(self, checkpoint_id: int) -> None:
         """Synchronous part of the state snapshot, once per barrier for the task's backend."""
         if self._state_snapshot is None or self._state_snapshot[0] != checkpoint_id:
+            self._sweep_expired_state()
             self._state_snapshot = (checkpoint_id, self.backend.snapshot(checkpoint_id))
+
+    def _sweep_expired_state(self) -> None:
+        """State TTL: expired entries are invisible at once (descriptors check on read); here
+        they are removed physically, at most every ``ttl_sweep_interval`` s, before a
+        snapshot so that checkpoints do not carry them."""
+        now = time.monotonic()
+        if self._ttls and now - self._last_ttl_sweep >= self._ttl_sweep_interval:
+            self._last_ttl_sweep = now
+            removed = self.backend.delete_where(expired_entries(self._ttls, self.now_ms()))
+            log.debug("task %s: %d expired state entries removed", self.task_id, removed)
 
     # ------------------------------------------------------------------ after commit
     def notify_committed(self, checkpoint_id: int) -> None:

@@ -519,6 +519,7 @@ class Worker:
             stage=self._stage_of_topic[committed[0].topic],
             plan=self.plan,
             topic_partitions=self._topic_partitions,
+            time_state=meta.time if meta is not None else None,
         )
         task.recover_sinks(ref.checkpoint_id if ref else None, meta.sinks if meta else {})
         self.tasks[task_id] = task
@@ -608,9 +609,12 @@ class Worker:
             and self.coordinator.pending is None
             and now - self._last_trigger >= self.pipeline.checkpoint_interval
         ):
-            if self._nothing_read_since_trigger():
-                # Nothing read since the last checkpoint: state, positions and output are
-                # unchanged, so an idle pipeline writes no checkpoint files.
+            if self._nothing_read_since_trigger() and not any(
+                task.time_pending for task in self.tasks.values()
+            ):
+                # Nothing read and no time moved (timers, watermarks) since the last
+                # checkpoint: state, positions and output are unchanged, so an idle pipeline
+                # writes no checkpoint files.
                 self._last_trigger = now
                 return
             self._trigger(now)

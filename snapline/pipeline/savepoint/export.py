@@ -30,6 +30,7 @@ from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.errors import CheckpointError, ConfigurationError
 from snapline.pipeline.graph import Pipeline
 from snapline.pipeline.keygroups import key_group_range
+from snapline.pipeline.runtime.watermarks import WATERMARK_KEY_TAG
 from snapline.pipeline.savepoint.format import (
     ENTRY_SCHEMA,
     IN_FLIGHT_SCHEMA,
@@ -230,13 +231,15 @@ def read_in_flight(
                 if msg.error() is not None:
                     continue
                 p = msg.partition()
+                if msg.offset() >= ends[p] - 2:  # the last record (a commit marker may follow)
+                    todo.discard(p)
+                if (msg.key() or b"")[:1] == WATERMARK_KEY_TAG:
+                    continue  # upstream watermarks: control, resent by upstream after a restore
                 columns["partition"].append(p)
                 columns["offset"].append(msg.offset())
                 columns["key"].append(msg.key())
                 columns["value"].append(msg.value())
                 columns["timestamp"].append(msg.timestamp()[1])
-                if msg.offset() >= ends[p] - 2:  # the last record (a commit marker may follow)
-                    todo.discard(p)
     finally:
         consumer.close()
     return pa.table(columns, schema=IN_FLIGHT_SCHEMA)
@@ -285,6 +288,7 @@ def export_savepoint(
     partitioning: dict[str, str] = {}
     states: dict[str, list[dict[str, Any]]] = {}
     positions: dict[tuple[str, int], int] = {}
+    clocks: dict[str, dict[str, Any]] = {}
     scratch = tempfile.mkdtemp(prefix="snapline-savepoint-")
     try:
         for done, task in enumerate(tasks):
@@ -307,6 +311,8 @@ def export_savepoint(
                     storage, pipeline.name, task.task_id, ref, backend, on_corrupt="fail"
                 )
                 positions.update(meta.positions)
+                if meta.time:
+                    clocks[task.task_id] = meta.time
                 by_uid = export_task_state(pipeline, meta, backend)
             finally:
                 backend.close()
@@ -359,6 +365,7 @@ def export_savepoint(
             in_flight=in_flight,
             cluster_id=cluster_id,
             origin=origin,
+            clocks=clocks,
         )
         out.write_bytes(METADATA_FILE, metadata.encode())  # last: the savepoint is complete
         return metadata

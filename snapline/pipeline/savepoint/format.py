@@ -140,6 +140,8 @@ class SavepointMetadata:
     cluster_id: str = ""
     origin: str = "savepoint"
     created_at: float = field(default_factory=time.time)
+    #: Each task's clock (watermarks) by task id, so a restore never moves event time back.
+    clocks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def encode(self) -> bytes:
         body = {
@@ -165,6 +167,7 @@ class SavepointMetadata:
             "cluster_id": self.cluster_id,
             "origin": self.origin,
             "created_at": self.created_at,
+            "clocks": self.clocks,
         }
         raw = orjson.dumps(body, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
         return orjson.dumps(
@@ -209,6 +212,7 @@ class SavepointMetadata:
             cluster_id=body.get("cluster_id", ""),
             origin=body.get("origin", "savepoint"),
             created_at=float(body.get("created_at", 0.0)),
+            clocks=dict(body.get("clocks", {})),
         )
 
 

@@ -313,6 +313,7 @@ def seed_from_savepoint(
                 state=handle,
                 states=states_meta,
                 created_at=time.time(),
+                time=_clock(savepoint, task.task_id, task.stage),
             ).write(storage)
             mark_committed(storage, pipeline.name, task.task_id, ref)
             offsets += [
@@ -354,6 +355,21 @@ def seed_from_savepoint(
         len(offsets),
     )
     return checkpoint_id
+
+
+def _clock(savepoint: SavepointMetadata, task_id: str, stage: int) -> dict[str, Any] | None:
+    """The task's clock: its own from the savepoint when the task existed there, else (a
+    rescaled stage) the smallest watermark of that stage's saved tasks, so event time never
+    moves back past what every task had reached."""
+    if task_id in savepoint.clocks:
+        return savepoint.clocks[task_id]
+    prefix = "p" if stage == SOURCE_STAGE else f"s{stage}-p"
+    marks = [
+        int(clock.get("watermark", 0))
+        for saved, clock in savepoint.clocks.items()
+        if saved.startswith(prefix) and (stage != SOURCE_STAGE or saved[1:].isdigit())
+    ]
+    return {"watermark": min(marks), "channels": []} if marks else None
 
 
 def _load_operator(

@@ -7,7 +7,7 @@ Threads: the task thread owns a backend and calls every method except
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +109,11 @@ class KeyedStateBackend(ABC):
     def items(self) -> Iterator[tuple[bytes, bytes | None, bytes]]:
         """Every stored entry as (state key, map user key or None, value): for savepoints,
         which export state by key-group. Call it on a backend no task is writing to."""
+
+    def delete_where(self, predicate: Callable[[bytes, bytes], bool]) -> int:
+        """Delete every entry for which ``predicate(stored key, value)`` holds (for a map
+        entry, the stored key is the map's prefix); returns how many. State TTL's sweep."""
+        raise NotImplementedError(f"the {self.name} backend cannot sweep expired state")
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources; local files of a task that moved away are deleted."""

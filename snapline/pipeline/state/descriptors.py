@@ -4,16 +4,23 @@ A descriptor (``ValueState("total", default=0)``) is a class attribute of a
 ``KeyedProcessFunction``. When a task starts, the runtime binds each descriptor to the
 task's state backend; the bound object reads and writes the state of the *current key*
 (the key of the record being processed). All five types work on any ``KeyedStateBackend``.
+
+State TTL (``ttl=`` seconds or timedelta on any descriptor, processing time): every write
+stamps the entry with its expiry (8 bytes before the serialized value; per entry for maps,
+per list for lists); an expired entry reads as absent at once and is deleted when read, and
+``expired_entries`` lets the runtime sweep the rest out before a snapshot.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
+from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
-from snapline.pipeline.errors import StateError
+from snapline.pipeline.errors import ConfigurationError, StateError
 from snapline.pipeline.state.backend import KeyedStateBackend
 from snapline.pipeline.state.serde import Serde, resolve_serde
 
@@ -25,11 +32,16 @@ R = TypeVar("R")
 class KeyScope:
     """The current key of a task: set by the keyed operator before each record."""
 
-    __slots__ = ("prefix", "key")
+    __slots__ = ("prefix", "key", "now")
 
     def __init__(self) -> None:
         self.prefix: bytes | None = None
         self.key: Any = None
+        #: Processing time (ms) for state TTL, set per batch by the operator (None: the clock).
+        self.now: int | None = None
+
+    def now_ms(self) -> int:
+        return self.now if self.now is not None else int(time.time() * 1000)
 
     def require(self, state_name: str) -> bytes:
         if self.prefix is None:
@@ -45,15 +57,42 @@ def _fresh(default: Any) -> Any:
     return copy.deepcopy(default) if isinstance(default, list | dict | set) else default
 
 
+def ttl_ms(ttl: float | timedelta | None, name: str | None) -> int | None:
+    """A TTL (seconds or timedelta) in milliseconds; None for no TTL."""
+    if ttl is None:
+        return None
+    seconds = ttl.total_seconds() if isinstance(ttl, timedelta) else ttl
+    if not isinstance(seconds, int | float) or isinstance(seconds, bool) or seconds <= 0:
+        raise ConfigurationError(
+            f"state {name!r}: ttl={ttl!r} must be seconds > 0 or a timedelta (None: no TTL)"
+        )
+    return max(1, round(seconds * 1000))
+
+
+_EXPIRY_BYTES = 8
+
+
+def _expiry(raw: bytes) -> int:
+    return int.from_bytes(raw[:_EXPIRY_BYTES], "big")
+
+
 class StateDescriptor(ABC):
-    """Declares one keyed state; bound per task by the runtime."""
+    """Declares one keyed state; bound per task by the runtime. ``ttl`` (seconds or timedelta,
+    processing time since the last write) makes entries expire."""
 
     kind = "abstract"
 
-    def __init__(self, name: str | None = None, *, serde: Serde | str | None = None) -> None:
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        serde: Serde | str | None = None,
+        ttl: float | timedelta | None = None,
+    ) -> None:
         self.name = name
         self.serde = resolve_serde(serde)
         self.attribute: str | None = None
+        self.ttl_ms = ttl_ms(ttl, name)
 
     def __set_name__(self, owner: type, attribute: str) -> None:
         self.attribute = attribute
@@ -73,7 +112,28 @@ class StateDescriptor(ABC):
         """Return the live state object for one task."""
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "kind": self.kind, "serde": self.serde.name}
+        described: dict[str, Any] = {
+            "name": self.name,
+            "kind": self.kind,
+            "serde": self.serde.name,
+        }
+        if self.ttl_ms is not None:
+            described["ttl_ms"] = self.ttl_ms
+        return described
+
+
+def expired_entries(ttls: dict[int, int], now_ms: int) -> Callable[[bytes, bytes], bool]:
+    """A predicate over stored (key, value) pairs: True for an entry of a state with a TTL
+    (``ttls``: state id -> TTL) whose expiry has passed. Stored keys (and map prefixes) start
+    ``key_group(2) | len(4) | key | state_id``."""
+
+    def expired(stored_key: bytes, value: bytes) -> bool:
+        length = int.from_bytes(stored_key[2:6], "big")
+        if len(stored_key) <= 6 + length or stored_key[6 + length] not in ttls:
+            return False
+        return _expiry(value) <= now_ms
+
+    return expired
 
 
 class _Bound:
@@ -87,6 +147,10 @@ class _Bound:
         "_put",
         "_loads",
         "_dumps",
+        "_ttl",
+        "_mget",
+        "_mput",
+        "_mitems",
     )
 
     def __init__(
@@ -102,6 +166,52 @@ class _Bound:
         self._put = backend.put
         self._loads = desc.serde.loads
         self._dumps = desc.serde.dumps
+        self._ttl = desc.ttl_ms
+        self._mget = backend.map_get
+        self._mput = backend.map_put
+        self._mitems = backend.map_items
+        if self._ttl is not None:
+            self._get, self._put = self._ttl_get, self._ttl_put
+            self._mget, self._mput, self._mitems = self._ttl_mget, self._ttl_mput, self._ttl_mitems
+
+    # TTL: values carry their expiry; an expired one is deleted when read.
+    def _ttl_get(self, key: bytes) -> bytes | None:
+        raw = self._backend.get(key)
+        if raw is None:
+            return None
+        if _expiry(raw) <= self._scope.now_ms():
+            self._backend.delete(key)
+            return None
+        return raw[_EXPIRY_BYTES:]
+
+    def _stamp(self, value: bytes) -> bytes:
+        assert self._ttl is not None
+        return (self._scope.now_ms() + self._ttl).to_bytes(_EXPIRY_BYTES, "big") + value
+
+    def _ttl_put(self, key: bytes, value: bytes) -> None:
+        self._backend.put(key, self._stamp(value))
+
+    def _ttl_mget(self, prefix: bytes, user_key: bytes) -> bytes | None:
+        raw = self._backend.map_get(prefix, user_key)
+        if raw is None:
+            return None
+        if _expiry(raw) <= self._scope.now_ms():
+            self._backend.map_delete(prefix, user_key)
+            return None
+        return raw[_EXPIRY_BYTES:]
+
+    def _ttl_mput(self, prefix: bytes, user_key: bytes, value: bytes) -> None:
+        self._backend.map_put(prefix, user_key, self._stamp(value))
+
+    def _ttl_mitems(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        now = self._scope.now_ms()
+        live = []
+        for user_key, raw in self._backend.map_items(prefix):
+            if _expiry(raw) <= now:
+                self._backend.map_delete(prefix, user_key)
+            else:
+                live.append((user_key, raw[_EXPIRY_BYTES:]))
+        return iter(live)
 
     def _key(self) -> bytes:
         prefix = self._scope.prefix
@@ -120,9 +230,14 @@ class ValueState(StateDescriptor, Generic[T]):
     kind = "value"
 
     def __init__(
-        self, name: str | None = None, *, default: Any = None, serde: Serde | str | None = None
+        self,
+        name: str | None = None,
+        *,
+        default: Any = None,
+        serde: Serde | str | None = None,
+        ttl: float | timedelta | None = None,
     ) -> None:
-        super().__init__(name, serde=serde)
+        super().__init__(name, serde=serde, ttl=ttl)
         self.default = default
 
     def bind(self, backend: KeyedStateBackend, scope: KeyScope, state_id: int) -> BoundValueState:
@@ -166,7 +281,7 @@ class BoundListState(_Bound):
     __slots__ = ()
 
     def get(self) -> list[Any]:
-        raw = self._backend.get(self._key())
+        raw = self._get(self._key())
         return [] if raw is None else list(self._serde.loads(raw))
 
     def __iter__(self) -> Iterator[Any]:
@@ -175,17 +290,17 @@ class BoundListState(_Bound):
     def add(self, value: Any) -> None:
         items = self.get()
         items.append(value)
-        self._backend.put(self._key(), self._serde.dumps(items))
+        self._put(self._key(), self._serde.dumps(items))
 
     def add_all(self, values: Iterable[Any]) -> None:
         items = self.get()
         items.extend(values)
-        self._backend.put(self._key(), self._serde.dumps(items))
+        self._put(self._key(), self._serde.dumps(items))
 
     def update(self, values: Iterable[Any]) -> None:
         items = list(values)
         if items:
-            self._backend.put(self._key(), self._serde.dumps(items))
+            self._put(self._key(), self._serde.dumps(items))
         else:
             self._backend.delete(self._key())
 
@@ -202,8 +317,9 @@ class MapState(StateDescriptor):
         *,
         serde: Serde | str | None = None,
         key_serde: Serde | str | None = None,
+        ttl: float | timedelta | None = None,
     ) -> None:
-        super().__init__(name, serde=serde)
+        super().__init__(name, serde=serde, ttl=ttl)
         self.key_serde = resolve_serde(key_serde)
 
     def bind(self, backend: KeyedStateBackend, scope: KeyScope, state_id: int) -> BoundMapState:
@@ -223,11 +339,11 @@ class BoundMapState(_Bound):
         self._kserde = desc.key_serde
 
     def get(self, user_key: Any, default: Any = None) -> Any:
-        raw = self._backend.map_get(self._key(), self._kserde.dumps(user_key))
+        raw = self._mget(self._key(), self._kserde.dumps(user_key))
         return default if raw is None else self._serde.loads(raw)
 
     def put(self, user_key: Any, value: Any) -> None:
-        self._backend.map_put(self._key(), self._kserde.dumps(user_key), self._serde.dumps(value))
+        self._mput(self._key(), self._kserde.dumps(user_key), self._serde.dumps(value))
 
     def put_all(self, mapping: dict[Any, Any]) -> None:
         for k, v in mapping.items():
@@ -237,10 +353,10 @@ class BoundMapState(_Bound):
         self._backend.map_delete(self._key(), self._kserde.dumps(user_key))
 
     def contains(self, user_key: Any) -> bool:
-        return self._backend.map_get(self._key(), self._kserde.dumps(user_key)) is not None
+        return self._mget(self._key(), self._kserde.dumps(user_key)) is not None
 
     def items(self) -> Iterator[tuple[Any, Any]]:
-        for k, v in self._backend.map_items(self._key()):
+        for k, v in self._mitems(self._key()):
             yield self._kserde.loads(k), self._serde.loads(v)
 
     def keys(self) -> Iterator[Any]:
@@ -252,7 +368,7 @@ class BoundMapState(_Bound):
             yield v
 
     def is_empty(self) -> bool:
-        return next(iter(self._backend.map_items(self._key())), None) is None
+        return next(iter(self._mitems(self._key())), None) is None
 
     def clear(self) -> None:
         self._backend.map_clear(self._key())
@@ -270,8 +386,9 @@ class ReducingState(StateDescriptor):
         *,
         reduce_fn: Callable[[Any, Any], Any],
         serde: Serde | str | None = None,
+        ttl: float | timedelta | None = None,
     ) -> None:
-        super().__init__(name, serde=serde)
+        super().__init__(name, serde=serde, ttl=ttl)
         if not callable(reduce_fn):
             raise StateError(f"ReducingState {name!r} needs a callable reduce_fn")
         self.reduce_fn = reduce_fn
@@ -292,14 +409,14 @@ class BoundReducingState(_Bound):
         self._reduce = desc.reduce_fn
 
     def get(self) -> Any:
-        raw = self._backend.get(self._key())
+        raw = self._get(self._key())
         return None if raw is None else self._serde.loads(raw)
 
     def add(self, value: Any) -> None:
         key = self._key()
-        raw = self._backend.get(key)
+        raw = self._get(key)
         merged = value if raw is None else self._reduce(self._serde.loads(raw), value)
-        self._backend.put(key, self._serde.dumps(merged))
+        self._put(key, self._serde.dumps(merged))
 
 
 # ---------------------------------------------------------------- AggregatingState
@@ -330,8 +447,9 @@ class AggregatingState(StateDescriptor):
         *,
         aggregate: AggregateFunction[Any, Any, Any],
         serde: Serde | str | None = None,
+        ttl: float | timedelta | None = None,
     ) -> None:
-        super().__init__(name, serde=serde)
+        super().__init__(name, serde=serde, ttl=ttl)
         if not isinstance(aggregate, AggregateFunction):
             raise StateError(f"AggregatingState {name!r} needs an AggregateFunction instance")
         self.aggregate = aggregate
@@ -352,14 +470,14 @@ class BoundAggregatingState(_Bound):
         self._agg = desc.aggregate
 
     def get(self) -> Any:
-        raw = self._backend.get(self._key())
+        raw = self._get(self._key())
         return None if raw is None else self._agg.get_result(self._serde.loads(raw))
 
     def add(self, value: Any) -> None:
         key = self._key()
-        raw = self._backend.get(key)
+        raw = self._get(key)
         acc = self._agg.create_accumulator() if raw is None else self._serde.loads(raw)
-        self._backend.put(key, self._serde.dumps(self._agg.add(value, acc)))
+        self._put(key, self._serde.dumps(self._agg.add(value, acc)))
 
 
 def declared_states(function_type: type) -> list[StateDescriptor]:

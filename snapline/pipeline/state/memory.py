@@ -8,7 +8,7 @@ copies — values are immutable ``bytes`` so a shallow copy is a consistent view
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from snapline.pipeline.checkpoint.storage import CheckpointStorage, crc32_checksum, verify_checksum
 from snapline.pipeline.errors import CorruptCheckpointError
@@ -134,6 +134,20 @@ class MemoryStateBackend(KeyedStateBackend):
 
     def map_clear(self, prefix: bytes) -> None:
         self._maps.pop(prefix, None)
+
+    def delete_where(self, predicate: Callable[[bytes, bytes], bool]) -> int:
+        dead = [k for k, v in self._values.items() if predicate(k, v)]
+        for key in dead:
+            del self._values[key]
+        count = len(dead)
+        for prefix, entries in list(self._maps.items()):
+            gone = [u for u, v in entries.items() if predicate(prefix, v)]
+            for user_key in gone:
+                del entries[user_key]
+            if not entries:
+                del self._maps[prefix]
+            count += len(gone)
+        return count
 
     def snapshot(self, checkpoint_id: int) -> MemorySnapshot:
         return MemorySnapshot(self._values.copy(), {p: m.copy() for p, m in self._maps.items()})

@@ -46,7 +46,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -285,6 +285,19 @@ class RocksDBStateBackend(KeyedStateBackend):
             batch.delete(key)
         if not batch.is_empty():
             self.db.write(batch, self._write_options)
+
+    def delete_where(self, predicate: Callable[[bytes, bytes], bool]) -> int:
+        """One pass over the database (map entries' keys start with their map's prefix,
+        which is all a predicate over ``key_group | len | key | state_id`` reads)."""
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        count = 0
+        for key, value in self.db.items():
+            if predicate(cast(bytes, key), cast(bytes, value)):
+                batch.delete(key)
+                count += 1
+        if count:
+            self.db.write(batch, self._write_options)
+        return count
 
     # ------------------------------------------------------------------ snapshots
     def snapshot(self, checkpoint_id: int) -> RocksDBSnapshot:

@@ -1,0 +1,187 @@
+"""Watermarks of a task: per input channel, the minimum over the channels, idleness, and the
+watermark records that carry a task's watermark across a repartition topic (DESIGN §7).
+
+A watermark W says "no more records with event time <= W are expected". A source channel's is
+``max timestamp seen - max_out_of_orderness - 1``; a repartition channel's is the minimum over
+the upstream tasks that write to it (each sends ``WatermarkRecord``s inside its transaction).
+A channel with nothing to read for ``idle_timeout`` seconds is idle and does not hold the
+task back; an upstream task whose inputs are all idle says so in its watermark record. The
+task's watermark is the minimum over its active channels and never goes backwards, across
+restores too: ``TaskClock.snapshot`` travels in the task's checkpoint metadata. When every
+channel is idle, the watermark moves to the largest of theirs (as Flink's watermark valve
+does), so the windows of the data that did arrive close.
+
+Pure logic; the task thread owns a clock (``now`` is ``time.monotonic()``, passed in).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+#: Before any record: every event time is still to come.
+MIN_WATERMARK = -(1 << 63)
+#: The end of time: every event-time timer fires (the end of a bounded input).
+MAX_WATERMARK = (1 << 63) - 1
+#: The Kafka key of a watermark record starts with this byte (data records start with s/b/j).
+WATERMARK_KEY_TAG = b"w"
+
+TopicPartitionKey = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class WatermarkRecord:
+    """A control record in a repartition topic: ``writer``'s watermark and idleness."""
+
+    writer: str
+    watermark: int
+    idle: bool
+
+    def key(self) -> bytes:
+        return WATERMARK_KEY_TAG + self.writer.encode()
+
+    def value(self) -> bytes:
+        return orjson.dumps({"w": self.watermark, "i": self.idle})
+
+    @staticmethod
+    def is_watermark_key(raw_key: bytes | None) -> bool:
+        return raw_key is not None and raw_key[:1] == WATERMARK_KEY_TAG
+
+    @staticmethod
+    def decode(raw_key: bytes, raw_value: bytes) -> WatermarkRecord:
+        data = orjson.loads(raw_value)
+        return WatermarkRecord(raw_key[1:].decode(), int(data["w"]), bool(data["i"]))
+
+
+class SourceChannelClock:
+    """Bounded out-of-orderness over one source partition's record timestamps."""
+
+    def __init__(self, out_of_orderness: int, idle_timeout: float | None, now: float) -> None:
+        self.out_of_orderness = out_of_orderness
+        self.idle_timeout = idle_timeout
+        self.max_timestamp = MIN_WATERMARK
+        self.last_active = now
+
+    def observe(self, max_timestamp: int | None, now: float) -> None:
+        self.last_active = now
+        if max_timestamp is not None and max_timestamp > self.max_timestamp:
+            self.max_timestamp = max_timestamp
+
+    def watermark(self) -> int:
+        if self.max_timestamp == MIN_WATERMARK:
+            return MIN_WATERMARK
+        return self.max_timestamp - self.out_of_orderness - 1
+
+    def idle(self, now: float, backlog: bool) -> bool:
+        timeout = self.idle_timeout
+        return timeout is not None and not backlog and now - self.last_active >= timeout
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"max": self.max_timestamp}
+
+    def restore(self, data: Mapping[str, Any]) -> None:
+        self.max_timestamp = int(data.get("max", MIN_WATERMARK))
+
+
+class UpstreamChannelClock:
+    """One repartition partition: the minimum over the upstream tasks' (``writers``, their
+    task ids) watermarks, unknown until every one of them has sent one, excluding the idle
+    ones. Records of other writers (tasks of an earlier parallelism) are ignored."""
+
+    def __init__(self, writers: frozenset[str]) -> None:
+        self.writers = writers
+        self.latest: dict[str, tuple[int, bool]] = {}
+
+    def update(self, record: WatermarkRecord) -> None:
+        if record.writer not in self.writers:
+            return
+        previous = self.latest.get(record.writer)
+        watermark = record.watermark if previous is None else max(previous[0], record.watermark)
+        self.latest[record.writer] = (watermark, record.idle)
+
+    def watermark(self) -> int:
+        if len(self.latest) < len(self.writers):
+            return MIN_WATERMARK
+        active = [w for w, idle in self.latest.values() if not idle]
+        return min(active) if active else max(w for w, _ in self.latest.values())
+
+    def idle(self, now: float, backlog: bool) -> bool:
+        return (
+            not backlog
+            and len(self.latest) >= len(self.writers)
+            and all(idle for _, idle in self.latest.values())
+        )
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"up": {w: [wm, idle] for w, (wm, idle) in sorted(self.latest.items())}}
+
+    def restore(self, data: Mapping[str, Any]) -> None:
+        self.latest = {
+            w: (int(wm), bool(idle))
+            for w, (wm, idle) in data.get("up", {}).items()
+            if w in self.writers
+        }
+
+
+ChannelClock = SourceChannelClock | UpstreamChannelClock
+
+
+class TaskClock:
+    """The watermark of a task: the minimum over its active channels, never decreasing."""
+
+    def __init__(self, channels: Mapping[TopicPartitionKey, ChannelClock]) -> None:
+        self.channels = dict(channels)
+        self.watermark = MIN_WATERMARK
+        self.idle = False
+
+    def observe(self, tp: TopicPartitionKey, max_timestamp: int | None, now: float) -> None:
+        clock = self.channels[tp]
+        if isinstance(clock, SourceChannelClock):
+            clock.observe(max_timestamp, now)
+
+    def upstream(self, tp: TopicPartitionKey, record: WatermarkRecord) -> None:
+        clock = self.channels[tp]
+        if isinstance(clock, UpstreamChannelClock):
+            clock.update(record)
+
+    def advance(self, now: float, backlog: Mapping[TopicPartitionKey, bool]) -> bool:
+        """Recompute; True if the watermark moved forward."""
+        active = [
+            clock.watermark()
+            for tp, clock in self.channels.items()
+            if not clock.idle(now, backlog.get(tp, False))
+        ]
+        self.idle = not active
+        if active:
+            candidate = min(active)
+        elif self.channels:  # all idle: what did arrive may close its windows
+            candidate = max(clock.watermark() for clock in self.channels.values())
+        else:
+            return False
+        if candidate > self.watermark:
+            self.watermark = candidate
+            return True
+        return False
+
+    def end_of_input(self) -> None:
+        """Every input ended (a bounded run): all event time has passed."""
+        self.watermark = MAX_WATERMARK
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "watermark": self.watermark,
+            "channels": [[t, p, c.snapshot()] for (t, p), c in sorted(self.channels.items())],
+        }
+
+    def restore(self, data: Mapping[str, Any] | None) -> None:
+        """Continue from a checkpoint's clock: never before its watermark."""
+        if not data:
+            return
+        self.watermark = max(self.watermark, int(data.get("watermark", MIN_WATERMARK)))
+        for topic, partition, state in data.get("channels", []):
+            clock = self.channels.get((topic, int(partition)))
+            if clock is not None:
+                clock.restore(state)

@@ -1,0 +1,269 @@
+"""The window operator: event-time windows on keyed state and timers (``snapline.windows``).
+
+Per key, the open windows live in a map state ((start, end) -> accumulator; for sliding
+windows, record timestamp -> values). A window registers an event-time timer at its last
+millisecond (``end - 1``) to fire, and one at ``end - 1 + allowed_lateness`` to be purged;
+timers are per (key, time), so one timer may serve several windows and a timer left behind
+by a merged session finds nothing to do. A record is late when every window it belongs to is
+past ``end - 1 + allowed_lateness`` at the task's watermark: it goes to the dead letters with
+the reason. A record that lands in a window that already fired (within the allowed lateness)
+emits that window again at once, with the updated value.
+
+Everything a window emits is an output of the epoch in which its timer fired or its late
+record arrived, and the timers' deletion is in the same epoch's state snapshot: exactly once.
+
+Threads: the task thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from snapline.pipeline.keygroups import state_key_prefix
+from snapline.pipeline.record import Record
+from snapline.pipeline.runtime.operators import Operator, OperatorContext
+from snapline.pipeline.runtime.timers import TimerService
+from snapline.pipeline.state.backend import KeyedStateBackend
+from snapline.pipeline.state.descriptors import BoundMapState, KeyScope, MapState, StateDescriptor
+from snapline.pipeline.state.timers import EVENT_TIME, TimerState
+from snapline.pipeline.windows import (
+    HoppingWindows,
+    SessionWindows,
+    SlidingWindows,
+    TumblingWindows,
+    WindowSpec,
+)
+
+_MISSING = object()
+
+
+class WindowOperator(Operator):
+    """See module docstring."""
+
+    def __init__(
+        self,
+        task: OperatorContext,
+        name: str,
+        spec: WindowSpec,
+        states: list[tuple[int, StateDescriptor]],
+        backend: KeyedStateBackend,
+        max_parallelism: int,
+    ) -> None:
+        super().__init__(task, name)
+        self._spec = spec
+        self._assigner = spec.assigner
+        self._agg = spec.aggregation
+        self._lateness = spec.allowed_lateness
+        self._scope = KeyScope()
+        self._windows: BoundMapState | None = None
+        timers: TimerService | None = None
+        for state_id, desc in states:
+            if isinstance(desc, TimerState):
+                timers = TimerService(
+                    desc.bind(backend, self._scope, state_id), self._scope, max_parallelism
+                )
+            elif isinstance(desc, MapState):
+                self._windows = desc.bind(backend, self._scope, state_id)
+                # The per-record path of fixed windows reads and writes the same map entries
+                # through the backend directly (one key encoding per window, no wrappers).
+                self._windows_sid = bytes([state_id])
+                self._dump_window = desc.key_serde.dumps
+                self._dump_acc = desc.serde.dumps
+                self._load_acc = desc.serde.loads
+        assert timers is not None and self._windows is not None
+        self._backend = backend
+        self._timers = timers
+        self.late_records = 0
+        self._out: list[Record] = []
+        #: Encoded map keys of recent windows: every key of a window shares them.
+        self._window_keys: dict[tuple[int, int], bytes] = {}
+        if isinstance(self._assigner, SessionWindows):
+            self._add = self._add_session
+        elif isinstance(self._assigner, SlidingWindows):
+            self._add = self._add_sliding
+        else:
+            self._add = self._add_fixed
+
+    # ------------------------------------------------------------------ records
+    def process(self, records: list[Record]) -> None:
+        watermark = self.task.watermark
+        scope = self._scope
+        add = self._add
+        for r in records:
+            key_bytes = r.key_bytes
+            assert key_bytes is not None
+            scope.prefix = state_key_prefix(r.key_group, key_bytes)
+            scope.key = r.key
+            try:
+                add(r, watermark)
+            except Exception as exc:
+                self.task.dead_letter(r, f"{self.name} raised {exc!r}")
+        scope.prefix = None
+        self._flush()
+
+    def _late(self, r: Record, watermark: int, windows: Iterable[tuple[int, int]]) -> None:
+        self.late_records += 1
+        if self._spec.on_late == "drop":
+            return
+        spans = ", ".join(f"[{s}, {e})" for s, e in windows)
+        self.task.dead_letter(
+            r,
+            f"{self.name}: late record: event time {r.timestamp} arrived when the watermark was "
+            f"{watermark}; its windows {spans} closed (allowed lateness "
+            f"{self._lateness} ms)",
+        )
+
+    def _add_fixed(self, r: Record, watermark: int) -> None:
+        assigner = self._assigner
+        assert isinstance(assigner, TumblingWindows | HoppingWindows)
+        windows = assigner.assign(r.timestamp)
+        lateness = self._lateness
+        accepted = [w for w in windows if w[1] - 1 + lateness > watermark]
+        if not accepted:
+            self._late(r, watermark, windows)
+            return
+        agg = self._agg
+        backend = self._backend
+        assert self._scope.prefix is not None
+        prefix = self._scope.prefix + self._windows_sid
+        keys = self._window_keys
+        for span in accepted:
+            window = keys.get(span)
+            if window is None:
+                if len(keys) > 4096:
+                    keys.clear()
+                window = keys[span] = self._dump_window(list(span))
+            start, end = span
+            raw = backend.map_get(prefix, window)
+            new = raw is None
+            acc = agg.add(agg.create() if raw is None else self._load_acc(raw), r.value)
+            backend.map_put(prefix, window, self._dump_acc(acc))
+            if end - 1 <= watermark:
+                self._emit(r.key, r.key_bytes, r.key_group, start, end, acc)
+            elif new:  # an existing on-time window registered its timer when it was created
+                self._timers.register_event_time(end - 1)
+            if lateness and new:
+                self._timers.register_event_time(end - 1 + lateness)
+
+    def _add_session(self, r: Record, watermark: int) -> None:
+        assigner = self._assigner
+        assert isinstance(assigner, SessionWindows)
+        state = self._windows
+        assert state is not None
+        ts = r.timestamp
+        start, end = ts, ts + assigner.gap
+        merged: list[tuple[int, int, Any]] = []
+        for (s, e), acc in state.items():
+            if s <= end and start <= e:  # intersecting or touching sessions merge
+                merged.append((s, e, acc))
+        new_start = min([start, *(s for s, _, _ in merged)])
+        new_end = max([end, *(e for _, e, _ in merged)])
+        if new_end - 1 + self._lateness <= watermark:
+            self._late(r, watermark, [(new_start, new_end)])
+            return
+        agg = self._agg
+        parts = sorted([*merged, (start, end, agg.add(agg.create(), r.value))], key=_by_start)
+        acc = parts[0][2]
+        for _, _, other in parts[1:]:
+            acc = agg.merge(acc, other)
+        for s, e, _ in merged:
+            state.remove([s, e])
+        state.put([new_start, new_end], acc)
+        if new_end - 1 <= watermark:
+            self._emit(r.key, r.key_bytes, r.key_group, new_start, new_end, acc)
+        else:
+            self._timers.register_event_time(new_end - 1)
+        if self._lateness:
+            self._timers.register_event_time(new_end - 1 + self._lateness)
+
+    def _add_sliding(self, r: Record, watermark: int) -> None:
+        assigner = self._assigner
+        assert isinstance(assigner, SlidingWindows)
+        buckets = self._windows
+        assert buckets is not None
+        ts = r.timestamp
+        size = assigner.size
+        if ts + self._lateness <= watermark:
+            self._late(r, watermark, [(ts - size + 1, ts + 1)])
+            return
+        values = buckets.get(ts, _MISSING)
+        buckets.put(ts, [r.value] if values is _MISSING else [*values, r.value])
+        # The bucket is needed by the windows ending in [ts, ts + size - 1].
+        self._timers.register_event_time(ts + size - 1 + self._lateness)
+        if ts > watermark:
+            self._timers.register_event_time(ts)
+            return
+        # Within the allowed lateness: every fired window that contains ts fires again.
+        last = min(watermark, ts + size - 1)
+        for t in sorted(t for t, _ in buckets.items() if ts <= t <= last):
+            self._emit_sliding(r.key, r.key_bytes, r.key_group, t)
+
+    # ------------------------------------------------------------------ timers
+    def on_watermark(self, watermark: int) -> None:
+        timers = self._timers
+        timers.watermark = watermark
+        scope = self._scope
+        for ts, group, key_bytes, key in timers.due(EVENT_TIME, watermark):
+            scope.prefix = state_key_prefix(group, key_bytes)
+            scope.key = key
+            if isinstance(self._assigner, SlidingWindows):
+                self._on_sliding_timer(ts, key, key_bytes, group)
+            else:
+                self._on_window_timer(ts, key, key_bytes, group)
+        scope.prefix = None
+        self._flush()
+
+    def _on_window_timer(self, ts: int, key: Any, key_bytes: bytes, group: int) -> None:
+        state = self._windows
+        assert state is not None
+        lateness = self._lateness
+        for (start, end), acc in sorted(state.items(), key=_by_window):
+            if end - 1 == ts:
+                self._emit(key, key_bytes, group, start, end, acc)
+            if end - 1 + lateness <= ts:
+                state.remove([start, end])
+
+    def _on_sliding_timer(self, ts: int, key: Any, key_bytes: bytes, group: int) -> None:
+        buckets = self._windows
+        assert buckets is not None
+        assert isinstance(self._assigner, SlidingWindows)
+        if buckets.contains(ts):
+            self._emit_sliding(key, key_bytes, group, ts)
+        keep = self._assigner.size - 1 + self._lateness
+        for t in [t for t, _ in buckets.items() if t + keep <= ts]:
+            buckets.remove(t)
+
+    def _emit_sliding(self, key: Any, key_bytes: bytes | None, group: int, t: int) -> None:
+        buckets = self._windows
+        assert buckets is not None
+        assert isinstance(self._assigner, SlidingWindows)
+        size = self._assigner.size
+        agg = self._agg
+        acc = agg.create()
+        for _, values in sorted((b, v) for b, v in buckets.items() if t - size < b <= t):
+            for value in values:
+                acc = agg.add(acc, value)
+        self._emit(key, key_bytes, group, t - size + 1, t + 1, acc)
+
+    # ------------------------------------------------------------------ output
+    def _emit(
+        self, key: Any, key_bytes: bytes | None, group: int, start: int, end: int, acc: Any
+    ) -> None:
+        value = {"key": key, "start": start, "end": end, "value": self._agg.result(acc)}
+        self._out.append(Record(value, end - 1, "", -1, -1, key, key_bytes, group))
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        self.emit(out)
+
+    def on_barrier(self, barrier: Any) -> None:
+        self.task.snapshot_state(barrier.checkpoint_id)
+
+
+def _by_start(part: tuple[int, int, Any]) -> int:
+    return part[0]
+
+
+def _by_window(item: tuple[Any, Any]) -> tuple[int, int]:
+    return (item[0][0], item[0][1])

@@ -1,0 +1,168 @@
+"""Timers in keyed process functions, through snapline.testing: event-time timers fire once
+per registration when the watermark reaches them (a brute-force reference says which and
+when), deleted timers never fire, processing-time timers fire from the wall clock, and a
+crash changes nothing committed (timers are keyed state in the checkpoint)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from snapline import (
+    Context,
+    KafkaSink,
+    KafkaSource,
+    KeyedCoProcessFunction,
+    KeyedProcessFunction,
+    Pipeline,
+    ValueState,
+)
+from snapline.testing import Message, run_pipeline
+
+MIN = -(1 << 63)
+
+
+class Reminder(KeyedProcessFunction):
+    """Each record sets a reminder ``delay`` ms later (or cancels it); a reminder reports how
+    many records its key had when it fired."""
+
+    seen = ValueState("seen", default=0)
+
+    def process(self, value: dict[str, Any], ctx: Context) -> None:
+        assert ctx.timers is not None
+        self.seen.update(self.seen.value() + 1)
+        at = ctx.timestamp + value["delay"]
+        if value["cancel"]:
+            ctx.timers.delete_event_time(at)
+        else:
+            ctx.timers.register_event_time(at)
+
+    def on_timer(self, timestamp: int, ctx: Context) -> Any:
+        assert ctx.time_domain == "event" and ctx.watermark >= timestamp
+        yield {"key": ctx.key, "at": timestamp, "seen": self.seen.value()}
+
+
+def reminder_pipeline(backend: str) -> Pipeline:
+    pipeline = Pipeline("reminders", state_backend=backend)
+    (
+        pipeline.source(KafkaSource("events", timestamp=lambda v: v["ts"], max_out_of_orderness=5))
+        .key_by()
+        .process(Reminder())
+        .sink(KafkaSink("fired"))
+    )
+    return pipeline
+
+
+def reference(events: list[tuple[str, int, int, bool]]) -> list[tuple[str, int, int]]:
+    timers: set[tuple[str, int]] = set()
+    seen: dict[str, int] = {}
+    fired = []
+    watermark = max_ts = MIN
+
+    def advance(to: int) -> None:
+        for key, at in sorted(timers, key=lambda t: (t[1], t[0])):
+            if at <= to:
+                timers.discard((key, at))
+                fired.append((key, at, seen[key]))
+
+    for key, ts, delay, cancel in events:
+        seen[key] = seen.get(key, 0) + 1
+        (timers.discard if cancel else timers.add)((key, ts + delay))
+        max_ts = max(max_ts, ts)
+        if max_ts - 6 > watermark:
+            watermark = max_ts - 6
+            advance(watermark)
+    advance((1 << 63) - 1)
+    return sorted(fired)
+
+
+@given(
+    events=st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b"]),
+            st.integers(0, 100),
+            st.integers(0, 20),
+            st.booleans(),
+        ),
+        max_size=50,
+    ),
+    crash=st.lists(st.integers(1, 60), max_size=3),
+    backend=st.sampled_from(["memory", "rocksdb"]),
+)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_event_time_timers_fire_once_per_registration(
+    events: list[tuple[str, int, int, bool]], crash: list[int], backend: str
+) -> None:
+    inputs = [Message({"ts": ts, "delay": d, "cancel": c}, key=k) for k, ts, d, c in events]
+    run = run_pipeline(
+        reminder_pipeline(backend), {"events": inputs}, checkpoint_every=6, crash_after=crash
+    )
+    fired = sorted((o["key"], o["at"], o["seen"]) for o in run.outputs["fired"])
+    assert fired == reference(events)
+
+
+class Heartbeat(KeyedProcessFunction):
+    """A processing-time timer per record (already due); fires on the next wall-clock check."""
+
+    def process(self, value: Any, ctx: Context) -> None:
+        assert ctx.timers is not None
+        ctx.timers.register_processing_time(ctx.offset)
+
+    def on_timer(self, timestamp: int, ctx: Context) -> Any:
+        assert ctx.time_domain == "processing"
+        yield {"key": ctx.key, "offset": timestamp}
+
+
+def test_processing_time_timers_fire_exactly_once_across_crashes() -> None:
+    pipeline = Pipeline("heartbeat")
+    (pipeline.source(KafkaSource("events")).key_by().process(Heartbeat()).sink(KafkaSink("beats")))
+    inputs = [Message(i, key=f"k{i % 3}") for i in range(40)]
+    run = run_pipeline(pipeline, {"events": inputs}, checkpoint_every=5, crash_after=[7, 23])
+    beats = run.outputs["beats"]
+    assert sorted(b["offset"] for b in beats) == list(range(40))
+    assert all(b["key"] == f"k{b['offset'] % 3}" for b in beats)
+
+
+class Timeout(KeyedCoProcessFunction):
+    """Left: an order opens; right: its payment closes it (the two inputs arrive in any
+    order); an order unpaid 10 ms after its event time times out."""
+
+    deadline = ValueState("deadline")
+    paid = ValueState("paid", default=False)
+
+    def process_left(self, value: Any, ctx: Context) -> None:
+        assert ctx.timers is not None
+        if not self.paid.value():
+            self.deadline.update(ctx.timestamp + 10)
+            ctx.timers.register_event_time(ctx.timestamp + 10)
+
+    def process_right(self, value: Any, ctx: Context) -> None:
+        assert ctx.timers is not None
+        self.paid.update(True)
+        due = self.deadline.value()
+        if due is not None:
+            ctx.timers.delete_event_time(due)
+            self.deadline.update(None)
+
+    def on_timer(self, timestamp: int, ctx: Context) -> Any:
+        self.deadline.update(None)
+        yield {"order": ctx.key, "timed_out_at": timestamp}
+
+
+def test_timers_in_a_keyed_co_process_function() -> None:
+    pipeline = Pipeline("payments")
+    orders = pipeline.source(
+        KafkaSource("orders", timestamp=lambda v: v["ts"], idle_timeout=None)
+    ).key_by(lambda v: v["id"])
+    payments = pipeline.source(
+        KafkaSource("payments", timestamp=lambda v: v["ts"], idle_timeout=None)
+    ).key_by(lambda v: v["id"])
+    orders.connect(payments).process(Timeout()).sink(KafkaSink("timeouts"))
+    order_events = [{"id": f"o{i}", "ts": i * 3} for i in range(20)]
+    paid = [{"id": f"o{i}", "ts": i * 3 + 1} for i in range(20) if i % 2 == 0]
+    for crash in ([], [9, 30]):
+        run = run_pipeline(pipeline, {"orders": order_events, "payments": paid}, crash_after=crash)
+        timed_out = sorted(r["order"] for r in run.outputs["timeouts"])
+        assert timed_out == sorted(f"o{i}" for i in range(20) if i % 2 == 1)

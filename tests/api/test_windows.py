@@ -1,0 +1,324 @@
+"""Windows through snapline.testing: random out-of-order streams with random out-of-orderness
+bounds and allowed lateness give exactly what a brute-force reference computes, window by
+window (every emission, in order), for every window type, with and without crashes."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from snapline import (
+    AggregateFunction,
+    ConfigurationError,
+    KafkaSink,
+    KafkaSource,
+    KeyedStream,
+    Pipeline,
+    hopping,
+    session,
+    sliding,
+    testing,
+    tumbling,
+)
+from snapline.pipeline.windows import WindowAssigner
+from snapline.testing import Message, run_pipeline
+from tests.api.window_reference import (
+    Event,
+    FixedReference,
+    Reference,
+    SessionReference,
+    SlidingReference,
+)
+
+
+class SumCount(AggregateFunction[int, list[int], list[int]]):
+    def create_accumulator(self) -> list[int]:
+        return [0, 0]
+
+    def add(self, value: int, accumulator: list[int]) -> list[int]:
+        return [accumulator[0] + 1, accumulator[1] + value]
+
+    def merge(self, a: list[int], b: list[int]) -> list[int]:
+        return [a[0] + b[0], a[1] + b[1]]
+
+    def get_result(self, accumulator: list[int]) -> list[int]:
+        return accumulator
+
+
+FOLDS: dict[str, Callable[[list[Any]], Any]] = {
+    "count": len,
+    "reduce": sum,
+    "aggregate": lambda values: [len(values), sum(values)],
+}
+
+
+def finish(windowed: Any, how: str) -> KeyedStream:
+    if how == "count":
+        return windowed.count()  # type: ignore[no-any-return]
+    if how == "reduce":
+        return windowed.reduce(lambda a, b: a + b)  # type: ignore[no-any-return]
+    return windowed.aggregate(SumCount())  # type: ignore[no-any-return]
+
+
+def window_pipeline(
+    assigner: WindowAssigner,
+    how: str,
+    *,
+    out_of_orderness: int,
+    lateness: int,
+    backend: str = "memory",
+) -> Pipeline:
+    """Events {"k", "ts", "v"} keyed by their Kafka key k; the windows fold the v's."""
+    pipeline = Pipeline("windows", state_backend=backend)
+    source = pipeline.source(
+        KafkaSource(
+            "events",
+            timestamp=lambda v: v["ts"],
+            max_out_of_orderness=out_of_orderness,
+            idle_timeout=None,
+        )
+    )
+    keyed = source.map(lambda v: v["v"]).key_by()
+    finish(keyed.window(assigner, allowed_lateness=lateness), how).sink(KafkaSink("results"))
+    return pipeline
+
+
+def messages(events: list[Event]) -> list[Message]:
+    return [Message({"k": k, "ts": ts, "v": v}, key=k) for k, ts, v in events]
+
+
+def by_window(results: list[dict[str, Any]]) -> dict[tuple[Any, int, int], list[Any]]:
+    grouped: dict[tuple[Any, int, int], list[Any]] = defaultdict(list)
+    for r in results:
+        grouped[(r["key"], r["start"], r["end"])].append(r["value"])
+    return dict(grouped)
+
+
+events_strategy = st.lists(
+    st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(0, 100), st.integers(1, 9)),
+    min_size=1,
+    max_size=60,
+)
+common = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def check(
+    assigner: WindowAssigner,
+    reference: Reference,
+    events: list[Event],
+    how: str,
+    out_of_orderness: int,
+    lateness: int,
+    crash: list[int],
+    backend: str = "memory",
+) -> testing.TestRun:
+    """The pipeline's emissions per window, and its late records, equal the reference's."""
+    reference.run(events, out_of_orderness)
+    pipeline = window_pipeline(
+        assigner, how, out_of_orderness=out_of_orderness, lateness=lateness, backend=backend
+    )
+    run = run_pipeline(
+        pipeline, {"events": messages(events)}, checkpoint_every=7, crash_after=crash
+    )
+    assert by_window(run.outputs["results"]) == dict(reference.emitted)
+    late = [reason for _, reason in run.dead_letters if "late record" in reason]
+    assert len(late) == len(reference.late)
+    assert len(run.dead_letters) == len(late)
+    return run
+
+
+@given(
+    events=events_strategy,
+    size=st.integers(1, 30),
+    ooo=st.integers(0, 20),
+    lateness=st.sampled_from([0, 0, 7, 25]),
+    how=st.sampled_from(["count", "reduce", "aggregate"]),
+    crash=st.lists(st.integers(1, 80), max_size=3),
+)
+@common
+def test_tumbling_windows_match_the_reference(
+    events: list[Event], size: int, ooo: int, lateness: int, how: str, crash: list[int]
+) -> None:
+    assigner = tumbling(size)
+    reference = FixedReference(assigner.assign, FOLDS[how], lateness)
+    check(assigner, reference, events, how, ooo, lateness, crash)
+
+
+@given(
+    events=events_strategy,
+    size=st.integers(1, 30),
+    step=st.integers(1, 30),
+    ooo=st.integers(0, 20),
+    lateness=st.sampled_from([0, 0, 7, 25]),
+    how=st.sampled_from(["count", "reduce", "aggregate"]),
+    crash=st.lists(st.integers(1, 80), max_size=3),
+)
+@common
+def test_hopping_windows_match_the_reference(
+    events: list[Event],
+    size: int,
+    step: int,
+    ooo: int,
+    lateness: int,
+    how: str,
+    crash: list[int],
+) -> None:
+    assigner = hopping(max(size, step), min(size, step))
+    reference = FixedReference(assigner.assign, FOLDS[how], lateness)
+    check(assigner, reference, events, how, ooo, lateness, crash)
+
+
+@given(
+    events=events_strategy,
+    size=st.integers(1, 30),
+    ooo=st.integers(0, 20),
+    lateness=st.sampled_from([0, 0, 7, 25]),
+    how=st.sampled_from(["count", "reduce", "aggregate"]),
+    crash=st.lists(st.integers(1, 80), max_size=3),
+)
+@common
+def test_sliding_windows_match_the_reference(
+    events: list[Event], size: int, ooo: int, lateness: int, how: str, crash: list[int]
+) -> None:
+    check(
+        sliding(size),
+        SlidingReference(size, FOLDS[how], lateness),
+        events,
+        how,
+        ooo,
+        lateness,
+        crash,
+    )
+
+
+@given(
+    events=events_strategy,
+    gap=st.integers(1, 20),
+    ooo=st.integers(0, 20),
+    lateness=st.sampled_from([0, 0, 7, 25]),
+    how=st.sampled_from(["count", "reduce", "aggregate"]),
+    crash=st.lists(st.integers(1, 80), max_size=3),
+)
+@common
+def test_session_windows_match_the_reference(
+    events: list[Event], gap: int, ooo: int, lateness: int, how: str, crash: list[int]
+) -> None:
+    check(
+        session(gap), SessionReference(gap, FOLDS[how], lateness), events, how, ooo, lateness, crash
+    )
+
+
+@pytest.mark.parametrize("assigner", [tumbling(20), hopping(20, 5), sliding(20), session(10)])
+def test_rocksdb_backend_gives_the_same_windows(assigner: WindowAssigner) -> None:
+    events = [(k, (i * 37) % 200, i % 7 + 1) for i, k in enumerate("abcab" * 20)]
+    if isinstance(assigner, type(session(1))):
+        reference: Reference = SessionReference(10, len, 5)
+    elif isinstance(assigner, type(sliding(1))):
+        reference = SlidingReference(20, len, 5)
+    else:
+        reference = FixedReference(assigner.assign, len, 5)  # type: ignore[attr-defined]
+    check(assigner, reference, events, "count", 30, 5, [33, 71], backend="rocksdb")
+
+
+def test_windows_after_a_repartition_get_the_upstream_watermark() -> None:
+    """key_by(fn) puts a repartition topic before the window: the window's task learns the
+    watermark only from the upstream task's watermark records, and still emits every window
+    (in order: nothing is late because the input is in order)."""
+    pipeline = Pipeline("rekeyed")
+    (
+        pipeline.source(KafkaSource("events", timestamp=lambda v: v["ts"], idle_timeout=None))
+        .key_by(lambda v: v["k"])
+        .window(tumbling(10))
+        .count()
+        .sink(KafkaSink("results"))
+    )
+    events = [{"k": "abc"[i % 3], "ts": i} for i in range(100)]
+    run = run_pipeline(pipeline, {"events": events}, checkpoint_every=10, end_watermark=False)
+    results = by_window(run.outputs["results"])
+    # Windows whose end the upstream watermark passed by the last checkpoint are all out,
+    # each once; without end_watermark, the last ones are still open.
+    assert results and all(
+        v == [len([e for e in events if e["k"] == k and s <= e["ts"] < s + 10])]
+        for (k, s, _), v in results.items()
+    )
+    assert max(s for _, s, _ in results) >= 70
+    full = run_pipeline(pipeline, {"events": events}, checkpoint_every=10, crash_after=[35, 80])
+    assert len(full.outputs["results"]) == 30 and not full.dead_letters
+
+
+def test_window_arguments_are_checked() -> None:
+    with pytest.raises(ConfigurationError, match="step"):
+        hopping(10, 20)
+    with pytest.raises(ConfigurationError, match="milliseconds"):
+        tumbling(1.5)  # type: ignore[arg-type]
+    pipeline = Pipeline("bad")
+    keyed = pipeline.source(KafkaSource("events")).key_by()
+    with pytest.raises(ConfigurationError, match="on_late"):
+        keyed.window(tumbling(10), on_late="ignore")
+    with pytest.raises(ConfigurationError, match="assigner"):
+        keyed.window(10)  # type: ignore[arg-type]
+
+
+BOUNDARY_EVENTS: list[Event] = [
+    ("a", 10, 1),  # watermark 9: [0, 10) fires
+    ("a", 5, 2),  # end - 1 == watermark: late (or a late update within lateness)
+    ("a", 9, 3),
+    ("a", 20, 4),  # touches the session of 10 when gap 10
+    ("a", 30, 5),
+    ("a", 19, 6),
+    ("a", 40, 7),
+    ("a", 29, 8),
+    ("a", 31, 9),
+    ("b", 0, 1),
+    ("b", 10, 1),
+]
+
+
+@pytest.mark.parametrize("lateness", [0, 1, 10])
+@pytest.mark.parametrize("ooo", [0, 1])
+def test_window_boundaries_match_the_reference(lateness: int, ooo: int) -> None:
+    """Records exactly at a window's last millisecond, at the watermark, at end + lateness,
+    and sessions exactly ``gap`` apart (they merge, as in Flink)."""
+    for how in ("count", "reduce"):
+        tumble, hop = tumbling(10), hopping(10, 5)
+        check(
+            tumble,
+            FixedReference(tumble.assign, FOLDS[how], lateness),
+            BOUNDARY_EVENTS,
+            how,
+            ooo,
+            lateness,
+            [],
+        )
+        check(
+            hop,
+            FixedReference(hop.assign, FOLDS[how], lateness),
+            BOUNDARY_EVENTS,
+            how,
+            ooo,
+            lateness,
+            [4],
+        )
+        check(
+            sliding(10),
+            SlidingReference(10, FOLDS[how], lateness),
+            BOUNDARY_EVENTS,
+            how,
+            ooo,
+            lateness,
+            [],
+        )
+        check(
+            session(10),
+            SessionReference(10, FOLDS[how], lateness),
+            BOUNDARY_EVENTS,
+            how,
+            ooo,
+            lateness,
+            [6],
+        )

@@ -1,0 +1,94 @@
+"""Watermarks of a task: bounded out-of-orderness per source partition, minimum over the
+channels, idle channels excluded, upstream tasks' watermark records, restore never going
+back, and watermark records never read as data."""
+
+from __future__ import annotations
+
+from snapline.pipeline.runtime.watermarks import (
+    MIN_WATERMARK,
+    SourceChannelClock,
+    TaskClock,
+    UpstreamChannelClock,
+    WatermarkRecord,
+)
+
+A, B = ("t", 0), ("t", 1)
+S0 = frozenset({"s0"})
+
+
+def test_source_channel_trails_the_largest_timestamp_by_the_bound() -> None:
+    clock = SourceChannelClock(out_of_orderness=5, idle_timeout=None, now=0.0)
+    assert clock.watermark() == MIN_WATERMARK
+    clock.observe(100, 1.0)
+    clock.observe(90, 2.0)  # out of order: the watermark does not go back
+    assert clock.watermark() == 94
+    assert not clock.idle(1000.0, backlog=False)  # no idle timeout
+
+
+def test_task_watermark_is_the_minimum_over_channels_and_never_decreases() -> None:
+    clock = TaskClock({A: SourceChannelClock(0, None, 0.0), B: SourceChannelClock(0, None, 0.0)})
+    clock.observe(A, 50, 0.0)
+    assert not clock.advance(0.0, {})  # B has seen nothing: the minimum is still MIN
+    clock.observe(B, 30, 0.0)
+    assert clock.advance(0.0, {}) and clock.watermark == 29
+    clock.observe(B, 80, 0.0)
+    assert clock.advance(0.0, {}) and clock.watermark == 49
+
+
+def test_an_idle_partition_stops_holding_the_watermark_back() -> None:
+    clock = TaskClock({A: SourceChannelClock(0, 2.0, 0.0), B: SourceChannelClock(0, 2.0, 0.0)})
+    clock.observe(A, 50, 1.0)
+    assert not clock.advance(1.5, {})
+    assert not clock.advance(2.5, {B: True})  # B has a backlog: not idle however quiet
+    assert clock.advance(2.5, {}) and clock.watermark == 49 and not clock.idle
+    clock.observe(B, 10, 3.0)  # B wakes up behind the watermark: its records are late
+    assert not clock.advance(3.0, {}) and clock.watermark == 49
+    # Both idle: the largest channel watermark (49), and say so.
+    assert clock.advance(10.0, {}) is False and clock.idle and clock.watermark == 49
+
+
+def test_when_every_channel_is_idle_the_watermark_moves_to_the_largest() -> None:
+    clock = TaskClock({A: SourceChannelClock(0, 1.0, 0.0), B: SourceChannelClock(0, 1.0, 0.0)})
+    clock.observe(A, 50, 0.0)
+    clock.observe(B, 20, 0.0)
+    assert clock.advance(0.5, {}) and clock.watermark == 19
+    assert clock.advance(2.0, {}) and clock.watermark == 49 and clock.idle
+
+
+def test_upstream_watermark_is_the_minimum_over_every_writer() -> None:
+    channel = UpstreamChannelClock(frozenset({"p0", "p1"}))
+    channel.update(WatermarkRecord("p0", 100, False))
+    assert channel.watermark() == MIN_WATERMARK  # p1 not heard from yet
+    channel.update(WatermarkRecord("p1", 40, False))
+    assert channel.watermark() == 40
+    channel.update(WatermarkRecord("p1", 30, False))  # a stale record never moves it back
+    channel.update(WatermarkRecord("p7", 0, False))  # not an upstream task (any more)
+    assert channel.watermark() == 40
+    channel.update(WatermarkRecord("p1", 40, True))  # p1 idle: p0 alone decides
+    assert channel.watermark() == 100 and not channel.idle(0.0, False)
+    channel.update(WatermarkRecord("p0", 100, True))
+    assert channel.idle(0.0, False) and not channel.idle(0.0, True)
+    assert channel.watermark() == 100  # all idle: the largest, so that windows close
+
+
+def test_restore_continues_from_the_checkpointed_clock() -> None:
+    clock = TaskClock({A: SourceChannelClock(3, None, 0.0), B: UpstreamChannelClock(S0)})
+    clock.observe(A, 100, 0.0)
+    clock.upstream(B, WatermarkRecord("s0", 70, False))
+    clock.advance(0.0, {})
+    saved = clock.snapshot()
+    assert clock.watermark == 70
+    restored = TaskClock({A: SourceChannelClock(3, None, 0.0), B: UpstreamChannelClock(S0)})
+    restored.restore(saved)
+    assert restored.watermark == 70
+    restored.observe(A, 50, 0.0)  # replayed records cannot pull the watermark back
+    restored.advance(0.0, {})
+    assert restored.watermark == 70 and restored.snapshot() == saved
+
+
+def test_watermark_records_are_told_apart_from_data_keys() -> None:
+    record = WatermarkRecord("s1-p3", 1234, True)
+    assert WatermarkRecord.is_watermark_key(record.key())
+    assert WatermarkRecord.decode(record.key(), record.value()) == record
+    for data_key in (b"sabc", b"b\x00", b'j{"a":1}', None):
+        assert not WatermarkRecord.is_watermark_key(data_key)
