@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from snapline.pipeline.windows import WindowAssigner, WindowedStream, WindowSpec
 
 GUARANTEES = ("exactly_once", "at_least_once")
+#: Node kinds that hold keyed state (and so have a uid in savepoints).
+STATEFUL_KINDS = ("process", "co_process", "window")
 ON_ERROR = ("dead_letter", "fail")
 ON_CORRUPT = ("fail", "rewind")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
@@ -399,7 +401,7 @@ class Pipeline:
         result: dict[int, list[tuple[int, StateDescriptor]]] = {}
         next_id = 1
         for node in self.nodes:
-            if node.kind in ("process", "co_process", "window"):
+            if node.kind in STATEFUL_KINDS:
                 result[node.id] = []
                 declared = (
                     node.fn.states() if node.kind == "window" else declared_states(type(node.fn))
@@ -424,14 +426,15 @@ class Pipeline:
             raise ConfigurationError(f"operator uids {dupes} are used twice; uids must be unique")
         taken = set(explicit)
         for node in self.nodes:
-            if node.kind not in ("process", "co_process"):
+            if node.kind not in STATEFUL_KINDS:
                 continue
             uid = node.options.get("uid")
             if not uid:
-                uid, n = node.name, 1
+                base = re.sub(r"[^A-Za-z0-9._-]+", "-", node.name).strip("-.")[:90] or "operator"
+                uid, n = base, 1
                 while uid in taken:
                     n += 1
-                    uid = f"{node.name}-{n}"
+                    uid = f"{base}-{n}"
             if not isinstance(uid, str) or not _NAME.match(uid):
                 raise ConfigurationError(
                     f"operator uid {uid!r} must be 1-100 letters, digits, '.', '_' or '-'"
