@@ -136,7 +136,13 @@ def test_two_workers_serve_metrics_that_move(
         def read_all(at_least: int):
             def check() -> list[Samples] | None:
                 scraped = both()
-                if scraped and total(scraped, "snapline_records_in_total") >= at_least:
+                # state entries are sampled once a second: after a rebalance the new tasks'
+                # gauges appear with the next sample
+                if (
+                    scraped
+                    and total(scraped, "snapline_records_in_total") >= at_least
+                    and any(s.get("snapline_state_entries") for s in scraped)
+                ):
                     return scraped
                 return None
 

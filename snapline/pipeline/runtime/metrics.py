@@ -105,12 +105,13 @@ class WorkerMetrics:
         self._last_sample = now
         self.sample(tasks, held, consumer)
 
-    def sample(self, tasks: Mapping[str, Task], held: int, consumer: Any) -> None:
+    def count(self, tasks: Mapping[str, Task]) -> None:
+        """Add the records each task read and wrote since the last count. Also called just
+        before the worker drops its tasks (a rebalance, a failed checkpoint), so that what
+        they counted since the last sample is not lost with them."""
         prom = self._prom
         if prom is None:
             return
-        prom.held.labels(self.job, self.worker).set(held)
-        prom.tasks.labels(self.job, self.worker).set(len(tasks))
         for task_id, task in tasks.items():
             labels = (self.job, self.worker, stage_of(task_id), task_id)
             out = sum(getattr(op, "records_out", 0) for op in task.sink_writers.values())
@@ -122,6 +123,16 @@ class WorkerMetrics:
             prom.records_out.labels(*labels).inc(max(0, now[2] - before[2]))
             prom.dead_letters.labels(*labels).inc(max(0, now[3] - before[3]))
             self._seen[task_id] = now
+
+    def sample(self, tasks: Mapping[str, Task], held: int, consumer: Any) -> None:
+        prom = self._prom
+        if prom is None:
+            return
+        prom.held.labels(self.job, self.worker).set(held)
+        prom.tasks.labels(self.job, self.worker).set(len(tasks))
+        self.count(tasks)
+        for task_id, task in tasks.items():
+            labels = (self.job, self.worker, stage_of(task_id), task_id)
             entries = task.backend.entry_count()
             if entries >= 0:
                 prom.state_entries.labels(*labels).set(entries)

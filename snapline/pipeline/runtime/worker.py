@@ -358,6 +358,7 @@ class Worker:
 
     def _drop_tasks(self) -> None:
         """Uncommitted work is discarded; its owner restores from the committed checkpoint."""
+        self.metrics.count(self.tasks)  # what the tasks read until now, before they go
         self.output.abort()
         self.coordinator.cancel()
         for task in self.tasks.values():
