@@ -41,7 +41,7 @@ from snapline.connectors.kafka_source import KafkaSource
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.formats import encode_key, encoder
 from snapline.pipeline.graph import Node, Pipeline
-from snapline.pipeline.record import Record
+from snapline.pipeline.record import ListedMessage, Record
 from snapline.pipeline.runtime.faults import FaultInjector
 from snapline.pipeline.runtime.task import Task, TaskSnapshot
 from snapline.pipeline.runtime.timers import processing_time_ms
@@ -75,48 +75,6 @@ class TestRun:
     dead_letters: list[tuple[Any, str]] = field(default_factory=list)
     checkpoints: int = 0
     crashes: int = 0
-
-
-class _Message:
-    """The slice of confluent_kafka.Message the source operator reads."""
-
-    __slots__ = ("_key", "_offset", "_partition", "_timestamp", "_topic", "_value")
-
-    def __init__(
-        self,
-        topic: str,
-        partition: int,
-        offset: int,
-        value: bytes | None,
-        key: bytes | None,
-        ts: int,
-    ) -> None:
-        self._topic, self._partition, self._offset = topic, partition, offset
-        self._value, self._key, self._timestamp = value, key, ts
-
-    def value(self) -> bytes | None:
-        return self._value
-
-    def key(self) -> bytes | None:
-        return self._key
-
-    def offset(self) -> int:
-        return self._offset
-
-    def timestamp(self) -> tuple[int, int]:
-        return (1, self._timestamp)
-
-    def topic(self) -> str:
-        return self._topic
-
-    def partition(self) -> int:
-        return self._partition
-
-    def headers(self) -> None:
-        return None
-
-    def error(self) -> None:
-        return None
 
 
 class _Output:
@@ -186,14 +144,14 @@ def _sink_names(sink: Sink) -> list[str]:
 
 def _encode_inputs(
     pipeline: Pipeline, inputs: Mapping[str, Sequence[Any]]
-) -> dict[tuple[str, int], list[_Message]]:
+) -> dict[tuple[str, int], list[ListedMessage]]:
     sources: dict[str, KafkaSource] = {t: s for s in pipeline.sources() for t in s.topic_list}
     unknown = sorted(set(inputs) - set(sources))
     if unknown:
         raise ValueError(
             f"inputs for topics {unknown} that no source reads; sources: {sorted(sources)}"
         )
-    channels: dict[tuple[str, int], list[_Message]] = {(t, 0): [] for t in sources}
+    channels: dict[tuple[str, int], list[ListedMessage]] = {(t, 0): [] for t in sources}
     for topic, items in inputs.items():
         source = sources[topic]
         encode_value = encoder(source.value_format)
@@ -205,7 +163,7 @@ def _encode_inputs(
                 message.value if isinstance(message.value, bytes) else encode_value(message.value)
             )
             key = message.key if isinstance(message.key, bytes | None) else encode_key(message.key)
-            channel.append(_Message(topic, tp[1], len(channel), value, key, message.timestamp))
+            channel.append(ListedMessage(topic, tp[1], len(channel), value, key, message.timestamp))
     return channels
 
 
@@ -277,7 +235,7 @@ class _Runner:
     def __init__(
         self,
         pipeline: Pipeline,
-        channels: dict[tuple[str, int], list[_Message]],
+        channels: dict[tuple[str, int], list[ListedMessage]],
         storage: CheckpointStorage,
         tmp: str,
         result: TestRun,
@@ -421,7 +379,7 @@ class _Runner:
         for topic, value, key, headers, timestamp in self.output.take_committed(n):
             if topic in repartitioned:
                 channel = self.channels[(topic, 0)]
-                channel.append(_Message(topic, 0, len(channel), value, key, timestamp))
+                channel.append(ListedMessage(topic, 0, len(channel), value, key, timestamp))
                 continue
             reason = dict(headers or {}).get("snapline.error", b"").decode()
             self.result.dead_letters.append((value, reason))

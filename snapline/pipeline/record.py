@@ -70,3 +70,46 @@ class Record:
             f"Record(value={self.value!r}, key={self.key!r}, "
             f"at={self.topic}[{self.partition}]@{self.offset})"
         )
+
+
+class ListedMessage:
+    """A Kafka message held in a list (the testing harness, the Spark runner): the slice of
+    ``confluent_kafka.Message`` that a task's source operators read."""
+
+    __slots__ = ("_key", "_offset", "_partition", "_timestamp", "_topic", "_value")
+
+    def __init__(
+        self,
+        topic: str,
+        partition: int,
+        offset: int,
+        value: bytes | None,
+        key: bytes | None,
+        ts: int,
+    ) -> None:
+        self._topic, self._partition, self._offset = topic, partition, offset
+        self._value, self._key, self._timestamp = value, key, ts
+
+    def value(self) -> bytes | None:
+        return self._value
+
+    def key(self) -> bytes | None:
+        return self._key
+
+    def offset(self) -> int:
+        return self._offset
+
+    def timestamp(self) -> tuple[int, int]:
+        return (1, self._timestamp)
+
+    def topic(self) -> str:
+        return self._topic
+
+    def partition(self) -> int:
+        return self._partition
+
+    def headers(self) -> None:
+        return None
+
+    def error(self) -> None:
+        return None

@@ -76,42 +76,6 @@ def _ms(value: Any) -> int:
     return int(value or 0)
 
 
-class _Message:
-    """The slice of confluent_kafka.Message a task's source operators read."""
-
-    __slots__ = ("_key", "_offset", "_partition", "_timestamp", "_topic", "_value")
-
-    def __init__(
-        self, topic: str, partition: int, offset: int, key: Any, value: Any, ts: int
-    ) -> None:
-        self._topic, self._partition, self._offset = topic, partition, offset
-        self._key, self._value, self._timestamp = key, value, ts
-
-    def value(self) -> bytes | None:
-        return self._value
-
-    def key(self) -> bytes | None:
-        return self._key
-
-    def offset(self) -> int:
-        return self._offset
-
-    def timestamp(self) -> tuple[int, int]:
-        return (1, self._timestamp)
-
-    def topic(self) -> str:
-        return self._topic
-
-    def partition(self) -> int:
-        return self._partition
-
-    def headers(self) -> None:
-        return None
-
-    def error(self) -> None:
-        return None
-
-
 class _Output:
     """The task's output: repartition records to the next stage's shuffle, the rest to Kafka
     (the transaction, or nowhere for an attempt whose ledger already committed)."""
@@ -154,6 +118,7 @@ def run_stage_task(
     from snapline.pipeline.checkpoint.storage import CheckpointStorage
     from snapline.pipeline.graph import load_pipeline
     from snapline.pipeline.keygroups import key_group_range
+    from snapline.pipeline.record import ListedMessage
     from snapline.pipeline.runtime.faults import FaultInjector
     from snapline.pipeline.runtime.task import Task, TaskSnapshot
     from snapline.pipeline.runtime.transaction import TransactionalOutput
@@ -237,7 +202,7 @@ def run_stage_task(
         )
         if not committed:
             task.recover_sinks(None, {})
-        batch: list[_Message] = []
+        batch: list[ListedMessage] = []
         current: str | None = None
         records = 0
 
@@ -251,7 +216,7 @@ def run_stage_task(
             if topic != current:
                 flush()
                 current = topic
-            batch.append(_Message(topic, partition, offset, key, value, ts))
+            batch.append(ListedMessage(topic, partition, offset, value, key, ts))
             records += 1
             if len(batch) >= 2048:
                 flush()
