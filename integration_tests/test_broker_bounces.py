@@ -23,7 +23,8 @@ from integration_tests.bounces import (
     TRANSACTION_TIMEOUT_S,
     BounceJob,
     BounceRun,
-    known_marker_fault,
+    failure,
+    verdict,
 )
 from snapline.connectors.local.broker import LocalKafkaBroker
 
@@ -115,20 +116,15 @@ def test_workers_ride_out_broker_bounces(
 
         check = run.report(outputs, "broker bounces")
         assert len(run.outages) >= 10 and run.test_kills >= 2
-        if not check.ok:
-            only_duplicates = not (check.missing or check.wrong_totals)
-            known = (
-                known_marker_fault(
-                    job,
-                    check.duplicates,
-                    lambda p: [cluster.log_dirs / f"{job.totals_topic}-{p}"],
-                    [cluster.broker.log_path],
-                )
-                if only_duplicates
-                else None
-            )
+        exact, known = verdict(
+            run,
+            check,
+            lambda p: [cluster.log_dirs / f"{job.totals_topic}-{p}"],
+            [cluster.broker.log_path],
+        )
+        if not exact:
             if known is None:
-                pytest.fail("Kafka: " + check.summary() + "\n" + job.logs())
+                pytest.fail(failure(run, check, None))
             pytest.xfail("KNOWN RESIDUAL RISK: " + known)
     finally:
         cluster.stop()

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from integration_tests.bounces import BounceJob, BounceRun, known_marker_fault
+from integration_tests.bounces import BounceJob, BounceRun, failure, verdict
 from snapline.connectors.local.cluster import LocalKafkaCluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres, pytest.mark.slow]
@@ -137,19 +137,13 @@ def test_workers_ride_out_cluster_bounces(
         check = run.report(outputs, "3-broker cluster bounces")
         kinds = [o.kind for o in run.outages]
         assert len(kinds) >= 10 and sum(k.startswith("all-") for k in kinds) >= 2
-        if not check.ok:
-            only_duplicates = not (check.missing or check.wrong_totals)
-            known = (
-                known_marker_fault(
-                    job,
-                    check.duplicates,
-                    lambda p: bouncer.replica_dirs(job.totals_topic, p),
-                    bouncer.cluster.log_paths,
-                )
-                if only_duplicates
-                else None
-            )
-            diagnosis = f"\n(signature of the skipped-marker fault: {known})" if known else ""
-            pytest.fail("Kafka: " + check.summary() + diagnosis + "\n" + job.logs())
+        exact, known = verdict(
+            run,
+            check,
+            lambda p: bouncer.replica_dirs(job.totals_topic, p),
+            bouncer.cluster.log_paths,
+        )
+        if not exact:
+            pytest.fail(failure(run, check, known))
     finally:
         bouncer.cluster.stop()

@@ -7,6 +7,7 @@
   its sink tables are touched.
 - Committed offsets that vanished while committed checkpoints are stored stop the job with an
   explicit choice; --restore-latest continues exactly.
+- Committed offsets behind a checkpoint Kafka acknowledged (a broker fault) are reported.
 """
 
 from __future__ import annotations
@@ -17,12 +18,19 @@ import time
 from pathlib import Path
 
 import pytest
+from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from examples.orders import produce_orders
 from examples.workers import WorkerProcess, read_events
 from integration_tests.warehouse_job import SPEC, WarehouseJob, wait_for
 from snapline import LocalKafkaBroker
+from snapline.pipeline.checkpoint.metadata import (
+    TaskCheckpoint,
+    is_marked_committed,
+    list_checkpoints,
+)
+from snapline.pipeline.checkpoint.storage import CheckpointStorage
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]
 
@@ -269,3 +277,75 @@ def test_vanished_offsets_stop_the_job_until_the_user_chooses(
     assert "--reset-state deletes" in worker.tail(200)
     now = {p.split("/")[3] for p in _listing(job.checkpoint_dir) if "/chk-" in p}
     assert old and not (old & now), "--reset-state kept the old checkpoints"
+
+
+def test_offsets_behind_an_acknowledged_checkpoint_are_reported(
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list
+) -> None:
+    """A broker that loses the offsets of a transaction it acknowledged (it can skip the
+    markers of a commit when it restarts mid-commit, docs/exactly-once.md) leaves committed
+    offsets that name a checkpoint older than one storage records as committed. The broker
+    fault is reproduced here by committing the older checkpoint's offsets to the stopped
+    job's group; the worker must say so (log, event) rather than replay silently, restore
+    what the offsets name."""
+    job = WarehouseJob(kafka_bootstrap, unique_name, tmp_path, postgres_dsn, workers=1)
+    jobs.append(job)
+    (worker,) = job.workers
+    with Feeder(job):  # several checkpoints, so an older committed one is retained
+        worker.start()
+        wait_for(
+            "4 checkpoints",
+            lambda: sum(e["event"] == "checkpoint" for e in read_events(worker.metrics_path)) >= 4,
+            60,
+            worker.tail,
+        )
+    job.wait_until_caught_up()
+    assert worker.stop() == 0
+    storage = CheckpointStorage(str(job.checkpoint_dir))
+    refs = {
+        task: [
+            r
+            for r in list_checkpoints(storage, job.name, task)
+            if is_marked_committed(storage, job.name, task, r)
+        ]
+        for task in ("p0", "p1")
+    }
+    assert all(len(r) >= 2 for r in refs.values()), refs
+    rewound = []  # every task's offsets go back to its oldest retained committed checkpoint
+    for task, committed in refs.items():
+        positions = TaskCheckpoint.read(storage, job.name, task, committed[0]).positions
+        rewound += [
+            TopicPartition(t, p, off, metadata=committed[0].offset_metadata())
+            for (t, p), off in positions.items()
+        ]
+    _delete_group(kafka_bootstrap, job.name)  # an empty group accepts a plain offset commit
+    rewind = Consumer(
+        {"bootstrap.servers": kafka_bootstrap, "group.id": job.name, "enable.auto.commit": False}
+    )
+    try:
+        rewind.commit(offsets=rewound, asynchronous=False)
+    finally:
+        rewind.close()
+
+    worker.start()
+    wait_for(
+        "kafka_lost_commit events of both tasks",
+        lambda: (
+            len([e for e in read_events(worker.metrics_path) if e["event"] == "kafka_lost_commit"])
+            >= 2
+        ),
+        60,
+        worker.tail,
+    )
+    events = {
+        e["task"]: e for e in read_events(worker.metrics_path) if e["event"] == "kafka_lost_commit"
+    }
+    tail = worker.tail(200)
+    assert "lost the offsets of an acknowledged transaction" in tail, tail
+    for task, committed in refs.items():
+        older, newest = committed[0], committed[-1]
+        event = events[task]
+        assert event["offsets_name"] == older.checkpoint_id, event
+        assert newest.checkpoint_id in event["acknowledged"], event
+        assert f"task {task} restored from checkpoint {older.checkpoint_id} " in tail, tail
+    assert worker.stop() == 0

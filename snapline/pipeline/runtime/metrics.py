@@ -283,8 +283,8 @@ class WorkerMetrics:
                     prom.rebalances.labels(self.job, self.worker, str(kind)).inc()
         elif kind == "assigned" and prom is not None:
             prom.rebalances.labels(self.job, self.worker, "assigned").inc()
-        elif kind == "broker_unavailable" and prom is not None:
-            prom.recoveries.labels(self.job, self.worker, "broker_unavailable").inc()
+        elif kind in ("broker_unavailable", "kafka_lost_commit") and prom is not None:
+            prom.recoveries.labels(self.job, self.worker, str(kind)).inc()
         elif kind in ("restored", "restored_after_failure"):
             self._restored(entry)
         elif kind == "savepoint":
@@ -455,7 +455,8 @@ class _Prometheus:
         self.recoveries = Counter(
             "snapline_recoveries",
             "Times the worker aborted its epoch and restored its tasks, by reason: "
-            "checkpoint_failed, consumer_replaced, broker_unavailable.",
+            "checkpoint_failed, consumer_replaced, broker_unavailable; kafka_lost_commit counts "
+            "tasks restored behind a checkpoint Kafka had acknowledged (a broker fault).",
             (*worker_labels, "reason"),
             registry=r,
         )

@@ -461,6 +461,8 @@ class Worker:
         stored = list_checkpoints(self.storage, self.pipeline.name, task_id)
         if ref is None and stored:
             ref = self._missing_offsets(task_id, stored)
+        elif ref is not None:
+            ref = self._check_lost_commit(task_id, ref, stored, committed)
         backend = create_backend(
             self.pipeline.state_backend,
             task_dir=str(self.local_dir / self.pipeline.name / task_id),
@@ -555,6 +557,59 @@ class Worker:
                 offset = low if offset == OFFSET_BEGINNING else high
             resolved[tp] = offset
         return resolved
+
+    def _check_lost_commit(
+        self,
+        task_id: str,
+        ref: CheckpointRef,
+        stored: list[CheckpointRef],
+        committed: list[TopicPartition],
+    ) -> CheckpointRef:
+        """Kafka's committed offsets name ``ref``, but storage may record a newer checkpoint
+        as committed: its worker wrote that marker only after Kafka acknowledged the commit
+        of the checkpoint's transaction. If a fresh read of the offsets still names ``ref``,
+        the broker lost part of an acknowledged transaction (a broker that restarts with
+        the transaction still being completed can skip its markers: docs/exactly-once.md,
+        "Known limits"); the records it made visible before are then produced again
+        and sinks publish the replayed checkpoint again. Nothing here can repair that: it
+        is reported loudly (log, metrics event, ``snapline_recoveries_total``) and the task
+        restores what Kafka's offsets name, since its committed outputs follow them."""
+        newer = [
+            r
+            for r in stored
+            if r.checkpoint_id > ref.checkpoint_id
+            and is_marked_committed(self.storage, self.pipeline.name, task_id, r)
+        ]
+        if not newer:
+            return ref
+        fresh = self._named_checkpoint(
+            task_id,
+            self._committed_offsets([TopicPartition(c.topic, c.partition) for c in committed]),
+        )
+        if fresh is not None and fresh.checkpoint_id >= newer[-1].checkpoint_id:
+            # The first read was stale (another worker committed meanwhile): nothing lost.
+            return fresh
+        log.error(
+            "task %s: checkpoint %d was acknowledged as committed by Kafka (its marker is in "
+            "storage), but the group's committed offsets name checkpoint %d: the broker lost "
+            "the offsets of an acknowledged transaction. Restoring checkpoint %d; the input "
+            "after it is processed again, so outputs of checkpoint %d that the broker did "
+            "make visible appear twice. See docs/exactly-once.md, 'Known limits'.",
+            task_id,
+            newer[-1].checkpoint_id,
+            (fresh or ref).checkpoint_id,
+            (fresh or ref).checkpoint_id,
+            newer[-1].checkpoint_id,
+        )
+        self._event(
+            {
+                "event": "kafka_lost_commit",
+                "task": task_id,
+                "acknowledged": [r.checkpoint_id for r in newer],
+                "offsets_name": (fresh or ref).checkpoint_id,
+            }
+        )
+        return fresh or ref
 
     def _missing_offsets(self, task_id: str, stored: list[CheckpointRef]) -> CheckpointRef | None:
         """The task has no committed offsets but stored checkpoints: if one of them is known
