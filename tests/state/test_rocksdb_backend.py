@@ -85,6 +85,7 @@ def test_writes_skip_the_wal(make_rocksdb: MakeRocks) -> None:
 def test_wal_can_be_enabled(make_rocksdb: MakeRocks) -> None:
     backend = make_rocksdb(disable_wal=False)
     fill(backend, 500)
+    backend.flush_writes()  # the epoch's buffered writes reach the database (and its WAL)
     assert sum(p.stat().st_size for p in backend.db_dir.glob("*.log")) > 0
 
 
@@ -279,3 +280,39 @@ def test_restore_failure_keeps_current_state(
         target.restore(handle, storage)
     assert target.get(b"mine") == b"still here"
     assert not list(target.task_dir.glob("restore-*"))
+
+
+def test_buffered_writes_are_read_back_and_reach_snapshots(
+    make_rocksdb: MakeRocks, tmp_path: Path, storage: CheckpointStorage
+) -> None:
+    """Writes of the open epoch are buffered: reads see them at once (puts, deletes, map
+    entries), iteration and snapshots see them too, and a restore replaces them."""
+    backend = make_rocksdb()
+    backend.put(b"a", b"1")
+    backend.put(b"b", b"2")
+    backend.delete(b"b")
+    prefix = b"\x00\x05\x00\x00\x00\x01k\x03"
+    backend.map_put(prefix, b"u1", b"x")
+    backend.map_put(prefix, b"u2", b"y")
+    backend.map_delete(prefix, b"u2")
+    assert backend.get(b"a") == b"1" and backend.get(b"b") is None
+    assert backend.map_get(prefix, b"u1") == b"x" and backend.map_get(prefix, b"u2") is None
+    assert list(backend.map_items(prefix)) == [(b"u1", b"x")]
+    backend.put(b"a", b"3")  # buffered again after the iteration flushed
+    snapshot = backend.snapshot(1)
+    handle = snapshot.materialize(storage, "tasks/p0/chk-0000000001-x")
+    snapshot.release()
+    backend.put(b"a", b"uncommitted")
+    backend.restore(handle, storage)
+    assert backend.get(b"a") == b"3", "the snapshot lacked a buffered write"
+    assert backend.get(b"b") is None and backend.map_get(prefix, b"u1") == b"x"
+
+
+def test_a_full_write_buffer_is_flushed(
+    make_rocksdb: MakeRocks, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("snapline.pipeline.state.rocksdb.WRITE_BUFFER_ENTRIES", 10)
+    backend = make_rocksdb()
+    fill(backend, 25)
+    assert len(backend._pending) < 10
+    assert backend.get(b"key-000003") == b"v" * 100

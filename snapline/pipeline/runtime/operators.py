@@ -431,6 +431,9 @@ class ProcessOperator(Operator):
             self._timers.watermark = ctx.watermark
         out: list[Record] = []
         append = out.append
+        # The first output of a record may reuse its Record when no other operator sees the
+        # input (dead letters carry the raw Kafka bytes, not ``value``).
+        in_place = self.owns_input
         for r in records:
             key_bytes = r.key_bytes
             assert key_bytes is not None
@@ -443,8 +446,14 @@ class ProcessOperator(Operator):
             try:
                 produced = process(r.value, ctx)
                 if produced is not None:
+                    reuse = in_place
                     for value in produced:
-                        append(r.with_value(value))
+                        if reuse:
+                            r.value = value
+                            append(r)
+                            reuse = False
+                        else:
+                            append(r.with_value(value))
             except Exception as exc:
                 self.task.dead_letter(r, f"{self.name} raised {exc!r}")
         scope.prefix = None

@@ -84,6 +84,9 @@ BACKEND_NAME = "rocksdb"
 _MAP_TAG = b"\x01"
 _KEY_LEN = struct.Struct(">I")
 _MAP_END = b"\x02"
+#: Buffered writes of the open epoch flushed to RocksDB once this many keys are pending.
+WRITE_BUFFER_ENTRIES = 100_000
+_MISSING = object()
 
 
 def _is_sst(name: str) -> bool:
@@ -207,6 +210,10 @@ class RocksDBStateBackend(KeyedStateBackend):
         self._stash_previous_incarnation()
         self.checkpoints_dir.mkdir(exist_ok=True)
         self._db: Any = self._open()
+        #: Writes of the open epoch not yet in the database (None: a delete). Reads look here
+        #: first; a key written by many records between two checkpoints reaches RocksDB once,
+        #: in one write batch, at the snapshot (or when the buffer is full).
+        self._pending: dict[bytes, bytes | None] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def _stash_previous_incarnation(self) -> None:
@@ -231,11 +238,14 @@ class RocksDBStateBackend(KeyedStateBackend):
 
     @property
     def db(self) -> rocksdict.Rdict:
-        """The live database (task thread only)."""
+        """The live database with every buffered write in it (task thread only)."""
+        self.flush_writes()
         return self._db
 
     def close(self, *, delete: bool = False) -> None:
-        """Close the database. Local files stay for local recovery unless ``delete``."""
+        """Close the database. Local files stay for local recovery unless ``delete``.
+        Buffered writes are dropped: they belong to an epoch no checkpoint holds."""
+        self._pending.clear()
         if not isinstance(self._db, _ClosedDB):
             self._db.close()
             self._db = _ClosedDB(self.task_dir)
@@ -248,23 +258,47 @@ class RocksDBStateBackend(KeyedStateBackend):
 
     # ------------------------------------------------------------------ values
     def get(self, key: bytes) -> bytes | None:
+        value = self._pending.get(key, _MISSING)
+        if value is not _MISSING:
+            return value  # type: ignore[return-value]
         return self._db.get(key)
 
     def put(self, key: bytes, value: bytes) -> None:
-        self._db.put(key, value)
+        pending = self._pending
+        pending[key] = value
+        if len(pending) >= WRITE_BUFFER_ENTRIES:
+            self.flush_writes()
 
     def delete(self, key: bytes) -> None:
-        self._db.delete(key)
+        pending = self._pending
+        pending[key] = None
+        if len(pending) >= WRITE_BUFFER_ENTRIES:
+            self.flush_writes()
+
+    def flush_writes(self) -> None:
+        """Write the buffered writes to the database in one batch (before anything that
+        iterates the database or snapshots it)."""
+        pending = self._pending
+        if not pending:
+            return
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        for key, value in pending.items():
+            if value is None:
+                batch.delete(key)
+            else:
+                batch.put(key, value)
+        self._db.write(batch, self._write_options)
+        pending.clear()
 
     # ------------------------------------------------------------------ maps
     def map_get(self, prefix: bytes, user_key: bytes) -> bytes | None:
-        return self._db.get(prefix + _MAP_TAG + user_key)
+        return self.get(prefix + _MAP_TAG + user_key)
 
     def map_put(self, prefix: bytes, user_key: bytes, value: bytes) -> None:
-        self._db.put(prefix + _MAP_TAG + user_key, value)
+        self.put(prefix + _MAP_TAG + user_key, value)
 
     def map_delete(self, prefix: bytes, user_key: bytes) -> None:
-        self._db.delete(prefix + _MAP_TAG + user_key)
+        self.delete(prefix + _MAP_TAG + user_key)
 
     def _map_range(self, prefix: bytes) -> tuple[bytes, rocksdict.ReadOptions]:
         read = rocksdict.ReadOptions()
@@ -272,6 +306,7 @@ class RocksDBStateBackend(KeyedStateBackend):
         return prefix + _MAP_TAG, read
 
     def map_items(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        self.flush_writes()
         start, read = self._map_range(prefix)
         skip = len(start)
         # A list, like the memory backend: callers may mutate the map while iterating.
@@ -279,6 +314,7 @@ class RocksDBStateBackend(KeyedStateBackend):
         return iter([(k[skip:], v) for k, v in items])
 
     def map_clear(self, prefix: bytes) -> None:
+        self.flush_writes()
         start, read = self._map_range(prefix)
         batch = rocksdict.WriteBatch(raw_mode=True)
         for key in self.db.keys(from_key=start, read_opt=read):
@@ -289,6 +325,7 @@ class RocksDBStateBackend(KeyedStateBackend):
     def delete_where(self, predicate: Callable[[bytes, bytes], bool]) -> int:
         """One pass over the database (map entries' keys start with their map's prefix,
         which is all a predicate over ``key_group | len | key | state_id`` reads)."""
+        self.flush_writes()
         batch = rocksdict.WriteBatch(raw_mode=True)
         count = 0
         for key, value in self.db.items():
@@ -304,6 +341,7 @@ class RocksDBStateBackend(KeyedStateBackend):
         """Flush the memtable and hard-link the live files: the only work the task waits for."""
         path = self.checkpoints_dir / f"chk-{checkpoint_id}-{uuid.uuid4().hex[:8]}"
         started = time.perf_counter()
+        self.flush_writes()
         rocksdict.Checkpoint(self.db).create_checkpoint(str(path))
         self.last_snapshot_pause = time.perf_counter() - started
         return RocksDBSnapshot(
@@ -377,6 +415,7 @@ class RocksDBStateBackend(KeyedStateBackend):
         return found
 
     def put_many(self, entries: list[tuple[bytes, bytes]]) -> None:
+        self.flush_writes()
         for start in range(0, len(entries), 50_000):
             batch = rocksdict.WriteBatch(raw_mode=True)
             for key, value in entries[start : start + 50_000]:
@@ -386,6 +425,7 @@ class RocksDBStateBackend(KeyedStateBackend):
     def items(self) -> Iterator[tuple[bytes, bytes | None, bytes]]:
         # Stored keys are key_group(2) | key_len(4) | key | state_id(1) [| MAP_TAG | user key].
         unpack = _KEY_LEN.unpack_from
+        self.flush_writes()
         for stored, value in cast(Iterator[tuple[bytes, bytes]], self.db.items()):
             end = 7 + unpack(stored, 2)[0]
             if len(stored) > end and stored[end : end + 1] == _MAP_TAG:
