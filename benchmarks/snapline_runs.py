@@ -16,8 +16,8 @@ from benchmarks.systems import System
 _ENTRY = "benchmarks.snapline_entry"
 
 
-def _worker_args(factory: str) -> tuple[str, ...]:
-    return (
+def _worker_args(factory: str, workers: int = 1) -> tuple[str, ...]:
+    args = (
         "run",
         f"benchmarks.snapline_pipelines:{factory}",
         "--bootstrap-servers",
@@ -25,23 +25,34 @@ def _worker_args(factory: str) -> tuple[str, ...]:
         "--worker-id",
         "0",
     )
+    # --workers N: one supervisor process starts N worker processes (ids 0-0 .. 0-(N-1)) that
+    # share the job's partitions through the consumer group, as `snapline run --workers N`.
+    return (*args, "--workers", str(workers)) if workers > 1 else args
 
 
 def _system(
-    name: str, label: str, factory: str, backend: str, guarantee: str, mode: str = "total"
+    name: str,
+    label: str,
+    factory: str,
+    backend: str,
+    guarantee: str,
+    mode: str = "total",
+    workers: int = 1,
 ) -> System:
     return System(
         name=name,
         label=label,
         role="snapline",
         module=_ENTRY,
-        args=_worker_args(factory),
+        args=_worker_args(factory, workers),
         mode="map" if mode == "map" else "total",
         exactly_once=guarantee == "exactly_once",
         backend=backend,
         guarantee=guarantee,
-        notes=f"{factory}, state_backend={backend}, guarantee={guarantee}, checkpoint every 1 s",
-        profiles_itself=True,
+        notes=f"{factory}, state_backend={backend}, guarantee={guarantee}, checkpoint every 1 s"
+        + (f", {workers} worker processes" if workers > 1 else ""),
+        # The profiler runs in the process it starts in: a supervisor's workers are children.
+        profiles_itself=workers == 1,
     )
 
 
@@ -67,6 +78,14 @@ SNAPLINE_SYSTEMS: tuple[System, ...] = (
         "running_total",
         "rocksdb",
         "exactly_once",
+    ),
+    _system(
+        "snapline-memory-2w",
+        "Snapline running total, memory, exactly-once, 2 worker processes",
+        "running_total",
+        "memory",
+        "exactly_once",
+        workers=2,
     ),
     _system(
         "snapline-memory-alo",
