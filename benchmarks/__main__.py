@@ -99,11 +99,14 @@ def run(suite: str, records: int | None, keys: int | None, partitions: int, repe
 @click.option("--bootstrap-servers", default=None,
               help="an existing Kafka cluster; default: start a local broker")
 @click.option("--only", default=None,
-              help="comma-separated: snapline-rocksdb,snapline-memory,quix-changelog,quix-local")
+              help="comma-separated: snapline-rocksdb,snapline-rocksdb-local,snapline-memory,"
+                   "quix-changelog,quix-local")
 @click.option("--partitions", type=int, default=8, show_default=True)
+@click.option("--restarts", type=int, default=None,
+              help="SIGKILL → restart cycles per system [5; quick 2]")
 @click.option("--output", type=click.Path(path_type=Path), default=None)
 def recovery(keys: int | None, quick: bool, bootstrap_servers: str | None, only: str | None,
-             partitions: int, output: Path | None) -> None:
+             partitions: int, restarts: int | None, output: Path | None) -> None:
     """Time from restarting a SIGKILLed worker to its first new committed output."""
     from benchmarks.recovery import RecoveryConfig, run_recovery, select_recovery
 
@@ -114,6 +117,7 @@ def recovery(keys: int | None, quick: bool, bootstrap_servers: str | None, only:
         partitions=partitions,
         output=output,
         command=_command_line(),
+        restarts=restarts or (2 if quick else 5),
     )
     try:
         select_recovery(config.only)

@@ -5,7 +5,7 @@ Everything under ``snapline.pipeline``, ``snapline.connectors`` and ``snapline.s
 is not re-exported here may change between releases.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from snapline.connectors.kafka_source import KafkaSource
 from snapline.pipeline.errors import (
@@ -31,7 +31,9 @@ from snapline.pipeline.state.descriptors import (
 from snapline.pipeline.state.serde import JsonSerde, PickleSerde, Serde
 from snapline.pipeline.windows import WindowedStream, hopping, session, sliding, tumbling
 from snapline.sinks.kafka import KafkaSink
-from snapline.sinks.parquet import ParquetSink
+
+if TYPE_CHECKING:  # imported on first use (__getattr__ below)
+    from snapline.sinks.parquet import ParquetSink
 
 __version__ = "0.1.0"
 
@@ -78,7 +80,12 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     # Optional or heavy pieces load on first use: PostgresSink needs the 'postgres' extra
-    # (psycopg), the broker launcher pulls in subprocess/ctypes machinery.
+    # (psycopg), ParquetSink pyarrow (~0.3 s of a worker's start), the broker launcher
+    # subprocess/ctypes machinery.
+    if name == "ParquetSink":
+        from snapline.sinks.parquet import ParquetSink
+
+        return ParquetSink
     if name == "PostgresSink":
         from snapline import sinks
 

@@ -1,16 +1,23 @@
 """Sinks: the two-phase-commit contract, Kafka, Parquet and PostgreSQL."""
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from snapline.pipeline.sink import Sink, SinkContext, SinkWriter
 from snapline.sinks.kafka import KafkaSink
-from snapline.sinks.parquet import ParquetSink
+
+if TYPE_CHECKING:  # imported on first use (__getattr__ below)
+    from snapline.sinks.parquet import ParquetSink
 
 __all__ = ["KafkaSink", "ParquetSink", "PostgresSink", "Sink", "SinkContext", "SinkWriter"]
 
 
 def __getattr__(name: str) -> Any:
-    # psycopg is the optional 'postgres' extra: import it only when the sink is used.
+    # pyarrow (Parquet) is imported only when the sink is used: it is most of a worker's
+    # import time. psycopg is the optional 'postgres' extra.
+    if name == "ParquetSink":
+        from snapline.sinks.parquet import ParquetSink
+
+        return ParquetSink
     if name == "PostgresSink":
         try:
             from snapline.sinks.postgres import PostgresSink

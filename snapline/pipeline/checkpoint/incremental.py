@@ -331,7 +331,7 @@ def _download_verified(storage: CheckpointStorage, state_file: StateFile, dest: 
     size = 0
     try:
         with (
-            storage.fs.open_input_stream(storage.full_path(state_file.path)) as src,
+            storage.open_input(state_file.path) as src,
             open(dest, "wb") as out,
         ):
             while chunk := src.read(_CHUNK):

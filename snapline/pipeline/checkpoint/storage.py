@@ -10,14 +10,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import time
 import uuid
 import zlib
 from pathlib import Path
-
-import pyarrow.fs as pafs
+from typing import TYPE_CHECKING, Any
 
 from snapline.pipeline.errors import CheckpointError, CorruptCheckpointError
+
+if TYPE_CHECKING:
+    import pyarrow.fs as pafs
 
 
 def crc32_checksum(data: bytes) -> str:
@@ -34,23 +37,30 @@ def verify_checksum(data: bytes, expected: str, what: str) -> None:
 
 
 class CheckpointStorage:
-    """A filesystem root shared by all workers of a job."""
+    """A filesystem root shared by all workers of a job.
+
+    A local directory is used through ``os`` (pyarrow is not even imported: a worker starts
+    faster, which is part of recovery time); a URI (s3://, gs://, hdfs://, file://) through
+    ``pyarrow.fs``."""
 
     def __init__(self, uri: str, *, write_delay: float | None = None) -> None:
         self.uri = uri
+        self._fs: pafs.FileSystem | None = None
         if "://" in uri:
+            import pyarrow.fs as pafs
+
             try:
-                self.fs, root = pafs.FileSystem.from_uri(uri)
+                self._fs, root = pafs.FileSystem.from_uri(uri)
             except Exception as exc:  # pyarrow raises several types here
                 raise CheckpointError(
                     f"cannot open checkpoint storage {uri!r}: {exc}. Use a local directory or a "
                     "URI pyarrow.fs understands (file://, s3://, gs://, hdfs://)."
                 ) from exc
+            self._local = isinstance(self._fs, pafs.LocalFileSystem)
         else:
-            self.fs = pafs.LocalFileSystem()
             root = str(Path(uri).absolute())
+            self._local = True
         self.root = root.rstrip("/")
-        self._local = isinstance(self.fs, pafs.LocalFileSystem)
         # A deliberate slowdown for tests that prove materialization is asynchronous.
         if write_delay is None:
             write_delay = float(os.environ.get("SNAPLINE_TEST_STORAGE_WRITE_DELAY", "0") or 0)
@@ -61,6 +71,15 @@ class CheckpointStorage:
         self._writes = 0
         if self._local:
             Path(self.root).mkdir(parents=True, exist_ok=True)
+
+    @property
+    def fs(self) -> pafs.FileSystem:
+        """The pyarrow filesystem of the root (for local storage: created on first use)."""
+        if self._fs is None:
+            import pyarrow.fs as pafs
+
+            self._fs = pafs.LocalFileSystem()
+        return self._fs
 
     @property
     def is_local(self) -> bool:
@@ -74,8 +93,8 @@ class CheckpointStorage:
         self._before_write(path)
         target = self.full_path(path)
         parent = target.rsplit("/", 1)[0]
-        self.fs.create_dir(parent, recursive=True)
         if self._local:
+            os.makedirs(parent, exist_ok=True)
             tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
             with open(tmp, "wb") as fh:
                 fh.write(data)
@@ -83,6 +102,7 @@ class CheckpointStorage:
                 os.fsync(fh.fileno())
             os.replace(tmp, target)
         else:
+            self.fs.create_dir(parent, recursive=True)
             with self.fs.open_output_stream(target) as out:
                 out.write(data)
 
@@ -90,17 +110,15 @@ class CheckpointStorage:
         """Copy a local file into storage (atomic like write_bytes)."""
         self._before_write(path)
         target = self.full_path(path)
-        self.fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
         if self._local:
+            os.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
             tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
-            pafs.copy_files(
-                local_path,
-                tmp,
-                source_filesystem=pafs.LocalFileSystem(),
-                destination_filesystem=self.fs,
-            )
+            shutil.copyfile(local_path, tmp)
             os.replace(tmp, target)
         else:
+            import pyarrow.fs as pafs
+
+            self.fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
             pafs.copy_files(
                 local_path,
                 target,
@@ -129,6 +147,11 @@ class CheckpointStorage:
             time.sleep(float(mode[1]))
 
     def download_file(self, path: str, local_path: str) -> None:
+        if self._local:
+            shutil.copyfile(self.full_path(path), local_path)
+            return
+        import pyarrow.fs as pafs
+
         pafs.copy_files(
             self.full_path(path),
             local_path,
@@ -136,29 +159,57 @@ class CheckpointStorage:
             destination_filesystem=pafs.LocalFileSystem(),
         )
 
+    def open_input(self, path: str) -> Any:
+        """A binary stream of ``path`` (a context manager)."""
+        if self._local:
+            return open(self.full_path(path), "rb")  # noqa: SIM115 - the caller closes it
+        return self.fs.open_input_stream(self.full_path(path))
+
     def read_bytes(self, path: str) -> bytes:
         try:
-            with self.fs.open_input_stream(self.full_path(path)) as fh:
+            with self.open_input(path) as fh:
                 return bytes(fh.read())
         except FileNotFoundError as exc:
             raise CheckpointError(f"checkpoint file {self.full_path(path)} is missing") from exc
 
     def exists(self, path: str) -> bool:
+        if self._local:
+            return os.path.exists(self.full_path(path))
+        import pyarrow.fs as pafs
+
         info = self.fs.get_file_info(self.full_path(path))
         return info.type != pafs.FileType.NotFound
 
     def list_dir(self, path: str) -> list[str]:
         """Names (not paths) of the entries directly under ``path``; empty if it does not exist."""
+        if self._local:
+            try:
+                return sorted(os.listdir(self.full_path(path)))
+            except FileNotFoundError:
+                return []
+        import pyarrow.fs as pafs
+
         selector = pafs.FileSelector(self.full_path(path), allow_not_found=True, recursive=False)
         return sorted(info.base_name for info in self.fs.get_file_info(selector))
 
     def delete_dir(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            self.fs.delete_dir(self.full_path(path))
+            if self._local:
+                shutil.rmtree(self.full_path(path))
+            else:
+                self.fs.delete_dir(self.full_path(path))
 
     def delete_file(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            self.fs.delete_file(self.full_path(path))
+            if self._local:
+                os.remove(self.full_path(path))
+            else:
+                self.fs.delete_file(self.full_path(path))
 
     def size(self, path: str) -> int:
+        if self._local:
+            try:
+                return os.path.getsize(self.full_path(path))
+            except FileNotFoundError:
+                return 0
         return int(self.fs.get_file_info(self.full_path(path)).size or 0)

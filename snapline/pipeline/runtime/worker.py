@@ -96,6 +96,8 @@ MAX_HELD_RECORDS = 500_000
 # Longer than the default transaction.timeout.ms (60 s): the longest a previous owner's
 # pending transactional offsets can keep a partition's committed offset unreadable.
 COMMITTED_OFFSETS_WAIT = 90.0
+#: Seconds from a restore to the first checkpoint once input arrived (then the interval).
+FIRST_CHECKPOINT_DELAY = 0.1
 #: SIGTERM ends the worker within this many seconds, broker or not.
 STOP_BOUND = 30.0
 #: After SIGTERM, the final checkpoint gets this long; then the worker exits without it.
@@ -181,6 +183,10 @@ class Worker:
         self._last_trigger = time.monotonic()
         self._records_at_trigger = 0
         self._records_at_durable = 0
+        #: Set by a restore: the next checkpoint comes FIRST_CHECKPOINT_DELAY after input
+        #: arrives instead of a whole interval later, so a restarted or rebalanced worker's
+        #: first output is visible sooner (recovery time is restart -> committed output).
+        self._first_after_restore = False
         #: Task id -> the committed checkpoint its last restore used (None: none).
         self._restored_from: dict[str, int | None] = {}
         #: A failed checkpoint left the tasks dropped; they are rebuilt on the next step,
@@ -397,6 +403,7 @@ class Worker:
                 task.epoch = self.coordinator.next_id
         self._last_trigger = time.monotonic()
         self._records_at_trigger = 0
+        self._first_after_restore = True
         return seek
 
     def _committed_offsets(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
@@ -660,22 +667,23 @@ class Worker:
         self.coordinator.acknowledge(snapshot)
 
     def _maybe_trigger(self, now: float) -> None:
-        if (
-            self.tasks
-            and self.coordinator.pending is None
-            and now - self._last_trigger >= self.pipeline.checkpoint_interval
-        ):
+        interval = self.pipeline.checkpoint_interval
+        if self._first_after_restore:
+            interval = min(interval, FIRST_CHECKPOINT_DELAY)
+        if self.tasks and self.coordinator.pending is None and now - self._last_trigger >= interval:
             if self._nothing_read_since_trigger() and not any(
                 task.time_pending for task in self.tasks.values()
             ):
                 # Nothing read and no time moved (timers, watermarks) since the last
                 # checkpoint: state, positions and output are unchanged, so an idle pipeline
                 # writes no checkpoint files.
-                self._last_trigger = now
+                if not self._first_after_restore:
+                    self._last_trigger = now
                 return
             self._trigger(now)
 
     def _trigger(self, now: float) -> None:
+        self._first_after_restore = False
         n = self.coordinator.trigger(set(self.tasks))
         self._last_trigger = now
         self._records_at_trigger = self._records_in()
@@ -985,7 +993,10 @@ class Worker:
         Raises KafkaClientError (exit EX_TEMPFAIL) when a Kafka client cannot go on."""
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
         try:
+            # Startup phases as events (the recovery benchmark splits restart time by them).
+            self._event({"event": "started"})
             self.output.init()
+            self._event({"event": "transactions_ready"})
             self._subscribe()
             while True:
                 if self._exit_after_savepoint:

@@ -320,5 +320,5 @@ def delete(uri: str) -> None:
     storage = CheckpointStorage(uri)
     if not storage.exists(METADATA_FILE):
         raise click.ClickException(f"{uri} is not a savepoint (no {METADATA_FILE}); not deleted")
-    storage.fs.delete_dir(storage.root)
+    storage.delete_dir("")
     click.echo(f"deleted {uri}")
