@@ -14,6 +14,7 @@ MAX_MAX_PARALLELISM = 32768
 
 _KG = struct.Struct(">H")
 _LEN = struct.Struct(">I")
+_KG_LEN = struct.Struct(">HI")
 
 
 def key_group(key_bytes: bytes, max_parallelism: int) -> int:
@@ -43,7 +44,7 @@ def operator_index_for_key_group(group: int, parallelism: int, max_parallelism: 
 
 def state_key_prefix(group: int, key_bytes: bytes) -> bytes:
     """The stored prefix of one key: ``key_group(2) | len(4) | key``; a state id byte follows."""
-    return _KG.pack(group) + _LEN.pack(len(key_bytes)) + key_bytes
+    return _KG_LEN.pack(group, len(key_bytes)) + key_bytes
 
 
 def key_group_of_state_key(stored_key: bytes) -> int:

@@ -26,7 +26,7 @@ from snapline.pipeline.runtime.barrier import Barrier
 from snapline.pipeline.runtime.timers import TimerService, processing_time_ms
 from snapline.pipeline.runtime.watermarks import WatermarkRecord
 from snapline.pipeline.sink import PreCommitResult, SinkWriter
-from snapline.pipeline.stages import Repartition, repartition_partition
+from snapline.pipeline.stages import Repartition
 from snapline.pipeline.state.backend import KeyedStateBackend
 from snapline.pipeline.state.descriptors import KeyScope, StateDescriptor
 from snapline.pipeline.state.timers import EVENT_TIME, PROCESSING_TIME, TimerState
@@ -310,13 +310,9 @@ class RepartitionWriter(KeyByOperator):
                     r, f"{self.name}: the value cannot cross the repartition topic as JSON: {exc}"
                 )
                 continue
-            produce(
-                topic,
-                value,
-                _tagged_key(key, key_bytes),
-                repartition_partition(group, partitions, maxp),
-                r.timestamp,
-            )
+            # The partition is repartition_partition(group, partitions, maxp), inlined.
+            partition = group * partitions // maxp
+            produce(topic, value, _tagged_key(key, key_bytes), partition, r.timestamp)
 
     def on_barrier(self, barrier: Barrier) -> None:
         # The task's watermark reaches every downstream partition in this epoch's transaction,
