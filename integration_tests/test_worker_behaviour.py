@@ -146,7 +146,9 @@ def test_rebalance_commits_the_work_done_instead_of_redoing_it(
 ) -> None:
     """A second worker joins long before the first one's next periodic checkpoint: the first
     commits everything it read while its partitions are revoked, so the group's committed
-    offsets cover all input at once and nothing is processed twice."""
+    offsets cover all input at once and nothing is processed twice. (A restored worker's
+    first checkpoint comes right after its first input, so the test feeds a first batch,
+    waits for that checkpoint, and then the input the rebalance must commit.)"""
     prefix = f"{unique_name}-"
     create_topics(kafka_bootstrap, {f"{prefix}orders": 4, f"{prefix}customer-totals": 4})
     env = {
@@ -160,42 +162,43 @@ def test_rebalance_commits_the_work_done_instead_of_redoing_it(
         )
         for w in ("a", "b")
     )
-    expected = produce_orders(kafka_bootstrap, f"{prefix}orders", 5000, 50)
+    first = 200
+    expected = produce_orders(kafka_bootstrap, f"{prefix}orders", first, 50)
     a.start()
     try:
         deadline = time.monotonic() + 60
-        while not any(e.get("event") == "restored" for e in read_events(a.metrics_path)):
-            assert time.monotonic() < deadline, a.tail()
+        while not any(e.get("event") == "checkpoint" for e in read_events(a.metrics_path)):
+            assert time.monotonic() < deadline, "no first checkpoint after the restore\n" + a.tail()
             time.sleep(0.3)
-        time.sleep(3)  # a reads and processes the 5000 orders; nothing is committed yet
-        assert (
-            sum(
-                max(c.offset, 0)
-                for c in _committed(kafka_bootstrap, unique_name, f"{prefix}orders", 4)
-            )
-            == 0
-        )
+        assert _committed_sum(kafka_bootstrap, unique_name, prefix) == first
+        more = produce_orders(kafka_bootstrap, f"{prefix}orders", 5000, 50, start_id=first)
+        for customer, amount in more.items():
+            expected[customer] = expected.get(customer, 0) + amount
+        total = first + 5000
+        time.sleep(3)  # a reads and processes the 5000 orders; they are not committed yet
+        assert _committed_sum(kafka_bootstrap, unique_name, prefix) == first
         b.start()  # the group rebalances: a's partitions are revoked
         deadline = time.monotonic() + 60
         committed = 0
-        while committed < 5000 and time.monotonic() < deadline:
+        while committed < total and time.monotonic() < deadline:
             time.sleep(0.5)
-            committed = sum(
-                max(c.offset, 0)
-                for c in _committed(kafka_bootstrap, unique_name, f"{prefix}orders", 4)
-            )
-        assert committed == 5000, f"committed {committed} of 5000 offsets\n{a.tail()}"
+            committed = _committed_sum(kafka_bootstrap, unique_name, prefix)
+        assert committed == total, f"committed {committed} of {total} offsets\n{a.tail()}"
         events = read_events(a.metrics_path)
         revokes = [e for e in events if e["event"] == "revoke_checkpoint"]
         assert revokes and revokes[0]["committed"], events
-        outputs = read_committed(kafka_bootstrap, f"{prefix}customer-totals", 5000, timeout=30)
-        assert verify_totals(outputs, expected, range(5000)).ok
+        outputs = read_committed(kafka_bootstrap, f"{prefix}customer-totals", total, timeout=30)
+        assert verify_totals(outputs, expected, range(total)).ok
         # b restored a's checkpoint and found nothing left to do: no order was processed twice
         b_checkpoints = [e for e in events if e["event"] == "checkpoint" and e["worker"] == "b"]
         assert not b_checkpoints, b_checkpoints
     finally:
         for worker in (a, b):
             worker.stop()
+
+
+def _committed_sum(bootstrap: str, group: str, prefix: str) -> int:
+    return sum(max(c.offset, 0) for c in _committed(bootstrap, group, f"{prefix}orders", 4))
 
 
 def _run_expecting_failure(spec: str, bootstrap: str, prefix: str, tmp_path: Path) -> str:
