@@ -64,6 +64,10 @@ class KafkaSinkWriter(SinkWriter):
         encode = self._encode
         key_fn = self._key_fn
         topic = self._topic
+        output = self._context.output
+        direct = getattr(output, "direct_producer", None)
+        producer = direct(epoch) if direct is not None else None
+        sent = 0
         for record in records:
             try:
                 value = encode(record.value)
@@ -78,4 +82,13 @@ class KafkaSinkWriter(SinkWriter):
                     record, f"{self._topic}: cannot encode output: {exc!r}", epoch
                 )
                 continue
+            if producer is not None:
+                try:
+                    producer.produce(topic, value, key)
+                    sent += 1
+                    continue
+                except BufferError:
+                    pass  # the output waits for room
             produce(epoch, topic, value, key)
+        if sent:
+            output.sent(sent)

@@ -66,6 +66,10 @@ class OperatorContext(Protocol):
         timestamp: int,
     ) -> None: ...
 
+    def direct_producer(self) -> Any: ...
+
+    def sent(self, count: int) -> None: ...
+
     def fault_point(self, name: str) -> None: ...
 
 
@@ -302,6 +306,8 @@ class RepartitionWriter(KeyByOperator):
         partitions = self._partitions
         maxp = self._max_parallelism
         dumps = orjson.dumps
+        producer = self.task.direct_producer()
+        sent = 0
         for r, key, key_bytes, group in self._keyed(records):
             try:
                 value = dumps(r.value)
@@ -312,7 +318,19 @@ class RepartitionWriter(KeyByOperator):
                 continue
             # The partition is repartition_partition(group, partitions, maxp), inlined.
             partition = group * partitions // maxp
-            produce(topic, value, _tagged_key(key, key_bytes), partition, r.timestamp)
+            tagged = _tagged_key(key, key_bytes)
+            if producer is not None:
+                try:
+                    producer.produce(
+                        topic, value, tagged, partition=partition, timestamp=r.timestamp
+                    )
+                    sent += 1
+                    continue
+                except BufferError:
+                    pass  # the output waits for room
+            produce(topic, value, tagged, partition, r.timestamp)
+        if sent:
+            self.task.sent(sent)
 
     def on_barrier(self, barrier: Barrier) -> None:
         # The task's watermark reaches every downstream partition in this epoch's transaction,

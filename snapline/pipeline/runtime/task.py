@@ -444,6 +444,16 @@ class Task:
         """A record into this epoch's transaction (repartition topics)."""
         self.output.produce(self.epoch, topic, value, key, None, partition, timestamp)
 
+    def direct_producer(self) -> Any:
+        """The Kafka producer when this epoch's records may go straight to it (see
+        ``TransactionalOutput.direct_producer``), else None."""
+        direct = getattr(self.output, "direct_producer", None)
+        return direct(self.epoch) if direct is not None else None
+
+    def sent(self, count: int) -> None:
+        """``count`` records went straight to the producer."""
+        self.output.sent(count)
+
     def fault_point(self, name: str) -> None:
         self._faults.point(name)
 
