@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import struct
 import tempfile
 import time
 import uuid
@@ -34,7 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import orjson
+import pyarrow as pa
 import pyarrow.compute as pc
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -59,13 +60,14 @@ from snapline.pipeline.savepoint.format import (
 )
 from snapline.pipeline.stages import SOURCE_STAGE, repartition_partition
 from snapline.pipeline.state import create_backend
+from snapline.pipeline.state.columns import build_stored_keys
 from snapline.pipeline.state.descriptors import StateDescriptor
 
 log = logging.getLogger(__name__)
 
 RESTORED_FROM = "restored-from-savepoint.json"
-_KG = struct.Struct(">H")
-_LEN = struct.Struct(">I")
+#: The columns of a data file a restore needs (the text columns are for other readers).
+_RESTORED_COLUMNS = ["key_group", "key", "state", "map_key", "value"]
 
 
 @dataclass(frozen=True)
@@ -395,30 +397,27 @@ def _load_operator(
         lo, hi = 0, max_parallelism - 1
         chosen = [f for f in operator.files if f.partition == partition]
     sids = {name: m.state_id for (uid, name), m in mapping.items() if uid == operator.uid}
+    names = pa.array(list(sids), pa.string())
+    ids = np.array(list(sids.values()), dtype=np.uint8)
     for entry in chosen:
-        table = read_table(sp_storage, entry)
-        if reads:
-            groups_col = table.column("key_group")
-            table = table.filter(
-                pc.and_(pc.greater_equal(groups_col, lo), pc.less_equal(groups_col, hi))
-            )
-        state_ids = [sids.get(name) for name in table.column("state").to_pylist()]
-        groups = table.column("key_group").to_pylist()
-        keys = table.column("key").to_pylist()
-        map_keys = table.column("map_key").to_pylist()
-        values = table.column("value").to_pylist()
-        plain: list[tuple[bytes, bytes]] = []
-        for group, key, sid, map_key, value in zip(
-            groups, keys, state_ids, map_keys, values, strict=True
-        ):
-            if sid is None:
-                continue  # dropped on purpose (--allow-non-restored-state)
-            stored = _KG.pack(group) + _LEN.pack(len(key)) + key + bytes((sid,))
-            if map_key is None:
-                plain.append((stored, value))
-            else:
-                backend.map_put(stored, map_key, value)
-        backend.put_many(plain)
+        table = read_table(
+            sp_storage, entry, columns=_RESTORED_COLUMNS, key_groups=(lo, hi) if reads else None
+        )
+        # Rows of states dropped on purpose (--allow-non-restored-state) find no index.
+        index = pc.index_in(table.column("state"), value_set=names)
+        if index.null_count:
+            table = table.filter(pc.is_valid(index))
+            index = pc.drop_null(index)
+        if not table.num_rows:
+            continue
+        state_ids = ids[np.asarray(index.to_numpy(zero_copy_only=False), dtype=np.int64)]
+        stored = build_stored_keys(
+            table.column("key_group").combine_chunks(),
+            table.column("key").combine_chunks(),
+            state_ids,
+            table.column("map_key").combine_chunks(),
+        )
+        backend.load_arrays(stored, table.column("value").combine_chunks())
 
 
 def _produce_in_flight(

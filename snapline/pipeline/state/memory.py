@@ -3,14 +3,22 @@
 Threads: the task thread owns the live dicts. ``snapshot`` (task thread) takes shallow
 copies — values are immutable ``bytes`` so a shallow copy is a consistent view — and
 ``MemorySnapshot.materialize`` (checkpoint thread) serializes and writes that view.
+
+Snapshot file: ``SLMEM2`` stores columns (every length, then every key and value
+back to back) so encoding and decoding are a few whole-column operations instead of a Python
+loop per entry; ``SLMEM1`` files (one record per entry) of earlier versions are still read.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterator
+from itertools import repeat
 
-from snapline.pipeline.checkpoint.storage import CheckpointStorage, crc32_checksum, verify_checksum
+import numpy as np
+import pyarrow as pa
+
+from snapline.pipeline.checkpoint.storage import CheckpointStorage, verify_checksum
 from snapline.pipeline.errors import CorruptCheckpointError
 from snapline.pipeline.state.backend import (
     KeyedStateBackend,
@@ -18,9 +26,19 @@ from snapline.pipeline.state.backend import (
     StateFile,
     StateHandle,
 )
+from snapline.pipeline.state.columns import (
+    MAP_TAG,
+    binary_buffers,
+    binary_from_parts,
+    bulk,
+    map_entries,
+)
 
 _MAGIC = b"SLMEM1\n"
+_MAGIC2 = b"SLMEM2\n"
 _U32 = struct.Struct(">I")
+#: SLMEM2 header: number of plain values, number of map entries.
+_COUNTS = struct.Struct("<QQ")
 _VALUE, _MAP = 0, 1
 STATE_FILE = "state-memory.bin"
 
@@ -31,34 +49,81 @@ class MemorySnapshot(SnapshotHandle):
         self._maps = maps
 
     def encode(self) -> bytes:
-        pack = _U32.pack
-        parts: list[bytes] = [_MAGIC]
-        append = parts.append
-        for key, value in self._values.items():
-            append(b"\x00" + pack(len(key)) + key + pack(len(value)) + value)
+        return b"".join(self.encode_parts())
+
+    def encode_parts(self) -> list[memoryview]:
+        """``SLMEM2``: counts; the lengths (u32 little-endian) of the plain values' keys and
+        values, the map entries' prefixes, user keys and values; then those five columns.
+        Arrow builds each column's bytes and offsets in one pass."""
+        prefixes: list[bytes] = []
+        user_keys: list[bytes] = []
+        map_values: list[bytes] = []
         for prefix, entries in self._maps.items():
-            for ukey, value in entries.items():
-                append(
-                    b"\x01"
-                    + pack(len(prefix))
-                    + prefix
-                    + pack(len(ukey))
-                    + ukey
-                    + pack(len(value))
-                    + value
-                )
-        return b"".join(parts)
+            prefixes.extend(repeat(prefix, len(entries)))
+            user_keys.extend(entries)
+            map_values.extend(entries.values())
+        with bulk():
+            columns = [
+                pa.array(list(self._values), pa.large_binary()),
+                pa.array(list(self._values.values()), pa.large_binary()),
+                pa.array(prefixes, pa.large_binary()),
+                pa.array(user_keys, pa.large_binary()),
+                pa.array(map_values, pa.large_binary()),
+            ]
+        parts = [memoryview(_MAGIC2 + _COUNTS.pack(len(columns[0]), len(prefixes)))]
+        blobs = []
+        for column in columns:
+            offsets, data = binary_buffers(column)
+            parts.append(np.diff(offsets).astype("<u4").data)
+            blobs.append(data[offsets[0] : offsets[-1]].data)
+        return parts + blobs
 
     def materialize(self, storage: CheckpointStorage, directory: str) -> StateHandle:
-        data = self.encode()
         path = f"{directory}/{STATE_FILE}"
-        storage.write_bytes(path, data)
-        return StateHandle("memory", (StateFile(path, len(data), crc32_checksum(data)),))
+        size, checksum = storage.write_parts(path, self.encode_parts())
+        return StateHandle("memory", (StateFile(path, size, checksum),))
+
+
+def _decode_columns(
+    data: bytes, what: str
+) -> tuple[dict[bytes, bytes], dict[bytes, dict[bytes, bytes]]]:
+    try:
+        n_values, n_maps = _COUNTS.unpack_from(data, len(_MAGIC2))
+        pos = len(_MAGIC2) + _COUNTS.size
+        lengths = []
+        for count in (n_values, n_values, n_maps, n_maps, n_maps):
+            lengths.append(np.frombuffer(data, dtype="<u4", count=count, offset=pos))
+            pos += 4 * count
+    except (struct.error, ValueError) as exc:
+        raise CorruptCheckpointError(f"{what} is truncated") from exc
+    view = memoryview(data)
+    columns: list[list[bytes]] = []
+    with bulk():
+        for column_lengths in lengths:
+            offsets = np.zeros(len(column_lengths) + 1, dtype=np.int64)
+            np.cumsum(column_lengths, out=offsets[1:])
+            total = int(offsets[-1])
+            if pos + total > len(data):
+                raise CorruptCheckpointError(f"{what} is truncated")
+            columns.append(binary_from_parts(offsets, view[pos : pos + total]).to_pylist())
+            pos += total
+        if pos != len(data):
+            raise CorruptCheckpointError(f"{what} has {len(data) - pos} bytes after its entries")
+        values = dict(zip(columns[0], columns[1], strict=True))
+        maps: dict[bytes, dict[bytes, bytes]] = {}
+        for prefix, user_key, value in zip(columns[2], columns[3], columns[4], strict=True):
+            entries = maps.get(prefix)
+            if entries is None:
+                entries = maps[prefix] = {}
+            entries[user_key] = value
+    return values, maps
 
 
 def decode_memory_snapshot(
     data: bytes, what: str
 ) -> tuple[dict[bytes, bytes], dict[bytes, dict[bytes, bytes]]]:
+    if data.startswith(_MAGIC2):
+        return _decode_columns(data, what)
     if not data.startswith(_MAGIC):
         raise CorruptCheckpointError(f"{what} is not a Snapline memory snapshot")
     values: dict[bytes, bytes] = {}
@@ -163,6 +228,27 @@ class MemoryStateBackend(KeyedStateBackend):
 
     def put_many(self, entries: list[tuple[bytes, bytes]]) -> None:
         self._values.update(entries)
+
+    def export_arrays(self) -> tuple[pa.Array, pa.Array]:
+        with bulk():
+            keys = pa.array(list(self._values), pa.binary())
+            values = pa.array(list(self._values.values()), pa.binary())
+        if not self._maps:
+            return keys, values
+        tag = bytes((MAP_TAG,))
+        map_keys = [p + tag + u for p, entries in self._maps.items() for u in entries]
+        map_values = [v for entries in self._maps.values() for v in entries.values()]
+        return (
+            pa.concat_arrays([keys, pa.array(map_keys, pa.binary())]),
+            pa.concat_arrays([values, pa.array(map_values, pa.binary())]),
+        )
+
+    def load_arrays(self, stored: pa.Array, values: pa.Array) -> None:
+        if map_entries(stored).any():
+            super().load_arrays(stored, values)
+            return
+        with bulk():
+            self._values.update(zip(stored.to_pylist(), values.to_pylist(), strict=True))
 
     def items(self) -> Iterator[tuple[bytes, bytes | None, bytes]]:
         for key, value in self._values.items():
