@@ -42,6 +42,7 @@ from snapline.pipeline.savepoint.format import (
     SavepointMetadata,
     write_table,
 )
+from snapline.pipeline.savepoint.pool import pool_size, run_jobs
 from snapline.pipeline.stages import SOURCE_STAGE, StagePlan, task_id_for
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.columns import split_stored_keys
@@ -269,6 +270,85 @@ def default_savepoint_uri(checkpoint_dir: str, job: str) -> str:
     return f"{checkpoint_dir.rstrip('/')}/{job}/savepoints/sp-{stamp}-{uuid.uuid4().hex[:6]}"
 
 
+@dataclass(frozen=True)
+class ExportJob:
+    """One task's part of a savepoint, for ``export_task`` in any process."""
+
+    job: str
+    task_id: str
+    ref: CheckpointRef
+    checkpoint_dir: str
+    target: str
+    #: A local directory of its own for the scratch backend.
+    scratch: str
+    backend: str
+    backend_options: dict[str, Any]
+    operator_uids: dict[int, str]
+    partition: int
+    #: The task's inclusive key-group range in a keyed stage; None in the source stage.
+    key_groups: tuple[int, int] | None
+
+    def file_name(self, uid: str) -> str:
+        if self.key_groups is None:
+            return f"operators/{uid}/p{self.partition:05d}.parquet"
+        return f"operators/{uid}/kg-{self.key_groups[0]:05d}-{self.key_groups[1]:05d}.parquet"
+
+
+@dataclass(frozen=True)
+class ExportedTask:
+    """What ``export_task`` did: the checkpoint it restored and a file per operator uid."""
+
+    meta: TaskCheckpoint
+    files: dict[str, SavepointFile]
+
+
+@dataclass(frozen=True)
+class _Uids:
+    """The slice of a Pipeline ``export_task_state`` reads (a pipeline is not picklable)."""
+
+    uids: dict[int, str]
+
+    def operator_uids(self) -> dict[int, str]:
+        return self.uids
+
+
+def export_task(job: ExportJob) -> ExportedTask:
+    """Restore the task's committed checkpoint into a scratch backend and write its entries
+    as one Parquet file per operator (a module-level function: pool processes run it)."""
+    backend = create_backend(job.backend, task_dir=job.scratch, options=job.backend_options)
+    try:
+        meta = restore_committed(
+            CheckpointStorage(job.checkpoint_dir),
+            job.job,
+            job.task_id,
+            job.ref,
+            backend,
+            on_corrupt="fail",
+        )
+        by_uid = export_task_state(_Uids(job.operator_uids), meta, backend)  # type: ignore[arg-type]
+    finally:
+        backend.close()
+        shutil.rmtree(job.scratch, ignore_errors=True)
+    out = CheckpointStorage(job.target)
+    info: dict[str, Any] = {"partition": job.partition}
+    if job.key_groups is not None:
+        info["key_groups"] = job.key_groups
+    return ExportedTask(
+        meta,
+        {uid: write_table(out, job.file_name(uid), rows, **info) for uid, rows in by_uid.items()},
+    )
+
+
+def _state_bytes(storage: CheckpointStorage, job: str, task_id: str, ref: CheckpointRef) -> int:
+    """The size of a task's checkpointed state (0 when its metadata cannot be read here:
+    ``export_task`` reports that)."""
+    try:
+        meta = TaskCheckpoint.read(storage, job, task_id, ref)
+    except CheckpointError:
+        return 0
+    return sum(f.size for f in meta.state.files) if meta.state is not None else 0
+
+
 def export_savepoint(
     pipeline: Pipeline,
     kafka_config: dict[str, Any],
@@ -303,9 +383,9 @@ def export_savepoint(
     clocks: dict[str, dict[str, Any]] = {}
     scratch = tempfile.mkdtemp(prefix="snapline-savepoint-")
     try:
-        for done, task in enumerate(tasks):
-            if progress is not None:
-                progress(_state_progress(files), done, len(tasks))
+        jobs: list[ExportJob] = []
+        state_bytes = 0
+        for task in tasks:
             tp_committed = [committed[tp] for tp in task.inputs]
             ref = named_checkpoint(task, tp_committed)
             for c in tp_committed:
@@ -313,43 +393,50 @@ def export_savepoint(
                     positions[(c.topic, c.partition)] = c.offset
             if ref is None:
                 continue
-            backend = create_backend(
-                pipeline.state_backend,
-                task_dir=f"{scratch}/{task.task_id}",
-                options=dict(pipeline.state_backend_options),
-            )
-            try:
-                meta = restore_committed(
-                    storage, pipeline.name, task.task_id, ref, backend, on_corrupt="fail"
-                )
-                positions.update(meta.positions)
-                if meta.time:
-                    clocks[task.task_id] = meta.time
-                by_uid = export_task_state(pipeline, meta, backend)
-            finally:
-                backend.close()
             count = stage_partitions[task.stage]
-            for uid, rows in by_uid.items():
-                if task.stage == SOURCE_STAGE or count is None:
-                    info: dict[str, Any] = {"partition": task.partition}
-                    name = f"operators/{uid}/p{task.partition:05d}.parquet"
-                    partitioning[uid] = "source"
-                else:
-                    groups = key_group_range(task.partition, count, pipeline.max_parallelism)
-                    info = {
-                        "partition": task.partition,
-                        "key_groups": (groups.start, groups.stop - 1),
-                    }
-                    name = f"operators/{uid}/kg-{groups.start:05d}-{groups.stop - 1:05d}.parquet"
-                    partitioning[uid] = "keyed"
-                files[uid].append(write_table(out, name, rows, **info))
+            groups = (
+                None
+                if task.stage == SOURCE_STAGE or count is None
+                else key_group_range(task.partition, count, pipeline.max_parallelism)
+            )
+            jobs.append(
+                ExportJob(
+                    job=pipeline.name,
+                    task_id=task.task_id,
+                    ref=ref,
+                    checkpoint_dir=checkpoint_dir,
+                    target=target,
+                    scratch=f"{scratch}/{task.task_id}",
+                    backend=pipeline.state_backend,
+                    backend_options=dict(pipeline.state_backend_options),
+                    operator_uids=pipeline.operator_uids(),
+                    partition=task.partition,
+                    key_groups=None if groups is None else (groups.start, groups.stop - 1),
+                )
+            )
+            state_bytes += _state_bytes(storage, pipeline.name, task.task_id, ref)
+
+        def tell(done: int, total: int) -> None:
+            if progress is not None:
+                progress("state", done, total)
+
+        tell(0, len(jobs))
+        processes = pool_size(state_bytes, len(jobs))
+        for exported in run_jobs(export_task, jobs, processes, tell):
+            meta = exported.meta
+            positions.update(meta.positions)
+            if meta.time:
+                clocks[meta.task_id] = meta.time
+            for uid, entry in exported.files.items():
+                files[uid].append(entry)
+                partitioning[uid] = "source" if entry.key_groups is None else "keyed"
                 states[uid] = [
                     {k: d[k] for k in ("name", "kind", "serde")}
                     for d in meta.states
                     if (d.get("uid") or pipeline.operator_uids().get(int(d["operator"]))) == uid
                 ]
         if progress is not None:
-            progress(_state_progress(files), len(tasks), len(tasks))
+            progress(_state_progress(files), len(jobs), len(jobs))
         in_flight = []
         for rep in plan.repartitions.values():
             if progress is not None:
