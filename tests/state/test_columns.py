@@ -109,3 +109,24 @@ def test_memory_snapshot_round_trip_in_columns(tmp_path: object) -> None:
     restored.restore(handle, storage)
     assert sorted(restored.items()) == sorted(backend.items())
     assert restored.entry_count() == backend.entry_count()
+
+
+def test_memory_columns_stay_columns_until_single_entries_are_touched(tmp_path: object) -> None:
+    storage = CheckpointStorage(str(tmp_path))
+    first = state_key_prefix(1, b"a") + b"\x01"
+    second = state_key_prefix(2, b"b") + b"\x01"
+    backend = MemoryStateBackend()
+    backend.load_arrays(pa.array([first, second]), pa.array([b"1", b"2"]))
+    backend.load_arrays(pa.array([second]), pa.array([b"2 again"]))  # later loads win
+    handle = backend.snapshot(1).materialize(storage, "chk-1")
+    restored = MemoryStateBackend()
+    restored.restore(handle, storage)
+    keys, values = restored.export_arrays()
+    assert dict(zip(keys.to_pylist(), values.to_pylist(), strict=True)) == {
+        first: b"1",
+        second: b"2 again",
+    }
+    restored.put(first, b"changed")
+    assert restored.get(first) == b"changed"
+    assert restored.get(second) == b"2 again"
+    assert restored.entry_count() == 2

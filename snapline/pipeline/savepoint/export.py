@@ -162,6 +162,8 @@ def export_task_state(
             )
         by_sid[int(desc["id"])] = (uid, desc["name"], desc.get("serde") == "json")
     stored, values = backend.export_arrays()
+    if values.type != pa.binary():
+        values = values.cast(pa.binary())
     if not len(stored):
         return {}
     parts = split_stored_keys(stored)

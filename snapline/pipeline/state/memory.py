@@ -17,6 +17,7 @@ from itertools import repeat
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from snapline.pipeline.checkpoint.storage import CheckpointStorage, verify_checksum
 from snapline.pipeline.errors import CorruptCheckpointError
@@ -44,9 +45,16 @@ STATE_FILE = "state-memory.bin"
 
 
 class MemorySnapshot(SnapshotHandle):
-    def __init__(self, values: dict[bytes, bytes], maps: dict[bytes, dict[bytes, bytes]]) -> None:
+    def __init__(
+        self,
+        values: dict[bytes, bytes],
+        maps: dict[bytes, dict[bytes, bytes]],
+        columns: tuple[pa.Array, pa.Array] | None = None,
+    ) -> None:
         self._values = values
         self._maps = maps
+        #: Plain values as (stored keys, values) columns, instead of ``values``.
+        self._columns = columns
 
     def encode(self) -> bytes:
         return b"".join(self.encode_parts())
@@ -63,9 +71,12 @@ class MemorySnapshot(SnapshotHandle):
             user_keys.extend(entries)
             map_values.extend(entries.values())
         with bulk():
-            columns = [
+            plain = self._columns or (
                 pa.array(list(self._values), pa.large_binary()),
                 pa.array(list(self._values.values()), pa.large_binary()),
+            )
+            columns = [
+                *plain,
                 pa.array(prefixes, pa.large_binary()),
                 pa.array(user_keys, pa.large_binary()),
                 pa.array(map_values, pa.large_binary()),
@@ -84,9 +95,8 @@ class MemorySnapshot(SnapshotHandle):
         return StateHandle("memory", (StateFile(path, size, checksum),))
 
 
-def _decode_columns(
-    data: bytes, what: str
-) -> tuple[dict[bytes, bytes], dict[bytes, dict[bytes, bytes]]]:
+def _read_columns(data: bytes, what: str) -> list[pa.Array]:
+    """The five columns of an ``SLMEM2`` file, zero-copy over ``data``."""
     try:
         n_values, n_maps = _COUNTS.unpack_from(data, len(_MAGIC2))
         pos = len(_MAGIC2) + _COUNTS.size
@@ -97,26 +107,35 @@ def _decode_columns(
     except (struct.error, ValueError) as exc:
         raise CorruptCheckpointError(f"{what} is truncated") from exc
     view = memoryview(data)
-    columns: list[list[bytes]] = []
+    columns = []
+    for column_lengths in lengths:
+        offsets = np.zeros(len(column_lengths) + 1, dtype=np.int64)
+        np.cumsum(column_lengths, out=offsets[1:])
+        total = int(offsets[-1])
+        if pos + total > len(data):
+            raise CorruptCheckpointError(f"{what} is truncated")
+        columns.append(binary_from_parts(offsets, view[pos : pos + total]))
+        pos += total
+    if pos != len(data):
+        raise CorruptCheckpointError(f"{what} has {len(data) - pos} bytes after its entries")
+    return columns
+
+
+def _decode_columns(
+    data: bytes, what: str
+) -> tuple[dict[bytes, bytes], dict[bytes, dict[bytes, bytes]]]:
+    keys, values, prefixes, user_keys, map_values = _read_columns(data, what)
     with bulk():
-        for column_lengths in lengths:
-            offsets = np.zeros(len(column_lengths) + 1, dtype=np.int64)
-            np.cumsum(column_lengths, out=offsets[1:])
-            total = int(offsets[-1])
-            if pos + total > len(data):
-                raise CorruptCheckpointError(f"{what} is truncated")
-            columns.append(binary_from_parts(offsets, view[pos : pos + total]).to_pylist())
-            pos += total
-        if pos != len(data):
-            raise CorruptCheckpointError(f"{what} has {len(data) - pos} bytes after its entries")
-        values = dict(zip(columns[0], columns[1], strict=True))
+        plain = dict(zip(keys.to_pylist(), values.to_pylist(), strict=True))
         maps: dict[bytes, dict[bytes, bytes]] = {}
-        for prefix, user_key, value in zip(columns[2], columns[3], columns[4], strict=True):
+        for prefix, user_key, value in zip(
+            prefixes.to_pylist(), user_keys.to_pylist(), map_values.to_pylist(), strict=True
+        ):
             entries = maps.get(prefix)
             if entries is None:
                 entries = maps[prefix] = {}
             entries[user_key] = value
-    return values, maps
+    return plain, maps
 
 
 def decode_memory_snapshot(
@@ -160,21 +179,55 @@ def decode_memory_snapshot(
 
 
 class MemoryStateBackend(KeyedStateBackend):
-    """All state of a task in two dicts: plain values and per-key maps."""
+    """All state of a task in two dicts: plain values and per-key maps.
+
+    A restore or a bulk load keeps plain values as Arrow columns until something reads or
+    writes single entries (then they move into the dict): a savepoint's export or load
+    followed by a snapshot never makes a Python object per entry.
+    """
 
     name = "memory"
 
     def __init__(self) -> None:
         self._values: dict[bytes, bytes] = {}
         self._maps: dict[bytes, dict[bytes, bytes]] = {}
+        #: Plain values as (stored keys, values) columns, newer than the dicts' entries.
+        self._columns: list[tuple[pa.Array, pa.Array]] = []
+
+    def _settle(self) -> None:
+        """Move the column entries into the dict (in order: later ones win)."""
+        columns, self._columns = self._columns, []
+        with bulk():
+            for keys, values in columns:
+                self._values.update(zip(keys.to_pylist(), values.to_pylist(), strict=True))
+
+    def _only_columns(self) -> tuple[pa.Array, pa.Array] | None:
+        """All state as one pair of columns, when that is all there is and no key repeats."""
+        if self._values or self._maps or not self._columns:
+            return None
+        if len(self._columns) == 1:
+            keys, values = self._columns[0]
+        else:
+            keys = pa.concat_arrays([k for k, _ in self._columns])
+            values = pa.concat_arrays([v for _, v in self._columns])
+        if len(keys) > 1 and pc.count_distinct(keys).as_py() != len(keys):
+            return None
+        self._columns = [(keys, values)]
+        return keys, values
 
     def get(self, key: bytes) -> bytes | None:
+        if self._columns:
+            self._settle()
         return self._values.get(key)
 
     def put(self, key: bytes, value: bytes) -> None:
+        if self._columns:
+            self._settle()
         self._values[key] = value
 
     def delete(self, key: bytes) -> None:
+        if self._columns:
+            self._settle()
         self._values.pop(key, None)
 
     def map_get(self, prefix: bytes, user_key: bytes) -> bytes | None:
@@ -201,6 +254,8 @@ class MemoryStateBackend(KeyedStateBackend):
         self._maps.pop(prefix, None)
 
     def delete_where(self, predicate: Callable[[bytes, bytes], bool]) -> int:
+        if self._columns:
+            self._settle()
         dead = [k for k, v in self._values.items() if predicate(k, v)]
         for key in dead:
             del self._values[key]
@@ -215,21 +270,42 @@ class MemoryStateBackend(KeyedStateBackend):
         return count
 
     def snapshot(self, checkpoint_id: int) -> MemorySnapshot:
+        columns = self._only_columns()
+        if columns is not None:
+            return MemorySnapshot({}, {}, columns)
+        if self._columns:
+            self._settle()
         return MemorySnapshot(self._values.copy(), {p: m.copy() for p, m in self._maps.items()})
 
     def restore(self, handle: StateHandle, storage: CheckpointStorage) -> None:
         (state_file,) = handle.files
         data = storage.read_bytes(state_file.path)
         verify_checksum(data, state_file.checksum, f"state file {state_file.path}")
+        self._columns = []
+        if data.startswith(_MAGIC2):
+            keys, values, prefixes, _, _ = _read_columns(data, state_file.path)
+            if not len(prefixes):  # the common case: no map state
+                self._values, self._maps = {}, {}
+                self._columns = [(keys, values)]
+                return
         self._values, self._maps = decode_memory_snapshot(data, state_file.path)
 
     def entry_count(self) -> int:
+        if self._columns:
+            self._settle()
         return len(self._values) + sum(len(m) for m in self._maps.values())
 
     def put_many(self, entries: list[tuple[bytes, bytes]]) -> None:
+        if self._columns:
+            self._settle()
         self._values.update(entries)
 
     def export_arrays(self) -> tuple[pa.Array, pa.Array]:
+        columns = self._only_columns()
+        if columns is not None:
+            return columns
+        if self._columns:
+            self._settle()
         with bulk():
             keys = pa.array(list(self._values), pa.binary())
             values = pa.array(list(self._values.values()), pa.binary())
@@ -245,12 +321,15 @@ class MemoryStateBackend(KeyedStateBackend):
 
     def load_arrays(self, stored: pa.Array, values: pa.Array) -> None:
         if map_entries(stored).any():
+            if self._columns:
+                self._settle()
             super().load_arrays(stored, values)
             return
-        with bulk():
-            self._values.update(zip(stored.to_pylist(), values.to_pylist(), strict=True))
+        self._columns.append((stored, values))
 
     def items(self) -> Iterator[tuple[bytes, bytes | None, bytes]]:
+        if self._columns:
+            self._settle()
         for key, value in self._values.items():
             yield key, None, value
         for prefix, entries in self._maps.items():
