@@ -98,7 +98,7 @@ def run(
                 key_groups=(groups.start, groups.stop - 1),
             )
         )
-    write_processes = pool_size(checkpoint_bytes, len(export_jobs), processes)
+    write_processes = pool_size(len(export_jobs), state_bytes=checkpoint_bytes, processes=processes)
     started = time.perf_counter()
     exported = run_jobs(export_task, export_jobs, write_processes)
     write_s = time.perf_counter() - started
@@ -128,7 +128,9 @@ def run(
         )
         for p in range(new_tasks)
     ]
-    restore_processes = pool_size(savepoint_bytes, len(load_jobs), processes)
+    restore_processes = pool_size(
+        len(load_jobs), rows=sum(f.rows for f in files), processes=processes
+    )
     started = time.perf_counter()
     loaded = run_jobs(load_task, load_jobs, restore_processes)
     restore_s = time.perf_counter() - started
@@ -177,7 +179,7 @@ def main() -> None:
         type=int,
         default=None,
         help="processes per phase, this one included (default: what snapline uses: one per "
-        "CPU from 32 MB of state)",
+        "CPU from 32 MB or 250k rows of state)",
     )
     args = parser.parse_args()
     results = []

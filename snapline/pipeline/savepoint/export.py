@@ -42,7 +42,7 @@ from snapline.pipeline.savepoint.format import (
     SavepointMetadata,
     write_table,
 )
-from snapline.pipeline.savepoint.pool import pool_size, run_jobs
+from snapline.pipeline.savepoint.pool import pool_size, run_jobs, scratch_options
 from snapline.pipeline.stages import SOURCE_STAGE, StagePlan, task_id_for
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.columns import split_stored_keys
@@ -317,7 +317,9 @@ class _Uids:
 def export_task(job: ExportJob) -> ExportedTask:
     """Restore the task's committed checkpoint into a scratch backend and write its entries
     as one Parquet file per operator (a module-level function: pool processes run it)."""
-    backend = create_backend(job.backend, task_dir=job.scratch, options=job.backend_options)
+    backend = create_backend(
+        job.backend, task_dir=job.scratch, options=scratch_options(job.backend, job.backend_options)
+    )
     try:
         meta = restore_committed(
             CheckpointStorage(job.checkpoint_dir),
@@ -423,7 +425,7 @@ def export_savepoint(
                 progress("state", done, total)
 
         tell(0, len(jobs))
-        processes = pool_size(state_bytes, len(jobs))
+        processes = pool_size(len(jobs), state_bytes=state_bytes)
         for exported in run_jobs(export_task, jobs, processes, tell):
             meta = exported.meta
             positions.update(meta.positions)

@@ -24,8 +24,9 @@ from snapline.pipeline.checkpoint.storage import CheckpointStorage, crc32_checks
 from snapline.pipeline.errors import CheckpointError, CorruptCheckpointError
 
 FORMAT_VERSION = 1
-#: Parquet codec of the data files (any codec pyarrow and Spark read is compatible).
-COMPRESSION = "snappy"
+#: Parquet codec of the data files. zstd wrote as fast as snappy in the savepoint benchmark
+#: and 4x smaller files (less to write, checksum and read back); pyarrow and Spark read both.
+COMPRESSION = "zstd"
 METADATA_FILE = "_savepoint.json"
 
 #: One row per stored state entry. ``key``: the key's bytes (str keys as UTF-8, others JSON);

@@ -15,24 +15,34 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
 
 J = TypeVar("J")
 R = TypeVar("R")
 
-#: Below this much state a pool process is not worth starting: it needs ~0.5 s to import
-#: pyarrow and rocksdict, about the time the caller takes for this many bytes alone.
+#: Below this much state (checkpoint bytes, or savepoint rows) a pool process is not worth
+#: starting: it spends ~0.5 s of CPU importing pyarrow and rocksdict, about what the caller
+#: needs for this much state alone.
 POOL_MIN_BYTES = 32 * 1024 * 1024
+POOL_MIN_ROWS = 250_000
 
 
-def pool_size(total_bytes: int, jobs: int, processes: int | None = None) -> int:
-    """How many processes (the caller's included) should run ``jobs`` jobs over
-    ``total_bytes`` of state: one per CPU when ``processes`` is None, never more than jobs."""
+def pool_size(
+    jobs: int, *, state_bytes: int = 0, rows: int = 0, processes: int | None = None
+) -> int:
+    """How many processes (the caller's included) should run ``jobs`` jobs over that much
+    state: one per CPU when ``processes`` is None, never more than jobs."""
     if processes is None:
-        processes = (os.cpu_count() or 1) if total_bytes >= POOL_MIN_BYTES else 1
+        big = state_bytes >= POOL_MIN_BYTES or rows >= POOL_MIN_ROWS
+        processes = (os.cpu_count() or 1) if big else 1
     return max(1, min(processes, jobs))
+
+
+def scratch_options(backend: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The state backend options of a scratch backend that a job reads once or bulk-loads."""
+    return {**options, "auto_compactions": False} if backend == "rocksdb" else options
 
 
 def run_jobs(

@@ -58,7 +58,7 @@ from snapline.pipeline.savepoint.format import (
     read_metadata,
     read_table,
 )
-from snapline.pipeline.savepoint.pool import pool_size, run_jobs
+from snapline.pipeline.savepoint.pool import pool_size, run_jobs, scratch_options
 from snapline.pipeline.stages import SOURCE_STAGE, repartition_partition
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.backend import StateHandle
@@ -308,8 +308,8 @@ def seed_from_savepoint(
                 progress("restoring savepoint state", done, total)
 
         tell(0, len(jobs))
-        state_bytes = sum(f.size for op in savepoint.operators for f in op.files)
-        loaded = run_jobs(load_task, jobs, pool_size(state_bytes, len(jobs)), tell)
+        rows = sum(f.rows for op in savepoint.operators for f in op.files)
+        loaded = run_jobs(load_task, jobs, pool_size(len(jobs), rows=rows), tell)
         for (task, positions), (handle, _) in zip(chosen, loaded, strict=True):
             TaskCheckpoint(
                 job=pipeline.name,
@@ -405,7 +405,9 @@ def load_task(job: LoadJob) -> tuple[StateHandle, int]:
     """Load the task's entries of every operator into a new backend and materialize it as a
     checkpoint's state; returns its handle and how many entries it holds (a module-level
     function: pool processes run it)."""
-    backend = create_backend(job.backend, task_dir=job.scratch, options=job.backend_options)
+    backend = create_backend(
+        job.backend, task_dir=job.scratch, options=scratch_options(job.backend, job.backend_options)
+    )
     sp_storage = CheckpointStorage(job.savepoint_uri)
     try:
         entries = 0
