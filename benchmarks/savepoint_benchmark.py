@@ -2,7 +2,9 @@
 different parallelism, through the same code ``snapline savepoint`` and ``--from-savepoint``
 use (restore the committed checkpoint, export by operator and key-group range to Parquet;
 read the key-group range of each new task, load its backend, snapshot it as a checkpoint).
-Kafka is not involved: the numbers are the state's.
+Kafka is not involved: the numbers are the state's. Each phase runs its tasks in as many
+processes as snapline would (``--processes`` to choose); after the timed restore, every new
+checkpoint is read back and checked key by key (not timed).
 
     python -m benchmarks.savepoint_benchmark [--keys 1000000] [--backend rocksdb|memory]
 
@@ -25,24 +27,30 @@ import orjson
 from benchmarks.state_benchmark import Workload
 from snapline.pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
-from snapline.pipeline.keygroups import key_group, key_group_range, state_key_prefix
-from snapline.pipeline.savepoint.export import export_task_state
-from snapline.pipeline.savepoint.format import OperatorState, write_table
-from snapline.pipeline.savepoint.restore import StateMapping, _load_operator
+from snapline.pipeline.keygroups import (
+    key_group,
+    key_group_of_state_key,
+    key_group_range,
+    state_key_prefix,
+)
+from snapline.pipeline.savepoint.export import ExportJob, export_task
+from snapline.pipeline.savepoint.format import OperatorState
+from snapline.pipeline.savepoint.pool import pool_size, run_jobs
+from snapline.pipeline.savepoint.restore import LoadJob, StateMapping, load_task
 from snapline.pipeline.state import create_backend
 
 MB = 1024 * 1024
 MAX_PARALLELISM = 128
 
 
-class _Pipeline:
-    """The slice of a Pipeline that export_task_state reads."""
-
-    def operator_uids(self) -> dict[int, str]:
-        return {1: "RunningTotal"}
-
-
-def run(keys: int, backend_name: str, old_tasks: int, new_tasks: int, tmp: Path) -> dict[str, Any]:
+def run(
+    keys: int,
+    backend_name: str,
+    old_tasks: int,
+    new_tasks: int,
+    tmp: Path,
+    processes: int | None = None,
+) -> dict[str, Any]:
     work = Workload(keys)
     storage = CheckpointStorage(str(tmp / "checkpoints"))
     states = [{"name": "total", "kind": "value", "serde": "json", "id": 1, "operator": 1}]
@@ -71,46 +79,78 @@ def run(keys: int, backend_name: str, old_tasks: int, new_tasks: int, tmp: Path)
         backend.close()
 
     # Savepoint write: restore each committed checkpoint, export it to Parquet.
-    out = CheckpointStorage(str(tmp / "savepoint"))
-    started = time.perf_counter()
-    files = []
+    checkpoint_bytes = sum(f.size for meta in checkpoints if meta.state for f in meta.state.files)
+    export_jobs = []
     for i, meta in enumerate(checkpoints):
-        scratch = create_backend(backend_name, task_dir=str(tmp / f"scratch-{i}"), options={})
-        assert meta.state is not None
-        scratch.restore(meta.state, storage)
-        table = export_task_state(_Pipeline(), meta, scratch)["RunningTotal"]  # type: ignore[arg-type]
         groups = key_group_range(i, old_tasks, MAX_PARALLELISM)
-        files.append(
-            write_table(
-                out,
-                f"operators/RunningTotal/kg-{groups.start:05d}-{groups.stop - 1:05d}.parquet",
-                table,
-                key_groups=(groups.start, groups.stop - 1),
+        export_jobs.append(
+            ExportJob(
+                job="bench",
+                task_id=meta.task_id,
+                ref=meta.ref,
+                checkpoint_dir=storage.uri,
+                target=str(tmp / "savepoint"),
+                scratch=str(tmp / f"scratch-{i}"),
+                backend=backend_name,
+                backend_options={},
+                operator_uids={1: "RunningTotal"},
                 partition=i,
+                key_groups=(groups.start, groups.stop - 1),
             )
         )
-        scratch.close()
+    write_processes = pool_size(len(export_jobs), state_bytes=checkpoint_bytes, processes=processes)
+    started = time.perf_counter()
+    exported = run_jobs(export_task, export_jobs, write_processes)
     write_s = time.perf_counter() - started
+    files = [e.files["RunningTotal"] for e in exported]
     savepoint_bytes = sum(f.size for f in files)
 
     # Restore with rescale: each new task loads its key-group range and checkpoints it.
     operator = OperatorState("RunningTotal", "keyed", states, files)
     mapping = {("RunningTotal", "total"): StateMapping("RunningTotal", "total", 1, 1)}
     topic = "bench.repartition"
-    started = time.perf_counter()
-    restored_entries = 0
-    for p in range(new_tasks):
-        backend = create_backend(backend_name, task_dir=str(tmp / f"new-{p}"), options={})
-        _load_operator(
-            backend, out, operator, mapping, p, {topic: new_tasks}, (topic,), MAX_PARALLELISM
+    new_ref = CheckpointRef(2, "bench")
+    load_jobs = [
+        LoadJob(
+            backend=backend_name,
+            backend_options={},
+            scratch=str(tmp / f"new-{p}"),
+            savepoint_uri=str(tmp / "savepoint"),
+            operators=[operator],
+            mapping=mapping,
+            partition=p,
+            partitions={topic: new_tasks},
+            reads=(topic,),
+            max_parallelism=MAX_PARALLELISM,
+            checkpoint_dir=storage.uri,
+            directory=new_ref.directory("bench", f"new-p{p}"),
+            checkpoint_id=2,
         )
-        restored_entries += sum(1 for _ in backend.items())
-        snap = backend.snapshot(2)
-        snap.materialize(storage, CheckpointRef(2, "bench").directory("bench", f"new-p{p}"))
-        snap.release()
-        backend.close()
+        for p in range(new_tasks)
+    ]
+    restore_processes = pool_size(
+        len(load_jobs), rows=sum(f.rows for f in files), processes=processes
+    )
+    started = time.perf_counter()
+    loaded = run_jobs(load_task, load_jobs, restore_processes)
     restore_s = time.perf_counter() - started
+    restored_entries = sum(entries for _, entries in loaded)
     assert restored_entries == keys, f"restored {restored_entries} of {keys} entries"
+
+    # Not timed: read every new task's checkpoint back, as a worker's recovery would, and
+    # check that it holds exactly the keys of its key-group range, all of them once.
+    started = time.perf_counter()
+    seen = 0
+    for p, (handle, _) in enumerate(loaded):
+        reader = create_backend(backend_name, task_dir=str(tmp / f"verify-{p}"), options={})
+        reader.restore(handle, storage)
+        groups = key_group_range(p, new_tasks, MAX_PARALLELISM)
+        for stored, _, _ in reader.items():
+            assert key_group_of_state_key(stored) in groups, f"task {p} got a foreign key"
+            seen += 1
+        reader.close()
+    assert seen == keys, f"the new checkpoints hold {seen} of {keys} entries"
+    verify_s = time.perf_counter() - started
     return {
         "backend": backend_name,
         "keys": keys,
@@ -122,6 +162,9 @@ def run(keys: int, backend_name: str, old_tasks: int, new_tasks: int, tmp: Path)
         "write_mb_per_s": state_bytes / MB / write_s,
         "restore_s": restore_s,
         "restore_mb_per_s": state_bytes / MB / restore_s,
+        "write_processes": write_processes,
+        "restore_processes": restore_processes,
+        "verify_s": verify_s,
     }
 
 
@@ -131,23 +174,33 @@ def main() -> None:
     parser.add_argument("--backend", action="append", choices=["memory", "rocksdb"])
     parser.add_argument("--old-tasks", type=int, default=4)
     parser.add_argument("--new-tasks", type=int, default=12)
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=None,
+        help="processes per phase, this one included (default: what snapline uses: one per "
+        "CPU from 32 MB or 250k rows of state)",
+    )
     args = parser.parse_args()
     results = []
     for backend in args.backend or ["memory", "rocksdb"]:
         tmp = Path(tempfile.mkdtemp(prefix="snapline-sp-bench-"))
         try:
-            results.append(run(args.keys, backend, args.old_tasks, args.new_tasks, tmp))
+            results.append(
+                run(args.keys, backend, args.old_tasks, args.new_tasks, tmp, args.processes)
+            )
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     print(
-        "| backend | keys | state | savepoint files | write | restore "
+        "| backend | keys | state | savepoint files | processes | write | restore "
         f"{args.old_tasks} → {args.new_tasks} tasks |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         print(
             f"| {r['backend']} | {r['keys']:,} | {r['state_mb']:.0f} MB | "
-            f"{r['savepoint_mb']:.0f} MB | {r['write_s']:.2f} s = {r['write_mb_per_s']:.0f} MB/s | "
+            f"{r['savepoint_mb']:.0f} MB | {r['write_processes']} / {r['restore_processes']} | "
+            f"{r['write_s']:.2f} s = {r['write_mb_per_s']:.0f} MB/s | "
             f"{r['restore_s']:.2f} s = {r['restore_mb_per_s']:.0f} MB/s |"
         )
     out = Path(__file__).parent / "results" / f"savepoint-{time.strftime('%Y%m%d-%H%M')}.json"

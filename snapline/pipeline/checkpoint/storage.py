@@ -14,6 +14,7 @@ import shutil
 import time
 import uuid
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     import pyarrow.fs as pafs
 
 
-def crc32_checksum(data: bytes) -> str:
+def crc32_checksum(data: bytes | memoryview) -> str:
     """The checksum format stored in metadata: ``crc32:<8 hex digits>``."""
     return f"crc32:{zlib.crc32(data) & 0xFFFFFFFF:08x}"
 
@@ -88,23 +89,39 @@ class CheckpointStorage:
     def full_path(self, path: str) -> str:
         return f"{self.root}/{path}" if path else self.root
 
-    def write_bytes(self, path: str, data: bytes) -> None:
+    def write_bytes(self, path: str, data: bytes | memoryview) -> None:
         """Write ``data`` to ``path`` atomically (readers see the old file, the new, or none)."""
+        self.write_parts(path, [data])
+
+    def write_parts(self, path: str, parts: Sequence[bytes | memoryview]) -> tuple[int, str]:
+        """Write the concatenation of ``parts`` like ``write_bytes`` without building it in
+        memory (large state files); returns its size and ``crc32_checksum``."""
         self._before_write(path)
         target = self.full_path(path)
         parent = target.rsplit("/", 1)[0]
+        crc = 0
+        size = 0
         if self._local:
             os.makedirs(parent, exist_ok=True)
             tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                fh.flush()
+            with open(tmp, "wb", buffering=0) as fh:
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    crc = zlib.crc32(view, crc)
+                    size += view.nbytes
+                    while view:  # a raw write may be short
+                        view = view[fh.write(view) :]
                 os.fsync(fh.fileno())
             os.replace(tmp, target)
         else:
             self.fs.create_dir(parent, recursive=True)
             with self.fs.open_output_stream(target) as out:
-                out.write(data)
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    crc = zlib.crc32(view, crc)
+                    size += view.nbytes
+                    out.write(view)
+        return size, f"crc32:{crc & 0xFFFFFFFF:08x}"
 
     def upload_file(self, local_path: str, path: str) -> None:
         """Copy a local file into storage (atomic like write_bytes)."""

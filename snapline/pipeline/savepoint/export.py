@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 from confluent_kafka import Consumer, KafkaException, TopicPartition
@@ -41,8 +42,10 @@ from snapline.pipeline.savepoint.format import (
     SavepointMetadata,
     write_table,
 )
+from snapline.pipeline.savepoint.pool import pool_size, run_jobs, scratch_options
 from snapline.pipeline.stages import SOURCE_STAGE, StagePlan, task_id_for
 from snapline.pipeline.state import create_backend
+from snapline.pipeline.state.columns import split_stored_keys
 
 log = logging.getLogger(__name__)
 
@@ -128,14 +131,13 @@ def named_checkpoint(task: JobTask, committed: list[TopicPartition]) -> Checkpoi
     return refs.pop() if refs else None
 
 
-def _texts(values: list[bytes | None]) -> pa.Array:
+def _texts(values: pa.Array) -> pa.Array:
     """The values as UTF-8 text where they decode (None elsewhere), vectorized when all do."""
-    array = pa.array(values, type=pa.binary())
     try:
-        return pa.compute.cast(array, pa.string())
+        return pa.compute.cast(values, pa.string())
     except (pa.ArrowInvalid, pa.ArrowTypeError):
         out = []
-        for raw in values:
+        for raw in values.to_pylist():
             try:
                 out.append(None if raw is None else raw.decode())
             except UnicodeDecodeError:
@@ -147,7 +149,8 @@ def export_task_state(
     pipeline: Pipeline, meta: TaskCheckpoint, backend: Any
 ) -> dict[str, pa.Table]:
     """The task's entries as one table per operator uid (state ids as its checkpoint recorded
-    them), in ``ENTRY_SCHEMA``. Vectorized: a savepoint of 1M keys is mostly Arrow work."""
+    them), in ``ENTRY_SCHEMA``, rows in key-group order (readers of a key-group range skip
+    the other row groups). Whole columns at a time: a savepoint of 1M keys is Arrow work."""
     uids = pipeline.operator_uids()
     by_sid: dict[int, tuple[str, str, bool]] = {}
     for desc in meta.states:
@@ -158,38 +161,50 @@ def export_task_state(
                 f"{desc['name']!r} of an operator this pipeline no longer has"
             )
         by_sid[int(desc["id"])] = (uid, desc["name"], desc.get("serde") == "json")
-    entries = list(backend.items())
-    if not entries:
+    stored, values = backend.export_arrays()
+    if values.type != pa.binary():
+        values = values.cast(pa.binary())
+    if not len(stored):
         return {}
-    stored, map_keys, values = (list(column) for column in zip(*entries, strict=True))
-    sids = [s[-1] for s in stored]
-    unknown = set(sids) - set(by_sid)
+    parts = split_stored_keys(stored)
+    groups = parts.key_group.to_numpy()
+    if len(groups) > 1 and not bool((groups[1:] >= groups[:-1]).all()):
+        order = pa.array(np.argsort(groups, kind="stable"))
+        stored, values = stored.take(order), values.take(order)
+        parts = split_stored_keys(stored)
+    sids = parts.state_id
+    unknown = set(np.unique(sids).tolist()) - set(by_sid)
     if unknown:
         raise CheckpointError(
             f"checkpoint {meta.checkpoint_id} of task {meta.task_id} has entries of state ids "
             f"{sorted(unknown)}, which its metadata does not describe"
         )
-    keys = [s[6:-1] for s in stored]
-    json_sids = {sid for sid, (_, _, is_json) in by_sid.items() if is_json}
+    sid_index = pa.array(sids.astype(np.int32))
+    names = pa.array([by_sid[i][1] if i in by_sid else None for i in range(256)], pa.string())
+    is_json = np.array([i in by_sid and by_sid[i][2] for i in range(256)])
+    json_rows = is_json[sids]
+    if json_rows.all():
+        json_values = values
+    else:
+        json_values = pa.compute.if_else(pa.array(json_rows), values, pa.scalar(None, pa.binary()))
     table = pa.table(
         {
-            "key_group": pa.array([s[0] << 8 | s[1] for s in stored], type=pa.int32()),
-            "key": pa.array(keys, type=pa.binary()),
-            "key_text": _texts(keys),
-            "state": pa.array([by_sid[sid][1] for sid in sids], type=pa.string()),
-            "map_key": pa.array(map_keys, type=pa.binary()),
-            "map_key_text": _texts(map_keys),
-            "value": pa.array(values, type=pa.binary()),
-            "value_json": _texts(
-                [v if sid in json_sids else None for v, sid in zip(values, sids, strict=True)]
-            ),
+            "key_group": parts.key_group,
+            "key": parts.key,
+            "key_text": _texts(parts.key),
+            "state": names.take(sid_index),
+            "map_key": parts.map_key,
+            "map_key_text": _texts(parts.map_key),
+            "value": values,
+            "value_json": _texts(json_values),
         },
         schema=ENTRY_SCHEMA,
     )
-    operators = {by_sid[sid][0] for sid in set(sids)}
+    operators = {by_sid[sid][0] for sid in np.unique(sids).tolist()}
     if len(operators) == 1:
         return {operators.pop(): table}
-    uid_column = pa.array([by_sid[sid][0] for sid in sids], type=pa.string())
+    uid_names = pa.array([by_sid[i][0] if i in by_sid else None for i in range(256)])
+    uid_column = uid_names.take(sid_index)
     return {uid: table.filter(pa.compute.equal(uid_column, uid)) for uid in operators}
 
 
@@ -257,6 +272,87 @@ def default_savepoint_uri(checkpoint_dir: str, job: str) -> str:
     return f"{checkpoint_dir.rstrip('/')}/{job}/savepoints/sp-{stamp}-{uuid.uuid4().hex[:6]}"
 
 
+@dataclass(frozen=True)
+class ExportJob:
+    """One task's part of a savepoint, for ``export_task`` in any process."""
+
+    job: str
+    task_id: str
+    ref: CheckpointRef
+    checkpoint_dir: str
+    target: str
+    #: A local directory of its own for the scratch backend.
+    scratch: str
+    backend: str
+    backend_options: dict[str, Any]
+    operator_uids: dict[int, str]
+    partition: int
+    #: The task's inclusive key-group range in a keyed stage; None in the source stage.
+    key_groups: tuple[int, int] | None
+
+    def file_name(self, uid: str) -> str:
+        if self.key_groups is None:
+            return f"operators/{uid}/p{self.partition:05d}.parquet"
+        return f"operators/{uid}/kg-{self.key_groups[0]:05d}-{self.key_groups[1]:05d}.parquet"
+
+
+@dataclass(frozen=True)
+class ExportedTask:
+    """What ``export_task`` did: the checkpoint it restored and a file per operator uid."""
+
+    meta: TaskCheckpoint
+    files: dict[str, SavepointFile]
+
+
+@dataclass(frozen=True)
+class _Uids:
+    """The slice of a Pipeline ``export_task_state`` reads (a pipeline is not picklable)."""
+
+    uids: dict[int, str]
+
+    def operator_uids(self) -> dict[int, str]:
+        return self.uids
+
+
+def export_task(job: ExportJob) -> ExportedTask:
+    """Restore the task's committed checkpoint into a scratch backend and write its entries
+    as one Parquet file per operator (a module-level function: pool processes run it)."""
+    backend = create_backend(
+        job.backend, task_dir=job.scratch, options=scratch_options(job.backend, job.backend_options)
+    )
+    try:
+        meta = restore_committed(
+            CheckpointStorage(job.checkpoint_dir),
+            job.job,
+            job.task_id,
+            job.ref,
+            backend,
+            on_corrupt="fail",
+        )
+        by_uid = export_task_state(_Uids(job.operator_uids), meta, backend)  # type: ignore[arg-type]
+    finally:
+        backend.close()
+        shutil.rmtree(job.scratch, ignore_errors=True)
+    out = CheckpointStorage(job.target)
+    info: dict[str, Any] = {"partition": job.partition}
+    if job.key_groups is not None:
+        info["key_groups"] = job.key_groups
+    return ExportedTask(
+        meta,
+        {uid: write_table(out, job.file_name(uid), rows, **info) for uid, rows in by_uid.items()},
+    )
+
+
+def _state_bytes(storage: CheckpointStorage, job: str, task_id: str, ref: CheckpointRef) -> int:
+    """The size of a task's checkpointed state (0 when its metadata cannot be read here:
+    ``export_task`` reports that)."""
+    try:
+        meta = TaskCheckpoint.read(storage, job, task_id, ref)
+    except CheckpointError:
+        return 0
+    return sum(f.size for f in meta.state.files) if meta.state is not None else 0
+
+
 def export_savepoint(
     pipeline: Pipeline,
     kafka_config: dict[str, Any],
@@ -291,9 +387,9 @@ def export_savepoint(
     clocks: dict[str, dict[str, Any]] = {}
     scratch = tempfile.mkdtemp(prefix="snapline-savepoint-")
     try:
-        for done, task in enumerate(tasks):
-            if progress is not None:
-                progress(_state_progress(files), done, len(tasks))
+        jobs: list[ExportJob] = []
+        state_bytes = 0
+        for task in tasks:
             tp_committed = [committed[tp] for tp in task.inputs]
             ref = named_checkpoint(task, tp_committed)
             for c in tp_committed:
@@ -301,43 +397,50 @@ def export_savepoint(
                     positions[(c.topic, c.partition)] = c.offset
             if ref is None:
                 continue
-            backend = create_backend(
-                pipeline.state_backend,
-                task_dir=f"{scratch}/{task.task_id}",
-                options=dict(pipeline.state_backend_options),
-            )
-            try:
-                meta = restore_committed(
-                    storage, pipeline.name, task.task_id, ref, backend, on_corrupt="fail"
-                )
-                positions.update(meta.positions)
-                if meta.time:
-                    clocks[task.task_id] = meta.time
-                by_uid = export_task_state(pipeline, meta, backend)
-            finally:
-                backend.close()
             count = stage_partitions[task.stage]
-            for uid, rows in by_uid.items():
-                if task.stage == SOURCE_STAGE or count is None:
-                    info: dict[str, Any] = {"partition": task.partition}
-                    name = f"operators/{uid}/p{task.partition:05d}.parquet"
-                    partitioning[uid] = "source"
-                else:
-                    groups = key_group_range(task.partition, count, pipeline.max_parallelism)
-                    info = {
-                        "partition": task.partition,
-                        "key_groups": (groups.start, groups.stop - 1),
-                    }
-                    name = f"operators/{uid}/kg-{groups.start:05d}-{groups.stop - 1:05d}.parquet"
-                    partitioning[uid] = "keyed"
-                files[uid].append(write_table(out, name, rows, **info))
+            groups = (
+                None
+                if task.stage == SOURCE_STAGE or count is None
+                else key_group_range(task.partition, count, pipeline.max_parallelism)
+            )
+            jobs.append(
+                ExportJob(
+                    job=pipeline.name,
+                    task_id=task.task_id,
+                    ref=ref,
+                    checkpoint_dir=checkpoint_dir,
+                    target=target,
+                    scratch=f"{scratch}/{task.task_id}",
+                    backend=pipeline.state_backend,
+                    backend_options=dict(pipeline.state_backend_options),
+                    operator_uids=pipeline.operator_uids(),
+                    partition=task.partition,
+                    key_groups=None if groups is None else (groups.start, groups.stop - 1),
+                )
+            )
+            state_bytes += _state_bytes(storage, pipeline.name, task.task_id, ref)
+
+        def tell(done: int, total: int) -> None:
+            if progress is not None:
+                progress("state", done, total)
+
+        tell(0, len(jobs))
+        processes = pool_size(len(jobs), state_bytes=state_bytes)
+        for exported in run_jobs(export_task, jobs, processes, tell):
+            meta = exported.meta
+            positions.update(meta.positions)
+            if meta.time:
+                clocks[meta.task_id] = meta.time
+            for uid, entry in exported.files.items():
+                files[uid].append(entry)
+                partitioning[uid] = "source" if entry.key_groups is None else "keyed"
                 states[uid] = [
                     {k: d[k] for k in ("name", "kind", "serde")}
                     for d in meta.states
                     if (d.get("uid") or pipeline.operator_uids().get(int(d["operator"]))) == uid
                 ]
         if progress is not None:
-            progress(_state_progress(files), len(tasks), len(tasks))
+            progress(_state_progress(files), len(jobs), len(jobs))
         in_flight = []
         for rep in plan.repartitions.values():
             if progress is not None:

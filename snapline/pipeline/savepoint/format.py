@@ -11,19 +11,22 @@ reference to checkpoint files.
 
 from __future__ import annotations
 
-import io
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from snapline.pipeline.checkpoint.storage import CheckpointStorage, crc32_checksum, verify_checksum
 from snapline.pipeline.errors import CheckpointError, CorruptCheckpointError
 
 FORMAT_VERSION = 1
+#: Parquet codec of the data files. zstd wrote as fast as snappy in the savepoint benchmark
+#: and 4x smaller files (less to write, checksum and read back); pyarrow and Spark read both.
+COMPRESSION = "zstd"
 METADATA_FILE = "_savepoint.json"
 
 #: One row per stored state entry. ``key``: the key's bytes (str keys as UTF-8, others JSON);
@@ -216,23 +219,58 @@ class SavepointMetadata:
         )
 
 
+#: Rows per Parquet row group: a restore reading a key-group range of a file (rows are in
+#: key-group order) decodes only the row groups whose key-group statistics overlap it.
+ROW_GROUP_ROWS = 65_536
+#: Columns worth a dictionary: few distinct values. Keys and values are mostly unique, and a
+#: dictionary attempt on them costs time for nothing.
+DICTIONARY_COLUMNS = ["key_group", "state", "partition"]
+
+
 def write_table(
     storage: CheckpointStorage, path: str, table: pa.Table, **info: Any
 ) -> SavepointFile:
     """Write ``table`` as Parquet to ``path`` (``storage`` is rooted at the savepoint); the returned
     file entry has its size and CRC-32. ``info``: key_groups / partition."""
-    sink = io.BytesIO()
-    pq.write_table(table, sink, compression="snappy")
-    data = sink.getvalue()
+    sink = pa.BufferOutputStream()
+    pq.write_table(
+        table,
+        sink,
+        compression=COMPRESSION,
+        use_dictionary=[c for c in DICTIONARY_COLUMNS if c in table.column_names],
+        row_group_size=ROW_GROUP_ROWS,
+        write_statistics=[c for c in ("key_group", "partition") if c in table.column_names],
+    )
+    data = memoryview(sink.getvalue())
     storage.write_bytes(path, data)
     return SavepointFile(path, table.num_rows, len(data), crc32_checksum(data), **info)
 
 
-def read_table(storage: CheckpointStorage, entry: SavepointFile) -> pa.Table:
-    """Read one data file (``storage`` is rooted at the savepoint), checksum verified first."""
+def read_table(
+    storage: CheckpointStorage,
+    entry: SavepointFile,
+    *,
+    columns: list[str] | None = None,
+    key_groups: tuple[int, int] | None = None,
+) -> pa.Table:
+    """Read one data file (``storage`` is rooted at the savepoint), checksum verified first.
+    ``columns``: only those; ``key_groups``: only the rows of that inclusive range."""
     data = storage.read_bytes(entry.path)
     verify_checksum(data, entry.checksum, f"savepoint file {storage.full_path(entry.path)}")
-    return pq.read_table(io.BytesIO(data))
+    if key_groups is None:
+        return pq.read_table(pa.BufferReader(data), columns=columns)
+    lo, hi = key_groups
+    parquet = pq.ParquetFile(pa.BufferReader(data))
+    meta = parquet.metadata
+    index = parquet.schema_arrow.get_field_index("key_group")
+    chosen = []
+    for i in range(meta.num_row_groups):
+        stats = meta.row_group(i).column(index).statistics
+        if stats is None or not stats.has_min_max or (stats.min <= hi and stats.max >= lo):
+            chosen.append(i)
+    table = parquet.read_row_groups(chosen, columns=columns)
+    groups = table.column("key_group")
+    return table.filter(pc.and_(pc.greater_equal(groups, lo), pc.less_equal(groups, hi)))
 
 
 def read_metadata(storage: CheckpointStorage) -> SavepointMetadata:

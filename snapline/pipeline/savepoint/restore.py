@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import struct
 import tempfile
 import time
 import uuid
@@ -34,7 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import orjson
+import pyarrow as pa
 import pyarrow.compute as pc
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -50,22 +51,25 @@ from snapline.pipeline.errors import CheckpointError, ConfigurationError
 from snapline.pipeline.graph import Pipeline
 from snapline.pipeline.keygroups import key_group_range
 from snapline.pipeline.runtime.topics import INTERNAL_TOPIC_CONFIG, TopicManager, pipeline_topics
-from snapline.pipeline.savepoint.export import job_tasks, wait_until_stopped
+from snapline.pipeline.savepoint.export import JobTask, job_tasks, wait_until_stopped
 from snapline.pipeline.savepoint.format import (
     OperatorState,
     SavepointMetadata,
     read_metadata,
     read_table,
 )
+from snapline.pipeline.savepoint.pool import pool_size, run_jobs, scratch_options
 from snapline.pipeline.stages import SOURCE_STAGE, repartition_partition
 from snapline.pipeline.state import create_backend
+from snapline.pipeline.state.backend import StateHandle
+from snapline.pipeline.state.columns import build_stored_keys
 from snapline.pipeline.state.descriptors import StateDescriptor
 
 log = logging.getLogger(__name__)
 
 RESTORED_FROM = "restored-from-savepoint.json"
-_KG = struct.Struct(">H")
-_LEN = struct.Struct(">I")
+#: The columns of a data file a restore needs (the text columns are for other readers).
+_RESTORED_COLUMNS = ["key_group", "key", "state", "map_key", "value"]
 
 
 @dataclass(frozen=True)
@@ -261,9 +265,9 @@ def seed_from_savepoint(
     offsets: list[TopicPartition] = []
     try:
         all_tasks = job_tasks(pipeline, partitions)
-        for done, task in enumerate(all_tasks):
-            if progress is not None:
-                progress("restoring savepoint state", done, len(all_tasks))
+        chosen: list[tuple[JobTask, dict[tuple[str, int], int]]] = []
+        jobs: list[LoadJob] = []
+        for task in all_tasks:
             positions = {
                 (t, p): (
                     savepoint.source_offsets.get(t, {}).get(p, -1)
@@ -275,35 +279,38 @@ def seed_from_savepoint(
             positions = {tp: o for tp, o in positions.items() if o >= 0}
             if not positions:
                 continue  # nothing committed for it yet: it starts like a new task
-            backend = create_backend(
-                pipeline.state_backend,
-                task_dir=f"{scratch}/{task.task_id}",
-                options=dict(pipeline.state_backend_options),
+            chosen.append((task, positions))
+            jobs.append(
+                LoadJob(
+                    backend=pipeline.state_backend,
+                    backend_options=dict(pipeline.state_backend_options),
+                    scratch=f"{scratch}/{task.task_id}",
+                    savepoint_uri=savepoint_uri,
+                    operators=[
+                        operators[uid]
+                        for uid in sorted(restored_uids)
+                        if stage_of_node[next(m.node_id for m in mapping.values() if m.uid == uid)]
+                        == task.stage
+                    ],
+                    mapping=mapping,
+                    partition=task.partition,
+                    partitions=partitions,
+                    reads=plan.stages[task.stage].reads,
+                    max_parallelism=pipeline.max_parallelism,
+                    checkpoint_dir=checkpoint_dir,
+                    directory=ref.directory(pipeline.name, task.task_id),
+                    checkpoint_id=checkpoint_id,
+                )
             )
-            try:
-                for uid in restored_uids:
-                    node_id = next(m.node_id for m in mapping.values() if m.uid == uid)
-                    if stage_of_node[node_id] != task.stage:
-                        continue
-                    _load_operator(
-                        backend,
-                        sp_storage,
-                        operators[uid],
-                        mapping,
-                        task.partition,
-                        partitions,
-                        plan.stages[task.stage].reads,
-                        pipeline.max_parallelism,
-                    )
-                snapshot = backend.snapshot(checkpoint_id)
-                try:
-                    handle = snapshot.materialize(
-                        storage, ref.directory(pipeline.name, task.task_id)
-                    )
-                finally:
-                    snapshot.release()
-            finally:
-                backend.close()
+
+        def tell(done: int, total: int) -> None:
+            if progress is not None:
+                progress("restoring savepoint state", done, total)
+
+        tell(0, len(jobs))
+        rows = sum(f.rows for op in savepoint.operators for f in op.files)
+        loaded = run_jobs(load_task, jobs, pool_size(len(jobs), rows=rows), tell)
+        for (task, positions), (handle, _) in zip(chosen, loaded, strict=True):
             TaskCheckpoint(
                 job=pipeline.name,
                 task_id=task.task_id,
@@ -372,6 +379,60 @@ def _clock(savepoint: SavepointMetadata, task_id: str, stage: int) -> dict[str, 
     return {"watermark": min(marks), "channels": []} if marks else None
 
 
+@dataclass(frozen=True)
+class LoadJob:
+    """One new task's state from a savepoint, for ``load_task`` in any process."""
+
+    backend: str
+    backend_options: dict[str, Any]
+    #: A local directory of its own for the task's backend.
+    scratch: str
+    savepoint_uri: str
+    #: The savepoint operators whose state belongs to the task's stage.
+    operators: list[OperatorState]
+    mapping: dict[tuple[str, str], StateMapping]
+    partition: int
+    partitions: dict[str, int]
+    reads: tuple[str, ...]
+    max_parallelism: int
+    checkpoint_dir: str
+    #: Where in checkpoint storage the task's state goes (its checkpoint's directory).
+    directory: str
+    checkpoint_id: int
+
+
+def load_task(job: LoadJob) -> tuple[StateHandle, int]:
+    """Load the task's entries of every operator into a new backend and materialize it as a
+    checkpoint's state; returns its handle and how many entries it holds (a module-level
+    function: pool processes run it)."""
+    backend = create_backend(
+        job.backend, task_dir=job.scratch, options=scratch_options(job.backend, job.backend_options)
+    )
+    sp_storage = CheckpointStorage(job.savepoint_uri)
+    try:
+        entries = 0
+        for operator in job.operators:
+            entries += _load_operator(
+                backend,
+                sp_storage,
+                operator,
+                job.mapping,
+                job.partition,
+                job.partitions,
+                job.reads,
+                job.max_parallelism,
+            )
+        snapshot = backend.snapshot(job.checkpoint_id)
+        try:
+            handle = snapshot.materialize(CheckpointStorage(job.checkpoint_dir), job.directory)
+        finally:
+            snapshot.release()
+    finally:
+        backend.close()
+        shutil.rmtree(job.scratch, ignore_errors=True)
+    return handle, entries
+
+
 def _load_operator(
     backend: Any,
     sp_storage: CheckpointStorage,
@@ -381,8 +442,9 @@ def _load_operator(
     partitions: dict[str, int],
     reads: tuple[str, ...],
     max_parallelism: int,
-) -> None:
-    """Put the operator's entries that belong to task ``partition`` into ``backend``."""
+) -> int:
+    """Put the operator's entries that belong to task ``partition`` into ``backend``;
+    returns how many."""
     if reads:  # a keyed stage: the task owns a key-group range
         groups = key_group_range(partition, partitions[reads[0]], max_parallelism)
         lo, hi = groups.start, groups.stop - 1
@@ -395,30 +457,30 @@ def _load_operator(
         lo, hi = 0, max_parallelism - 1
         chosen = [f for f in operator.files if f.partition == partition]
     sids = {name: m.state_id for (uid, name), m in mapping.items() if uid == operator.uid}
+    names = pa.array(list(sids), pa.string())
+    ids = np.array(list(sids.values()), dtype=np.uint8)
+    loaded = 0
     for entry in chosen:
-        table = read_table(sp_storage, entry)
-        if reads:
-            groups_col = table.column("key_group")
-            table = table.filter(
-                pc.and_(pc.greater_equal(groups_col, lo), pc.less_equal(groups_col, hi))
-            )
-        state_ids = [sids.get(name) for name in table.column("state").to_pylist()]
-        groups = table.column("key_group").to_pylist()
-        keys = table.column("key").to_pylist()
-        map_keys = table.column("map_key").to_pylist()
-        values = table.column("value").to_pylist()
-        plain: list[tuple[bytes, bytes]] = []
-        for group, key, sid, map_key, value in zip(
-            groups, keys, state_ids, map_keys, values, strict=True
-        ):
-            if sid is None:
-                continue  # dropped on purpose (--allow-non-restored-state)
-            stored = _KG.pack(group) + _LEN.pack(len(key)) + key + bytes((sid,))
-            if map_key is None:
-                plain.append((stored, value))
-            else:
-                backend.map_put(stored, map_key, value)
-        backend.put_many(plain)
+        table = read_table(
+            sp_storage, entry, columns=_RESTORED_COLUMNS, key_groups=(lo, hi) if reads else None
+        )
+        # Rows of states dropped on purpose (--allow-non-restored-state) find no index.
+        index = pc.index_in(table.column("state"), value_set=names)
+        if index.null_count:
+            table = table.filter(pc.is_valid(index))
+            index = pc.drop_null(index)
+        if not table.num_rows:
+            continue
+        state_ids = ids[np.asarray(index.to_numpy(zero_copy_only=False), dtype=np.int64)]
+        stored = build_stored_keys(
+            table.column("key_group").combine_chunks(),
+            table.column("key").combine_chunks(),
+            state_ids,
+            table.column("map_key").combine_chunks(),
+        )
+        backend.load_arrays(stored, table.column("value").combine_chunks())
+        loaded += len(stored)
+    return loaded
 
 
 def _produce_in_flight(

@@ -3,14 +3,20 @@
 Threads: the task thread owns the live dicts. ``snapshot`` (task thread) takes shallow
 copies — values are immutable ``bytes`` so a shallow copy is a consistent view — and
 ``MemorySnapshot.materialize`` (checkpoint thread) serializes and writes that view.
+
+Snapshot file: ``SLMEM2`` stores columns (every length, then every key and value
+back to back) so encoding and decoding are a few whole-column operations instead of a Python
+loop per entry; ``SLMEM1`` files (one record per entry) of earlier versions are still read.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterator
+from itertools import repeat
+from typing import TYPE_CHECKING
 
-from snapline.pipeline.checkpoint.storage import CheckpointStorage, crc32_checksum, verify_checksum
+from snapline.pipeline.checkpoint.storage import CheckpointStorage, verify_checksum
 from snapline.pipeline.errors import CorruptCheckpointError
 from snapline.pipeline.state.backend import (
     KeyedStateBackend,
@@ -19,46 +25,132 @@ from snapline.pipeline.state.backend import (
     StateHandle,
 )
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+# numpy and pyarrow (columns) load on first use, in a checkpoint, restore or savepoint: a
+# worker starts without them (part of recovery time).
+
 _MAGIC = b"SLMEM1\n"
+_MAGIC2 = b"SLMEM2\n"
 _U32 = struct.Struct(">I")
+#: SLMEM2 header: number of plain values, number of map entries.
+_COUNTS = struct.Struct("<QQ")
 _VALUE, _MAP = 0, 1
 STATE_FILE = "state-memory.bin"
 
 
 class MemorySnapshot(SnapshotHandle):
-    def __init__(self, values: dict[bytes, bytes], maps: dict[bytes, dict[bytes, bytes]]) -> None:
+    def __init__(
+        self,
+        values: dict[bytes, bytes],
+        maps: dict[bytes, dict[bytes, bytes]],
+        columns: tuple[pa.Array, pa.Array] | None = None,
+    ) -> None:
         self._values = values
         self._maps = maps
+        #: Plain values as (stored keys, values) columns, instead of ``values``.
+        self._columns = columns
 
     def encode(self) -> bytes:
-        pack = _U32.pack
-        parts: list[bytes] = [_MAGIC]
-        append = parts.append
-        for key, value in self._values.items():
-            append(b"\x00" + pack(len(key)) + key + pack(len(value)) + value)
+        return b"".join(self.encode_parts())
+
+    def encode_parts(self) -> list[memoryview]:
+        """``SLMEM2``: counts; the lengths (u32 little-endian) of the plain values' keys and
+        values, the map entries' prefixes, user keys and values; then those five columns.
+        Arrow builds each column's bytes and offsets in one pass."""
+        import numpy as np
+        import pyarrow as pa
+
+        from snapline.pipeline.state.columns import binary_buffers, bulk
+
+        prefixes: list[bytes] = []
+        user_keys: list[bytes] = []
+        map_values: list[bytes] = []
         for prefix, entries in self._maps.items():
-            for ukey, value in entries.items():
-                append(
-                    b"\x01"
-                    + pack(len(prefix))
-                    + prefix
-                    + pack(len(ukey))
-                    + ukey
-                    + pack(len(value))
-                    + value
-                )
-        return b"".join(parts)
+            prefixes.extend(repeat(prefix, len(entries)))
+            user_keys.extend(entries)
+            map_values.extend(entries.values())
+        with bulk():
+            plain = self._columns or (
+                pa.array(list(self._values), pa.large_binary()),
+                pa.array(list(self._values.values()), pa.large_binary()),
+            )
+            columns = [
+                *plain,
+                pa.array(prefixes, pa.large_binary()),
+                pa.array(user_keys, pa.large_binary()),
+                pa.array(map_values, pa.large_binary()),
+            ]
+        parts = [memoryview(_MAGIC2 + _COUNTS.pack(len(columns[0]), len(prefixes)))]
+        blobs = []
+        for column in columns:
+            offsets, data = binary_buffers(column)
+            parts.append(np.diff(offsets).astype("<u4").data)
+            blobs.append(data[offsets[0] : offsets[-1]].data)
+        return parts + blobs
 
     def materialize(self, storage: CheckpointStorage, directory: str) -> StateHandle:
-        data = self.encode()
         path = f"{directory}/{STATE_FILE}"
-        storage.write_bytes(path, data)
-        return StateHandle("memory", (StateFile(path, len(data), crc32_checksum(data)),))
+        size, checksum = storage.write_parts(path, self.encode_parts())
+        return StateHandle("memory", (StateFile(path, size, checksum),))
+
+
+def _read_columns(data: bytes, what: str) -> list[pa.Array]:
+    """The five columns of an ``SLMEM2`` file, zero-copy over ``data``."""
+    import numpy as np
+
+    from snapline.pipeline.state.columns import binary_from_parts
+
+    try:
+        n_values, n_maps = _COUNTS.unpack_from(data, len(_MAGIC2))
+        pos = len(_MAGIC2) + _COUNTS.size
+        lengths = []
+        for count in (n_values, n_values, n_maps, n_maps, n_maps):
+            lengths.append(np.frombuffer(data, dtype="<u4", count=count, offset=pos))
+            pos += 4 * count
+    except (struct.error, ValueError) as exc:
+        raise CorruptCheckpointError(f"{what} is truncated") from exc
+    view = memoryview(data)
+    columns = []
+    for column_lengths in lengths:
+        offsets = np.zeros(len(column_lengths) + 1, dtype=np.int64)
+        np.cumsum(column_lengths, out=offsets[1:])
+        total = int(offsets[-1])
+        if pos + total > len(data):
+            raise CorruptCheckpointError(f"{what} is truncated")
+        columns.append(binary_from_parts(offsets, view[pos : pos + total]))
+        pos += total
+    if pos != len(data):
+        raise CorruptCheckpointError(f"{what} has {len(data) - pos} bytes after its entries")
+    return columns
+
+
+def _decode_columns(
+    data: bytes, what: str
+) -> tuple[dict[bytes, bytes], dict[bytes, dict[bytes, bytes]]]:
+    from snapline.pipeline.state.columns import bulk
+
+    keys, values, prefixes, user_keys, map_values = _read_columns(data, what)
+    with bulk():
+        plain = dict(zip(keys.to_pylist(), values.to_pylist(), strict=True))
+        maps: dict[bytes, dict[bytes, bytes]] = {}
+        for prefix, user_key, value in zip(
+            prefixes.to_pylist(), user_keys.to_pylist(), map_values.to_pylist(), strict=True
+        ):
+            entries = maps.get(prefix)
+            if entries is None:
+                entries = maps[prefix] = {}
+            entries[user_key] = value
+    return plain, maps
 
 
 def decode_memory_snapshot(
     data: bytes, what: str
 ) -> tuple[dict[bytes, bytes], dict[bytes, dict[bytes, bytes]]]:
+
+    if data.startswith(_MAGIC2):
+        return _decode_columns(data, what)
     if not data.startswith(_MAGIC):
         raise CorruptCheckpointError(f"{what} is not a Snapline memory snapshot")
     values: dict[bytes, bytes] = {}
@@ -95,21 +187,61 @@ def decode_memory_snapshot(
 
 
 class MemoryStateBackend(KeyedStateBackend):
-    """All state of a task in two dicts: plain values and per-key maps."""
+    """All state of a task in two dicts: plain values and per-key maps.
+
+    A restore or a bulk load keeps plain values as Arrow columns until something reads or
+    writes single entries (then they move into the dict): a savepoint's export or load
+    followed by a snapshot never makes a Python object per entry.
+    """
 
     name = "memory"
 
     def __init__(self) -> None:
+
         self._values: dict[bytes, bytes] = {}
         self._maps: dict[bytes, dict[bytes, bytes]] = {}
+        #: Plain values as (stored keys, values) columns, newer than the dicts' entries.
+        self._columns: list[tuple[pa.Array, pa.Array]] = []
+
+    def _settle(self) -> None:
+        """Move the column entries into the dict (in order: later ones win)."""
+        from snapline.pipeline.state.columns import bulk
+
+        columns, self._columns = self._columns, []
+        with bulk():
+            for keys, values in columns:
+                self._values.update(zip(keys.to_pylist(), values.to_pylist(), strict=True))
+
+    def _only_columns(self) -> tuple[pa.Array, pa.Array] | None:
+        """All state as one pair of columns, when that is all there is and no key repeats."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if self._values or self._maps or not self._columns:
+            return None
+        if len(self._columns) == 1:
+            keys, values = self._columns[0]
+        else:
+            keys = pa.concat_arrays([k for k, _ in self._columns])
+            values = pa.concat_arrays([v for _, v in self._columns])
+        if len(keys) > 1 and pc.count_distinct(keys).as_py() != len(keys):
+            return None
+        self._columns = [(keys, values)]
+        return keys, values
 
     def get(self, key: bytes) -> bytes | None:
+        if self._columns:
+            self._settle()
         return self._values.get(key)
 
     def put(self, key: bytes, value: bytes) -> None:
+        if self._columns:
+            self._settle()
         self._values[key] = value
 
     def delete(self, key: bytes) -> None:
+        if self._columns:
+            self._settle()
         self._values.pop(key, None)
 
     def map_get(self, prefix: bytes, user_key: bytes) -> bytes | None:
@@ -136,6 +268,8 @@ class MemoryStateBackend(KeyedStateBackend):
         self._maps.pop(prefix, None)
 
     def delete_where(self, predicate: Callable[[bytes, bytes], bool]) -> int:
+        if self._columns:
+            self._settle()
         dead = [k for k, v in self._values.items() if predicate(k, v)]
         for key in dead:
             del self._values[key]
@@ -150,21 +284,72 @@ class MemoryStateBackend(KeyedStateBackend):
         return count
 
     def snapshot(self, checkpoint_id: int) -> MemorySnapshot:
+        columns = self._only_columns()
+        if columns is not None:
+            return MemorySnapshot({}, {}, columns)
+        if self._columns:
+            self._settle()
         return MemorySnapshot(self._values.copy(), {p: m.copy() for p, m in self._maps.items()})
 
     def restore(self, handle: StateHandle, storage: CheckpointStorage) -> None:
         (state_file,) = handle.files
         data = storage.read_bytes(state_file.path)
         verify_checksum(data, state_file.checksum, f"state file {state_file.path}")
+        self._columns = []
+        if data.startswith(_MAGIC2):
+            keys, values, prefixes, _, _ = _read_columns(data, state_file.path)
+            if not len(prefixes):  # the common case: no map state
+                self._values, self._maps = {}, {}
+                self._columns = [(keys, values)]
+                return
         self._values, self._maps = decode_memory_snapshot(data, state_file.path)
 
     def entry_count(self) -> int:
+        if self._columns:
+            self._settle()
         return len(self._values) + sum(len(m) for m in self._maps.values())
 
     def put_many(self, entries: list[tuple[bytes, bytes]]) -> None:
+        if self._columns:
+            self._settle()
         self._values.update(entries)
 
+    def export_arrays(self) -> tuple[pa.Array, pa.Array]:
+        import pyarrow as pa
+
+        from snapline.pipeline.state.columns import MAP_TAG, bulk
+
+        columns = self._only_columns()
+        if columns is not None:
+            return columns
+        if self._columns:
+            self._settle()
+        with bulk():
+            keys = pa.array(list(self._values), pa.binary())
+            values = pa.array(list(self._values.values()), pa.binary())
+        if not self._maps:
+            return keys, values
+        tag = bytes((MAP_TAG,))
+        map_keys = [p + tag + u for p, entries in self._maps.items() for u in entries]
+        map_values = [v for entries in self._maps.values() for v in entries.values()]
+        return (
+            pa.concat_arrays([keys, pa.array(map_keys, pa.binary())]),
+            pa.concat_arrays([values, pa.array(map_values, pa.binary())]),
+        )
+
+    def load_arrays(self, stored: pa.Array, values: pa.Array) -> None:
+        from snapline.pipeline.state.columns import map_entries
+
+        if map_entries(stored).any():
+            if self._columns:
+                self._settle()
+            super().load_arrays(stored, values)
+            return
+        self._columns.append((stored, values))
+
     def items(self) -> Iterator[tuple[bytes, bytes | None, bytes]]:
+        if self._columns:
+            self._settle()
         for key, value in self._values.items():
             yield key, None, value
         for prefix, entries in self._maps.items():

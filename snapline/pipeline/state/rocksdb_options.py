@@ -60,6 +60,10 @@ class RocksDBOptions:
     download_threads: int = 4
     #: Hard-link copies of the newest local checkpoints kept for local recovery.
     local_checkpoints_kept: int = 1
+    #: False for a scratch database that is read once or bulk-loaded (savepoint export and
+    #: restore): a restored checkpoint's L0 files would otherwise start a compaction that
+    #: competes with that work for the CPU and rewrites files about to be thrown away.
+    auto_compactions: bool = True
 
     def __post_init__(self) -> None:
         if self.compression not in _COMPRESSION:
@@ -138,6 +142,7 @@ def build_db_options(options: RocksDBOptions, shared: RocksDBResources | None) -
     opts.set_level_zero_file_num_compaction_trigger(options.level0_compaction_trigger)
     opts.set_compression_type(_COMPRESSION[options.compression]())
     opts.set_max_background_jobs(options.background_jobs)
+    opts.set_disable_auto_compactions(not options.auto_compactions)
     # RocksDB's info LOG gains ~9 KiB per checkpoint (one flush, one checkpoint): the one
     # series the 30-minute soak saw growing (to 26 MiB per worker with 8 MiB files). It rolls
     # at 1 MiB and two files are kept, so it levels off within minutes.
