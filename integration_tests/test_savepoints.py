@@ -165,6 +165,9 @@ def test_a_corrupt_savepoint_file_is_detected_by_its_checksum(
     job.workers[0].start()
     job.produce(5_000)
     wait_running(job)
+    # Stage 2 (the running total) holds state only once stage 1's first commit reached it:
+    # with every order processed, the savepoint surely has RunningTotal files to corrupt.
+    job.wait_until_caught_up()
     path = snapline(job, "savepoint", "create", SPEC, "--stop")
     assert job.workers[0].wait_exit(60) == 0
     victim = next(Path(path, "operators", "RunningTotal").glob("*.parquet"))
