@@ -115,6 +115,14 @@ SNAPLINE_STAGE_SYSTEMS: tuple[System, ...] = (
         "exactly_once",
     ),
     _system(
+        "snapline-2stage-memory-2w",
+        "Snapline 2-stage running total, memory, exactly-once, 2 worker processes",
+        "running_total_two_stages",
+        "memory",
+        "exactly_once",
+        workers=2,
+    ),
+    _system(
         "snapline-2stage-rocksdb",
         "Snapline 2-stage running total (key_by → repartition), rocksdb, exactly-once",
         "running_total_two_stages",
