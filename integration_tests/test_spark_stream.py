@@ -133,7 +133,7 @@ def test_streaming_running_total_exactly_once_across_driver_sigkills(
                 driver.start()
                 driver.wait_started(90)
                 job.produce(ORDERS_PER_ROUND)
-                time.sleep(rng.uniform(1.0, 15.0))  # in the first batch or after it
+                time.sleep(rng.uniform(1.0, 10.0))  # mostly inside the first batch (15-30 s)
                 driver.kill()
         driver.start()
         job.produce(ORDERS_PER_ROUND)
