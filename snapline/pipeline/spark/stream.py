@@ -71,7 +71,7 @@ def run_stream(
     from pyspark.sql import functions as F
 
     from snapline.pipeline.graph import load_pipeline
-    from snapline.pipeline.runtime.topics import TopicManager, pipeline_topics
+    from snapline.pipeline.runtime.topics import Role, TopicManager, pipeline_topics
     from snapline.pipeline.spark.jars import ensure_spark_kafka_jars
     from snapline.pipeline.spark.stream_commit import BatchCommitter
     from snapline.pipeline.spark.stream_ops import (
@@ -89,7 +89,9 @@ def run_stream(
     for sink in plan.sinks:
         sink.validate()
     where = str(kafka_config.get("bootstrap.servers"))
-    TopicManager(kafka_config, where).ensure(pipeline_topics(pipeline))
+    # A re-keying key_by is a Spark shuffle here: no repartition topic.
+    topics = [t for t in pipeline_topics(pipeline) if t.role is not Role.INTERNAL]
+    TopicManager(kafka_config, where).ensure(topics)
     committer = BatchCommitter(
         pipeline, plan.sinks, kafka_config, checkpoint_dir, checkpoint_location
     )
