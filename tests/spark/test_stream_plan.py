@@ -56,6 +56,20 @@ def test_running_total_maps_onto_two_parts() -> None:
     assert plan.sinks[0].name == "kafka:totals"
 
 
+def test_a_window_or_a_timer_function_runs_in_event_time() -> None:
+    p = _pipeline()
+    p.source(KafkaSource("a")).key_by().window(tumbling(1000)).count().sink(KafkaSink("o"))
+    plan = plan_stream(p)
+    assert [s.kind for s in plan.keyed] == ["pass", "window"]
+    assert plan.timed == plan.keyed[1].node_id
+    p = _pipeline()
+    p.source(KafkaSource("a")).key_by().process(WithTimer()).sink(KafkaSink("o"))
+    assert plan_stream(p).timed is not None
+    p = _pipeline()
+    p.source(KafkaSource("a")).key_by().process(Total()).sink(KafkaSink("o"))
+    assert plan_stream(p).timed is None
+
+
 def test_stateless_pipeline_has_no_keyed_part() -> None:
     p = _pipeline()
     p.source(KafkaSource("in")).map(lambda v: v).sink(KafkaSink("out"))
@@ -73,9 +87,10 @@ def test_stateless_pipeline_has_no_keyed_part() -> None:
                 .key_by()
                 .window(tumbling(1000))
                 .count()
+                .process(WithTimer())
                 .sink(KafkaSink("o"))
             ),
-            "window",
+            "2 operators with timers",
         ),
         (
             lambda p: (
@@ -87,10 +102,6 @@ def test_stateless_pipeline_has_no_keyed_part() -> None:
                 .sink(KafkaSink("o"))
             ),
             "second key_by",
-        ),
-        (
-            lambda p: p.source(KafkaSource("a")).key_by().process(WithTimer()).sink(KafkaSink("o")),
-            "on_timer",
         ),
         (
             lambda p: (
@@ -113,7 +124,7 @@ def test_stateless_pipeline_has_no_keyed_part() -> None:
             "sink before key_by",
         ),
     ],
-    ids=["window", "two-stages", "timers", "union", "sink-before-key_by"],
+    ids=["two-timed", "two-stages", "union", "sink-before-key_by"],
 )
 def test_what_cannot_map_is_refused_at_start(build: Any, message: str) -> None:
     p = _pipeline()

@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from snapline.pipeline.errors import ConfigurationError
 
@@ -145,8 +145,17 @@ def run_stream(
             out = raw.mapInArrow(first_part(spec), OUT_SCHEMA)
         else:
             keyed = raw.mapInArrow(first_part(spec), KEYED_SCHEMA)
+            time_mode = "None"
+            if plan.timed is not None:
+                # Event time for windows and timers: Spark's watermark trails the largest event
+                # time seen by the source's max_out_of_orderness.
+                delay = cast(int, source.max_out_of_orderness)
+                keyed = keyed.withColumn("event_time", F.timestamp_millis("ts")).withWatermark(
+                    "event_time", f"{delay} milliseconds"
+                )
+                time_mode = "EventTime"
             out = keyed.groupBy("key").transformWithState(
-                keyed_processor(spec), OUT_SCHEMA, "Append", "None"
+                keyed_processor(spec), OUT_SCHEMA, "Append", time_mode
             )
         writer = (
             out.writeStream.foreachBatch(committer)

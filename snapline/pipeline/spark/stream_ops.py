@@ -10,7 +10,9 @@ binary value, one Spark entry per entry); ``ValueState``, ``ListState``, ``Reduc
 hold (the descriptor's serde; a list as one value). TTL stays Snapline's (an expiry stamp in the
 bytes) with the micro-batch's timestamp as processing time, so a re-run batch sees the same
 clock. Value states are read once per key and batch and written back at the end of the key's
-rows.
+rows. Event-time timers (``ctx.timers``) are Spark timers of the grouping key
+(``SparkTimers``); a window is Snapline's ``WindowOperator`` over ``SparkKeyedState`` with
+those timers, its results coming out of ``handleExpiredTimer``.
 
 Rows cross Spark as pickled Python values (Spark pickles Python rows between its workers
 anyway; they live for one batch and never reach checkpoint storage) plus their source position,
@@ -24,6 +26,7 @@ from __future__ import annotations
 import copy
 import pickle
 import re
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -260,10 +263,101 @@ class _FirstPart:
         ]
 
 
+class SparkTimers:
+    """The ``TimerService`` API (``ctx.timers``) over Spark's event-time timers of the current
+    grouping key. Processing-time timers are not mapped: registering one fails with a message
+    (Spark runs a query's timers in one time mode)."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self.watermark = -(1 << 63)
+        self.now = 0
+
+    def current_watermark(self) -> int:
+        return self.watermark
+
+    def current_processing_time(self) -> int:
+        return self.now
+
+    def register_event_time(self, timestamp: int) -> None:
+        if not isinstance(timestamp, int) or isinstance(timestamp, bool):
+            raise TypeError(f"timer timestamp {timestamp!r} must be int milliseconds")
+        self._handle.registerTimer(timestamp)
+
+    def delete_event_time(self, timestamp: int) -> None:
+        self._handle.deleteTimer(timestamp)
+
+    def register_processing_time(self, timestamp: int) -> None:
+        raise StateError(
+            "processing-time timers are not mapped onto Spark (the query runs its timers in "
+            "event time); use event-time timers or run the pipeline as services"
+        )
+
+    def delete_processing_time(self, timestamp: int) -> None:
+        self.register_processing_time(timestamp)
+
+
+class _WindowTask:
+    """What a WindowOperator uses of its task, inside Spark: the watermark, the clock and the
+    dead letters of the record being processed (late records)."""
+
+    def __init__(self, task_id: str, fail: bool) -> None:
+        self.task_id = task_id
+        self.epoch = 0
+        self.watermark = -(1 << 63)
+        self.sink_results: dict[str, Any] = {}
+        self.fail = fail
+        self.dead: list[str] = []
+        self.now = 0
+
+    def now_ms(self) -> int:
+        return self.now
+
+    def dead_letter(self, record: Any, reason: str, value: bytes | None = None) -> None:
+        where = f"{record.topic}[{record.partition}]@{record.offset}"
+        self.dead.append(_dead(reason, self.fail, where))
+
+
+def _window_step(op: Any, collected: list[Any], ctx: Context, keys: dict[str, Any]) -> Any:
+    """A chain step function that runs one value through a WindowOperator."""
+    from snapline.pipeline.record import Record
+
+    def push(value: Any) -> list[Any]:
+        record = Record(
+            value,
+            ctx.timestamp,
+            ctx.topic,
+            ctx.partition,
+            ctx.offset,
+            ctx.key,
+            keys["bytes"],
+            keys["group"],
+        )
+        op.process([record])
+        out = [r.value for r in collected]
+        collected.clear()
+        return out
+
+    return push
+
+
 def keyed_processor(spec: str) -> Any:
     """A ``StatefulProcessor`` running the keyed part of ``spec`` (see module)."""
     from pyspark.sql import Row
     from pyspark.sql.streaming import StatefulProcessor
+
+    from snapline.pipeline.keygroups import state_key_prefix
+    from snapline.pipeline.runtime.operators import Operator
+    from snapline.pipeline.runtime.window_operator import WindowOperator
+    from snapline.pipeline.windows import SlidingWindows
+
+    class _Collect(Operator):
+        def __init__(self, task: Any, into: list[Any]) -> None:
+            super().__init__(task, "collect")
+            self.into = into
+
+        def process(self, records: list[Any]) -> None:
+            self.into.extend(records)
 
     class KeyedChain(StatefulProcessor):
         def init(self, handle: Any) -> None:
@@ -273,11 +367,13 @@ def keyed_processor(spec: str) -> Any:
             plan: StreamPlan = plan_stream(pipeline)
             self.plan = plan
             self.fail = pipeline.on_error == "fail"
+            self.maxp = pipeline.max_parallelism
             uids = pipeline.operator_uids()
             state_ids = pipeline.state_ids()
             values: dict[int, Any] = {}
             maps: dict[int, Any] = {}
-            for node_id in plan.process_ids:
+            stateful = [s.node_id for s in plan.keyed if s.kind in ("process", "window")]
+            for node_id in stateful:
                 for sid, desc in state_ids[node_id]:
                     if isinstance(desc, TimerState):
                         continue
@@ -289,6 +385,10 @@ def keyed_processor(spec: str) -> Any:
             self.backend = SparkKeyedState(values, maps)
             self.scope = KeyScope()
             self.ctx = Context(f"spark-stream-{pipeline.name}")
+            self.timers = SparkTimers(handle)
+            self.window_task = _WindowTask(self.ctx.task_id, self.fail)
+            self.keys: dict[str, Any] = {"bytes": b"", "group": 0}
+            self.window: tuple[Any, list[Any]] | None = None
             by_id = {n.id: n for n in pipeline.nodes}
             self.fns: list[Any] = []
             for step in plan.keyed:
@@ -301,22 +401,46 @@ def keyed_processor(spec: str) -> Any:
                         assert desc.attribute is not None
                         fn.__dict__[desc.attribute] = desc.bind(self.backend, self.scope, sid)
                     fn.open(self.ctx.task_id)
+                elif step.kind == "window":
+                    collected: list[Any] = []
+                    op = WindowOperator(
+                        self.window_task,  # type: ignore[arg-type]
+                        by_id[step.node_id].name,
+                        fn,
+                        state_ids[step.node_id],
+                        self.backend,
+                        self.maxp,
+                        timers=self.timers,  # type: ignore[arg-type]
+                    )
+                    op.downstream.append(_Collect(self.window_task, collected))
+                    self.window = (op, collected)
+                    fn = _window_step(op, collected, self.ctx, self.keys)
                 self.fns.append(fn)
+            self.ctx.timers = self.timers  # type: ignore[assignment]
+
+        def _enter(self, key: Any, timer_values: Any) -> tuple[bytes, Any]:
+            tagged = bytes(key[0])
+            k, kb = untag_key(tagged)
+            self.scope.prefix = b""
+            self.scope.key = self.ctx.key = k
+            self.keys["bytes"], self.keys["group"] = kb, zlib.crc32(kb) % self.maxp
+            watermark = -(1 << 63)
+            if timer_values is not None and self.plan.timed is not None:
+                watermark = timer_values.getCurrentWatermarkInMs()
+            self.ctx.watermark = self.timers.watermark = self.window_task.watermark = watermark
+            return tagged, k
 
         def handleInputRows(self, key: Any, rows: Iterator[Any], timerValues: Any) -> Any:
-            tagged = bytes(key[0])
             ordered = sorted(rows, key=lambda r: (r.topic, r.partition, r.offset, r.seq))
-            if tagged == DEAD_KEY:
+            if bytes(key[0]) == DEAD_KEY:
                 for r in ordered:
                     yield _out(Row, r, -1, 0, None, r.raw, r.reason)
                 return
-            k, _ = untag_key(tagged)
+            tagged, _ = self._enter(key, timerValues)
             scope, ctx = self.scope, self.ctx
-            scope.prefix = b""
-            scope.key = ctx.key = k
             try:
                 for r in ordered:
-                    scope.now = r.now
+                    scope.now = self.timers.now = self.window_task.now = r.now
                     ctx.timestamp, ctx.topic = r.ts, r.topic
                     ctx.partition, ctx.offset = r.partition, r.offset
                     outs: list[tuple[int, Any]] = []
@@ -327,13 +451,55 @@ def keyed_processor(spec: str) -> Any:
                     except Exception as exc:
                         where = f"{r.topic}[{r.partition}]@{r.offset}"
                         reason = _dead(f"{where}: {exc!r}", self.fail, where)
+                        self.window_task.dead.clear()
                         yield _out(Row, r, -1, 0, tagged, r.raw, reason)
                         continue
+                    for reason in self.window_task.dead:
+                        yield _out(Row, r, -1, 0, tagged, r.raw, reason)
+                    self.window_task.dead.clear()
                     for n, (sink, v) in enumerate(outs):
                         yield _out(Row, r, sink, n, tagged, pickle.dumps(v), None)
                 self.backend.flush()
             finally:
                 scope.prefix = None
+
+        def handleExpiredTimer(self, key: Any, timerValues: Any, expiredTimerInfo: Any) -> Any:
+            ts = expiredTimerInfo.getExpiryTimeInMs()
+            tagged, k = self._enter(key, timerValues)
+            index = next(i for i, s in enumerate(self.plan.keyed) if s.node_id == self.plan.timed)
+            step = self.plan.keyed[index]
+            ctx = self.ctx
+            ctx.timestamp, ctx.topic, ctx.partition, ctx.offset = ts, "", -1, -1
+            try:
+                if step.kind == "window":
+                    assert self.window is not None
+                    op, collected = self.window
+                    kb, group = self.keys["bytes"], self.keys["group"]
+                    op._scope.prefix = state_key_prefix(group, kb)
+                    op._scope.key = k
+                    if isinstance(op._assigner, SlidingWindows):
+                        op._on_sliding_timer(ts, k, kb, group)
+                    else:
+                        op._on_window_timer(ts, k, kb, group)
+                    op._scope.prefix = None
+                    op._flush()
+                    values = [r.value for r in collected]
+                    collected.clear()
+                else:
+                    ctx.time_domain = "event"
+                    values = list(self.fns[index].on_timer(ts, ctx) or ())
+                    ctx.time_domain = None
+                outs: list[tuple[int, Any]] = []
+                for value in values:
+                    for sink in step.sinks:
+                        outs.append((sink, value))
+                    run_chain(self.plan.keyed, self.fns, value, ctx, _adder(outs), start=index + 1)
+                self.backend.flush()
+            finally:
+                self.scope.prefix = None
+            timer = _TimerRow(ts, self.keys["bytes"])
+            for n, (sink, v) in enumerate(outs):
+                yield _out(Row, timer, sink, n, tagged, pickle.dumps(v), None)
 
         def close(self) -> None:
             for step, fn in zip(self.plan.keyed, self.fns, strict=True):
@@ -341,6 +507,18 @@ def keyed_processor(spec: str) -> Any:
                     fn.close()
 
     return KeyedChain()
+
+
+class _TimerRow:
+    """The position of a timer's outputs: after the records of its batch, in time order."""
+
+    def __init__(self, ts: int, key_bytes: bytes) -> None:
+        self.topic = "~timer"
+        self.partition = -1
+        self.offset = ts
+        self.seq = 0
+        self.ts = ts
+        self.raw_key = key_bytes
 
 
 def _adder(outs: list[tuple[int, Any]]) -> Callable[[int, Any], None]:

@@ -5,10 +5,12 @@ A supported pipeline is one Kafka source, a chain of stateless operators, at mos
 ``key_by`` and after it a chain of keyed process functions and stateless operators, with sinks
 hanging off any operator of the last chain (or of the only chain, without ``key_by``):
 
-    source → (map | filter | flat_map)* → key_by → (process | map | filter | flat_map)* ; sinks
+    source → (map | filter | flat_map)* → key_by → (process | window | map | filter | flat_map)*
 
 The part before ``key_by`` runs per micro-batch on the executors; the part after it runs per
-key through ``transformWithState``. ``run_chain`` pushes one value through a part.
+key through ``transformWithState``. At most one operator of it may use event-time timers (a
+window, or a process function implementing ``on_timer``): Spark keeps one set of timers per
+key. ``run_chain`` pushes one value through a part.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class StreamPlan:
     #: After ``key_by`` (starts with its "pass" step); empty without ``key_by``.
     keyed: tuple[Step, ...]
     sinks: tuple[Sink, ...]
+    #: The one keyed operator with event-time timers (a window, or a process function that
+    #: implements on_timer), or None: the query then runs without event time.
+    timed: int | None = None
 
     @property
     def process_ids(self) -> tuple[int, ...]:
@@ -106,30 +111,40 @@ def plan_stream(pipeline: Pipeline) -> StreamPlan:
             kind = "pass"
         elif kind == "process":
             _check_process(node.fn, node.name)
-        elif kind == "window":
-            raise _refuse(
-                f"the window {node.name!r}",
-                "windows need event-time timers, which the streaming runner does not map "
-                "onto Spark yet; run the pipeline as services or with snapline spark run",
-            )
-        elif kind not in STATELESS:
+        elif kind != "window" and kind not in STATELESS:
             raise _refuse(f"the operator {node.name!r} ({kind})", "run it as services")
     if key_by is not None and any(s.sinks for s in pre):
         raise _refuse(
             "a sink before key_by",
             "sinks may only follow the keyed part; put the sink after key_by(...)",
         )
-    return StreamPlan(sources[0].fn, tuple(pre), key_by, tuple(keyed), tuple(sinks))
+    by_id = {n.id: n for n in pipeline.nodes}
+    timed = [s for s in keyed if s.kind == "window" or _has_timers(by_id[s.node_id].fn)]
+    if len(timed) > 1:
+        raise _refuse(
+            f"{len(timed)} operators with timers ({[by_id[s.node_id].name for s in timed]})",
+            "Spark keeps one set of timers per key, so one window or on_timer function per "
+            "pipeline; split the pipeline or run it as services",
+        )
+    return StreamPlan(
+        sources[0].fn,
+        tuple(pre),
+        key_by,
+        tuple(keyed),
+        tuple(sinks),
+        timed[0].node_id if timed else None,
+    )
+
+
+def _has_timers(fn: Any) -> bool:
+    return isinstance(fn, KeyedProcessFunction) and (
+        type(fn).on_timer is not KeyedProcessFunction.on_timer
+    )
 
 
 def _check_process(function: Any, name: str) -> None:
     if not isinstance(function, KeyedProcessFunction):
         raise _refuse(f"{name!r}", "only KeyedProcessFunction is supported")
-    if type(function).on_timer is not KeyedProcessFunction.on_timer:
-        raise _refuse(
-            f"{name!r}, which implements on_timer",
-            "timers are not mapped onto Spark timers yet; run the pipeline as services",
-        )
 
 
 def run_chain(
@@ -139,10 +154,12 @@ def run_chain(
     ctx: Context | None,
     emit_sink: Callable[[int, Any], None],
     emit_end: Callable[[Any], None] | None = None,
+    start: int = 0,
 ) -> None:
-    """Push ``value`` through ``steps`` (``functions[i]`` is step i's function or bound
-    process function): every output goes to the sinks of its step and on to the next step;
-    what leaves the last step goes to ``emit_end`` (the key_by) when given."""
+    """Push ``value`` through ``steps[start:]`` (``functions[i]`` is step i's function, bound
+    process function, or for a window a function from a value to the window's outputs): every
+    output goes to the sinks of its step and on to the next step; what leaves the last step
+    goes to ``emit_end`` (the key_by) when given."""
 
     def push(i: int, v: Any) -> None:
         if i == len(steps):
@@ -158,7 +175,7 @@ def run_chain(
             outs = (fn(v),)
         elif step.kind == "filter":
             outs = (v,) if fn(v) else ()
-        elif step.kind == "flat_map":
+        elif step.kind in ("flat_map", "window"):
             outs = fn(v) or ()
         else:
             outs = fn.process(v, ctx) or ()
@@ -167,4 +184,4 @@ def run_chain(
                 emit_sink(sink, out)
             push(i + 1, out)
 
-    push(0, value)
+    push(start, value)
