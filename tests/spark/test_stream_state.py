@@ -1,7 +1,8 @@
 """The state mapping of ``snapline spark stream``: Snapline's five state types on Spark's state
-variables (MapState on a Spark MapState, the others on a Spark ValueState each), driven
-through the keyed processor as Spark's transformWithState drives it, with a small in-memory
-stand-in for Spark's state handle (the real one runs in integration_tests/test_spark_stream.py).
+variables (MapState on a Spark MapState, the others on a Spark ValueState each), event-time
+timers and windows on Spark timers, driven through the keyed processor as Spark's
+transformWithState drives it, with a small in-memory stand-in for Spark's state handle (the
+real one runs in integration_tests/test_spark_stream.py).
 """
 
 from __future__ import annotations
@@ -78,13 +79,21 @@ def _module() -> str:
 
 
 class _Handle:
-    """Spark's StatefulProcessorHandle in memory: state variables scoped to ``self.key``."""
+    """Spark's StatefulProcessorHandle in memory: state variables and timers scoped to
+    ``self.key``."""
 
     def __init__(self) -> None:
         self.key: Any = None
         self.data: dict[tuple[str, Any], Any] = {}
         self.created: dict[str, str] = {}
         self.calls = 0
+        self.timers: set[tuple[Any, int]] = set()
+
+    def registerTimer(self, ts: int) -> None:
+        self.timers.add((self.key, ts))
+
+    def deleteTimer(self, ts: int) -> None:
+        self.timers.discard((self.key, ts))
 
     def getValueState(self, name: str, schema: str) -> Any:
         self.created[name] = "value"
@@ -223,3 +232,100 @@ def test_user_code_error_becomes_a_dead_letter_row(
     handle.key = "a"
     (out,) = list(processor.handleInputRows((bad.key,), iter([bad]), None))
     assert out.sink == -1 and "KeyError" in out.reason and out.value == b"{}"
+
+
+class _Watermark:
+    def __init__(self, watermark: int) -> None:
+        self.watermark = watermark
+
+    def getCurrentWatermarkInMs(self) -> int:
+        return self.watermark
+
+
+class _Expired:
+    def __init__(self, ts: int) -> None:
+        self.ts = ts
+
+    def getExpiryTimeInMs(self) -> int:
+        return self.ts
+
+
+def _windows_module() -> str:
+    from snapline import tumbling
+
+    name = "_snapline_stream_window_test"
+    module = types.ModuleType(name)
+    pipeline = Pipeline("window-map")
+    (
+        pipeline.source(KafkaSource("in"))
+        .key_by()
+        .window(tumbling(1000))
+        .count()
+        .map(lambda r: {"key": r["key"], "start": r["start"], "n": r["value"]})
+        .sink(KafkaSink("out"))
+    )
+    module.pipeline = pipeline  # type: ignore[attr-defined]
+    sys.modules[name] = module
+    return f"{name}:pipeline"
+
+
+def _ts_row(key: str, offset: int, ts: int) -> Row:
+    return Row(**{**_row(key, offset, 1, "x").asDict(), "ts": ts})
+
+
+def test_a_window_registers_spark_timers_and_emits_when_they_fire() -> None:
+    processor = keyed_processor(_windows_module())
+    handle = _Handle()
+    processor.init(handle)
+    handle.key = "a"
+    tagged = tag_key("a", b"a")
+    rows = [_ts_row("a", 0, 100), _ts_row("a", 1, 900), _ts_row("a", 2, 1500)]
+    assert list(processor.handleInputRows((tagged,), iter(rows), _Watermark(0))) == []
+    assert handle.timers == {("a", 999), ("a", 1999)}  # each window's last millisecond
+    out = list(processor.handleExpiredTimer((tagged,), _Watermark(1200), _Expired(999)))
+    assert [pickle.loads(r.value) for r in out] == [{"key": "a", "start": 0, "n": 2}]
+    assert out[0].topic == "~timer" and out[0].offset == 999  # after the batch's records
+    # A record for a window the watermark passed is late: a dead letter with the reason.
+    late = list(
+        processor.handleInputRows((tagged,), iter([_ts_row("a", 3, 500)]), _Watermark(1200))
+    )
+    assert [r.sink for r in late] == [-1] and "late record" in late[0].reason
+
+
+class Reminder(KeyedProcessFunction):
+    """Remembers the last amount; an event-time timer 100 ms later emits it."""
+
+    last = ValueState("last")
+
+    def process(self, value: dict[str, Any], ctx: Context) -> Any:
+        self.last.update(value["amount"])
+        assert ctx.timers is not None
+        ctx.timers.register_event_time(ctx.timestamp + 100)
+        return None
+
+    def on_timer(self, timestamp: int, ctx: Context) -> Any:
+        yield {
+            "key": ctx.key,
+            "at": timestamp,
+            "last": self.last.value(),
+            "domain": ctx.time_domain,
+        }
+
+
+def test_on_timer_runs_from_spark_expired_timers_with_the_keys_state() -> None:
+    name = "_snapline_stream_timer_test"
+    module = types.ModuleType(name)
+    pipeline = Pipeline("timer-map")
+    pipeline.source(KafkaSource("in")).key_by().process(Reminder()).sink(KafkaSink("out"))
+    module.pipeline = pipeline  # type: ignore[attr-defined]
+    sys.modules[name] = module
+    processor = keyed_processor(f"{name}:pipeline")
+    handle = _Handle()
+    processor.init(handle)
+    handle.key = "b"
+    tagged = tag_key("b", b"b")
+    rows = [_ts_row("b", 0, 1000), _ts_row("b", 1, 1050)]
+    assert list(processor.handleInputRows((tagged,), iter(rows), _Watermark(0))) == []
+    assert handle.timers == {("b", 1100), ("b", 1150)}
+    (out,) = processor.handleExpiredTimer((tagged,), _Watermark(1120), _Expired(1100))
+    assert pickle.loads(out.value) == {"key": "b", "at": 1100, "last": 1, "domain": "event"}
