@@ -329,3 +329,31 @@ def test_on_timer_runs_from_spark_expired_timers_with_the_keys_state() -> None:
     assert handle.timers == {("b", 1100), ("b", 1150)}
     (out,) = processor.handleExpiredTimer((tagged,), _Watermark(1120), _Expired(1100))
     assert pickle.loads(out.value) == {"key": "b", "at": 1100, "last": 1, "domain": "event"}
+
+
+class ProcessingTimer(KeyedProcessFunction):
+    def process(self, value: dict[str, Any], ctx: Context) -> Any:
+        assert ctx.timers is not None
+        ctx.timers.register_processing_time(1)
+        return None
+
+    def on_timer(self, timestamp: int, ctx: Context) -> Any:
+        return None
+
+
+def test_a_processing_time_timer_fails_the_query_with_a_message() -> None:
+    from snapline.pipeline.spark.stream_ops import UnmappedTimerError
+
+    name = "_snapline_stream_ptimer_test"
+    module = types.ModuleType(name)
+    pipeline = Pipeline("ptimer")
+    pipeline.source(KafkaSource("in")).key_by().process(ProcessingTimer()).sink(KafkaSink("o"))
+    module.pipeline = pipeline  # type: ignore[attr-defined]
+    sys.modules[name] = module
+    processor = keyed_processor(f"{name}:pipeline")
+    handle = _Handle()
+    processor.init(handle)
+    handle.key = "c"
+    rows = iter([_ts_row("c", 0, 10)])
+    with pytest.raises(UnmappedTimerError, match="processing-time timers are not mapped"):
+        list(processor.handleInputRows((tag_key("c", b"c"),), rows, _Watermark(0)))

@@ -238,6 +238,8 @@ class BatchCommitter:
         self._output.produce(epoch, self.pipeline.dead_letter_topic, value, key, headers)
 
     def _sink_dead_letter(self, record: Record, reason: str, epoch: int) -> None:
+        if self.pipeline.on_error == "fail":
+            raise SinkError(f"{reason} (pipeline on_error='fail')")
         try:
             value = orjson.dumps(record.value, default=str)
         except TypeError:

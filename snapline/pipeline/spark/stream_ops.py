@@ -263,6 +263,10 @@ class _FirstPart:
         ]
 
 
+class UnmappedTimerError(StateError):
+    """A processing-time timer on Spark: fails the query (never a dead letter)."""
+
+
 class SparkTimers:
     """The ``TimerService`` API (``ctx.timers``) over Spark's event-time timers of the current
     grouping key. Processing-time timers are not mapped: registering one fails with a message
@@ -288,7 +292,7 @@ class SparkTimers:
         self._handle.deleteTimer(timestamp)
 
     def register_processing_time(self, timestamp: int) -> None:
-        raise StateError(
+        raise UnmappedTimerError(
             "processing-time timers are not mapped onto Spark (the query runs its timers in "
             "event time); use event-time timers or run the pipeline as services"
         )
@@ -448,6 +452,8 @@ def keyed_processor(spec: str) -> Any:
                         run_chain(
                             self.plan.keyed, self.fns, pickle.loads(r.value), ctx, _adder(outs)
                         )
+                    except UnmappedTimerError:
+                        raise
                     except Exception as exc:
                         where = f"{r.topic}[{r.partition}]@{r.offset}"
                         reason = _dead(f"{where}: {exc!r}", self.fail, where)
