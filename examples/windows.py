@@ -20,7 +20,9 @@ to a Parquet table at ``$SNAPLINE_WAREHOUSE`` and to the PostgreSQL table
 Environment (for tests and the demo): ``SNAPLINE_EXAMPLE_PREFIX``, ``SNAPLINE_EXAMPLE_JOB``,
 ``SNAPLINE_EXAMPLE_INTERVAL`` (checkpoint interval, s), ``SNAPLINE_EXAMPLE_BACKEND``,
 ``SNAPLINE_WINDOW_MS`` (60000), ``SNAPLINE_SESSION_GAP_MS`` (30000),
-``SNAPLINE_OUT_OF_ORDERNESS_MS`` (5000), ``SNAPLINE_IDLE_TIMEOUT`` (s, 30).
+``SNAPLINE_OUT_OF_ORDERNESS_MS`` (5000), ``SNAPLINE_IDLE_TIMEOUT`` (s, 30),
+``SNAPLINE_EXAMPLE_SESSIONS=0`` (no session window: one window, as ``snapline spark stream``
+runs it).
 
 Run: ``snapline run examples.windows:pipeline``.
 """
@@ -105,11 +107,12 @@ def build() -> Pipeline:
                 columns=["customer", "window_start", "window_end", "orders", "amount"],
             )
         )
-    (
-        by_customer.window(session(int(env("SNAPLINE_SESSION_GAP_MS", "30000"))))
-        .count()
-        .sink(KafkaSink(f"{prefix}sessions"))
-    )
+    if env("SNAPLINE_EXAMPLE_SESSIONS", "1") != "0":  # 0: one window (snapline spark stream)
+        (
+            by_customer.window(session(int(env("SNAPLINE_SESSION_GAP_MS", "30000"))))
+            .count()
+            .sink(KafkaSink(f"{prefix}sessions"))
+        )
     return pipeline
 
 

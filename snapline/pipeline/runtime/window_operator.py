@@ -49,7 +49,10 @@ class WindowOperator(Operator):
         states: list[tuple[int, StateDescriptor]],
         backend: KeyedStateBackend,
         max_parallelism: int,
+        timers: TimerService | None = None,
     ) -> None:
+        """``timers``: the timer service to use instead of one over the backend's timer state
+        (the Spark streaming runner passes Spark's timers)."""
         super().__init__(task, name)
         self._spec = spec
         self._assigner = spec.assigner
@@ -57,9 +60,10 @@ class WindowOperator(Operator):
         self._lateness = spec.allowed_lateness
         self._scope = KeyScope()
         self._windows: BoundMapState | None = None
-        timers: TimerService | None = None
         for state_id, desc in states:
             if isinstance(desc, TimerState):
+                if timers is not None:
+                    continue
                 timers = TimerService(
                     desc.bind(backend, self._scope, state_id), self._scope, max_parallelism
                 )

@@ -1,4 +1,5 @@
-"""``snapline spark run``: a bounded run of a pipeline on Spark (see ``bounded``).
+"""``snapline spark run``: a bounded run of a pipeline on Spark (see ``bounded``);
+``snapline spark stream``: a continuous Structured Streaming query (see ``stream``).
 
 Threads: the CLI's main thread (the Spark driver).
 """
@@ -87,3 +88,77 @@ def run(
         err=True,
     )
     click.echo(result.savepoint)
+
+
+@spark.command("stream")
+@click.argument("spec")
+@click.option(
+    "--checkpoint-location",
+    required=True,
+    help="Spark's checkpoint location of the query (offsets, commits, state store); restart "
+    "with the same location to continue exactly-once.",
+)
+@click.option(
+    "--trigger",
+    default="processing-time=5s",
+    show_default=True,
+    help="processing-time=<n>s|<n>ms (a micro-batch every interval) or available-now "
+    "(what is there at start, then stop).",
+)
+@click.option("--master", default="local[2]", show_default=True, help="Spark master URL.")
+@click.option(
+    "--max-records-per-batch",
+    type=int,
+    default=None,
+    help="Bound of the source records of one micro-batch (Spark's maxOffsetsPerTrigger).",
+)
+@click.option(
+    "--state-partitions",
+    type=int,
+    default=4,
+    show_default=True,
+    help="Partitions of the keyed state (fixed by the query's first run).",
+)
+@click.option("--bootstrap-servers", envvar="SNAPLINE_BOOTSTRAP_SERVERS", required=True)
+@click.option("--checkpoint-dir", envvar="SNAPLINE_CHECKPOINT_DIR", default=None)
+def stream(
+    spec: str,
+    checkpoint_location: str,
+    trigger: str,
+    master: str,
+    max_records_per_batch: int | None,
+    state_partitions: int,
+    bootstrap_servers: str,
+    checkpoint_dir: str | None,
+) -> None:
+    """Run the pipeline SPEC continuously as a Spark Structured Streaming query, exactly-once
+    into its sinks across restarts from its checkpoint location."""
+    sys.path.insert(0, os.getcwd())
+    import logging
+
+    from snapline.pipeline.graph import load_pipeline
+    from snapline.pipeline.spark.stream import Trigger, run_stream
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("py4j").setLevel(logging.WARNING)
+
+    try:
+        pipeline = load_pipeline(spec)
+        directory = (
+            checkpoint_dir or pipeline.checkpoint_dir or os.path.join(".snapline", "checkpoints")
+        )
+        run_stream(
+            spec,
+            {"bootstrap.servers": bootstrap_servers, **pipeline.kafka_config},
+            directory,
+            checkpoint_location,
+            trigger=Trigger.parse(trigger),
+            master=master,
+            max_records_per_batch=max_records_per_batch,
+            state_partitions=state_partitions,
+            progress=lambda message: click.echo(f"[spark] {message}", err=True),
+        )
+    except SnaplineError as exc:
+        raise click.ClickException(str(exc)) from exc

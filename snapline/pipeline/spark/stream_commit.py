@@ -1,0 +1,289 @@
+"""Exactly-once sinks of ``snapline spark stream``: ``foreachBatch`` commits each micro-batch
+with the batch id as the idempotence key, with the services' two-phase-commit protocol.
+
+Spark writes a batch's offsets to ``<checkpoint location>/offsets`` before running it and
+marks it done in ``commits`` only after ``foreachBatch`` returned; a driver that dies in
+between re-runs the same batch id over the same offsets from the previous state-store version
+after a restart, so a batch may reach ``foreachBatch`` twice, with the same rows. Epoch
+``e = batch id + 1`` is committed like a services checkpoint:
+
+1. every sink writer gets the batch's rows; the sinks pre-commit (Parquet stages files,
+   PostgreSQL stages rows) and their results go to ``<checkpoint dir>/<job>/spark-stream/
+   <query>/<e>.json``;
+2. one Kafka transaction carries the batch's Kafka output and the offset ``e`` of the ledger
+   group ``snapline-spark-stream-<job>-<query>`` on the job's control topic: the commit point;
+3. Parquet publishes and PostgreSQL applies its upsert fenced by ``e``.
+
+At start the driver calls ``init_transactions`` with the query's ``transactional.id``, which
+fences every earlier driver of the query (its open transaction is aborted, it can never commit),
+then reads the ledger: epoch ``L`` is the last committed one. The sinks recover ``L``
+(re-publish what its pre-commit record lists; discard staged data that ``L`` proves dead), and
+a batch with ``e <= L`` writes nothing (it is the re-run of a batch committed before the
+crash). ``<query>`` is Spark's query id (the checkpoint location's ``metadata``), so a new query
+(a new or emptied location) starts a fresh ledger.
+
+Threads: the Spark driver's ``foreachBatch`` thread calls ``commit_batch``; ``open`` runs on
+the main thread before the query starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from snapline.pipeline.errors import SinkError
+from snapline.pipeline.formats import untag_key
+from snapline.pipeline.record import Record
+from snapline.pipeline.sink import SinkContext, SinkWriter
+from snapline.pipeline.spark.stream_ops import OUT_FIELDS
+
+log = logging.getLogger(__name__)
+
+#: Group-coordinator errors a fresh or busy broker answers with for a while.
+_COORDINATOR_ERRORS = (14, 15, 16)  # COORDINATOR_LOAD_IN_PROGRESS, _NOT_AVAILABLE, NOT_COORDINATOR
+
+
+def query_id(checkpoint_location: str) -> str:
+    """The id of the query at ``checkpoint_location``: Spark's own query id, from the
+    location's ``metadata`` file, written here first for a new location (Spark then uses it).
+    A new location (or one emptied by hand) is a new query with a new ledger, so a stale
+    ledger of an earlier query can never make it skip a batch."""
+    from snapline.pipeline.checkpoint.storage import CheckpointStorage
+
+    storage = CheckpointStorage(checkpoint_location)
+    if not storage.exists("metadata"):
+        storage.write_bytes("metadata", orjson.dumps({"id": str(uuid.uuid4())}))
+    return str(orjson.loads(storage.read_bytes("metadata"))["id"])
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    batch_id: int
+    epoch: int
+    rows: int
+    #: False for a re-run of a batch committed before a restart (nothing written).
+    written: bool
+    seconds: float
+
+
+class BatchCommitter:
+    """The foreachBatch function and its state: writers, transactional producer, ledger."""
+
+    def __init__(
+        self,
+        pipeline: Any,
+        sinks: tuple[Any, ...],
+        kafka_config: dict[str, Any],
+        checkpoint_dir: str,
+        checkpoint_location: str,
+    ) -> None:
+        self.pipeline = pipeline
+        self.sinks = sinks
+        self.kafka_config = kafka_config
+        self.checkpoint_dir = checkpoint_dir
+        self.query = query_id(checkpoint_location)
+        self.task_id = f"spark-stream-{self.query}"
+        self.ledger_group = f"snapline-spark-stream-{pipeline.name}-{self.query}"
+        self.committed = 0
+        self.writers: list[SinkWriter] = []
+        self._output: Any = None
+        self._ledger: Any = None
+        self.history: list[BatchResult] = []
+
+    def _record_path(self, epoch: int) -> str:
+        return f"{self.pipeline.name}/spark-stream/{self.query}/{epoch:010d}.json"
+
+    def open(self) -> int:
+        """Fence earlier drivers, read the ledger, recover the sinks; returns the last
+        committed epoch (0: none)."""
+        from confluent_kafka import Consumer, TopicPartition
+
+        from snapline.pipeline.checkpoint.storage import CheckpointStorage
+        from snapline.pipeline.runtime.transaction import TransactionalOutput
+        from snapline.pipeline.savepoint.control import control_topic, ensure_control_topic
+
+        ensure_control_topic(self.kafka_config, self.pipeline.name)
+        self._control = TopicPartition(control_topic(self.pipeline.name), 0)
+        self._storage = CheckpointStorage(self.checkpoint_dir)
+        self._output = TransactionalOutput(
+            {**self.kafka_config, "client.id": self.task_id},
+            transactional_id=f"snapline-spark-stream-{self.pipeline.name}-{self.query}",
+        )
+        # init_transactions first: it fences every earlier driver of this query, so the
+        # ledger read next is final.
+        self._output.init()
+        self._ledger = Consumer(
+            {
+                **self.kafka_config,
+                "group.id": self.ledger_group,
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+            }
+        )
+        offset = _committed_offset(self._ledger, self._control)
+        self.committed = max(offset, 0)
+        metadata: dict[str, Any] = {}
+        if self.committed and self._storage.exists(self._record_path(self.committed)):
+            metadata = orjson.loads(self._storage.read_bytes(self._record_path(self.committed)))
+        self.writers = [
+            sink.open(
+                SinkContext(
+                    job=self.pipeline.name,
+                    task_id=self.task_id,
+                    worker_id="spark",
+                    sink_name=sink.name,
+                    output=self._output,
+                    dead_letter=self._sink_dead_letter,
+                )
+            )
+            for sink in self.sinks
+        ]
+        for sink, writer in zip(self.sinks, self.writers, strict=True):
+            writer.recover(self.committed or None, metadata.get("sinks", {}).get(sink.name))
+        log.info("query %s: last committed epoch %d", self.query, self.committed)
+        return self.committed
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+        if self._ledger is not None:
+            self._ledger.close()
+        if self._output is not None:
+            self._output.close()
+
+    # ------------------------------------------------------------------ one batch
+    def __call__(self, df: Any, batch_id: int) -> None:
+        self.commit_batch(df.collect(), batch_id)
+
+    def commit_batch(self, rows: list[Any], batch_id: int) -> BatchResult:
+        """Commit the rows (OUT_SCHEMA) of micro-batch ``batch_id`` (see module)."""
+        started = time.monotonic()
+        epoch = batch_id + 1
+        if epoch <= self.committed:
+            log.info("batch %d: committed before a restart (epoch %d); skipped", batch_id, epoch)
+            result = BatchResult(batch_id, epoch, len(rows), False, time.monotonic() - started)
+            self.history.append(result)
+            return result
+        tuples = sorted(
+            (tuple(r) for r in rows),
+            key=lambda r: (r[1], r[2], r[3], r[4], r[5]),  # topic, partition, offset, seq, n
+        )
+        self._output.begin(epoch)
+        per_sink: dict[int, list[Record]] = {}
+        fields = {name: i for i, name in enumerate(OUT_FIELDS)}
+        s_i, t_i, p_i = fields["sink"], fields["topic"], fields["partition"]
+        o_i, ts_i = fields["offset"], fields["ts"]
+        k_i, v_i, rk_i, why_i = (fields[f] for f in ("key", "value", "raw_key", "reason"))
+        for row in tuples:
+            if row[s_i] < 0:
+                self._produce_dead_letter(epoch, row, t_i, p_i, o_i, v_i, rk_i, why_i)
+                continue
+            key, key_bytes = (None, None) if row[k_i] is None else untag_key(bytes(row[k_i]))
+            record = Record(
+                pickle.loads(row[v_i]),
+                row[ts_i],
+                row[t_i],
+                row[p_i],
+                row[o_i],
+                key,
+                key_bytes,
+                raw_key=None if row[rk_i] is None else bytes(row[rk_i]),
+            )
+            per_sink.setdefault(row[s_i], []).append(record)
+        for index, records in per_sink.items():
+            self.writers[index].write_batch(records, epoch)
+        sinks: dict[str, Any] = {}
+        for sink, writer in zip(self.sinks, self.writers, strict=True):
+            pre = writer.pre_commit(epoch)
+            if isinstance(pre, Future):
+                pre = pre.result(timeout=600)
+            if pre:
+                sinks[sink.name] = pre
+        self._storage.write_bytes(self._record_path(epoch), orjson.dumps({"sinks": sinks}))
+        self._output.commit(
+            [_tp(self._control.topic, epoch)], self._ledger.consumer_group_metadata()
+        )
+        self.committed = epoch
+        _inject_kill(epoch)
+        for writer in self.writers:
+            writer.commit(epoch)
+        if epoch > 2 and self._storage.exists(self._record_path(epoch - 2)):
+            self._storage.delete_file(self._record_path(epoch - 2))
+        result = BatchResult(batch_id, epoch, len(tuples), True, time.monotonic() - started)
+        self.history.append(result)
+        log.info("batch %d: %d rows committed as epoch %d", batch_id, len(tuples), epoch)
+        return result
+
+    def _produce_dead_letter(
+        self, epoch: int, row: tuple[Any, ...], t: int, p: int, o: int, v: int, rk: int, why: int
+    ) -> None:
+        if self.pipeline.on_error == "fail":
+            raise SinkError(f"dead letter with on_error='fail': {row[why]}")
+        headers = [
+            ("snapline.error", str(row[why]).encode()[:4000]),
+            ("snapline.topic", str(row[t]).encode()),
+            ("snapline.partition", str(row[p]).encode()),
+            ("snapline.offset", str(row[o]).encode()),
+            ("snapline.task", self.task_id.encode()),
+        ]
+        value = None if row[v] is None else bytes(row[v])
+        key = None if row[rk] is None else bytes(row[rk])
+        self._output.produce(epoch, self.pipeline.dead_letter_topic, value, key, headers)
+
+    def _sink_dead_letter(self, record: Record, reason: str, epoch: int) -> None:
+        if self.pipeline.on_error == "fail":
+            raise SinkError(f"{reason} (pipeline on_error='fail')")
+        try:
+            value = orjson.dumps(record.value, default=str)
+        except TypeError:
+            value = repr(record.value).encode()
+        headers = [
+            ("snapline.error", reason.encode()[:4000]),
+            ("snapline.topic", record.topic.encode()),
+            ("snapline.partition", str(record.partition).encode()),
+            ("snapline.offset", str(record.offset).encode()),
+            ("snapline.task", self.task_id.encode()),
+        ]
+        self._output.produce(epoch, self.pipeline.dead_letter_topic, value, record.raw_key, headers)
+
+
+def _inject_kill(epoch: int) -> None:
+    """Tests: SIGKILL this driver right after the Kafka commit point of a batch, before the
+    other sinks publish and before Spark records the batch as done (the worst moment)."""
+    import os
+    import signal
+
+    if os.environ.get("SNAPLINE_SPARK_STREAM_KILL_AFTER_COMMIT") == "1":
+        log.warning("injected SIGKILL after the Kafka commit of epoch %d", epoch)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _committed_offset(consumer: Any, tp: Any, timeout: float = 60.0) -> int:
+    """The ledger's committed offset, retried while the group coordinator is loading or
+    moving (a fresh broker answers NOT_COORDINATOR for a while); raises after ``timeout``."""
+    from confluent_kafka import KafkaException
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return int(consumer.committed([tp], timeout=30)[0].offset)
+        except KafkaException as exc:
+            if time.monotonic() > deadline or exc.args[0].code() not in _COORDINATOR_ERRORS:
+                raise
+            log.info("ledger not readable yet (%s); retrying", exc)
+            time.sleep(0.5)
+
+
+def _tp(topic: str, offset: int) -> Any:
+    from confluent_kafka import TopicPartition
+
+    return TopicPartition(topic, 0, offset)

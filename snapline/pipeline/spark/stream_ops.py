@@ -1,0 +1,549 @@
+"""The executor side of ``snapline spark stream``: the part before ``key_by`` as an Arrow map
+over each micro-batch, and the keyed part as a ``transformWithState`` stateful processor whose
+keyed state lives in Spark's state store (RocksDB).
+
+State mapping: Snapline's state types sit on a ``KeyedStateBackend``; here that backend is
+``SparkKeyedState``, which puts every Snapline state of the current key into Spark state
+variables of the grouping key: a ``MapState`` becomes a Spark ``MapState`` (binary user key →
+binary value, one Spark entry per entry); ``ValueState``, ``ListState``, ``ReducingState`` and
+``AggregatingState`` each become one Spark ``ValueState`` holding the bytes Snapline's backends
+hold (the descriptor's serde; a list as one value). TTL stays Snapline's (an expiry stamp in the
+bytes) with the micro-batch's timestamp as processing time, so a re-run batch sees the same
+clock. Value states are read once per key and batch and written back at the end of the key's
+rows. Event-time timers (``ctx.timers``) are Spark timers of the grouping key
+(``SparkTimers``); a window is Snapline's ``WindowOperator`` over ``SparkKeyedState`` with
+those timers, its results coming out of ``handleExpiredTimer``.
+
+Rows cross Spark as pickled Python values (Spark pickles Python rows between its workers
+anyway; they live for one batch and never reach checkpoint storage) plus their source position,
+which orders a key's rows the way a service task reads them (offset order per partition).
+
+Threads: Spark's Python workers run everything here, one key (or one Arrow batch) at a time.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import re
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.errors import StateError
+from snapline.pipeline.formats import decoder, encode_key, tag_key, untag_key
+from snapline.pipeline.functions import Context
+from snapline.pipeline.spark.stream_plan import StreamPlan, plan_stream, run_chain
+from snapline.pipeline.state.backend import KeyedStateBackend, SnapshotHandle, StateHandle
+from snapline.pipeline.state.descriptors import KeyScope
+from snapline.pipeline.state.timers import TimerState
+from snapline.pipeline.time import timestamp_ms
+
+#: Rows into the keyed part (grouped by ``key``, a tagged key; dead letters of the first part
+#: are grouped under DEAD_KEY and only passed through).
+KEYED_SCHEMA = (
+    "key binary, topic string, partition int, offset long, seq int, ts long, value binary, "
+    "raw binary, raw_key binary, reason string, now long"
+)
+#: Rows to the sinks: ``sink`` indexes StreamPlan.sinks, -1 is a dead letter (``value`` then
+#: holds the bytes to send and ``reason`` why).
+OUT_SCHEMA = (
+    "sink int, topic string, partition int, offset long, seq int, n int, ts long, key binary, "
+    "value binary, raw_key binary, reason string"
+)
+OUT_FIELDS = tuple(f.split()[0] for f in OUT_SCHEMA.split(", "))
+DEAD_KEY = b"!dead-letters"
+
+
+def spark_state_name(uid: str, name: str) -> str:
+    """A Snapline state's Spark state variable name (stable: operator uid and state name)."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", f"{uid}__{name}")
+
+
+class SparkKeyedState(KeyedStateBackend):
+    """A KeyedStateBackend over the Spark state variables of the current grouping key (see
+    module). Stored keys end with the state id, the only part used: Spark scopes state to the
+    grouping key itself."""
+
+    name = "spark"
+
+    def __init__(self, values: dict[int, Any], maps: dict[int, Any]) -> None:
+        self._values = values
+        self._maps = maps
+        self._cache: dict[int, bytes | None] = {}
+        self._dirty: set[int] = set()
+
+    def _value_state(self, sid: int) -> Any:
+        try:
+            return self._values[sid]
+        except KeyError:
+            raise StateError(f"state id {sid} has no Spark value state") from None
+
+    def get(self, key: bytes) -> bytes | None:
+        sid = key[-1]
+        if sid not in self._cache:
+            row = self._value_state(sid).get()
+            self._cache[sid] = None if row is None else bytes(row[0])
+        return self._cache[sid]
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self._value_state(key[-1])
+        self._cache[key[-1]] = value
+        self._dirty.add(key[-1])
+
+    def delete(self, key: bytes) -> None:
+        self.put(key, None)  # type: ignore[arg-type]
+
+    def flush(self) -> None:
+        """The current key is done: write back changed values, forget the cache."""
+        for sid in self._dirty:
+            value = self._cache[sid]
+            if value is None:
+                self._values[sid].clear()
+            else:
+                self._values[sid].update((value,))
+        self._cache.clear()
+        self._dirty.clear()
+
+    def map_get(self, prefix: bytes, user_key: bytes) -> bytes | None:
+        row = self._maps[prefix[-1]].getValue((user_key,))
+        return None if row is None else bytes(row[0])
+
+    def map_put(self, prefix: bytes, user_key: bytes, value: bytes) -> None:
+        self._maps[prefix[-1]].updateValue((user_key,), (value,))
+
+    def map_delete(self, prefix: bytes, user_key: bytes) -> None:
+        self._maps[prefix[-1]].removeKey((user_key,))
+
+    def map_items(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        items = [(bytes(k[0]), bytes(v[0])) for k, v in self._maps[prefix[-1]].iterator()]
+        return iter(items)
+
+    def map_clear(self, prefix: bytes) -> None:
+        self._maps[prefix[-1]].clear()
+
+    def snapshot(self, checkpoint_id: int) -> SnapshotHandle:
+        raise StateError("Spark's state store checkpoints this state, not Snapline")
+
+    def restore(self, handle: StateHandle, storage: CheckpointStorage) -> None:
+        raise StateError("Spark's state store restores this state, not Snapline")
+
+    def items(self) -> Iterator[tuple[bytes, bytes | None, bytes]]:
+        raise StateError("Spark's state store holds this state; it cannot be listed")
+
+
+def _functions(pipeline: Any, steps: Iterable[Any]) -> list[Any]:
+    by_id = {n.id: n for n in pipeline.nodes}
+    return [by_id[s.node_id].fn for s in steps]
+
+
+def _dead(reason: str, fail: bool, where: str) -> str:
+    from snapline.pipeline.runtime.task import UserCodeError
+
+    if fail:
+        raise UserCodeError(
+            f"{reason} at {where} (pipeline on_error='fail'; use on_error='dead_letter' to "
+            "divert such records)"
+        )
+    return reason
+
+
+def first_part(spec: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """The Arrow map of the part before ``key_by``: decodes each Kafka record, runs the chain,
+    and emits keyed rows (KEYED_SCHEMA), or sink rows (OUT_SCHEMA) for a pipeline without
+    ``key_by``."""
+
+    def run(batches: Iterator[Any]) -> Iterator[Any]:
+        import pyarrow as pa
+
+        from snapline.pipeline.graph import load_pipeline
+
+        pipeline = load_pipeline(spec)
+        part = _FirstPart(pipeline, plan_stream(pipeline))
+        ddl = KEYED_SCHEMA if part.keyed else OUT_SCHEMA
+        arrow_types = {"binary": pa.binary(), "string": pa.string(), "int": pa.int32()}
+        schema = pa.schema(
+            [(f.split()[0], arrow_types.get(f.split()[1], pa.int64())) for f in ddl.split(", ")]
+        )
+        for batch in batches:
+            cols = batch.to_pydict()
+            out: dict[str, list[Any]] = {name: [] for name in schema.names}
+            for record in zip(
+                cols["topic"],
+                cols["partition"],
+                cols["offset"],
+                cols["key"],
+                cols["value"],
+                cols["ts"],
+                cols["now"],
+                strict=True,
+            ):
+                for row in part.rows(*record):
+                    for name in schema.names:
+                        out[name].append(row.get(name))
+            yield pa.RecordBatch.from_pydict(out, schema=schema)
+
+    return run
+
+
+class _FirstPart:
+    """The part before ``key_by`` for one Kafka record at a time."""
+
+    def __init__(self, pipeline: Any, plan: StreamPlan) -> None:
+        by_id = {n.id: n for n in pipeline.nodes}
+        self.plan = plan
+        self.fns = _functions(pipeline, plan.pre)
+        self.keyed = plan.key_by is not None
+        self.key_fn = None if plan.key_by is None else by_id[plan.key_by].fn
+        self.decode_value = decoder(plan.source.value_format)
+        self.decode_key = decoder(plan.source.key_format)
+        self.fail = pipeline.on_error == "fail"
+
+    def rows(
+        self,
+        topic: str,
+        partition: int,
+        offset: int,
+        raw_key: bytes | None,
+        raw: bytes | None,
+        kafka_ts: int,
+        now: int,
+    ) -> list[dict[str, Any]]:
+        where = f"{topic}[{partition}]@{offset}"
+        position = {"topic": topic, "partition": partition, "offset": offset, "raw_key": raw_key}
+        results: list[tuple[Any, Any, Any]] = []
+        try:
+            value, key = self.decode_value(raw), self.decode_key(raw_key)
+            ts = kafka_ts
+            timestamp = self.plan.source.timestamp
+            if timestamp is not None:
+                ts = timestamp_ms(timestamp(value))
+            if self.keyed:
+
+                def to_key(v: Any) -> None:
+                    k = key if self.key_fn is None else self.key_fn(v)
+                    kb = encode_key(k)
+                    if kb is None:
+                        raise ValueError("key_by returned None as the key")
+                    results.append((tag_key(k, kb), v, None))
+
+                run_chain(self.plan.pre, self.fns, value, None, lambda s, v: None, to_key)
+            else:
+                kb = encode_key(key)
+                tagged = None if kb is None else tag_key(key, kb)
+                run_chain(
+                    self.plan.pre,
+                    self.fns,
+                    value,
+                    None,
+                    lambda s, v: results.append((tagged, v, s)),
+                )
+        except Exception as exc:
+            reason = _dead(f"{where}: {exc!r}", self.fail, where)
+            if self.keyed:
+                return [
+                    {**position, "key": DEAD_KEY, "seq": 0, "ts": kafka_ts, "raw": raw}
+                    | {"reason": reason, "now": now}
+                ]
+            return [
+                {**position, "sink": -1, "seq": 0, "n": 0, "ts": kafka_ts, "value": raw}
+                | {"reason": reason}
+            ]
+        if self.keyed:
+            return [
+                {**position, "key": k, "seq": seq, "ts": ts, "value": pickle.dumps(v)}
+                | {"raw": raw, "now": now}
+                for seq, (k, v, _) in enumerate(results)
+            ]
+        return [
+            {**position, "sink": sink, "seq": 0, "n": n, "ts": ts, "key": k}
+            | {"value": pickle.dumps(v)}
+            for n, (k, v, sink) in enumerate(results)
+        ]
+
+
+class UnmappedTimerError(StateError):
+    """A processing-time timer on Spark: fails the query (never a dead letter)."""
+
+
+class SparkTimers:
+    """The ``TimerService`` API (``ctx.timers``) over Spark's event-time timers of the current
+    grouping key. Processing-time timers are not mapped: registering one fails with a message
+    (Spark runs a query's timers in one time mode)."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self.watermark = -(1 << 63)
+        self.now = 0
+
+    def current_watermark(self) -> int:
+        return self.watermark
+
+    def current_processing_time(self) -> int:
+        return self.now
+
+    def register_event_time(self, timestamp: int) -> None:
+        if not isinstance(timestamp, int) or isinstance(timestamp, bool):
+            raise TypeError(f"timer timestamp {timestamp!r} must be int milliseconds")
+        self._handle.registerTimer(timestamp)
+
+    def delete_event_time(self, timestamp: int) -> None:
+        self._handle.deleteTimer(timestamp)
+
+    def register_processing_time(self, timestamp: int) -> None:
+        raise UnmappedTimerError(
+            "processing-time timers are not mapped onto Spark (the query runs its timers in "
+            "event time); use event-time timers or run the pipeline as services"
+        )
+
+    def delete_processing_time(self, timestamp: int) -> None:
+        self.register_processing_time(timestamp)
+
+
+class _WindowTask:
+    """What a WindowOperator uses of its task, inside Spark: the watermark, the clock and the
+    dead letters of the record being processed (late records)."""
+
+    def __init__(self, task_id: str, fail: bool) -> None:
+        self.task_id = task_id
+        self.epoch = 0
+        self.watermark = -(1 << 63)
+        self.sink_results: dict[str, Any] = {}
+        self.fail = fail
+        self.dead: list[str] = []
+        self.now = 0
+
+    def now_ms(self) -> int:
+        return self.now
+
+    def dead_letter(self, record: Any, reason: str, value: bytes | None = None) -> None:
+        where = f"{record.topic}[{record.partition}]@{record.offset}"
+        self.dead.append(_dead(reason, self.fail, where))
+
+
+def _window_step(op: Any, collected: list[Any], ctx: Context, keys: dict[str, Any]) -> Any:
+    """A chain step function that runs one value through a WindowOperator."""
+    from snapline.pipeline.record import Record
+
+    def push(value: Any) -> list[Any]:
+        record = Record(
+            value,
+            ctx.timestamp,
+            ctx.topic,
+            ctx.partition,
+            ctx.offset,
+            ctx.key,
+            keys["bytes"],
+            keys["group"],
+        )
+        op.process([record])
+        out = [r.value for r in collected]
+        collected.clear()
+        return out
+
+    return push
+
+
+def keyed_processor(spec: str) -> Any:
+    """A ``StatefulProcessor`` running the keyed part of ``spec`` (see module)."""
+    from pyspark.sql import Row
+    from pyspark.sql.streaming import StatefulProcessor
+
+    from snapline.pipeline.keygroups import state_key_prefix
+    from snapline.pipeline.runtime.operators import Operator
+    from snapline.pipeline.runtime.window_operator import WindowOperator
+    from snapline.pipeline.windows import SlidingWindows
+
+    class _Collect(Operator):
+        def __init__(self, task: Any, into: list[Any]) -> None:
+            super().__init__(task, "collect")
+            self.into = into
+
+        def process(self, records: list[Any]) -> None:
+            self.into.extend(records)
+
+    class KeyedChain(StatefulProcessor):
+        def init(self, handle: Any) -> None:
+            from snapline.pipeline.graph import load_pipeline
+
+            pipeline = load_pipeline(spec)
+            plan: StreamPlan = plan_stream(pipeline)
+            self.plan = plan
+            self.fail = pipeline.on_error == "fail"
+            self.maxp = pipeline.max_parallelism
+            uids = pipeline.operator_uids()
+            state_ids = pipeline.state_ids()
+            values: dict[int, Any] = {}
+            maps: dict[int, Any] = {}
+            stateful = [s.node_id for s in plan.keyed if s.kind in ("process", "window")]
+            for node_id in stateful:
+                for sid, desc in state_ids[node_id]:
+                    if isinstance(desc, TimerState):
+                        continue
+                    name = spark_state_name(uids[node_id], desc.name or str(sid))
+                    if desc.kind == "map":
+                        maps[sid] = handle.getMapState(name, "k binary", "v binary")
+                    else:
+                        values[sid] = handle.getValueState(name, "v binary")
+            self.backend = SparkKeyedState(values, maps)
+            self.scope = KeyScope()
+            self.ctx = Context(f"spark-stream-{pipeline.name}")
+            self.timers = SparkTimers(handle)
+            self.window_task = _WindowTask(self.ctx.task_id, self.fail)
+            self.keys: dict[str, Any] = {"bytes": b"", "group": 0}
+            self.window: tuple[Any, list[Any]] | None = None
+            by_id = {n.id: n for n in pipeline.nodes}
+            self.fns: list[Any] = []
+            for step in plan.keyed:
+                fn = by_id[step.node_id].fn
+                if step.kind == "process":
+                    fn = copy.copy(fn)
+                    for sid, desc in state_ids[step.node_id]:
+                        if isinstance(desc, TimerState):
+                            continue
+                        assert desc.attribute is not None
+                        fn.__dict__[desc.attribute] = desc.bind(self.backend, self.scope, sid)
+                    fn.open(self.ctx.task_id)
+                elif step.kind == "window":
+                    collected: list[Any] = []
+                    op = WindowOperator(
+                        self.window_task,  # type: ignore[arg-type]
+                        by_id[step.node_id].name,
+                        fn,
+                        state_ids[step.node_id],
+                        self.backend,
+                        self.maxp,
+                        timers=self.timers,  # type: ignore[arg-type]
+                    )
+                    op.downstream.append(_Collect(self.window_task, collected))
+                    self.window = (op, collected)
+                    fn = _window_step(op, collected, self.ctx, self.keys)
+                self.fns.append(fn)
+            self.ctx.timers = self.timers  # type: ignore[assignment]
+
+        def _enter(self, key: Any, timer_values: Any) -> tuple[bytes, Any]:
+            tagged = bytes(key[0])
+            k, kb = untag_key(tagged)
+            self.scope.prefix = b""
+            self.scope.key = self.ctx.key = k
+            self.keys["bytes"], self.keys["group"] = kb, zlib.crc32(kb) % self.maxp
+            watermark = -(1 << 63)
+            if timer_values is not None and self.plan.timed is not None:
+                watermark = timer_values.getCurrentWatermarkInMs()
+            self.ctx.watermark = self.timers.watermark = self.window_task.watermark = watermark
+            return tagged, k
+
+        def handleInputRows(self, key: Any, rows: Iterator[Any], timerValues: Any) -> Any:
+            ordered = sorted(rows, key=lambda r: (r.topic, r.partition, r.offset, r.seq))
+            if bytes(key[0]) == DEAD_KEY:
+                for r in ordered:
+                    yield _out(Row, r, -1, 0, None, r.raw, r.reason)
+                return
+            tagged, _ = self._enter(key, timerValues)
+            scope, ctx = self.scope, self.ctx
+            try:
+                for r in ordered:
+                    scope.now = self.timers.now = self.window_task.now = r.now
+                    ctx.timestamp, ctx.topic = r.ts, r.topic
+                    ctx.partition, ctx.offset = r.partition, r.offset
+                    outs: list[tuple[int, Any]] = []
+                    try:
+                        run_chain(
+                            self.plan.keyed, self.fns, pickle.loads(r.value), ctx, _adder(outs)
+                        )
+                    except UnmappedTimerError:
+                        raise
+                    except Exception as exc:
+                        where = f"{r.topic}[{r.partition}]@{r.offset}"
+                        reason = _dead(f"{where}: {exc!r}", self.fail, where)
+                        self.window_task.dead.clear()
+                        yield _out(Row, r, -1, 0, tagged, r.raw, reason)
+                        continue
+                    for reason in self.window_task.dead:
+                        yield _out(Row, r, -1, 0, tagged, r.raw, reason)
+                    self.window_task.dead.clear()
+                    for n, (sink, v) in enumerate(outs):
+                        yield _out(Row, r, sink, n, tagged, pickle.dumps(v), None)
+                self.backend.flush()
+            finally:
+                scope.prefix = None
+
+        def handleExpiredTimer(self, key: Any, timerValues: Any, expiredTimerInfo: Any) -> Any:
+            ts = expiredTimerInfo.getExpiryTimeInMs()
+            tagged, k = self._enter(key, timerValues)
+            index = next(i for i, s in enumerate(self.plan.keyed) if s.node_id == self.plan.timed)
+            step = self.plan.keyed[index]
+            ctx = self.ctx
+            ctx.timestamp, ctx.topic, ctx.partition, ctx.offset = ts, "", -1, -1
+            try:
+                if step.kind == "window":
+                    assert self.window is not None
+                    op, collected = self.window
+                    kb, group = self.keys["bytes"], self.keys["group"]
+                    op._scope.prefix = state_key_prefix(group, kb)
+                    op._scope.key = k
+                    if isinstance(op._assigner, SlidingWindows):
+                        op._on_sliding_timer(ts, k, kb, group)
+                    else:
+                        op._on_window_timer(ts, k, kb, group)
+                    op._scope.prefix = None
+                    op._flush()
+                    values = [r.value for r in collected]
+                    collected.clear()
+                else:
+                    ctx.time_domain = "event"
+                    values = list(self.fns[index].on_timer(ts, ctx) or ())
+                    ctx.time_domain = None
+                outs: list[tuple[int, Any]] = []
+                for value in values:
+                    for sink in step.sinks:
+                        outs.append((sink, value))
+                    run_chain(self.plan.keyed, self.fns, value, ctx, _adder(outs), start=index + 1)
+                self.backend.flush()
+            finally:
+                self.scope.prefix = None
+            timer = _TimerRow(ts, self.keys["bytes"])
+            for n, (sink, v) in enumerate(outs):
+                yield _out(Row, timer, sink, n, tagged, pickle.dumps(v), None)
+
+        def close(self) -> None:
+            for step, fn in zip(self.plan.keyed, self.fns, strict=True):
+                if step.kind == "process":
+                    fn.close()
+
+    return KeyedChain()
+
+
+class _TimerRow:
+    """The position of a timer's outputs: after the records of its batch, in time order."""
+
+    def __init__(self, ts: int, key_bytes: bytes) -> None:
+        self.topic = "~timer"
+        self.partition = -1
+        self.offset = ts
+        self.seq = 0
+        self.ts = ts
+        self.raw_key = key_bytes
+
+
+def _adder(outs: list[tuple[int, Any]]) -> Callable[[int, Any], None]:
+    return lambda sink, value: outs.append((sink, value))
+
+
+def _out(
+    row_type: Any, r: Any, sink: int, n: int, key: bytes | None, value: Any, reason: str | None
+) -> Any:
+    return row_type(
+        sink=sink,
+        topic=r.topic,
+        partition=r.partition,
+        offset=r.offset,
+        seq=r.seq,
+        n=n,
+        ts=r.ts,
+        key=key,
+        value=value,
+        raw_key=r.raw_key,
+        reason=reason,
+    )

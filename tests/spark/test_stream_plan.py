@@ -1,0 +1,184 @@
+"""``snapline spark stream`` planning: what maps onto a Structured Streaming query, what is
+refused at start (with a message naming the fix), and how a value runs through a chain."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from snapline import (
+    Context,
+    KafkaSink,
+    KafkaSource,
+    KeyedProcessFunction,
+    Pipeline,
+    ValueState,
+    tumbling,
+)
+from snapline.pipeline.errors import ConfigurationError
+from snapline.pipeline.spark.stream import Trigger
+from snapline.pipeline.spark.stream_plan import Step, plan_stream, run_chain
+
+
+class Total(KeyedProcessFunction):
+    total = ValueState("total", default=0)
+
+    def process(self, value: dict[str, Any], ctx: Context) -> Any:
+        self.total.update(self.total.value() + value["amount"])
+        yield {"key": ctx.key, "total": self.total.value()}
+
+
+class WithTimer(Total):
+    def on_timer(self, timestamp: int, ctx: Context) -> Any:
+        return None
+
+
+def _pipeline(**kwargs: Any) -> Pipeline:
+    return Pipeline("p", **kwargs)
+
+
+def test_running_total_maps_onto_two_parts() -> None:
+    p = _pipeline()
+    totals = (
+        p.source(KafkaSource("orders"))
+        .filter(lambda o: o["amount"] > 0)
+        .key_by(lambda o: o["customer"])
+        .process(Total())
+        .map(lambda r: r)
+    )
+    totals.sink(KafkaSink("totals"))
+    plan = plan_stream(p)
+    assert [s.kind for s in plan.pre] == ["pass", "filter"]
+    assert [s.kind for s in plan.keyed] == ["pass", "process", "map"]
+    assert plan.keyed[-1].sinks == (0,)
+    assert len(plan.process_ids) == 1
+    assert plan.sinks[0].name == "kafka:totals"
+
+
+def test_a_window_or_a_timer_function_runs_in_event_time() -> None:
+    p = _pipeline()
+    p.source(KafkaSource("a")).key_by().window(tumbling(1000)).count().sink(KafkaSink("o"))
+    plan = plan_stream(p)
+    assert [s.kind for s in plan.keyed] == ["pass", "window"]
+    assert plan.timed == plan.keyed[1].node_id
+    p = _pipeline()
+    p.source(KafkaSource("a")).key_by().process(WithTimer()).sink(KafkaSink("o"))
+    assert plan_stream(p).timed is not None
+    p = _pipeline()
+    p.source(KafkaSource("a")).key_by().process(Total()).sink(KafkaSink("o"))
+    assert plan_stream(p).timed is None
+
+
+def test_stateless_pipeline_has_no_keyed_part() -> None:
+    p = _pipeline()
+    p.source(KafkaSource("in")).map(lambda v: v).sink(KafkaSink("out"))
+    plan = plan_stream(p)
+    assert plan.key_by is None and plan.keyed == ()
+    assert plan.pre[-1].sinks == (0,)
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (
+            lambda p: (
+                p.source(KafkaSource("a"))
+                .key_by()
+                .window(tumbling(1000))
+                .count()
+                .process(WithTimer())
+                .sink(KafkaSink("o"))
+            ),
+            "2 operators with timers",
+        ),
+        (
+            lambda p: (
+                p.source(KafkaSource("a"))
+                .key_by(lambda v: v["x"])
+                .process(Total())
+                .key_by(lambda v: v["key"])
+                .process(Total(), uid="second")
+                .sink(KafkaSink("o"))
+            ),
+            "second key_by",
+        ),
+        (
+            lambda p: (
+                p.source(KafkaSource("a"))
+                .union(p.source(KafkaSource("b")))
+                .key_by()
+                .process(Total())
+                .sink(KafkaSink("o"))
+            ),
+            "2 sources",
+        ),
+        (
+            lambda p: (
+                p.source(KafkaSource("a"))
+                .sink(KafkaSink("raw"))
+                .key_by()
+                .process(Total())
+                .sink(KafkaSink("o"))
+            ),
+            "sink before key_by",
+        ),
+    ],
+    ids=["two-timed", "two-stages", "union", "sink-before-key_by"],
+)
+def test_what_cannot_map_is_refused_at_start(build: Any, message: str) -> None:
+    p = _pipeline()
+    build(p)
+    with pytest.raises(ConfigurationError, match="snapline spark stream cannot run") as info:
+        plan_stream(p)
+    assert message in str(info.value)
+
+
+def test_branching_graph_is_refused() -> None:
+    p = _pipeline()
+    keyed = p.source(KafkaSource("a")).key_by()
+    keyed.process(Total()).sink(KafkaSink("o"))
+    keyed.process(Total(), uid="other").sink(KafkaSink("o2"))
+    with pytest.raises(ConfigurationError, match="branching"):
+        plan_stream(p)
+
+
+def test_at_least_once_is_refused() -> None:
+    p = _pipeline(guarantee="at_least_once")
+    p.source(KafkaSource("a")).key_by().process(Total()).sink(KafkaSink("o"))
+    with pytest.raises(ConfigurationError, match="exactly_once"):
+        plan_stream(p)
+
+
+def test_run_chain_feeds_sinks_and_the_end_in_order() -> None:
+    steps = [
+        Step("pass", 0, (0,)),
+        Step("flat_map", 1),
+        Step("filter", 2, (1,)),
+        Step("map", 3, (2,)),
+    ]
+    fns = [None, lambda v: [v, v + 1, v + 2], lambda v: v % 2 == 0, lambda v: v * 10]
+    sunk: list[tuple[int, Any]] = []
+    ended: list[Any] = []
+    run_chain(steps, fns, 4, None, lambda s, v: sunk.append((s, v)), ended.append)
+    assert sunk == [(0, 4), (1, 4), (2, 40), (1, 6), (2, 60)]
+    assert ended == [40, 60]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("processing-time=5s", Trigger(interval="5 seconds")),
+        ("processing-time=250ms", Trigger(interval="250 milliseconds")),
+        ("processing-time=0.5s", Trigger(interval="0.5 seconds")),
+        ("available-now", Trigger(available_now=True)),
+    ],
+)
+def test_trigger_parses(text: str, expected: Trigger) -> None:
+    assert Trigger.parse(text) == expected
+
+
+@pytest.mark.parametrize("text", ["5s", "processing-time=", "processing-time=5m", "once"])
+def test_bad_trigger_names_the_forms(text: str) -> None:
+    with pytest.raises(ConfigurationError, match="available-now"):
+        Trigger.parse(text)

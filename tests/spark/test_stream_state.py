@@ -1,0 +1,359 @@
+"""The state mapping of ``snapline spark stream``: Snapline's five state types on Spark's state
+variables (MapState on a Spark MapState, the others on a Spark ValueState each), event-time
+timers and windows on Spark timers, driven through the keyed processor as Spark's
+transformWithState drives it, with a small in-memory stand-in for Spark's state handle (the
+real one runs in integration_tests/test_spark_stream.py).
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from pyspark.sql import Row
+
+from snapline import (
+    AggregateFunction,
+    AggregatingState,
+    Context,
+    KafkaSink,
+    KafkaSource,
+    KeyedProcessFunction,
+    ListState,
+    MapState,
+    Pipeline,
+    ReducingState,
+    ValueState,
+)
+from snapline.pipeline.formats import tag_key
+from snapline.pipeline.spark.stream_ops import keyed_processor, spark_state_name
+
+
+class Mean(AggregateFunction[int, list[int], float]):
+    def create_accumulator(self) -> list[int]:
+        return [0, 0]
+
+    def add(self, value: int, accumulator: list[int]) -> list[int]:
+        return [accumulator[0] + value, accumulator[1] + 1]
+
+    def get_result(self, accumulator: list[int]) -> float:
+        return accumulator[0] / accumulator[1]
+
+
+class Everything(KeyedProcessFunction):
+    count = ValueState("count", default=0)
+    amounts = ListState("amounts")
+    by_item = MapState("by_item")
+    largest = ReducingState("largest", reduce_fn=max)
+    mean = AggregatingState("mean", aggregate=Mean())
+
+    def process(self, value: dict[str, Any], ctx: Context) -> Any:
+        self.count.update(self.count.value() + 1)
+        self.amounts.add(value["amount"])
+        self.by_item.put(value["item"], self.by_item.get(value["item"], 0) + 1)
+        self.largest.add(value["amount"])
+        self.mean.add(value["amount"])
+        yield {
+            "key": ctx.key,
+            "offset": ctx.offset,
+            "count": self.count.value(),
+            "amounts": self.amounts.get(),
+            "items": dict(self.by_item.items()),
+            "largest": self.largest.get(),
+            "mean": self.mean.get(),
+        }
+
+
+def _module() -> str:
+    name = "_snapline_stream_state_test"
+    module = types.ModuleType(name)
+    pipeline = Pipeline("state-map")
+    pipeline.source(KafkaSource("in")).key_by().process(Everything()).sink(KafkaSink("out"))
+    module.pipeline = pipeline  # type: ignore[attr-defined]
+    sys.modules[name] = module
+    return f"{name}:pipeline"
+
+
+class _Handle:
+    """Spark's StatefulProcessorHandle in memory: state variables and timers scoped to
+    ``self.key``."""
+
+    def __init__(self) -> None:
+        self.key: Any = None
+        self.data: dict[tuple[str, Any], Any] = {}
+        self.created: dict[str, str] = {}
+        self.calls = 0
+        self.timers: set[tuple[Any, int]] = set()
+
+    def registerTimer(self, ts: int) -> None:
+        self.timers.add((self.key, ts))
+
+    def deleteTimer(self, ts: int) -> None:
+        self.timers.discard((self.key, ts))
+
+    def getValueState(self, name: str, schema: str) -> Any:
+        self.created[name] = "value"
+        return _Value(self, name)
+
+    def getMapState(self, name: str, key_schema: str, value_schema: str) -> Any:
+        self.created[name] = "map"
+        return _Map(self, name)
+
+
+class _Value:
+    def __init__(self, handle: _Handle, name: str) -> None:
+        self.h, self.name = handle, name
+
+    def get(self) -> tuple[bytes] | None:
+        self.h.calls += 1
+        value = self.h.data.get((self.name, self.h.key))
+        return None if value is None else (value,)
+
+    def update(self, row: tuple[bytes]) -> None:
+        self.h.calls += 1
+        self.h.data[(self.name, self.h.key)] = row[0]
+
+    def clear(self) -> None:
+        self.h.calls += 1
+        self.h.data.pop((self.name, self.h.key), None)
+
+
+class _Map:
+    def __init__(self, handle: _Handle, name: str) -> None:
+        self.h, self.name = handle, name
+
+    def _entries(self) -> dict[bytes, bytes]:
+        return self.h.data.setdefault((self.name, self.h.key), {})  # type: ignore[no-any-return]
+
+    def getValue(self, key: tuple[bytes]) -> tuple[bytes] | None:
+        value = self._entries().get(key[0])
+        return None if value is None else (value,)
+
+    def updateValue(self, key: tuple[bytes], value: tuple[bytes]) -> None:
+        self._entries()[key[0]] = value[0]
+
+    def removeKey(self, key: tuple[bytes]) -> None:
+        self._entries().pop(key[0], None)
+
+    def iterator(self) -> Iterator[tuple[tuple[bytes], tuple[bytes]]]:
+        return iter([((k,), (v,)) for k, v in self._entries().items()])
+
+    def clear(self) -> None:
+        self._entries().clear()
+
+
+def _row(key: str, offset: int, amount: int, item: str) -> Row:
+    return Row(
+        key=tag_key(key, key.encode()),
+        topic="in",
+        partition=0,
+        offset=offset,
+        seq=0,
+        ts=1000 + offset,
+        value=pickle.dumps({"amount": amount, "item": item}),
+        raw=b"{}",
+        raw_key=key.encode(),
+        reason=None,
+        now=5000,
+    )
+
+
+def _batch(processor: Any, handle: _Handle, key: str, rows: list[Row]) -> list[dict[str, Any]]:
+    handle.key = key
+    tagged = tag_key(key, key.encode())
+    out = list(processor.handleInputRows((tagged,), iter(rows), None))
+    assert all(r.sink == 0 and r.reason is None for r in out)
+    return [pickle.loads(r.value) for r in out]
+
+
+@pytest.fixture
+def processor_and_handle() -> tuple[Any, _Handle]:
+    processor = keyed_processor(_module())
+    handle = _Handle()
+    processor.init(handle)
+    return processor, handle
+
+
+def test_each_state_type_maps_onto_a_spark_state_variable(
+    processor_and_handle: tuple[Any, _Handle],
+) -> None:
+    _, handle = processor_and_handle
+    uid = "Everything"
+    assert handle.created == {
+        spark_state_name(uid, "count"): "value",
+        spark_state_name(uid, "amounts"): "value",
+        spark_state_name(uid, "by_item"): "map",
+        spark_state_name(uid, "largest"): "value",
+        spark_state_name(uid, "mean"): "value",
+    }
+
+
+def test_state_survives_batches_per_key_in_offset_order(
+    processor_and_handle: tuple[Any, _Handle],
+) -> None:
+    processor, handle = processor_and_handle
+    # Spark hands a key's rows in any order: the processor runs them in offset order.
+    first = _batch(processor, handle, "a", [_row("a", 2, 5, "y"), _row("a", 1, 3, "x")])
+    assert [o["offset"] for o in first] == [1, 2]
+    assert first[-1]["count"] == 2 and first[-1]["amounts"] == [3, 5]
+    assert _batch(processor, handle, "b", [_row("b", 7, 100, "x")])[0]["count"] == 1
+    (last,) = _batch(processor, handle, "a", [_row("a", 9, 4, "x")])
+    assert last == {
+        "key": "a",
+        "offset": 9,
+        "count": 3,
+        "amounts": [3, 5, 4],
+        "items": {"x": 2, "y": 1},
+        "largest": 5,
+        "mean": 4.0,
+    }
+
+
+def test_value_states_are_read_once_and_written_once_per_key_and_batch(
+    processor_and_handle: tuple[Any, _Handle],
+) -> None:
+    processor, handle = processor_and_handle
+    rows = [_row("a", i, i, "x") for i in range(50)]
+    _batch(processor, handle, "a", rows)
+    # 4 value-backed states: at most one get and one update each, whatever the row count.
+    assert handle.calls <= 8
+
+
+def test_user_code_error_becomes_a_dead_letter_row(
+    processor_and_handle: tuple[Any, _Handle],
+) -> None:
+    processor, handle = processor_and_handle
+    bad = _row("a", 3, 1, "x")
+    bad = Row(**{**bad.asDict(), "value": pickle.dumps({"item": "x"})})  # no amount
+    handle.key = "a"
+    (out,) = list(processor.handleInputRows((bad.key,), iter([bad]), None))
+    assert out.sink == -1 and "KeyError" in out.reason and out.value == b"{}"
+
+
+class _Watermark:
+    def __init__(self, watermark: int) -> None:
+        self.watermark = watermark
+
+    def getCurrentWatermarkInMs(self) -> int:
+        return self.watermark
+
+
+class _Expired:
+    def __init__(self, ts: int) -> None:
+        self.ts = ts
+
+    def getExpiryTimeInMs(self) -> int:
+        return self.ts
+
+
+def _windows_module() -> str:
+    from snapline import tumbling
+
+    name = "_snapline_stream_window_test"
+    module = types.ModuleType(name)
+    pipeline = Pipeline("window-map")
+    (
+        pipeline.source(KafkaSource("in"))
+        .key_by()
+        .window(tumbling(1000))
+        .count()
+        .map(lambda r: {"key": r["key"], "start": r["start"], "n": r["value"]})
+        .sink(KafkaSink("out"))
+    )
+    module.pipeline = pipeline  # type: ignore[attr-defined]
+    sys.modules[name] = module
+    return f"{name}:pipeline"
+
+
+def _ts_row(key: str, offset: int, ts: int) -> Row:
+    return Row(**{**_row(key, offset, 1, "x").asDict(), "ts": ts})
+
+
+def test_a_window_registers_spark_timers_and_emits_when_they_fire() -> None:
+    processor = keyed_processor(_windows_module())
+    handle = _Handle()
+    processor.init(handle)
+    handle.key = "a"
+    tagged = tag_key("a", b"a")
+    rows = [_ts_row("a", 0, 100), _ts_row("a", 1, 900), _ts_row("a", 2, 1500)]
+    assert list(processor.handleInputRows((tagged,), iter(rows), _Watermark(0))) == []
+    assert handle.timers == {("a", 999), ("a", 1999)}  # each window's last millisecond
+    out = list(processor.handleExpiredTimer((tagged,), _Watermark(1200), _Expired(999)))
+    assert [pickle.loads(r.value) for r in out] == [{"key": "a", "start": 0, "n": 2}]
+    assert out[0].topic == "~timer" and out[0].offset == 999  # after the batch's records
+    # A record for a window the watermark passed is late: a dead letter with the reason.
+    late = list(
+        processor.handleInputRows((tagged,), iter([_ts_row("a", 3, 500)]), _Watermark(1200))
+    )
+    assert [r.sink for r in late] == [-1] and "late record" in late[0].reason
+
+
+class Reminder(KeyedProcessFunction):
+    """Remembers the last amount; an event-time timer 100 ms later emits it."""
+
+    last = ValueState("last")
+
+    def process(self, value: dict[str, Any], ctx: Context) -> Any:
+        self.last.update(value["amount"])
+        assert ctx.timers is not None
+        ctx.timers.register_event_time(ctx.timestamp + 100)
+        return None
+
+    def on_timer(self, timestamp: int, ctx: Context) -> Any:
+        yield {
+            "key": ctx.key,
+            "at": timestamp,
+            "last": self.last.value(),
+            "domain": ctx.time_domain,
+        }
+
+
+def test_on_timer_runs_from_spark_expired_timers_with_the_keys_state() -> None:
+    name = "_snapline_stream_timer_test"
+    module = types.ModuleType(name)
+    pipeline = Pipeline("timer-map")
+    pipeline.source(KafkaSource("in")).key_by().process(Reminder()).sink(KafkaSink("out"))
+    module.pipeline = pipeline  # type: ignore[attr-defined]
+    sys.modules[name] = module
+    processor = keyed_processor(f"{name}:pipeline")
+    handle = _Handle()
+    processor.init(handle)
+    handle.key = "b"
+    tagged = tag_key("b", b"b")
+    rows = [_ts_row("b", 0, 1000), _ts_row("b", 1, 1050)]
+    assert list(processor.handleInputRows((tagged,), iter(rows), _Watermark(0))) == []
+    assert handle.timers == {("b", 1100), ("b", 1150)}
+    (out,) = processor.handleExpiredTimer((tagged,), _Watermark(1120), _Expired(1100))
+    assert pickle.loads(out.value) == {"key": "b", "at": 1100, "last": 1, "domain": "event"}
+
+
+class ProcessingTimer(KeyedProcessFunction):
+    def process(self, value: dict[str, Any], ctx: Context) -> Any:
+        assert ctx.timers is not None
+        ctx.timers.register_processing_time(1)
+        return None
+
+    def on_timer(self, timestamp: int, ctx: Context) -> Any:
+        return None
+
+
+def test_a_processing_time_timer_fails_the_query_with_a_message() -> None:
+    from snapline.pipeline.spark.stream_ops import UnmappedTimerError
+
+    name = "_snapline_stream_ptimer_test"
+    module = types.ModuleType(name)
+    pipeline = Pipeline("ptimer")
+    pipeline.source(KafkaSource("in")).key_by().process(ProcessingTimer()).sink(KafkaSink("o"))
+    module.pipeline = pipeline  # type: ignore[attr-defined]
+    sys.modules[name] = module
+    processor = keyed_processor(f"{name}:pipeline")
+    handle = _Handle()
+    processor.init(handle)
+    handle.key = "c"
+    rows = iter([_ts_row("c", 0, 10)])
+    with pytest.raises(UnmappedTimerError, match="processing-time timers are not mapped"):
+        list(processor.handleInputRows((tag_key("c", b"c"),), rows, _Watermark(0)))
