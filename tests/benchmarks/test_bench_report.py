@@ -121,6 +121,7 @@ def test_stages_suite_compares_the_two_stage_total_with_baseline_a_and_quix_grou
         "baseline-a",
         "quix-group-by",
         "snapline-2stage-memory",
+        "snapline-2stage-memory-2w",
         "snapline-2stage-rocksdb",
     ]
     assert [s.name for s in select(()) if s.role == "peer"] == ["quix"]
