@@ -79,5 +79,11 @@ def test_benchmark_stages_suite_quick_run(kafka_bootstrap: str, tmp_path: Path) 
     payload = json.loads(output.read_text())
     assert "FAILED" not in json.dumps(payload)
     runs = {(r["system"], r["kind"]) for r in payload["runs"] if r["status"] == "ok"}
-    systems = ("baseline-a", "quix-group-by", "snapline-2stage-memory", "snapline-2stage-rocksdb")
+    systems = (
+        "baseline-a",
+        "quix-group-by",
+        "snapline-2stage-memory",
+        "snapline-2stage-memory-2w",
+        "snapline-2stage-rocksdb",
+    )
     assert runs == {(s, "throughput") for s in systems}

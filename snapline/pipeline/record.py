@@ -72,6 +72,20 @@ class Record:
         )
 
 
+def dead_letter_headers(
+    reason: str, topic: str, partition: int, offset: int, task_id: str
+) -> list[tuple[str, bytes]]:
+    """The Kafka headers of a dead letter: the error, the source position and the task (the
+    services' tasks and the Spark runners write the same ones)."""
+    return [
+        ("snapline.error", reason.encode()[:4000]),
+        ("snapline.topic", topic.encode()),
+        ("snapline.partition", str(partition).encode()),
+        ("snapline.offset", str(offset).encode()),
+        ("snapline.task", task_id.encode()),
+    ]
+
+
 class ListedMessage:
     """A Kafka message held in a list (the testing harness, the Spark runner): the slice of
     ``confluent_kafka.Message`` that a task's source operators read."""

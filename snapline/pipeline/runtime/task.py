@@ -30,7 +30,7 @@ import orjson
 
 from snapline.pipeline.errors import ConfigurationError, SnaplineError
 from snapline.pipeline.graph import Node, Pipeline
-from snapline.pipeline.record import Record
+from snapline.pipeline.record import Record, dead_letter_headers
 from snapline.pipeline.runtime.barrier import Barrier, BarrierAligner
 from snapline.pipeline.runtime.faults import FaultInjector
 from snapline.pipeline.runtime.operators import (
@@ -473,13 +473,9 @@ class Task:
         log.warning(
             "dead letter %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason
         )
-        headers = [
-            ("snapline.error", reason.encode()[:4000]),
-            ("snapline.topic", record.topic.encode()),
-            ("snapline.partition", str(record.partition).encode()),
-            ("snapline.offset", str(record.offset).encode()),
-            ("snapline.task", self.task_id.encode()),
-        ]
+        headers = dead_letter_headers(
+            reason, record.topic, record.partition, record.offset, self.task_id
+        )
         self.output.produce(
             self.epoch,
             self.pipeline.dead_letter_topic,

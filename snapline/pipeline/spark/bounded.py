@@ -335,7 +335,6 @@ def run_bounded(
 
     from confluent_kafka import Consumer
     from confluent_kafka.admin import AdminClient
-    from pyspark.sql import SparkSession
 
     from snapline.pipeline.checkpoint.storage import CheckpointStorage
     from snapline.pipeline.graph import load_pipeline
@@ -352,7 +351,7 @@ def run_bounded(
         read_table,
     )
     from snapline.pipeline.savepoint.restore import match_states
-    from snapline.pipeline.spark.jars import ensure_spark_kafka_jars
+    from snapline.pipeline.spark.jars import spark_session
 
     say = progress or (lambda message: log.info("%s", message))
     started = time.monotonic()
@@ -416,17 +415,11 @@ def run_bounded(
         stage_partitions,
         mapping,
     )
-    jars = ensure_spark_kafka_jars()
-    spark = (
-        SparkSession.builder.master(master)
-        .appName(f"snapline-{pipeline.name}-{run_id}")
-        .config("spark.jars", ",".join(str(j) for j in jars))
-        .config("spark.ui.showConsoleProgress", "true")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.sql.shuffle.partitions", str(max(stage_partitions.values())))
-        .config("spark.executorEnv.PYTHONPATH", os.pathsep.join(sys.path))
-        .getOrCreate()
+    spark = spark_session(
+        master,
+        f"snapline-{pipeline.name}-{run_id}",
+        max(stage_partitions.values()),
+        {"spark.ui.showConsoleProgress": "true"},
     )
     try:
         reader = (

@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 from snapline.connectors.local.broker import cache_dir, find_java, find_maven
 from snapline.pipeline.errors import ConfigurationError
@@ -94,3 +96,26 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
     for jar in ensure_spark_kafka_jars():
         print(jar)
+
+
+def spark_session(
+    master: str, app_name: str, shuffle_partitions: int, config: dict[str, str] | None = None
+) -> Any:
+    """A SparkSession for Snapline's runners: the Kafka connector's jars, the driver on
+    127.0.0.1, this process's ``sys.path`` for the executors' Python (the pipeline module
+    must import there), and ``config`` on top."""
+    from pyspark.sql import SparkSession
+
+    jars = ensure_spark_kafka_jars()
+    builder = (
+        SparkSession.builder.master(master)
+        .appName(app_name)
+        .config("spark.jars", ",".join(str(j) for j in jars))
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.sql.shuffle.partitions", str(shuffle_partitions))
+        .config("spark.executorEnv.PYTHONPATH", os.pathsep.join(sys.path))
+    )
+    for key, value in (config or {}).items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate()

@@ -67,12 +67,11 @@ def run_stream(
 ) -> int:
     """Run ``spec`` as a streaming query until it stops (available-now) or fails; returns the
     number of batches this driver committed."""
-    from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
 
     from snapline.pipeline.graph import load_pipeline
     from snapline.pipeline.runtime.topics import Role, TopicManager, pipeline_topics
-    from snapline.pipeline.spark.jars import ensure_spark_kafka_jars
+    from snapline.pipeline.spark.jars import spark_session
     from snapline.pipeline.spark.stream_commit import BatchCommitter
     from snapline.pipeline.spark.stream_ops import (
         KEYED_SCHEMA,
@@ -100,21 +99,17 @@ def run_stream(
         f"query {committer.query} of {pipeline.name}: last committed batch "
         f"{committed - 1 if committed else 'none'}; sinks {[s.name for s in plan.sinks]}"
     )
-    jars = ensure_spark_kafka_jars()
-    spark = (
-        SparkSession.builder.master(master)
-        .appName(f"snapline-stream-{pipeline.name}")
-        .config("spark.jars", ",".join(str(j) for j in jars))
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.sql.shuffle.partitions", str(state_partitions))
-        .config("spark.sql.streaming.stateStore.providerClass", ROCKSDB_PROVIDER)
-        .config("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled", "true")
-        .config("spark.sql.execution.arrow.pyspark.enabled", "true")
-        .config("spark.executorEnv.PYTHONPATH", os.pathsep.join(sys.path))
-        .getOrCreate()
+    spark = spark_session(
+        master,
+        f"snapline-stream-{pipeline.name}",
+        state_partitions,
+        {
+            "spark.ui.enabled": "false",
+            "spark.ui.showConsoleProgress": "false",
+            "spark.sql.streaming.stateStore.providerClass": ROCKSDB_PROVIDER,
+            "spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled": "true",
+            "spark.sql.execution.arrow.pyspark.enabled": "true",
+        },
     )
     spark.sparkContext.setLogLevel("WARN")
     try:

@@ -40,7 +40,7 @@ import orjson
 
 from snapline.pipeline.errors import SinkError
 from snapline.pipeline.formats import untag_key
-from snapline.pipeline.record import Record
+from snapline.pipeline.record import Record, dead_letter_headers
 from snapline.pipeline.sink import SinkContext, SinkWriter
 from snapline.pipeline.spark.stream_ops import OUT_FIELDS
 
@@ -226,13 +226,7 @@ class BatchCommitter:
     ) -> None:
         if self.pipeline.on_error == "fail":
             raise SinkError(f"dead letter with on_error='fail': {row[why]}")
-        headers = [
-            ("snapline.error", str(row[why]).encode()[:4000]),
-            ("snapline.topic", str(row[t]).encode()),
-            ("snapline.partition", str(row[p]).encode()),
-            ("snapline.offset", str(row[o]).encode()),
-            ("snapline.task", self.task_id.encode()),
-        ]
+        headers = dead_letter_headers(str(row[why]), str(row[t]), row[p], row[o], self.task_id)
         value = None if row[v] is None else bytes(row[v])
         key = None if row[rk] is None else bytes(row[rk])
         self._output.produce(epoch, self.pipeline.dead_letter_topic, value, key, headers)
@@ -244,13 +238,9 @@ class BatchCommitter:
             value = orjson.dumps(record.value, default=str)
         except TypeError:
             value = repr(record.value).encode()
-        headers = [
-            ("snapline.error", reason.encode()[:4000]),
-            ("snapline.topic", record.topic.encode()),
-            ("snapline.partition", str(record.partition).encode()),
-            ("snapline.offset", str(record.offset).encode()),
-            ("snapline.task", self.task_id.encode()),
-        ]
+        headers = dead_letter_headers(
+            reason, record.topic, record.partition, record.offset, self.task_id
+        )
         self._output.produce(epoch, self.pipeline.dead_letter_topic, value, record.raw_key, headers)
 
 
