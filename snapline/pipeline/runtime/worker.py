@@ -183,6 +183,8 @@ class Worker:
         self._last_trigger = time.monotonic()
         self._records_at_trigger = 0
         self._records_at_durable = 0
+        #: Rebalance callbacks run so far (a poll that ran one drops its batch: _consume).
+        self._rebalances = 0
         #: Set by a restore: the next checkpoint comes FIRST_CHECKPOINT_DELAY after input
         #: arrives instead of a whole interval later, so a restarted or rebalanced worker's
         #: first output is visible sooner (recovery time is restart -> committed output).
@@ -865,7 +867,8 @@ class Worker:
         partitions (a zombie) learns so there (the rebalance callbacks run, and on_assign
         restores whatever it owns now), instead of re-running recovery on partitions that
         belong to another worker. Messages fetched meanwhile are dropped: every partition is
-        sought to its restored position below."""
+        sought to its restored position below (or, when a callback rebuilt the tasks during
+        the poll, by ``_consume``, which rewinds to the new tasks' positions)."""
         self._consume(0.2)
         if not self._restore_pending:
             return  # a rebalance callback rebuilt the tasks
@@ -1083,6 +1086,7 @@ class Worker:
         left pending across them surfaces as an unrelated SystemError."""
 
         def run(consumer: Consumer, partitions: list[TopicPartition]) -> None:
+            self._rebalances += 1
             if self._callback_error is not None:
                 return  # an earlier callback of this poll failed; the worker is stopping
             try:
@@ -1093,6 +1097,7 @@ class Worker:
         return run
 
     def _consume(self, timeout: float) -> list[Any]:
+        rebalances = self._rebalances
         messages = self.consumer.consume(BATCH_SIZE, timeout)
         error, self._callback_error = self._callback_error, None
         if error is not None:
@@ -1107,7 +1112,34 @@ class Worker:
                 # e.g. "Static consumer fenced by other consumer with same group.instance.id"
                 # after a broker outage longer than session.timeout.ms
                 raise ConsumerFencedError(f"consumer failed fatally: {error}")
+        if messages and self._rebalances != rebalances:
+            # A rebalance callback rebuilt (or dropped) the tasks during this poll. The batch
+            # can hold messages fetched under the old assignment, which the new tasks must
+            # not take (they would skip ahead), and messages of the new assignment, which a
+            # caller that drops this batch (_restore_after_failure) would lose for good: the
+            # consumer's position is already past them. Drop the batch and rewind every
+            # partition to its task's position; each message is fetched again, in order.
+            self._rewind_to_tasks()
+            return []
         return messages
+
+    def _rewind_to_tasks(self) -> None:
+        """Seek every partition of the tasks to the next offset its task expects."""
+        positions = [
+            TopicPartition(topic, partition, channel.next_offset)
+            for task in self.tasks.values()
+            for (topic, partition), channel in task.channels.items()
+        ]
+        try:
+            for tp in positions:
+                self.consumer.seek(tp)
+        except KafkaException as exc:
+            # seek needs an active fetcher; assigning the same partitions with offsets
+            # always sets the positions.
+            log.warning("seek after a rebalance failed (%s); assigning the positions", exc)
+            self.consumer.assign(positions)
+            if self._paused is not None:
+                self.consumer.pause(positions)
 
     def _route(self, messages: list[Any]) -> None:
         groups: dict[tuple[str, int], list[Any]] = {}
