@@ -597,6 +597,14 @@ class Worker:
         )
         if fresh is not None and fresh.checkpoint_id >= newer[-1].checkpoint_id:
             # The first read was stale (another worker committed meanwhile): nothing lost.
+            log.warning(
+                "task %s: the committed offsets read named checkpoint %d, but checkpoint %d "
+                "is marked committed: they were stale; now they name %d",
+                task_id,
+                ref.checkpoint_id,
+                newer[-1].checkpoint_id,
+                fresh.checkpoint_id,
+            )
             return fresh
         log.error(
             "task %s: checkpoint %d was acknowledged as committed by Kafka (its marker is in "
