@@ -233,11 +233,6 @@ class WindowJob:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    os.environ.get("SNAPLINE_SPARK_STREAM_WINDOWS") != "1",
-    reason="2+ minutes beyond the 4-minute CI budget of the Spark streaming tests; "
-    "SNAPLINE_SPARK_STREAM_WINDOWS=1 runs it",
-)
 def test_streaming_window_exactly_once_across_driver_sigkills(
     kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str
 ) -> None:
