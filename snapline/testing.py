@@ -98,6 +98,10 @@ class _Output:
     ) -> None:
         self.by_epoch[epoch].append((topic, value, key, headers, timestamp))
 
+    def direct_producer(self, epoch: int) -> None:
+        """No producer: every record goes through ``produce``."""
+        return None
+
     def take_committed(
         self, checkpoint_id: int
     ) -> list[tuple[str, bytes | None, bytes | None, Any, int]]:

@@ -65,8 +65,7 @@ class KafkaSinkWriter(SinkWriter):
         key_fn = self._key_fn
         topic = self._topic
         output = self._context.output
-        direct = getattr(output, "direct_producer", None)
-        producer = direct(epoch) if direct is not None else None
+        producer = output.direct_producer(epoch)
         sent = 0
         for record in records:
             try:

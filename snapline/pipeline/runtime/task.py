@@ -447,8 +447,7 @@ class Task:
     def direct_producer(self) -> Any:
         """The Kafka producer when this epoch's records may go straight to it (see
         ``TransactionalOutput.direct_producer``), else None."""
-        direct = getattr(self.output, "direct_producer", None)
-        return direct(self.epoch) if direct is not None else None
+        return self.output.direct_producer(self.epoch)
 
     def sent(self, count: int) -> None:
         """``count`` records went straight to the producer."""

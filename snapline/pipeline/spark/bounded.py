@@ -86,6 +86,10 @@ class _Output:
         self.shuffled: list[tuple[str, int, bytes | None, bytes | None, int]] = []
         self.held = 0
 
+    def direct_producer(self, epoch: int) -> None:
+        """No direct path: repartition records are routed to the shuffle by ``produce``."""
+        return None
+
     def produce(
         self,
         epoch: int,
