@@ -47,6 +47,8 @@ def cli() -> None:
 @click.option("--only", default=None, help="comma-separated systems, e.g. baseline-a,quix")
 @click.option("--profile", is_flag=True,
               help="run each system's process under pyinstrument (first repetition)")
+@click.option("--keep-workdir", is_flag=True,
+              help="keep the work directory (per run: process.log, metrics.jsonl, state)")
 @click.option("--no-latency", is_flag=True, help="skip the fixed-rate latency runs")
 @click.option("--latency-rate", type=float, default=None, help="records/s [5000; quick 2000]")
 @click.option("--latency-seconds", type=float, default=None, help="[10; quick 3]")
@@ -57,7 +59,7 @@ def cli() -> None:
                    "quick runs go to benchmarks/results/tmp/ and leave the README alone)")
 def run(suite: str, records: int | None, keys: int | None, partitions: int, repetitions: int | None,
         quick: bool, bootstrap_servers: str | None, only: str | None, profile: bool,
-        no_latency: bool, latency_rate: float | None, latency_seconds: float | None,
+        keep_workdir: bool, no_latency: bool, latency_rate: float | None, latency_seconds: float | None,
         time_budget: float | None, output: Path | None) -> None:
     """Throughput and latency of every system on the same input.
 
@@ -73,6 +75,7 @@ def run(suite: str, records: int | None, keys: int | None, partitions: int, repe
         quick=quick,
         only=_names(only),
         profile=profile,
+        keep_workdir=keep_workdir,
         latency=not no_latency,
         latency_rate=latency_rate or (2_000.0 if quick else 5_000.0),
         latency_seconds=latency_seconds or (3.0 if quick else 10.0),

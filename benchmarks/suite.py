@@ -58,6 +58,7 @@ class SuiteConfig:
     latency_seconds: float
     output: Path | None
     command: str
+    keep_workdir: bool = False
     time_budget: float | None = None  # seconds; later runs are SKIPPED once it is used up
     suite: str = "keyed"
 
@@ -155,7 +156,10 @@ def run_suite(config: SuiteConfig, bootstrap: str, console: Console) -> dict[str
     finally:
         topics.delete([t for t in list(topics.created)])
         topics.delete_containing(prefix)
-        shutil.rmtree(workdir, ignore_errors=True)
+        if config.keep_workdir:
+            console.print(f"work dir kept: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
 
     rows = report.summarize_systems(systems, results)
     title = (f"suite {suite.name}: {config.records:,} records keyed by {suite.keyed_by}, "
