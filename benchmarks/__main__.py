@@ -59,8 +59,8 @@ def cli() -> None:
                    "quick runs go to benchmarks/results/tmp/ and leave the README alone)")
 def run(suite: str, records: int | None, keys: int | None, partitions: int, repetitions: int | None,
         quick: bool, bootstrap_servers: str | None, only: str | None, profile: bool,
-        keep_workdir: bool, no_latency: bool, latency_rate: float | None, latency_seconds: float | None,
-        time_budget: float | None, output: Path | None) -> None:
+        keep_workdir: bool, no_latency: bool, latency_rate: float | None,
+        latency_seconds: float | None, time_budget: float | None, output: Path | None) -> None:
     """Throughput and latency of every system on the same input.
 
     Exits 1 when any run FAILED (wrong output, crash, hang), after writing all results.

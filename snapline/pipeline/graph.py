@@ -92,7 +92,9 @@ class Stream:
         re-keying ``key_by`` of the pipeline; name it explicitly so that upgrades keep the
         topic): a new stage starts there, with ``partitions`` tasks (default: the largest
         source partition count), each owning a contiguous range of key-groups. The records
-        cross the topic inside the stage's Kafka transaction, so exactly-once holds.
+        cross the topic inside the stage's Kafka transaction, so exactly-once holds. ``fn``
+        must not modify the value: a record read straight from a JSON source crosses the topic
+        as the bytes it was read as (no second encoding).
 
         Without a function, or with ``trust_partitioning=True`` (the input topic is already
         partitioned by this key, e.g. produced with it as the message key), no topic is used:

@@ -15,6 +15,9 @@ MAX_MAX_PARALLELISM = 32768
 _KG = struct.Struct(">H")
 _LEN = struct.Struct(">I")
 _KG_LEN = struct.Struct(">HI")
+#: The header of a stored key's prefix: key-group (2 bytes) and key length (4), big-endian
+#: (hot loops pack it themselves instead of calling ``state_key_prefix``).
+KEY_PREFIX = _KG_LEN
 
 
 def key_group(key_bytes: bytes, max_parallelism: int) -> int:

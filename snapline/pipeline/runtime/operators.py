@@ -20,7 +20,7 @@ from snapline.pipeline.formats import decoder, encode_key
 from snapline.pipeline.formats import tag_key as _tagged_key
 from snapline.pipeline.formats import untag_key as _untag_key
 from snapline.pipeline.functions import Context, KeyedCoProcessFunction, KeyedProcessFunction
-from snapline.pipeline.keygroups import state_key_prefix
+from snapline.pipeline.keygroups import KEY_PREFIX, state_key_prefix
 from snapline.pipeline.record import Record
 from snapline.pipeline.runtime.barrier import Barrier
 from snapline.pipeline.runtime.timers import TimerService, processing_time_ms
@@ -242,10 +242,14 @@ class KeyByOperator(Operator):
         name: str,
         fn: Callable[[Any], Any] | None,
         max_parallelism: int,
+        raw_keys: bool = False,
     ) -> None:
         super().__init__(task, name)
         self._fn = fn
         self._max_parallelism = max_parallelism
+        #: No function, and every record's ``key_bytes`` is its Kafka key as read, which
+        #: equals ``encode_key(key)`` (string and bytes key formats).
+        self._raw_keys = raw_keys
 
     def _keyed(self, records: list[Record]) -> Iterable[tuple[Record, Any, bytes, int]]:
         """(record, key, key bytes, key-group) of each record whose key can be computed;
@@ -267,6 +271,9 @@ class KeyByOperator(Operator):
 
     def process(self, records: list[Record]) -> None:
         in_place = self.owns_input
+        if self._raw_keys and in_place:
+            self._keep_kafka_keys(records)
+            return
         out: list[Record] = []
         for r, key, key_bytes, group in self._keyed(records):
             new = r if in_place else r.with_value(r.value)
@@ -274,6 +281,22 @@ class KeyByOperator(Operator):
             new.key_bytes = key_bytes
             new.key_group = group
             out.append(new)
+        self.emit(out)
+
+    def _keep_kafka_keys(self, records: list[Record]) -> None:
+        """``key_by()`` of records that carry their Kafka key's bytes: only the key-group is
+        new (one loop, no copies)."""
+        maxp = self._max_parallelism
+        crc = zlib.crc32
+        out: list[Record] = []
+        append = out.append
+        for r in records:
+            key_bytes = r.key_bytes
+            if key_bytes is None:
+                self.task.dead_letter(r, f"{self.name}: the record has no key (key_by())")
+                continue
+            r.key_group = crc(key_bytes) % maxp
+            append(r)
         self.emit(out)
 
 
@@ -290,8 +313,12 @@ class RepartitionWriter(KeyByOperator):
         max_parallelism: int,
         repartition: Repartition,
         partitions: int,
+        forward_raw: bool = False,
     ) -> None:
         super().__init__(task, name, fn, max_parallelism)
+        #: The records come straight from JSON sources: their Kafka bytes are their value
+        #: encoded already, and cross the topic as read.
+        self._forward_raw = forward_raw
         self._topic = repartition.topic
         self._partitions = partitions
         #: The (watermark, idle) last sent to every partition of the topic (None: not yet).
@@ -307,10 +334,11 @@ class RepartitionWriter(KeyByOperator):
         maxp = self._max_parallelism
         dumps = orjson.dumps
         producer = self.task.direct_producer()
+        forward_raw = self._forward_raw
         sent = 0
         for r, key, key_bytes, group in self._keyed(records):
             try:
-                value = dumps(r.value)
+                value = r.raw if forward_raw else dumps(r.value)
             except TypeError as exc:
                 self.task.dead_letter(
                     r, f"{self.name}: the value cannot cross the repartition topic as JSON: {exc}"
@@ -443,6 +471,7 @@ class ProcessOperator(Operator):
         scope.now = self.task.now_ms()
         if self._timers is not None:
             self._timers.watermark = ctx.watermark
+        pack_prefix = KEY_PREFIX.pack
         out: list[Record] = []
         append = out.append
         # The first output of a record may reuse its Record when no other operator sees the
@@ -450,8 +479,8 @@ class ProcessOperator(Operator):
         in_place = self.owns_input
         for r in records:
             key_bytes = r.key_bytes
-            assert key_bytes is not None
-            scope.prefix = state_key_prefix(r.key_group, key_bytes)
+            # state_key_prefix(r.key_group, key_bytes), inlined (once per record).
+            scope.prefix = pack_prefix(r.key_group, len(key_bytes)) + key_bytes  # type: ignore[arg-type]
             scope.key = ctx.key = r.key
             ctx.timestamp = r.timestamp
             ctx.topic = r.topic

@@ -251,8 +251,15 @@ class Task:
                     self.pipeline.max_parallelism,
                     rep,
                     self._topic_partitions.get(rep.topic, 1),
+                    forward_raw=_reads_json_source(node),
                 )
-            return KeyByOperator(self, node.name, node.fn, self.pipeline.max_parallelism)
+            return KeyByOperator(
+                self,
+                node.name,
+                node.fn,
+                self.pipeline.max_parallelism,
+                raw_keys=node.fn is None and _kafka_keys_are_raw(node),
+            )
         maxp = self.pipeline.max_parallelism
         if kind == "process":
             return ProcessOperator(self, node.name, node.fn, states[node.id], self.backend, maxp)
@@ -489,3 +496,28 @@ class Task:
         except TypeError:
             row = repr(record.value).encode()
         self.dead_letter(record, reason, row)
+
+
+_PASS_THROUGH = ("map", "filter", "flat_map", "union")
+
+
+def _kafka_keys_are_raw(node: Node) -> bool:
+    """True when every record reaching ``node`` carries its Kafka message key as read, from
+    sources whose key format makes the key's bytes the message key's bytes ("string",
+    "bytes"): ``key_by()`` without a function can then take ``key_bytes`` as they are."""
+    for upstream in node.inputs:
+        if upstream.kind == "source":
+            if upstream.fn.key_format not in ("string", "bytes"):
+                return False
+        elif upstream.kind not in _PASS_THROUGH or not _kafka_keys_are_raw(upstream):
+            return False
+    return bool(node.inputs)
+
+
+def _reads_json_source(node: Node) -> bool:
+    """True when ``node`` reads straight from JSON sources, so each record's value is its
+    Kafka bytes decoded (a re-keying ``key_by`` forwards those bytes instead of encoding the
+    value again; key functions must not modify the value)."""
+    return bool(node.inputs) and all(
+        u.kind == "source" and u.fn.value_format == "json" for u in node.inputs
+    )

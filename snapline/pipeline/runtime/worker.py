@@ -29,6 +29,7 @@ threads.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -1326,6 +1327,22 @@ def _exit_after_stop_bound() -> None:
     _exit_now(EX_TEMPFAIL)
 
 
+#: Cyclic GC thresholds of a worker: a batch of 10,000 records makes ~30,000 short-lived
+#: objects (records, decoded values, outputs) without cycles; Python's default (700) ran a
+#: young collection every ~25 records (measured: 6 % of a keyed record's instructions).
+GC_THRESHOLDS = (50_000, 20, 10)
+
+
+def tune_gc() -> None:
+    """Raise the worker's GC thresholds and move everything alive after start-up (modules,
+    the pipeline, the clients) out of the collector's sight (``gc.freeze``), so that full
+    collections walk only what the job made since. ``SNAPLINE_GC=default`` keeps Python's."""
+    if os.environ.get("SNAPLINE_GC", "") == "default":
+        return
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 def run_worker(pipeline: Pipeline, settings: WorkerSettings) -> None:
     """Entry point of a worker process: SIGTERM/SIGINT take a final checkpoint and exit.
 
@@ -1337,6 +1354,7 @@ def run_worker(pipeline: Pipeline, settings: WorkerSettings) -> None:
     except KafkaClientError as exc:
         log.error("%s (exit %d: restart the worker)", exc, EX_TEMPFAIL)
         _exit_now(EX_TEMPFAIL)
+    tune_gc()
     signal.signal(signal.SIGTERM, worker.request_stop)
     signal.signal(signal.SIGINT, worker.request_stop)
     try:

@@ -254,17 +254,24 @@ class BoundValueState(_Bound):
         self._default = desc.default
         self._mutable_default = isinstance(desc.default, list | dict | set)
 
+    # value() and update() run once per record: _key() is inlined.
     def value(self) -> Any:
-        raw = self._get(self._key())
+        prefix = self._scope.prefix
+        if prefix is None:
+            prefix = self._scope.require(self._name)
+        raw = self._get(prefix + self._sid)
         if raw is None:
             return _fresh(self._default) if self._mutable_default else self._default
         return self._loads(raw)
 
     def update(self, value: Any) -> None:
+        prefix = self._scope.prefix
+        if prefix is None:
+            prefix = self._scope.require(self._name)
         if value is None:
-            self._backend.delete(self._key())
+            self._backend.delete(prefix + self._sid)
         else:
-            self._put(self._key(), self._dumps(value))
+            self._put(prefix + self._sid, self._dumps(value))
 
 
 # ---------------------------------------------------------------- ListState

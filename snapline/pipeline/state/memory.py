@@ -72,8 +72,7 @@ class MemorySnapshot(SnapshotHandle):
             prefixes.extend(repeat(prefix, len(entries)))
             user_keys.extend(entries)
             map_values.extend(entries.values())
-        columns = [list(self._values), list(self._values.values()), prefixes, user_keys,
-                   map_values]
+        columns = [list(self._values), list(self._values.values()), prefixes, user_keys, map_values]
         # Dicts of bytes (the checkpoint of every running job): ``array`` and ``bytes.join``
         # build each column in C without numpy or pyarrow, which a worker never imports for
         # this (their import on the first checkpoint cost ~0.7 s and ~70 MB of RSS).

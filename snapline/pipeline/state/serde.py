@@ -44,7 +44,7 @@ class JsonSerde(Serde):
 
     def dumps(self, value: Any) -> bytes:
         try:
-            return json_bytes(value)
+            return b"%b" % orjson.dumps(value)  # json_bytes(value), inlined (hot path)
         except TypeError as exc:
             raise StateError(
                 f"value {value!r:.80} is not JSON-serializable ({exc}); store plain JSON types "
