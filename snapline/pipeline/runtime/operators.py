@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
-from snapline.pipeline.formats import decoder, encode_key
+from snapline.pipeline.formats import bytes_decoder, encode_key
 from snapline.pipeline.formats import tag_key as _tagged_key
 from snapline.pipeline.formats import untag_key as _untag_key
 from snapline.pipeline.functions import Context, KeyedCoProcessFunction, KeyedProcessFunction
@@ -113,8 +113,8 @@ class SourceOperator(Operator):
 
     def __init__(self, task: OperatorContext, name: str, source: KafkaSource) -> None:
         super().__init__(task, name)
-        self._value = decoder(source.value_format)
-        self._key = decoder(source.key_format)
+        self._value = bytes_decoder(source.value_format)
+        self._key = bytes_decoder(source.key_format)
         self._timestamp = source.timestamp
 
     def process_messages(self, topic: str, partition: int, messages: Sequence[Any]) -> int | None:
@@ -130,8 +130,8 @@ class SourceOperator(Operator):
             raw = msg.value()
             raw_key = msg.key()
             try:
-                value = decode_value(raw)
-                key = decode_key(raw_key)
+                value = None if raw is None else decode_value(raw)
+                key = None if raw_key is None else decode_key(raw_key)
             except Exception as exc:
                 record = Record(
                     None,
@@ -390,7 +390,8 @@ class RepartitionSource(Operator):
         for msg in messages:
             raw = msg.value()
             raw_key = msg.key()
-            if raw_key is not None and raw_key[:1] == b"w":  # a control record, never data
+            tag = None if raw_key is None else raw_key[:1]
+            if tag == b"w":  # a control record, never data
                 self.emit(out)  # the records before it, at the watermark they were sent with
                 out = []
                 append = out.append
@@ -403,7 +404,11 @@ class RepartitionSource(Operator):
                 self.task.on_watermark_record((topic, partition), mark)
                 continue
             try:
-                key, key_bytes = _untag_key(raw_key)
+                if tag == b"s":  # untag_key(raw_key) for str keys, inlined
+                    key_bytes = raw_key[1:]
+                    key = key_bytes.decode()
+                else:
+                    key, key_bytes = _untag_key(raw_key)
                 value = loads(raw)
             except Exception as exc:
                 record = Record(
