@@ -41,6 +41,14 @@ def _same(raw: bytes) -> bytes:
     return raw
 
 
+def value_encoder(fmt: str) -> Callable[[Any], bytes]:
+    """Like ``encoder`` for values that are not None, as a C function where there is one."""
+    if fmt == "json":
+        return orjson.dumps
+    encode = encoder(fmt)
+    return encode  # type: ignore[return-value]
+
+
 def encoder(fmt: str) -> Callable[[Any], bytes | None]:
     """The function turning a value into Kafka bytes for ``fmt``."""
     if fmt == "json":

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from snapline.pipeline.errors import ConfigurationError
-from snapline.pipeline.formats import FORMATS, encode_key, encoder
+from snapline.pipeline.formats import FORMATS, encode_key, value_encoder
 from snapline.pipeline.record import Record
 from snapline.pipeline.sink import Sink, SinkContext, SinkWriter
 
@@ -52,7 +52,7 @@ class KafkaSinkWriter(SinkWriter):
     def __init__(self, sink: KafkaSink, context: SinkContext) -> None:
         self._topic = sink.topic
         self._key_fn = sink.key
-        self._encode = encoder(sink.value_format)
+        self._encode = value_encoder(sink.value_format)
         self._context = context
         self._produce = context.output.produce
 
@@ -69,7 +69,7 @@ class KafkaSinkWriter(SinkWriter):
         sent = 0
         for record in records:
             try:
-                value = encode(record.value)
+                value = None if record.value is None else encode(record.value)
                 if key_fn is None:
                     key = (
                         record.key_bytes if record.key_bytes is not None else encode_key(record.key)
