@@ -13,6 +13,7 @@ Definitions (measured from outside the system):
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -21,7 +22,7 @@ from typing import Any
 
 from benchmarks.child_env import ChildEnv, read_start_time, read_stats
 from benchmarks.kafka_admin import Topics
-from benchmarks.process import Child, Exit
+from benchmarks.process import Child, Exit, machine_cpu, tree_cpu_seconds
 from benchmarks.profiling import render
 from benchmarks.snapline_runs import METRICS_ENV, checkpoint_metrics
 from benchmarks.stats import percentile, summarize
@@ -65,6 +66,11 @@ class RunResult:
     checkpoint_s: dict[str, Any] = field(default_factory=dict)
     state_bytes: int | None = None
     peak_rss_mb: float | None = None
+    #: CPU seconds of the system's processes (a supervisor with its workers) between its
+    #: first input and its last output, and cores of the whole machine busy on average then
+    #: (broker, verifier and the system together; at the core count the machine is full).
+    cpu_s: float | None = None
+    machine_busy_cores: float | None = None
     stopped_by: str = ""
     profiled: bool = False
     profile: str = ""
@@ -186,12 +192,19 @@ class Bench:
             if started is None:
                 result.fail(why)
             else:
+                cpu_before, machine_before = tree_cpu_seconds(child.pid), machine_cpu()
                 result.startup_s = round(started - child.started_at, 3)
                 hard = s.startup_timeout + n / s.min_rate
                 seen, why = verifier.wait_for(n, hard, s.stall_timeout, child.running)
                 if seen is None:
                     result.fail(why)
                 else:
+                    machine_after = machine_cpu()
+                    result.cpu_s = round(tree_cpu_seconds(child.pid) - cpu_before, 2)
+                    window = machine_after[1] - machine_before[1]
+                    if window > 0:
+                        busy = (machine_after[0] - machine_before[0]) / window
+                        result.machine_busy_cores = round(busy * (os.cpu_count() or 1), 2)
                     result.elapsed_s = round(seen - started, 3)
                     result.wall_s = round(seen - child.started_at, 3)
                     result.records_per_s = round(n / max(seen - started, 1e-6), 1)

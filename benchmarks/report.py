@@ -107,6 +107,12 @@ def summarize_systems(systems: list[System], results: list[RunResult]) -> list[d
             "state_bytes": max((r.state_bytes for r in ok if r.state_bytes), default=None),
             "peak_rss_mb": max((r.peak_rss_mb for r in ok if r.peak_rss_mb), default=None),
             "startup_s": median([r.startup_s for r in ok if r.startup_s is not None]),
+            # CPU microseconds the system spent per record, and cores of the machine busy
+            # (everything on it) while it ran: where the machine, not the system, was the limit.
+            "cpu_us_per_record": median([r.cpu_s / r.records * 1e6 for r in ok
+                                         if r.cpu_s is not None and r.records]),
+            "machine_busy_cores": median([r.machine_busy_cores for r in ok
+                                          if r.machine_busy_cores is not None]),
             "notes": system.notes,
         })
     base = next((r["records_per_s"] for r in rows if r["system"] == "baseline-a"), None)

@@ -82,8 +82,12 @@ def _line(result: RunResult) -> str:
         lat = result.latency_s
         return (f"latency p50 {lat.get('p50', 0) * 1000:,.0f} ms, "
                 f"p99 {lat.get('p99', 0) * 1000:,.0f} ms over {lat.get('count')} records")
+    cpu = ""
+    if result.cpu_s is not None and result.machine_busy_cores is not None:
+        cpu = (f", CPU {result.cpu_s / result.records * 1e6:.1f} µs/record, machine "
+               f"{result.machine_busy_cores:.2f} cores busy")
     return (f"{result.records_per_s:,.0f} records/s ({result.elapsed_s:.1f}s, startup "
-            f"{result.startup_s:.1f}s, peak RSS {result.peak_rss_mb:,.0f} MB)")
+            f"{result.startup_s:.1f}s, peak RSS {result.peak_rss_mb:,.0f} MB{cpu})")
 
 
 def run_suite(config: SuiteConfig, bootstrap: str, console: Console) -> dict[str, Any]:
