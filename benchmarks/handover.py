@@ -143,11 +143,18 @@ class PartitionClock:
             return next((t for t in self._seen.get(partition, []) if t > after), None)
 
 
-def partitions_of_keys(bootstrap: str, topic: str, partitions: int, records: int,
-                       timeout: float = 120.0) -> dict[str, int]:
+def partitions_of_keys(
+    bootstrap: str, topic: str, partitions: int, records: int, timeout: float = 120.0
+) -> dict[str, int]:
     """Which input partition each key went to: read the first ``records`` records back."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"keys-{topic}",
-                         "enable.auto.commit": False, "enable.partition.eof": False})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"keys-{topic}",
+            "enable.auto.commit": False,
+            "enable.partition.eof": False,
+        }
+    )
     consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
     where: dict[str, int] = {}
     deadline = time.monotonic() + timeout
@@ -155,8 +162,9 @@ def partitions_of_keys(bootstrap: str, topic: str, partitions: int, records: int
     try:
         while read < records:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"read back only {read}/{records} input records of {topic} "
-                                   f"in {timeout:.0f}s")
+                raise RuntimeError(
+                    f"read back only {read}/{records} input records of {topic} in {timeout:.0f}s"
+                )
             for msg in consumer.consume(10_000, 0.5):
                 if msg.error() is None:
                     where[msg.key().decode()] = msg.partition()
@@ -180,23 +188,35 @@ def group_assignment(bootstrap: str, group: str, timeout: float = 60.0) -> dict[
         else:
             owned = {
                 m.group_instance_id or m.member_id: sorted(
-                    tp.partition for tp in m.assignment.topic_partitions)
+                    tp.partition for tp in m.assignment.topic_partitions
+                )
                 for m in description.members
             }
             last = f"state {description.state}, members {owned}"
-            if str(description.state).endswith("STABLE") and len(owned) == 2 \
-                    and all(owned.values()):
+            if (
+                str(description.state).endswith("STABLE")
+                and len(owned) == 2
+                and all(owned.values())
+            ):
                 return owned
         time.sleep(0.5)
-    raise RuntimeError(f"group {group} did not settle on two members with partitions within "
-                       f"{timeout:.0f}s ({last})")
+    raise RuntimeError(
+        f"group {group} did not settle on two members with partitions within "
+        f"{timeout:.0f}s ({last})"
+    )
 
 
 class HandoverRun:
     """One repetition: build state on two workers, kill one for good, time the hand-over."""
 
-    def __init__(self, bootstrap: str, topics: Topics, workdir: Path, config: HandoverConfig,
-                 console: Console) -> None:
+    def __init__(
+        self,
+        bootstrap: str,
+        topics: Topics,
+        workdir: Path,
+        config: HandoverConfig,
+        console: Console,
+    ) -> None:
         self.bootstrap = bootstrap
         self.topics = topics
         self.workdir = workdir
@@ -218,16 +238,24 @@ class HandoverRun:
         result.log_dir = str(rundir)
         in_topic = self.topics.create(f"{job}-in", cfg.partitions)
         out_topic = self.topics.create(f"{job}-out", cfg.partitions)
-        expected = prepare_input(self.bootstrap, in_topic, each_key_once(cfg.keys),
-                                 STATE_RECORD_BYTES, random_notes=True)
-        clock = PartitionClock(partitions_of_keys(self.bootstrap, in_topic, cfg.partitions,
-                                                  cfg.keys))
-        verifier = Verifier(self.bootstrap, out_topic, cfg.partitions, "total",
-                            on_output=clock)
-        env = ChildEnv(bootstrap=self.bootstrap, in_topic=in_topic, out_topic=out_topic,
-                       group=job, start_file=str(rundir / "started"),
-                       stats_file=str(rundir / "stats.json"), state_dir=str(rundir / "state"),
-                       backend="rocksdb", guarantee="exactly_once")
+        expected = prepare_input(
+            self.bootstrap, in_topic, each_key_once(cfg.keys), STATE_RECORD_BYTES, random_notes=True
+        )
+        clock = PartitionClock(
+            partitions_of_keys(self.bootstrap, in_topic, cfg.partitions, cfg.keys)
+        )
+        verifier = Verifier(self.bootstrap, out_topic, cfg.partitions, "total", on_output=clock)
+        env = ChildEnv(
+            bootstrap=self.bootstrap,
+            in_topic=in_topic,
+            out_topic=out_topic,
+            group=job,
+            start_file=str(rundir / "started"),
+            stats_file=str(rundir / "stats.json"),
+            state_dir=str(rundir / "state"),
+            backend="rocksdb",
+            guarantee="exactly_once",
+        )
         workers: dict[str, Child] = {}
         producer: RateProducer | None = None
         try:
@@ -237,8 +265,7 @@ class HandoverRun:
             def both_running() -> bool:
                 return all(w.running() for w in workers.values())
 
-            seen, why = verifier.wait_for(cfg.keys, 120.0 + cfg.keys / 2_000, 120.0,
-                                          both_running)
+            seen, why = verifier.wait_for(cfg.keys, 120.0 + cfg.keys / 2_000, 120.0, both_running)
             if seen is None:
                 result.fail(f"building state on two workers: {why}")
                 return self._finish(result, workers, verifier, expected, rundir)
@@ -257,9 +284,11 @@ class HandoverRun:
             kill_at = time.time()
             workers[KILLED].kill()
             result.kill_at = kill_at
-            self.console.print(f"  r{repetition}: worker {KILLED} (partitions "
-                               f"{result.dead_partitions}) SIGKILLed; waiting for worker "
-                               f"{SURVIVOR} to take them over")
+            self.console.print(
+                f"  r{repetition}: worker {KILLED} (partitions "
+                f"{result.dead_partitions}) SIGKILLed; waiting for worker "
+                f"{SURVIVOR} to take them over"
+            )
             taken = self._wait_handover(result, survivor, clock, rundir)
             if taken:
                 self._split(result, rundir)
@@ -267,8 +296,9 @@ class HandoverRun:
                 result.fail("the rate producer did not finish within its duration + 60 s")
             producer.close()
             inputs = expected.count
-            seen, why = verifier.wait_for(inputs, self.handover_timeout + 60.0,
-                                          self.handover_timeout, survivor.running)
+            seen, why = verifier.wait_for(
+                inputs, self.handover_timeout + 60.0, self.handover_timeout, survivor.running
+            )
             if seen is None:
                 result.fail(f"after the hand-over: {why}")
             return self._finish(result, workers, verifier, expected, rundir)
@@ -285,24 +315,41 @@ class HandoverRun:
                 shutil.rmtree(rundir, ignore_errors=True)
 
     def _launch(self, worker_id: str, env: ChildEnv, rundir: Path) -> Child:
-        argv = [sys.executable, "-m", "benchmarks.snapline_entry", "run",
-                "benchmarks.snapline_pipelines:running_total_with_note",
-                "--bootstrap-servers", self.bootstrap, "--worker-id", worker_id]
-        return Child(argv, {**env.to_environ(),
-                            METRICS_ENV: str(rundir / f"metrics-{worker_id}.jsonl"),
-                            KAFKA_CONFIG_ENV: json.dumps(self.config.kafka_config)},
-                     rundir / f"worker-{worker_id}.log")
+        argv = [
+            sys.executable,
+            "-m",
+            "benchmarks.snapline_entry",
+            "run",
+            "benchmarks.snapline_pipelines:running_total_with_note",
+            "--bootstrap-servers",
+            self.bootstrap,
+            "--worker-id",
+            worker_id,
+        ]
+        return Child(
+            argv,
+            {
+                **env.to_environ(),
+                METRICS_ENV: str(rundir / f"metrics-{worker_id}.jsonl"),
+                KAFKA_CONFIG_ENV: json.dumps(self.config.kafka_config),
+            },
+            rundir / f"worker-{worker_id}.log",
+        )
 
     def _survivor_assigned(self, rundir: Path, after: float) -> float | None:
         """When the survivor was assigned every partition, after ``after``."""
         for e in read_events(rundir / f"metrics-{SURVIVOR}.jsonl"):
-            if (e.get("event") == "assigned" and float(e["time"]) > after
-                    and e.get("partitions") == self.config.partitions):
+            if (
+                e.get("event") == "assigned"
+                and float(e["time"]) > after
+                and e.get("partitions") == self.config.partitions
+            ):
                 return float(e["time"])
         return None
 
-    def _wait_handover(self, result: HandoverResult, survivor: Child, clock: PartitionClock,
-                       rundir: Path) -> bool:
+    def _wait_handover(
+        self, result: HandoverResult, survivor: Child, clock: PartitionClock, rundir: Path
+    ) -> bool:
         """Wait until every partition of the dead worker has output produced by the survivor
         (seen after the survivor was assigned them: the dead worker cannot commit any more,
         and what it committed before the kill was seen within ~0.1 s of the commit)."""
@@ -321,20 +368,26 @@ class HandoverRun:
                     result.first_dead_output_s = round(min(firsts) - result.kill_at, 3)
                     result.all_dead_outputs_s = round(max(firsts) - result.kill_at, 3)
                     result.all_survivor_outputs_s = round(
-                        max(t for t in own if t is not None) - result.kill_at, 3)
+                        max(t for t in own if t is not None) - result.kill_at, 3
+                    )
                     return True
             time.sleep(0.1)
-        result.fail(f"the dead worker's partitions {result.dead_partitions} had no new output "
-                    f"within {self.handover_timeout:.0f}s of the kill (survivor assigned: "
-                    f"{self._survivor_assigned(rundir, result.kill_at)})")
+        result.fail(
+            f"the dead worker's partitions {result.dead_partitions} had no new output "
+            f"within {self.handover_timeout:.0f}s of the kill (survivor assigned: "
+            f"{self._survivor_assigned(rundir, result.kill_at)})"
+        )
         return False
 
     def _split(self, result: HandoverResult, rundir: Path) -> None:
         """The survivor's events after the kill, as seconds since the kill."""
         assert result.kill_at is not None
         kill_at = result.kill_at
-        events = [e for e in read_events(rundir / f"metrics-{SURVIVOR}.jsonl")
-                  if float(e.get("time", 0)) > kill_at]
+        events = [
+            e
+            for e in read_events(rundir / f"metrics-{SURVIVOR}.jsonl")
+            if float(e.get("time", 0)) > kill_at
+        ]
         at: dict[str, float] = {}
         for e in events:
             kind = str(e.get("event"))
@@ -344,8 +397,12 @@ class HandoverRun:
                     result.problems.append("the survivor lost its partitions (no revoke)")
             elif kind == "revoke_checkpoint" and result.revoke_checkpoint_s is None:
                 result.revoke_checkpoint_s = float(e.get("seconds", 0.0))
-            elif (kind == "assigned" and "revoked" in at and "assigned" not in at
-                  and e.get("partitions") == self.config.partitions):
+            elif (
+                kind == "assigned"
+                and "revoked" in at
+                and "assigned" not in at
+                and e.get("partitions") == self.config.partitions
+            ):
                 at["assigned"] = float(e["time"])
             elif kind == "restored" and "assigned" in at and "restored" not in at:
                 at["restored"] = float(e["time"])
@@ -354,21 +411,31 @@ class HandoverRun:
             elif kind == "checkpoint" and "restored" in at and "first checkpoint" not in at:
                 at["first checkpoint"] = float(e["time"])
         result.events_s = {k: round(v - kill_at, 3) for k, v in at.items()}
-        dead_checkpoints = [float(e["time"])
-                            for e in read_events(rundir / f"metrics-{KILLED}.jsonl")
-                            if e.get("event") == "checkpoint" and float(e["time"]) <= kill_at]
+        dead_checkpoints = [
+            float(e["time"])
+            for e in read_events(rundir / f"metrics-{KILLED}.jsonl")
+            if e.get("event") == "checkpoint" and float(e["time"]) <= kill_at
+        ]
         if dead_checkpoints:
             result.dead_last_checkpoint_s = round(max(dead_checkpoints) - kill_at, 3)
 
-    def _finish(self, result: HandoverResult, workers: dict[str, Child], verifier: Verifier,
-                expected: Any, rundir: Path) -> HandoverResult:
+    def _finish(
+        self,
+        result: HandoverResult,
+        workers: dict[str, Child],
+        verifier: Verifier,
+        expected: Any,
+        rundir: Path,
+    ) -> HandoverResult:
         result.load_end = _load()
         tails = []
         for worker_id, w in workers.items():
             exit_ = w.stop(30.0)
             if worker_id == SURVIVOR and exit_.stopped_by != "SIGTERM":
-                result.fail(f"the survivor ended by {exit_.stopped_by} with "
-                            f"{exit_.returncode}, not by the harness's SIGTERM")
+                result.fail(
+                    f"the survivor ended by {exit_.stopped_by} with "
+                    f"{exit_.returncode}, not by the harness's SIGTERM"
+                )
             tails.append(f"--- worker {worker_id}\n{exit_.log_tail}")
         verifier.drain()
         result.inputs = expected.count
@@ -385,37 +452,62 @@ def _summary(results: list[HandoverResult]) -> dict[str, Any]:
     ok = [r for r in results if r.status == "ok" and r.all_dead_outputs_s is not None]
 
     def stat(values: list[float]) -> dict[str, float]:
-        return {"p50": round(statistics.median(values), 3), "max": round(max(values), 3)} \
-            if values else {}
+        return (
+            {"p50": round(statistics.median(values), 3), "max": round(max(values), 3)}
+            if values
+            else {}
+        )
 
     summary: dict[str, Any] = {
-        "first_dead_output_s": stat([r.first_dead_output_s for r in ok
-                                     if r.first_dead_output_s is not None]),
-        "all_dead_outputs_s": stat([r.all_dead_outputs_s for r in ok
-                                    if r.all_dead_outputs_s is not None]),
-        "all_survivor_outputs_s": stat([r.all_survivor_outputs_s for r in ok
-                                        if r.all_survivor_outputs_s is not None]),
+        "first_dead_output_s": stat(
+            [r.first_dead_output_s for r in ok if r.first_dead_output_s is not None]
+        ),
+        "all_dead_outputs_s": stat(
+            [r.all_dead_outputs_s for r in ok if r.all_dead_outputs_s is not None]
+        ),
+        "all_survivor_outputs_s": stat(
+            [r.all_survivor_outputs_s for r in ok if r.all_survivor_outputs_s is not None]
+        ),
     }
     for name in ("revoked", "assigned", "restored", "first checkpoint"):
         summary[f"kill → {name}"] = stat([r.events_s[name] for r in ok if name in r.events_s])
     return summary
 
 
-COLUMNS = ("rep", "dead partitions", "→ revoked", "→ assigned", "→ restored",
-           "→ 1st checkpoint", "→ 1st dead output", "→ all dead outputs",
-           "→ all survivor outputs", "dead txn began", "load", "exactly once")
+COLUMNS = (
+    "rep",
+    "dead partitions",
+    "→ revoked",
+    "→ assigned",
+    "→ restored",
+    "→ 1st checkpoint",
+    "→ 1st dead output",
+    "→ all dead outputs",
+    "→ all survivor outputs",
+    "dead txn began",
+    "load",
+    "exactly once",
+)
 
 
 def _row(r: HandoverResult) -> tuple[str, ...]:
     def s(value: float | None) -> str:
         return "–" if value is None else f"{value:.2f} s"
 
-    return (str(r.repetition), ",".join(map(str, r.dead_partitions)),
-            s(r.events_s.get("revoked")), s(r.events_s.get("assigned")),
-            s(r.events_s.get("restored")), s(r.events_s.get("first checkpoint")),
-            s(r.first_dead_output_s), s(r.all_dead_outputs_s), s(r.all_survivor_outputs_s),
-            s(r.dead_last_checkpoint_s), " ".join(f"{x:.1f}" for x in r.load_end),
-            "ok" if r.status == "ok" else r.status)
+    return (
+        str(r.repetition),
+        ",".join(map(str, r.dead_partitions)),
+        s(r.events_s.get("revoked")),
+        s(r.events_s.get("assigned")),
+        s(r.events_s.get("restored")),
+        s(r.events_s.get("first checkpoint")),
+        s(r.first_dead_output_s),
+        s(r.all_dead_outputs_s),
+        s(r.all_survivor_outputs_s),
+        s(r.dead_last_checkpoint_s),
+        " ".join(f"{x:.1f}" for x in r.load_end),
+        "ok" if r.status == "ok" else r.status,
+    )
 
 
 def run_handover(config: HandoverConfig, bootstrap: str, console: Console) -> dict[str, Any]:
@@ -427,23 +519,31 @@ def run_handover(config: HandoverConfig, bootstrap: str, console: Console) -> di
     topics = Topics(bootstrap)
     runner = HandoverRun(bootstrap, topics, workdir, config, console)
     m = report.machine()
-    console.print(f"[bold]machine[/bold]: {m.description}\n[bold]broker[/bold]: {bootstrap}\n"
-                  f"kafka config of the workers: {config.kafka_config or 'Snapline defaults'}")
+    console.print(
+        f"[bold]machine[/bold]: {m.description}\n[bold]broker[/bold]: {bootstrap}\n"
+        f"kafka config of the workers: {config.kafka_config or 'Snapline defaults'}"
+    )
     results: list[HandoverResult] = []
     for repetition in range(1, config.repetitions + 1):
         result = runner.run(repetition, prefix)
         results.append(result)
         if result.status == "ok":
-            console.print(f"  r{repetition}: dead partitions' first output "
-                          f"{result.first_dead_output_s} s, all {result.all_dead_outputs_s} s "
-                          f"after the kill; survivor events {result.events_s}")
+            console.print(
+                f"  r{repetition}: dead partitions' first output "
+                f"{result.first_dead_output_s} s, all {result.all_dead_outputs_s} s "
+                f"after the kill; survivor events {result.events_s}"
+            )
         else:
-            console.print(f"  [red]r{repetition} {result.status}[/red]: "
-                          f"{'; '.join(result.problems)} (logs: {result.log_dir})")
+            console.print(
+                f"  [red]r{repetition} {result.status}[/red]: "
+                f"{'; '.join(result.problems)} (logs: {result.log_dir})"
+            )
     if not runner.keep_logs and all(r.status == "ok" for r in results):
         shutil.rmtree(workdir, ignore_errors=True)
-    table = Table(title=f"hand-over of a dead worker's partitions (seconds after the SIGKILL), "
-                        f"{config.keys:,} keys — {m.description}")
+    table = Table(
+        title=f"hand-over of a dead worker's partitions (seconds after the SIGKILL), "
+        f"{config.keys:,} keys — {m.description}"
+    )
     for col in COLUMNS:
         table.add_column(col, justify="left" if col == "rep" else "right")
     for r in results:
@@ -456,12 +556,14 @@ def run_handover(config: HandoverConfig, bootstrap: str, console: Console) -> di
         "machine": asdict(m) | {"short": m.short, "description": m.description},
         "command": config.command,
         "config": asdict(config) | {"output": str(config.output or "")},
-        "session_timeout_ms": int(config.kafka_config.get("session.timeout.ms",
-                                                          SESSION_TIMEOUT_MS)),
-        "transaction_timeout_ms": int(config.kafka_config.get("transaction.timeout.ms",
-                                                              TRANSACTION_TIMEOUT_MS)),
+        "session_timeout_ms": int(
+            config.kafka_config.get("session.timeout.ms", SESSION_TIMEOUT_MS)
+        ),
+        "transaction_timeout_ms": int(
+            config.kafka_config.get("transaction.timeout.ms", TRANSACTION_TIMEOUT_MS)
+        ),
         "definition": "seconds from the SIGKILL of worker 1 to the first output (of a partition "
-                      "it owned) that the survivor produced, seen by a read_committed consumer",
+        "it owned) that the survivor produced, seen by a read_committed consumer",
         "summary": summary,
         "results": [asdict(r) for r in results],
     }
