@@ -1,4 +1,4 @@
-"""Command line of the benchmark harness: ``python -m benchmarks run|recovery``."""
+"""Command line of the benchmark harness: ``python -m benchmarks run|recovery|handover``."""
 
 from __future__ import annotations
 
@@ -129,6 +129,60 @@ def recovery(keys: int | None, quick: bool, bootstrap_servers: str | None, only:
     console = _console()
     with kafka(bootstrap_servers) as bootstrap:
         run_recovery(config, bootstrap, console)
+
+
+def _kafka_settings(values: tuple[str, ...]) -> dict[str, str]:
+    settings: dict[str, str] = {}
+    for value in values:
+        key, sep, setting = value.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{value!r} is not KEY=VALUE", param_hint="--kafka-config")
+        settings[key.strip()] = setting.strip()
+    return settings
+
+
+@cli.command()
+@click.option("--keys", type=int, default=None,
+              help="keys of state, ~150 B each [100,000; quick 5,000]")
+@click.option("--partitions", type=int, default=8, show_default=True)
+@click.option("--repetitions", type=int, default=None, help="kills, one per fresh job [3; quick 1]")
+@click.option("--rate", type=float, default=1_000.0, show_default=True,
+              help="input records/s while the worker is killed")
+@click.option("--warmup", type=float, default=5.0, show_default=True,
+              help="seconds of steady input before the kill")
+@click.option("--after-kill", type=float, default=None,
+              help="seconds of input after the kill [90; quick 30]")
+@click.option("--kafka-config", multiple=True, metavar="KEY=VALUE",
+              help="librdkafka setting of both workers, e.g. transaction.timeout.ms=10000")
+@click.option("--quick", is_flag=True, help="small smoke test (results go to results/tmp/)")
+@click.option("--bootstrap-servers", default=None,
+              help="an existing Kafka cluster; default: start a local broker")
+@click.option("--output", type=click.Path(path_type=Path), default=None,
+              help="results JSON [benchmarks/results/<date>-<machine>-handover.json]")
+def handover(keys: int | None, partitions: int, repetitions: int | None, rate: float,
+             warmup: float, after_kill: float | None, kafka_config: tuple[str, ...],
+             quick: bool, bootstrap_servers: str | None, output: Path | None) -> None:
+    """Time from SIGKILLing one of two workers (never restarted) until the survivor's output
+    for the dead worker's partitions is committed and visible."""
+    from benchmarks.handover import HandoverConfig, run_handover
+
+    config = HandoverConfig(
+        keys=keys or (5_000 if quick else 100_000),
+        partitions=partitions,
+        repetitions=repetitions or (1 if quick else 3),
+        rate=rate,
+        warmup_s=warmup,
+        after_kill_s=after_kill or (30.0 if quick else 90.0),
+        kafka_config=_kafka_settings(kafka_config),
+        output=output,
+        command=_command_line(),
+        quick=quick,
+    )
+    console = _console()
+    with kafka(bootstrap_servers) as bootstrap:
+        payload = run_handover(config, bootstrap, console)
+    if any(r["status"] != "ok" for r in payload["results"]):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

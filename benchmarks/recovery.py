@@ -23,6 +23,7 @@ directory wiped), and for reference from its local RocksDB (state directory kept
 from __future__ import annotations
 
 import os
+import resource
 import secrets
 import shutil
 import statistics
@@ -118,6 +119,10 @@ class RecoveryResult:
     phases_s: dict[str, float] = field(default_factory=dict)
     peak_rss_mb_build: float | None = None
     peak_rss_mb_restart: float | None = None
+    #: ``os.getloadavg()`` (1, 5, 15 min) when this system's run started and ended: the machine
+    #: is shared, so every number carries the load it was measured under
+    load_start: tuple[float, ...] = ()
+    load_end: tuple[float, ...] = ()
     log: str = ""
     log_tail: str = ""
     notes: str = ""
@@ -133,6 +138,10 @@ def select_recovery(only: tuple[str, ...]) -> list[RecoverySystem]:
     if unknown:
         raise ValueError(f"unknown system(s) {unknown}; choose from {names}")
     return [s for s in RECOVERY_SYSTEMS if not only or s.name in only]
+
+
+def _load() -> tuple[float, ...]:
+    return tuple(round(x, 2) for x in os.getloadavg())
 
 
 def _dir_mb(path: Path) -> float:
@@ -152,12 +161,17 @@ class RecoveryRun:
         self.workdir = workdir
         self.config = config
         self.startup_timeout = 120.0
-        self.stall_timeout = 60.0 if config.quick else 120.0
+        # Bounds that grow with the state: a checkpoint (Snapline) or commit (Quix) of 10M keys
+        # may take longer between two outputs than one of 1M, and Quix Streams restores its
+        # changelog at ~50k records/s (10M keys: ~200 s; the bound allows 10k/s).
+        self.stall_timeout = (60.0 if config.quick else 120.0) + config.keys / 100_000
+        self.restore_timeout = self.startup_timeout + 600.0 + config.keys / 10_000
         self.keep_logs = bool(os.environ.get("BENCH_KEEP_WORKDIR"))
 
     def run(self, spec: RecoverySystem, console: Console) -> RecoveryResult:
         cfg = self.config
-        result = RecoveryResult(system=spec.name, keys=cfg.keys, notes=spec.notes)
+        result = RecoveryResult(system=spec.name, keys=cfg.keys, notes=spec.notes,
+                                load_start=_load())
         group = f"{self.prefix}-{spec.name}"
         rundir = self.workdir / spec.name
         rundir.mkdir(parents=True)
@@ -213,8 +227,8 @@ class RecoveryRun:
             restart_env = ChildEnv(**{**asdict(env), "start_file": str(rundir / "started-2")})
             child = self._launch(spec, restart_env, rundir / "restart.log", metrics)
             result.log = str(rundir / "restart.log")
-            seen, why = verifier.wait_for(cfg.keys + 1, self.startup_timeout + 600,
-                                          self.startup_timeout + 600, child.running)
+            seen, why = verifier.wait_for(cfg.keys + 1, self.restore_timeout,
+                                          self.restore_timeout, child.running)
             if seen is None:
                 result.fail(f"after restart: {why}")
                 return self._finish(result, child, verifier, expected)
@@ -241,8 +255,8 @@ class RecoveryRun:
                 )
                 child = self._launch(spec, cycle_env, rundir / f"restart-{cycle}.log", metrics)
                 result.log = str(rundir / f"restart-{cycle}.log")
-                seen, why = verifier.wait_for(cfg.keys + cycle, self.startup_timeout + 600,
-                                              self.startup_timeout + 600, child.running)
+                seen, why = verifier.wait_for(cfg.keys + cycle, self.restore_timeout,
+                                              self.restore_timeout, child.running)
                 if seen is None:
                     result.fail(f"after restart {cycle}: {why}")
                     return self._finish(result, child, verifier, expected)
@@ -313,6 +327,7 @@ class RecoveryRun:
 
     def _finish(self, result: RecoveryResult, child: Child, verifier: Verifier,
                 expected: Expected | None = None) -> RecoveryResult:
+        result.load_end = _load()
         exit_ = child.stop(30.0)
         if result.recovery_s is not None:
             result.peak_rss_mb_restart = round(exit_.peak_rss_mb, 1)
@@ -377,6 +392,16 @@ def _markdown(results: list[RecoveryResult]) -> str:
     return "\n".join(lines)
 
 
+def _ratios(results: list[RecoveryResult]) -> dict[str, float]:
+    """quix-changelog's p50 / each other system's p50 (measured in the same run)."""
+    quix = next((r.recovery_p50_s for r in results
+                 if r.system == "quix-changelog" and r.status == "ok"), None)
+    if not quix:
+        return {}
+    return {r.system: round(quix / r.recovery_p50_s, 1) for r in results
+            if r.status == "ok" and r.recovery_p50_s and r.system != "quix-changelog"}
+
+
 def run_recovery(config: RecoveryConfig, bootstrap: str, console: Console) -> dict[str, Any]:
     specs = select_recovery(config.only)
     missing = runtime_missing()
@@ -414,6 +439,10 @@ def run_recovery(config: RecoveryConfig, bootstrap: str, console: Console) -> di
         "definition": "recovery_s = time the read_committed verifier saw the first output "
                       "of the restarted worker - time the restarted process was started",
         "results": [asdict(r) for r in results],
+        # the harness holds the expected effect and the verifier's tally of every key
+        "harness_peak_rss_mb": round(
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "restore_ratio_vs_quix_changelog": _ratios(results),
     }
     path = config.output or report.results_path(m, config.quick).with_name(
         report.results_path(m, config.quick).stem + "-recovery.json")

@@ -7,6 +7,8 @@ the harness can run the same declaration on its own topics per run.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,6 +50,11 @@ class RunningTotalWithNote(KeyedProcessFunction):
         yield {"customer": ctx.key, "total": t}
 
 
+#: Extra librdkafka settings for the worker, as a JSON object (the handover benchmark's
+#: ``--kafka-config``, e.g. a shorter ``transaction.timeout.ms``).
+KAFKA_CONFIG_ENV = "BENCH_KAFKA_CONFIG"
+
+
 def _pipeline(env: ChildEnv) -> Pipeline:
     return Pipeline(
         env.group,
@@ -55,6 +62,7 @@ def _pipeline(env: ChildEnv) -> Pipeline:
         state_backend=env.backend,
         guarantee=env.guarantee,
         checkpoint_dir=env.state_dir,
+        kafka_config=json.loads(os.environ.get(KAFKA_CONFIG_ENV) or "{}"),
     )
 
 

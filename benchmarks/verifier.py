@@ -128,8 +128,12 @@ class Verifier:
     """Reads ``topic`` from the beginning in a background thread until stopped."""
 
     def __init__(self, bootstrap: str, topic: str, partitions: int, mode: Mode,
-                 ledger: LatencyLedger | None = None) -> None:
+                 ledger: LatencyLedger | None = None,
+                 on_output: Callable[[bytes | None, float], None] | None = None) -> None:
+        """``on_output(value, seen_at)``: called in the reading thread for every output,
+        after it is tallied (the handover benchmark times outputs per input partition)."""
         self.tally = Tally(mode)
+        self._on_output = on_output
         self.errors: list[str] = []
         self.first_seen_at: float | None = None
         self.last_seen_at: float | None = None
@@ -151,6 +155,7 @@ class Verifier:
         consume = self._consumer.consume
         observe = self.tally.observe
         ledger = self._ledger
+        on_output = self._on_output
         try:
             while not self._stop.is_set():
                 messages = consume(num_messages=10_000, timeout=0.05)
@@ -165,6 +170,8 @@ class Verifier:
                                 self.errors.append(str(err))
                             continue
                         observe(msg.value(), now, ledger)
+                        if on_output is not None:
+                            on_output(msg.value(), now)
                     if self.first_seen_at is None:
                         self.first_seen_at = now
                     self.last_seen_at = now
