@@ -247,3 +247,66 @@ def test_repartition_topic_with_other_partitions_fails_at_start_naming_the_fix(
         "integration_tests.pipelines:repartition_mismatch", kafka_bootstrap, prefix, tmp_path
     )
     assert "has 2 partitions" in stderr and "partitions=4 is declared" in stderr
+
+
+def test_a_dead_workers_open_transaction_is_aborted_by_the_worker_taking_its_tasks(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """Worker b dies for good (SIGKILL, never restarted) while input flows, so its last
+    transaction is open with outputs in it. That transaction would hide every later output of
+    its partitions from read_committed readers until the broker aborts it, 60 s
+    (transaction.timeout.ms) after it began. Worker a takes b's tasks once b's session times
+    out (10 s), sees that b is no longer a member of the group and aborts b's transaction: every
+    output is visible long before 60 s, exactly once."""
+    prefix = f"{unique_name}-"
+    create_topics(kafka_bootstrap, {f"{prefix}orders": 4, f"{prefix}customer-totals": 4})
+    env = {"SNAPLINE_EXAMPLE_PREFIX": prefix, "SNAPLINE_EXAMPLE_JOB": unique_name}
+    a, b = (
+        WorkerProcess(
+            "examples.running_total:pipeline", w, kafka_bootstrap, tmp_path / "chk", tmp_path, env
+        )
+        for w in ("a", "b")
+    )
+    expected: dict[str, int] = {}
+    produced = 0
+
+    def feed(count: int) -> None:
+        nonlocal produced
+        batch = produce_orders(kafka_bootstrap, f"{prefix}orders", count, 50, start_id=produced)
+        for customer, amount in batch.items():
+            expected[customer] = expected.get(customer, 0) + amount
+        produced += count
+
+    a.start()
+    b.start()
+    try:
+        deadline = time.monotonic() + 90  # both joined and each committed a checkpoint
+        while {e["worker"] for e in read_events(a.metrics_path) if e["event"] == "checkpoint"} != {
+            "a",
+            "b",
+        }:
+            assert time.monotonic() < deadline, "no checkpoint of both workers\n" + b.tail()
+            feed(20)
+            time.sleep(0.2)
+        for _ in range(10):  # input keeps flowing: b's open transaction holds outputs
+            feed(50)
+            time.sleep(0.05)
+        b.kill()
+        killed = time.monotonic()
+        for _ in range(20):
+            feed(50)
+            time.sleep(0.1)
+        # Without the abort nothing after b's open transaction is readable before ~60 s.
+        outputs = read_committed(
+            kafka_bootstrap, f"{prefix}customer-totals", produced, timeout=40, settle=2
+        )
+        seen_after = time.monotonic() - killed
+        events = read_events(a.metrics_path)
+    finally:
+        a.stop()
+        b.kill()
+    check = verify_totals(outputs, expected, range(produced))
+    assert check.ok, f"{check} ({seen_after:.1f}s after the kill)"
+    assert seen_after < 45, f"every output seen only {seen_after:.1f}s after the kill"
+    fenced = [e for e in events if e["event"] == "fenced_departed"]
+    assert fenced and fenced[0]["departed"] == "b" and fenced[0]["worker"] == "a", events[-20:]

@@ -283,8 +283,9 @@ class WorkerMetrics:
                     prom.rebalances.labels(self.job, self.worker, str(kind)).inc()
         elif kind == "assigned" and prom is not None:
             prom.rebalances.labels(self.job, self.worker, "assigned").inc()
-        elif kind in ("broker_unavailable", "kafka_lost_commit") and prom is not None:
-            prom.recoveries.labels(self.job, self.worker, str(kind)).inc()
+        elif kind in ("broker_unavailable", "kafka_lost_commit", "fenced_departed"):
+            if prom is not None:
+                prom.recoveries.labels(self.job, self.worker, str(kind)).inc()
         elif kind in ("restored", "restored_after_failure"):
             self._restored(entry)
         elif kind == "savepoint":

@@ -68,6 +68,7 @@ from snapline.pipeline.checkpoint.restore import restore_committed
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.errors import CheckpointError, CheckpointStorageError, ConfigurationError
 from snapline.pipeline.graph import Pipeline
+from snapline.pipeline.runtime import departed
 from snapline.pipeline.runtime.coordinator import CheckpointCoordinator, CompletedCheckpoint
 from snapline.pipeline.runtime.faults import FaultInjector
 from snapline.pipeline.runtime.kafka_calls import (
@@ -192,6 +193,8 @@ class Worker:
         self._first_after_restore = False
         #: Task id -> the committed checkpoint its last restore used (None: none).
         self._restored_from: dict[str, int | None] = {}
+        #: The workers that wrote the checkpoints the last restore used (runtime/departed.py).
+        self._previous_owners: set[str] = set()
         #: A failed checkpoint left the tasks dropped; they are rebuilt on the next step,
         #: after the consumer has had a chance to report a lost assignment.
         self._restore_pending = False
@@ -221,7 +224,9 @@ class Worker:
         )
         self.cluster_id = self._check_identity()
         transactional_id = (
-            f"snapline-{pipeline.name}-{settings.worker_id}" if pipeline.exactly_once else None
+            departed.transactional_id(pipeline.name, settings.worker_id)
+            if pipeline.exactly_once
+            else None
         )
         producer_config = {**kafka_config, "client.id": f"{pipeline.name}-{settings.worker_id}"}
         self.output = TransactionalOutput(
@@ -262,7 +267,7 @@ class Worker:
             "fetch.wait.max.ms": 50,
             **self._kafka_config,
             "group.id": self.pipeline.name,
-            "group.instance.id": f"{self.pipeline.name}-{self.settings.worker_id}",
+            "group.instance.id": departed.instance_id(self.pipeline.name, self.settings.worker_id),
             "client.id": f"{self.pipeline.name}-{self.settings.worker_id}",
             "enable.auto.commit": False,
             "enable.auto.offset.store": False,
@@ -331,6 +336,14 @@ class Worker:
                 "reason": "assigned",
             }
         )
+        if self.pipeline.exactly_once:
+            departed.start(
+                self._kafka_config,
+                self.pipeline.name,
+                self.settings.worker_id,
+                self._previous_owners,
+                self._event,
+            )
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """A rebalance takes the partitions away: commit the work done so far first.
@@ -394,6 +407,7 @@ class Worker:
         seek: dict[tuple[str, int], int] = {}
         self._restored_from = {}
         self._restored_bytes = {}
+        self._previous_owners = set()
         for task_id, tps in sorted(by_task.items()):
             positions, ref = self._restore_task(
                 task_id, [committed_by_tp[(t.topic, t.partition)] for t in tps]
@@ -488,6 +502,7 @@ class Worker:
                 backend,
                 on_corrupt=self.pipeline.on_corrupt_checkpoint,
             )
+            self._previous_owners.add(meta.worker_id)
             if meta.state is not None:
                 self._restored_bytes[task_id] = sum(f.size for f in meta.state.files)
                 self.metrics.restored_files(task_id, meta.state)
