@@ -316,3 +316,38 @@ def test_a_full_write_buffer_is_flushed(
     fill(backend, 25)
     assert len(backend._pending) < 10
     assert backend.get(b"key-000003") == b"v" * 100
+
+
+# ------------------------------------------------------------------ read cache
+def test_the_read_cache_never_answers_for_a_write_that_bypassed_it(
+    make_rocksdb: MakeRocks, tmp_path: Path
+) -> None:
+    """Reads go through a dict of values known to equal the database's; everything that
+    writes to the database outside the per-record path (deletes by predicate, map clears,
+    bulk puts, a restore) must leave no stale value in it."""
+    storage = CheckpointStorage(str(tmp_path / "storage"))
+    backend = make_rocksdb()
+    backend.put(b"a", b"1")
+    backend.put(b"b", b"2")
+    backend.map_put(b"m", b"x", b"3")
+    handle = take_checkpoint(backend, storage, 1)  # flushed: the values are cached now
+    assert (backend.get(b"a"), backend.get(b"b"), backend.map_get(b"m", b"x")) == (b"1", b"2", b"3")
+    assert backend.delete_where(lambda key, value: key == b"a") == 1
+    assert backend.get(b"a") is None
+    backend.map_clear(b"m")
+    assert backend.map_get(b"m", b"x") is None
+    backend.put_many([(b"b", b"22")])
+    assert backend.get(b"b") == b"22"
+    backend.restore(handle, storage)
+    assert (backend.get(b"a"), backend.get(b"b"), backend.map_get(b"m", b"x")) == (b"1", b"2", b"3")
+
+
+def test_the_read_cache_is_bounded(make_rocksdb: MakeRocks, monkeypatch) -> None:
+    from snapline.pipeline.state import rocksdb as rocksdb_module
+
+    monkeypatch.setattr(rocksdb_module, "READ_CACHE_ENTRIES", 10)
+    backend = make_rocksdb()
+    fill(backend, 50, width=1)
+    backend.flush_writes()
+    assert [backend.get(b"key-%06d" % i) for i in range(50)] == [b"v"] * 50
+    assert len(backend._cache) <= 10
