@@ -45,7 +45,7 @@ from snapline.pipeline.savepoint.format import (
 from snapline.pipeline.savepoint.pool import pool_size, run_jobs, scratch_options
 from snapline.pipeline.stages import SOURCE_STAGE, StagePlan, task_id_for
 from snapline.pipeline.state import create_backend
-from snapline.pipeline.state.columns import split_stored_keys
+from snapline.pipeline.state.columns import StoredKeys, split_stored_keys
 
 log = logging.getLogger(__name__)
 
@@ -169,9 +169,15 @@ def export_task_state(
     parts = split_stored_keys(stored)
     groups = parts.key_group.to_numpy()
     if len(groups) > 1 and not bool((groups[1:] >= groups[:-1]).all()):
-        order = pa.array(np.argsort(groups, kind="stable"))
-        stored, values = stored.take(order), values.take(order)
-        parts = split_stored_keys(stored)
+        order = np.argsort(groups, kind="stable")
+        take = pa.array(order)
+        parts = StoredKeys(
+            parts.key_group.take(take),
+            parts.key.take(take),
+            parts.state_id[order],
+            parts.map_key.take(take),
+        )
+        values = values.take(take)
     sids = parts.state_id
     unknown = set(np.unique(sids).tolist()) - set(by_sid)
     if unknown:
