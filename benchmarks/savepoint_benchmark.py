@@ -2,8 +2,9 @@
 different parallelism, through the same code ``snapline savepoint`` and ``--from-savepoint``
 use (restore the committed checkpoint, export by operator and key-group range to Parquet;
 read the key-group range of each new task, load its backend, snapshot it as a checkpoint).
-Kafka is not involved: the numbers are the state's. Each phase runs its tasks in as many
-processes as snapline would (``--processes`` to choose); after the timed restore, every new
+Kafka is not involved: the numbers are the state's. Each phase runs as many tasks at a time as
+snapline would (``--processes`` to choose; threads of this process first, see
+``snapline.pipeline.savepoint.pool``); after the timed restore, every new
 checkpoint is read back and checked key by key (not timed).
 
     python -m benchmarks.savepoint_benchmark [--keys 1000000] [--backend rocksdb|memory]
@@ -178,8 +179,8 @@ def main() -> None:
         "--processes",
         type=int,
         default=None,
-        help="processes per phase, this one included (default: what snapline uses: one per "
-        "CPU from 32 MB or 250k rows of state)",
+        help="jobs at a time per phase: two threads of this process, then pool processes "
+        "(default: what snapline uses: one per CPU from 32 MB or 250k rows of state)",
     )
     args = parser.parse_args()
     results = []
