@@ -4,7 +4,8 @@ down): the checkpoint each task's committed offsets name is restored into a scra
 its entries are written per operator as Parquet, and the records in flight in repartition
 topics are copied, so the savepoint refers to nothing else.
 
-Threads: the caller's (a CLI process, never a worker).
+Threads: the caller's (a CLI process, never a worker); ``export_task`` runs in threads of it
+or in pool processes (``pool``), one job per thread with a scratch backend of its own.
 """
 
 from __future__ import annotations

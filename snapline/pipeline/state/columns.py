@@ -2,7 +2,7 @@
 into its parts and build it back, for whole columns at once (savepoint export and restore move
 millions of entries; a Python loop per entry was most of their time).
 
-Threads: any; the functions are pure.
+Threads: any; the functions are pure, and ``bulk()`` may be entered by several at once.
 """
 
 from __future__ import annotations
