@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -269,8 +270,17 @@ def read_table(
         if stats is None or not stats.has_min_max or (stats.min <= hi and stats.max >= lo):
             chosen.append(i)
     table = parquet.read_row_groups(chosen, columns=columns)
-    groups = table.column("key_group")
-    return table.filter(pc.and_(pc.greater_equal(groups, lo), pc.less_equal(groups, hi)))
+    groups = table.column("key_group").to_numpy()
+    if len(groups) and not bool((groups[1:] >= groups[:-1]).all()):
+        mask = pc.and_(
+            pc.greater_equal(table.column("key_group"), lo),
+            pc.less_equal(table.column("key_group"), hi),
+        )
+        return table.filter(mask)
+    # Rows in key-group order (every savepoint Snapline writes): the range is one slice,
+    # no copy of the values.
+    start, stop = np.searchsorted(groups, [lo, hi + 1])
+    return table.slice(int(start), int(stop - start))
 
 
 def read_metadata(storage: CheckpointStorage) -> SavepointMetadata:
