@@ -207,7 +207,7 @@ def main() -> None:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     print(
-        "| backend | keys | state | savepoint files | processes | write | restore "
+        "| backend | keys | state | savepoint files | jobs at once | write | restore "
         f"{args.old_tasks} → {args.new_tasks} tasks | CPU write / restore |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
