@@ -37,7 +37,7 @@ from snapline.pipeline.keygroups import (
 )
 from snapline.pipeline.savepoint.export import ExportJob, export_task
 from snapline.pipeline.savepoint.format import OperatorState
-from snapline.pipeline.savepoint.pool import pool_size, run_jobs
+from snapline.pipeline.savepoint.pool import LOCAL_THREADS, pool_size, run_jobs
 from snapline.pipeline.savepoint.restore import LoadJob, StateMapping, load_task
 from snapline.pipeline.state import create_backend
 
@@ -61,6 +61,7 @@ def run(
     new_tasks: int,
     tmp: Path,
     processes: int | None = None,
+    threads: int = LOCAL_THREADS,
 ) -> dict[str, Any]:
     work = Workload(keys)
     storage = CheckpointStorage(str(tmp / "checkpoints"))
@@ -111,7 +112,7 @@ def run(
         )
     write_processes = pool_size(len(export_jobs), state_bytes=checkpoint_bytes, processes=processes)
     started, cpu = time.perf_counter(), cpu_seconds()
-    exported = run_jobs(export_task, export_jobs, write_processes)
+    exported = run_jobs(export_task, export_jobs, write_processes, threads=threads)
     write_s = time.perf_counter() - started
     write_cpu_s = cpu_seconds() - cpu
     files = [e.files["RunningTotal"] for e in exported]
@@ -144,7 +145,7 @@ def run(
         len(load_jobs), rows=sum(f.rows for f in files), processes=processes
     )
     started, cpu = time.perf_counter(), cpu_seconds()
-    loaded = run_jobs(load_task, load_jobs, restore_processes)
+    loaded = run_jobs(load_task, load_jobs, restore_processes, threads=threads)
     restore_s = time.perf_counter() - started
     restore_cpu_s = cpu_seconds() - cpu
     restored_entries = sum(entries for _, entries in loaded)
@@ -177,6 +178,7 @@ def run(
         "restore_s": restore_s,
         "restore_mb_per_s": state_bytes / MB / restore_s,
         "restore_cpu_s": restore_cpu_s,
+        "threads": threads,
         "write_processes": write_processes,
         "restore_processes": restore_processes,
         "verify_s": verify_s,
@@ -196,13 +198,27 @@ def main() -> None:
         help="jobs at a time per phase: two threads of this process, then pool processes "
         "(default: what snapline uses: one per CPU from 32 MB or 250k rows of state)",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=LOCAL_THREADS,
+        help=f"of those jobs, how many run in threads of this process (default {LOCAL_THREADS})",
+    )
     args = parser.parse_args()
     results = []
     for backend in args.backend or ["memory", "rocksdb"]:
         tmp = Path(tempfile.mkdtemp(prefix="snapline-sp-bench-"))
         try:
             results.append(
-                run(args.keys, backend, args.old_tasks, args.new_tasks, tmp, args.processes)
+                run(
+                    args.keys,
+                    backend,
+                    args.old_tasks,
+                    args.new_tasks,
+                    tmp,
+                    args.processes,
+                    args.threads,
+                )
             )
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
