@@ -228,6 +228,34 @@ ROW_GROUP_ROWS = 65_536
 DICTIONARY_COLUMNS = ["key_group", "state", "partition"]
 
 
+class TableWriter:
+    """A data file written a row group or a few at a time (as ``write_table`` would write the
+    whole table), kept in memory until ``finish`` stores it with its size and CRC-32."""
+
+    def __init__(self, schema: pa.Schema) -> None:
+        self._sink = pa.BufferOutputStream()
+        self._rows = 0
+        self._writer = pq.ParquetWriter(
+            self._sink,
+            schema,
+            compression=COMPRESSION,
+            use_dictionary=[c for c in DICTIONARY_COLUMNS if c in schema.names],
+            write_statistics=[c for c in ("key_group", "partition") if c in schema.names],
+        )
+
+    def write(self, table: pa.Table) -> None:
+        self._writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
+        self._rows += table.num_rows
+
+    def finish(self, storage: CheckpointStorage, path: str, **info: Any) -> SavepointFile:
+        """Store the file at ``path`` (``storage`` is rooted at the savepoint); ``info``:
+        key_groups / partition."""
+        self._writer.close()
+        data = memoryview(self._sink.getvalue())
+        storage.write_bytes(path, data)
+        return SavepointFile(path, self._rows, len(data), crc32_checksum(data), **info)
+
+
 def write_table(
     storage: CheckpointStorage, path: str, table: pa.Table, **info: Any
 ) -> SavepointFile:
