@@ -2,8 +2,9 @@
 different parallelism, through the same code ``snapline savepoint`` and ``--from-savepoint``
 use (restore the committed checkpoint, export by operator and key-group range to Parquet;
 read the key-group range of each new task, load its backend, snapshot it as a checkpoint).
-Kafka is not involved: the numbers are the state's. Each phase runs its tasks in as many
-processes as snapline would (``--processes`` to choose); after the timed restore, every new
+Kafka is not involved: the numbers are the state's. Each phase runs as many tasks at a time as
+snapline would (``--processes`` to choose; threads of this process first, see
+``snapline.pipeline.savepoint.pool``); after the timed restore, every new
 checkpoint is read back and checked key by key (not timed).
 
     python -m benchmarks.savepoint_benchmark [--keys 1000000] [--backend rocksdb|memory]
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -35,12 +37,21 @@ from snapline.pipeline.keygroups import (
 )
 from snapline.pipeline.savepoint.export import ExportJob, export_task
 from snapline.pipeline.savepoint.format import OperatorState
-from snapline.pipeline.savepoint.pool import pool_size, run_jobs
+from snapline.pipeline.savepoint.pool import LOCAL_THREADS, pool_size, run_jobs
 from snapline.pipeline.savepoint.restore import LoadJob, StateMapping, load_task
 from snapline.pipeline.state import create_backend
 
 MB = 1024 * 1024
 MAX_PARALLELISM = 128
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process's threads and of its finished child processes (the pool's,
+    which a phase joins before it ends): what a phase costs apart from waiting for the CPU
+    on a busy machine."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def run(
@@ -50,6 +61,7 @@ def run(
     new_tasks: int,
     tmp: Path,
     processes: int | None = None,
+    threads: int = LOCAL_THREADS,
 ) -> dict[str, Any]:
     work = Workload(keys)
     storage = CheckpointStorage(str(tmp / "checkpoints"))
@@ -99,9 +111,10 @@ def run(
             )
         )
     write_processes = pool_size(len(export_jobs), state_bytes=checkpoint_bytes, processes=processes)
-    started = time.perf_counter()
-    exported = run_jobs(export_task, export_jobs, write_processes)
+    started, cpu = time.perf_counter(), cpu_seconds()
+    exported = run_jobs(export_task, export_jobs, write_processes, threads=threads)
     write_s = time.perf_counter() - started
+    write_cpu_s = cpu_seconds() - cpu
     files = [e.files["RunningTotal"] for e in exported]
     savepoint_bytes = sum(f.size for f in files)
 
@@ -131,9 +144,10 @@ def run(
     restore_processes = pool_size(
         len(load_jobs), rows=sum(f.rows for f in files), processes=processes
     )
-    started = time.perf_counter()
-    loaded = run_jobs(load_task, load_jobs, restore_processes)
+    started, cpu = time.perf_counter(), cpu_seconds()
+    loaded = run_jobs(load_task, load_jobs, restore_processes, threads=threads)
     restore_s = time.perf_counter() - started
+    restore_cpu_s = cpu_seconds() - cpu
     restored_entries = sum(entries for _, entries in loaded)
     assert restored_entries == keys, f"restored {restored_entries} of {keys} entries"
 
@@ -160,8 +174,11 @@ def run(
         "new_tasks": new_tasks,
         "write_s": write_s,
         "write_mb_per_s": state_bytes / MB / write_s,
+        "write_cpu_s": write_cpu_s,
         "restore_s": restore_s,
         "restore_mb_per_s": state_bytes / MB / restore_s,
+        "restore_cpu_s": restore_cpu_s,
+        "threads": threads,
         "write_processes": write_processes,
         "restore_processes": restore_processes,
         "verify_s": verify_s,
@@ -178,8 +195,14 @@ def main() -> None:
         "--processes",
         type=int,
         default=None,
-        help="processes per phase, this one included (default: what snapline uses: one per "
-        "CPU from 32 MB or 250k rows of state)",
+        help="jobs at a time per phase: two threads of this process, then pool processes "
+        "(default: what snapline uses: one per CPU from 32 MB or 250k rows of state)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=LOCAL_THREADS,
+        help=f"of those jobs, how many run in threads of this process (default {LOCAL_THREADS})",
     )
     args = parser.parse_args()
     results = []
@@ -187,21 +210,30 @@ def main() -> None:
         tmp = Path(tempfile.mkdtemp(prefix="snapline-sp-bench-"))
         try:
             results.append(
-                run(args.keys, backend, args.old_tasks, args.new_tasks, tmp, args.processes)
+                run(
+                    args.keys,
+                    backend,
+                    args.old_tasks,
+                    args.new_tasks,
+                    tmp,
+                    args.processes,
+                    args.threads,
+                )
             )
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     print(
-        "| backend | keys | state | savepoint files | processes | write | restore "
-        f"{args.old_tasks} → {args.new_tasks} tasks |"
+        "| backend | keys | state | savepoint files | jobs at once | write | restore "
+        f"{args.old_tasks} → {args.new_tasks} tasks | CPU write / restore |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         print(
             f"| {r['backend']} | {r['keys']:,} | {r['state_mb']:.0f} MB | "
             f"{r['savepoint_mb']:.0f} MB | {r['write_processes']} / {r['restore_processes']} | "
             f"{r['write_s']:.2f} s = {r['write_mb_per_s']:.0f} MB/s | "
-            f"{r['restore_s']:.2f} s = {r['restore_mb_per_s']:.0f} MB/s |"
+            f"{r['restore_s']:.2f} s = {r['restore_mb_per_s']:.0f} MB/s | "
+            f"{r['write_cpu_s']:.2f} s / {r['restore_cpu_s']:.2f} s |"
         )
     out = Path(__file__).parent / "results" / f"savepoint-{time.strftime('%Y%m%d-%H%M')}.json"
     out.parent.mkdir(exist_ok=True)

@@ -17,9 +17,23 @@ def square(n: int) -> tuple[int, int]:
 
 
 def test_results_come_in_job_order_from_both_processes() -> None:
-    results = run_jobs(square, list(range(40)), processes=2)
+    results = run_jobs(square, list(range(40)), processes=2, threads=1)
     assert [r for r, _ in results] == [n * n for n in range(40)]
     assert os.getpid() in {pid for _, pid in results}
+
+
+def test_threads_of_this_process_come_first() -> None:
+    results = run_jobs(square, list(range(40)), processes=2)
+    assert [r for r, _ in results] == [n * n for n in range(40)]
+    assert {pid for _, pid in results} == {os.getpid()}
+    results = run_jobs(square, list(range(40)), processes=3, threads=2)
+    assert [r for r, _ in results] == [n * n for n in range(40)]
+    assert os.getpid() in {pid for _, pid in results}
+
+
+def test_a_failure_in_a_thread_is_raised() -> None:
+    with pytest.raises(ValueError, match="negative -3"):
+        run_jobs(square, [1, 2, -3, 4, 5, 6], processes=2)
 
 
 def test_the_first_failure_is_raised() -> None:

@@ -69,6 +69,36 @@ def test_export_and_bulk_load_keep_every_entry(
     assert target.map_get(state_key_prefix(10, b"k10") + b"\x02", b"m10") == b"x"
 
 
+def test_export_batches_hold_the_export_in_batches(
+    make_backend: Callable[..., KeyedStateBackend],
+) -> None:
+    backend = make_backend()
+    _fill(backend, 500)
+    keys, values = backend.export_arrays()
+    batches = list(backend.export_batches(128))
+    assert pa.concat_arrays([k for k, _ in batches]).to_pylist() == keys.to_pylist()
+    assert pa.concat_arrays([v for _, v in batches]).to_pylist() == values.to_pylist()
+    if backend.exports_in_key_order:
+        assert [len(k) for k, _ in batches] == [128, 128, 128, 128, 38]
+        assert keys.to_pylist() == sorted(keys.to_pylist())
+
+
+def test_memory_loads_in_key_order_or_not_snapshot_the_same(tmp_path: object) -> None:
+    keys = sorted(state_key_prefix(i % 128, b"k%d" % i) + b"\x01" for i in range(300))
+    storage = CheckpointStorage(str(tmp_path))
+    for order, name in ((keys, "sorted"), (keys[::-1], "reversed"), (keys + keys[:5], "twice")):
+        loaded = MemoryStateBackend()
+        half = len(order) // 2
+        loaded.load_arrays(pa.array(order[:half]), pa.array([b"a"] * half))
+        loaded.load_arrays(pa.array(order[half:]), pa.array([b"b"] * (len(order) - half)))
+        snap = loaded.snapshot(1)
+        handle = snap.materialize(storage, name)
+        restored = MemoryStateBackend()
+        restored.restore(handle, storage)
+        assert sorted(restored.items()) == sorted(loaded.items())
+        assert restored.entry_count() == len(keys)
+
+
 def test_bulk_load_of_a_key_twice_keeps_the_last(
     make_backend: Callable[..., KeyedStateBackend],
 ) -> None:

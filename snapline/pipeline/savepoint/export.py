@@ -4,7 +4,8 @@ down): the checkpoint each task's committed offsets name is restored into a scra
 its entries are written per operator as Parquet, and the records in flight in repartition
 topics are copied, so the savepoint refers to nothing else.
 
-Threads: the caller's (a CLI process, never a worker).
+Threads: the caller's (a CLI process, never a worker); ``export_task`` runs in threads of it
+or in pool processes (``pool``), one job per thread with a scratch backend of its own.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import tempfile
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,16 +37,18 @@ from snapline.pipeline.savepoint.format import (
     ENTRY_SCHEMA,
     IN_FLIGHT_SCHEMA,
     METADATA_FILE,
+    ROW_GROUP_ROWS,
     InFlight,
     OperatorState,
     SavepointFile,
     SavepointMetadata,
+    TableWriter,
     write_table,
 )
 from snapline.pipeline.savepoint.pool import pool_size, run_jobs, scratch_options
 from snapline.pipeline.stages import SOURCE_STAGE, StagePlan, task_id_for
 from snapline.pipeline.state import create_backend
-from snapline.pipeline.state.columns import split_stored_keys
+from snapline.pipeline.state.columns import StoredKeys, split_stored_keys
 
 log = logging.getLogger(__name__)
 
@@ -145,12 +148,8 @@ def _texts(values: pa.Array) -> pa.Array:
         return pa.array(out, type=pa.string())
 
 
-def export_task_state(
-    pipeline: Pipeline, meta: TaskCheckpoint, backend: Any
-) -> dict[str, pa.Table]:
-    """The task's entries as one table per operator uid (state ids as its checkpoint recorded
-    them), in ``ENTRY_SCHEMA``, rows in key-group order (readers of a key-group range skip
-    the other row groups). Whole columns at a time: a savepoint of 1M keys is Arrow work."""
+def _states_by_id(pipeline: Pipeline, meta: TaskCheckpoint) -> dict[int, tuple[str, str, bool]]:
+    """State id -> (operator uid, state name, JSON serde) as the checkpoint recorded them."""
     uids = pipeline.operator_uids()
     by_sid: dict[int, tuple[str, str, bool]] = {}
     for desc in meta.states:
@@ -161,7 +160,54 @@ def export_task_state(
                 f"{desc['name']!r} of an operator this pipeline no longer has"
             )
         by_sid[int(desc["id"])] = (uid, desc["name"], desc.get("serde") == "json")
+    return by_sid
+
+
+def export_task_state(
+    pipeline: Pipeline, meta: TaskCheckpoint, backend: Any
+) -> dict[str, pa.Table]:
+    """The task's entries as one table per operator uid (state ids as its checkpoint recorded
+    them), in ``ENTRY_SCHEMA``, rows in key-group order (readers of a key-group range skip
+    the other row groups). Whole columns at a time: a savepoint of 1M keys is Arrow work."""
     stored, values = backend.export_arrays()
+    return _entry_tables(_states_by_id(pipeline, meta), meta, stored, values)
+
+
+def export_task_batches(
+    pipeline: Pipeline, meta: TaskCheckpoint, backend: Any
+) -> Iterator[dict[str, pa.Table]]:
+    """``export_task_state`` a batch of about ``ROW_GROUP_ROWS`` entries at a time when the
+    backend exports in key order (rocksdb: writing a batch, GIL released, overlaps another
+    thread's iterating); all at once otherwise (the rows must be sorted as a whole)."""
+    by_sid = _states_by_id(pipeline, meta)
+    if not backend.exports_in_key_order:
+        yield _entry_tables(by_sid, meta, *backend.export_arrays())
+        return
+    last_group = -1
+    for stored, values in backend.export_batches(ROW_GROUP_ROWS):
+        if not len(stored):
+            continue
+        # A stored key starts with its key-group (2 bytes, big-endian); within a batch the
+        # order is checked by _entry_tables.
+        if int.from_bytes(stored[0].as_py()[:2], "big") < last_group:
+            raise CheckpointError(
+                f"the {backend.name} backend exported checkpoint {meta.checkpoint_id} of task "
+                f"{meta.task_id} out of key-group order"
+            )
+        last_group = int.from_bytes(stored[-1].as_py()[:2], "big")
+        yield _entry_tables(by_sid, meta, stored, values, sort=False)
+
+
+def _entry_tables(
+    by_sid: dict[int, tuple[str, str, bool]],
+    meta: TaskCheckpoint,
+    stored: pa.Array,
+    values: pa.Array,
+    *,
+    sort: bool = True,
+) -> dict[str, pa.Table]:
+    """Stored keys and values as one ``ENTRY_SCHEMA`` table per operator uid; ``sort``: into
+    key-group order (unless they are), else they must be (checked within the batch)."""
     if values.type != pa.binary():
         values = values.cast(pa.binary())
     if not len(stored):
@@ -169,9 +215,20 @@ def export_task_state(
     parts = split_stored_keys(stored)
     groups = parts.key_group.to_numpy()
     if len(groups) > 1 and not bool((groups[1:] >= groups[:-1]).all()):
-        order = pa.array(np.argsort(groups, kind="stable"))
-        stored, values = stored.take(order), values.take(order)
-        parts = split_stored_keys(stored)
+        if not sort:
+            raise CheckpointError(
+                f"checkpoint {meta.checkpoint_id} of task {meta.task_id} was exported out of "
+                "key-group order"
+            )
+        order = np.argsort(groups, kind="stable")
+        take = pa.array(order)
+        parts = StoredKeys(
+            parts.key_group.take(take),
+            parts.key.take(take),
+            parts.state_id[order],
+            parts.map_key.take(take),
+        )
+        values = values.take(take)
     sids = parts.state_id
     unknown = set(np.unique(sids).tolist()) - set(by_sid)
     if unknown:
@@ -329,7 +386,13 @@ def export_task(job: ExportJob) -> ExportedTask:
             backend,
             on_corrupt="fail",
         )
-        by_uid = export_task_state(_Uids(job.operator_uids), meta, backend)  # type: ignore[arg-type]
+        writers: dict[str, TableWriter] = {}
+        pipeline = _Uids(job.operator_uids)
+        for by_uid in export_task_batches(pipeline, meta, backend):  # type: ignore[arg-type]
+            for uid, rows in by_uid.items():
+                if uid not in writers:
+                    writers[uid] = TableWriter(ENTRY_SCHEMA)
+                writers[uid].write(rows)
     finally:
         backend.close()
         shutil.rmtree(job.scratch, ignore_errors=True)
@@ -338,8 +401,7 @@ def export_task(job: ExportJob) -> ExportedTask:
     if job.key_groups is not None:
         info["key_groups"] = job.key_groups
     return ExportedTask(
-        meta,
-        {uid: write_table(out, job.file_name(uid), rows, **info) for uid, rows in by_uid.items()},
+        meta, {uid: w.finish(out, job.file_name(uid), **info) for uid, w in writers.items()}
     )
 
 

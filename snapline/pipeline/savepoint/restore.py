@@ -17,7 +17,8 @@ The savepoint is turned into the job's starting point once, before any worker pr
 The job must be stopped (no member in its consumer group). Checkpoint ids continue above every
 stored one, so sinks' fences and retention stay well defined.
 
-Threads: the caller's (the CLI, before workers start).
+Threads: the caller's (the CLI, before workers start); ``load_task`` runs in threads of it or
+in pool processes (``pool``), one job per thread with a backend of its own.
 """
 
 from __future__ import annotations

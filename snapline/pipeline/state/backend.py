@@ -129,6 +129,14 @@ class KeyedStateBackend(ABC):
             values.append(value)
         return pa.array(keys, pa.binary()), pa.array(values, pa.binary())
 
+    #: Whether ``export_batches`` yields the entries in stored-key (so key-group) order.
+    exports_in_key_order = False
+
+    def export_batches(self, rows: int) -> Iterator[tuple[pa.Array, pa.Array]]:
+        """``export_arrays`` in batches of about ``rows`` entries, so a savepoint can write one
+        batch while reading the next (here: one batch of everything)."""
+        yield self.export_arrays()
+
     def load_arrays(self, stored: pa.Array, values: pa.Array) -> None:
         """Bulk write of columns in the layout of ``export_arrays`` (a savepoint restore);
         backends override it to write whole columns at once."""

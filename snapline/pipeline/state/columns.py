@@ -2,13 +2,14 @@
 into its parts and build it back, for whole columns at once (savepoint export and restore move
 millions of entries; a Python loop per entry was most of their time).
 
-Threads: any; the functions are pure.
+Threads: any; the functions are pure, and ``bulk()`` may be entered by several at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -35,18 +36,37 @@ class StoredKeys:
     map_key: pa.Array
 
 
+class _Bulk:
+    """How many threads are inside ``bulk()`` and whether the collector ran before the first
+    entered: the collector's switch is per process, so the last one out restores it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.enabled = False
+
+
+_BULK = _Bulk()
+
+
 @contextlib.contextmanager
 def bulk() -> Iterator[None]:
     """No cyclic garbage collection while whole columns become Python objects and back: the
     collector would walk every live container per ~700 allocations (measured: converting
-    250k values took 10 x longer in a process holding a large state)."""
-    enabled = gc.isenabled()
-    gc.disable()
+    250k values took 10 x longer in a process holding a large state). Savepoint jobs run in
+    threads side by side, each in and out of ``bulk()``."""
+    with _BULK.lock:
+        if _BULK.depth == 0:
+            _BULK.enabled = gc.isenabled()
+            gc.disable()
+        _BULK.depth += 1
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        with _BULK.lock:
+            _BULK.depth -= 1
+            if _BULK.depth == 0 and _BULK.enabled:
+                gc.enable()
 
 
 def binary_buffers(array: pa.Array) -> tuple[np.ndarray, np.ndarray]:

