@@ -485,7 +485,7 @@ class ProcessOperator(Operator):
         for r in records:
             key_bytes = r.key_bytes
             # state_key_prefix(r.key_group, key_bytes), inlined (once per record).
-            scope.prefix = pack_prefix(r.key_group, len(key_bytes)) + key_bytes  # type: ignore[arg-type]
+            scope.prefix = pack_prefix(r.key_group, len(key_bytes)) + key_bytes  # type: ignore[arg-type,operator]
             scope.key = ctx.key = r.key
             ctx.timestamp = r.timestamp
             ctx.topic = r.topic

@@ -290,7 +290,7 @@ class RocksDBStateBackend(KeyedStateBackend):
         if len(cache) >= READ_CACHE_ENTRIES:
             cache.clear()
         cache[key] = value
-        return value  # type: ignore[no-any-return]
+        return value
 
     def put(self, key: bytes, value: bytes) -> None:
         pending = self._pending
