@@ -260,7 +260,11 @@ def test_a_dead_workers_open_transaction_is_aborted_by_the_worker_taking_its_tas
     output is visible long before 60 s, exactly once."""
     prefix = f"{unique_name}-"
     create_topics(kafka_bootstrap, {f"{prefix}orders": 4, f"{prefix}customer-totals": 4})
-    env = {"SNAPLINE_EXAMPLE_PREFIX": prefix, "SNAPLINE_EXAMPLE_JOB": unique_name}
+    env = {
+        "SNAPLINE_EXAMPLE_PREFIX": prefix,
+        "SNAPLINE_EXAMPLE_JOB": unique_name,
+        "SNAPLINE_ABORT_DEPARTED": "1",  # opt-in for now (runtime/departed.py)
+    }
     a, b = (
         WorkerProcess(
             "examples.running_total:pipeline", w, kafka_bootstrap, tmp_path / "chk", tmp_path, env

@@ -16,12 +16,18 @@ and fences its producer, as its own restart would. A worker that restarts in the
 between the membership check and that call is fenced once, exits with code 75 and starts
 again; nothing committed is touched either way.
 
+Off unless ``SNAPLINE_ABORT_DEPARTED=1``: in the CI run that first included it, a savepoint
+test under heavy machine load (another 3-broker test running beside it) found orders output
+twice after a restart from a savepoint. It passed alone and the cause is not known yet, so
+the abort stays opt-in until its interplay with rebalances under load is understood.
+
 Threads: ``start`` runs the work in a daemon thread (the task thread goes on processing).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +40,11 @@ log = logging.getLogger(__name__)
 
 #: Bound of each Kafka call made here (seconds).
 CALL_TIMEOUT = 30.0
+
+
+def enabled() -> bool:
+    """``SNAPLINE_ABORT_DEPARTED=1`` turns the abort of departed workers' transactions on."""
+    return os.environ.get("SNAPLINE_ABORT_DEPARTED", "") == "1"
 
 
 def transactional_id(job: str, worker_id: str) -> str:

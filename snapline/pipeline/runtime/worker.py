@@ -336,7 +336,7 @@ class Worker:
                 "reason": "assigned",
             }
         )
-        if self.pipeline.exactly_once:
+        if self.pipeline.exactly_once and departed.enabled():
             departed.start(
                 self._kafka_config,
                 self.pipeline.name,
