@@ -60,6 +60,7 @@ def running_total_app(env: ChildEnv, keep_note: bool = False, group_by: bool = F
             "group.instance.id": f"{env.group}-0",
             "session.timeout.ms": 10000,
             "heartbeat.interval.ms": 1000,
+            "fetch.queue.backoff.ms": 10,  # as every system here (baselines.py)
         },
         producer_extra_config={"transactional.id": f"{env.group}-0"},
     )

@@ -10,6 +10,9 @@ total bigint, count bigint)``), upserted per customer and fenced by checkpoint i
 ``SNAPLINE_EXAMPLE_STAGES``: 1 (default; orders keyed by customer in Kafka, no repartition), 2
 (re-keyed by customer through a repartition topic), 3 (re-keyed twice: by order-id bucket,
 then by customer); ``SNAPLINE_EXAMPLE_PARTITIONS`` sets the repartition topics' partitions.
+``SNAPLINE_EXAMPLE_VARIANT`` (savepoint tests): ``upgraded`` (one added state, one added
+operator), ``incompatible`` (a state of another kind), ``slow`` (the running total at ~0.5 ms
+per record).
 
 Run: ``snapline run examples.warehouse:pipeline``.
 """
@@ -17,6 +20,7 @@ Run: ``snapline run examples.warehouse:pipeline``.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -53,6 +57,15 @@ class RunningTotalV2(RunningTotal):
 
     def process(self, value: dict[str, Any], ctx: Context) -> Iterator[dict[str, Any]]:
         self.largest.update(max(self.largest.value(), value["amount"]))
+        yield from super().process(value, ctx)
+
+
+class SlowRunningTotal(RunningTotal):
+    """The running total at ~2,000 records/s per worker (savepoint tests: the stage before it
+    runs ahead, so a savepoint finds records in flight in the repartition topic)."""
+
+    def process(self, value: dict[str, Any], ctx: Context) -> Iterator[dict[str, Any]]:
+        time.sleep(0.0005)
         yield from super().process(value, ctx)
 
 
@@ -112,6 +125,8 @@ def build() -> Pipeline:
         totals = keyed.process(RunningTotalV2(), uid="RunningTotal").process(Audit())
     elif variant == "incompatible":  # the same state name with another kind
         totals = keyed.process(RunningTotalAsList(), uid="RunningTotal")
+    elif variant == "slow":  # the same operator and state, slower
+        totals = keyed.process(SlowRunningTotal(), uid="RunningTotal")
     else:
         totals = keyed.process(RunningTotal())
     totals.sink(KafkaSink(f"{prefix}customer-totals", value_format="json"))

@@ -332,11 +332,17 @@ def test_offsets_behind_an_acknowledged_checkpoint_are_reported(
         rewind.close()
 
     worker.start()
+    # The event of a task is written before its "restored from" line is logged: wait for both.
     wait_for(
-        "kafka_lost_commit events of both tasks",
+        "kafka_lost_commit events and restores of both tasks",
         lambda: (
             len([e for e in read_events(worker.metrics_path) if e["event"] == "kafka_lost_commit"])
             >= 2
+            and all(
+                f"task {task} restored from checkpoint {committed[0].checkpoint_id} "
+                in worker.tail(200)
+                for task, committed in refs.items()
+            )
         ),
         60,
         worker.tail,

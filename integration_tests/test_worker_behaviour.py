@@ -263,7 +263,6 @@ def test_a_dead_workers_open_transaction_is_aborted_by_the_worker_taking_its_tas
     env = {
         "SNAPLINE_EXAMPLE_PREFIX": prefix,
         "SNAPLINE_EXAMPLE_JOB": unique_name,
-        "SNAPLINE_ABORT_DEPARTED": "1",  # opt-in for now (runtime/departed.py)
     }
     a, b = (
         WorkerProcess(

@@ -15,49 +15,44 @@ from snapline.pipeline.errors import ConfigurationError
 FORMATS = ("json", "string", "bytes")
 
 
-def decoder(fmt: str) -> Callable[[bytes | None], Any]:
-    """The function turning raw Kafka bytes into a value for ``fmt``."""
-    if fmt == "json":
-        return lambda raw: None if raw is None else orjson.loads(raw)
-    if fmt == "string":
-        return lambda raw: None if raw is None else raw.decode()
-    if fmt == "bytes":
-        return lambda raw: raw
-    raise ConfigurationError(f"unknown format {fmt!r}; use one of {list(FORMATS)}")
-
-
 def bytes_decoder(fmt: str) -> Callable[[bytes], Any]:
-    """Like ``decoder`` for bytes that are not None, as a C function where there is one (the
-    sources' per-message loop calls it without a Python frame)."""
+    """The function turning raw Kafka bytes (not None) into a value for ``fmt``: a C function
+    where there is one (the sources' per-message loop calls it without a Python frame)."""
     if fmt == "json":
         return orjson.loads
     if fmt == "string":
         return bytes.decode
-    decoder(fmt)  # the error for an unknown format
-    return _same
+    if fmt == "bytes":
+        return _same
+    raise ConfigurationError(f"unknown format {fmt!r}; use one of {list(FORMATS)}")
 
 
-def _same(raw: bytes) -> bytes:
-    return raw
+def decoder(fmt: str) -> Callable[[bytes | None], Any]:
+    """``bytes_decoder`` that also takes None (a tombstone's value, a message without key)."""
+    decode = bytes_decoder(fmt)
+    return lambda raw: None if raw is None else decode(raw)
 
 
 def value_encoder(fmt: str) -> Callable[[Any], bytes]:
-    """Like ``encoder`` for values that are not None, as a C function where there is one."""
+    """The function turning a value (not None) into Kafka bytes for ``fmt``: a C function
+    where there is one."""
     if fmt == "json":
         return orjson.dumps
-    encode = encoder(fmt)
-    return encode  # type: ignore[return-value]
+    if fmt == "string":
+        return lambda v: str(v).encode()
+    if fmt == "bytes":
+        return _same
+    raise ConfigurationError(f"unknown Kafka value format {fmt!r}; use one of {list(FORMATS)}")
 
 
 def encoder(fmt: str) -> Callable[[Any], bytes | None]:
-    """The function turning a value into Kafka bytes for ``fmt``."""
-    if fmt == "json":
-        return lambda v: None if v is None else orjson.dumps(v)
-    if fmt == "string":
-        return lambda v: None if v is None else str(v).encode()
-    if fmt == "bytes":
-        return lambda v: v
-    raise ConfigurationError(f"unknown Kafka value format {fmt!r}; use one of {list(FORMATS)}")
+    """``value_encoder`` that also takes None (a tombstone)."""
+    encode = value_encoder(fmt)
+    return lambda v: None if v is None else encode(v)
+
+
+def _same(raw: Any) -> Any:
+    return raw
 
 
 def encode_key(key: Any) -> bytes | None:

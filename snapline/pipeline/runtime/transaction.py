@@ -189,26 +189,11 @@ class TransactionalOutput:
     def _open(self, epoch: int) -> None:
         self.open_epoch = epoch
         held, self._buffer = self._buffer, []
-        direct = self.direct_producer(epoch)
-        sent = 0
         for item in held:
-            if item[0] != epoch:
+            if item[0] == epoch:
+                self._send(*item[1:])
+            else:
                 self._buffer.append(item)
-                continue
-            _, topic, value, key, headers, partition, timestamp = item
-            if direct is not None and not headers:  # _send without its per-record call
-                try:
-                    if partition >= 0:
-                        direct.produce(topic, value, key, partition=partition, timestamp=timestamp)
-                    else:
-                        direct.produce(topic, value, key)
-                    sent += 1
-                    continue
-                except BufferError:
-                    pass
-            self._send(topic, value, key, headers, partition, timestamp)
-        if sent:
-            self.sent(sent)
 
     def produce(
         self,

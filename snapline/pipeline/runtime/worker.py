@@ -265,6 +265,12 @@ class Worker:
             "heartbeat.interval.ms": 1000,
             "max.poll.interval.ms": 300000,
             "fetch.wait.max.ms": 50,
+            # librdkafka stops fetching a partition whose queue holds queued.min.messages and
+            # looks again only after fetch.queue.backoff.ms (default 1 s): a worker that keeps
+            # up drains the queue well within that second and then waits, which capped every
+            # consumer on the benchmark machine at ~120-220k records/s and kept a second worker
+            # from adding throughput (librdkafka #2879). 10 ms looks again at once.
+            "fetch.queue.backoff.ms": 10,
             **self._kafka_config,
             "group.id": self.pipeline.name,
             "group.instance.id": departed.instance_id(self.pipeline.name, self.settings.worker_id),

@@ -261,18 +261,9 @@ def write_table(
 ) -> SavepointFile:
     """Write ``table`` as Parquet to ``path`` (``storage`` is rooted at the savepoint); the returned
     file entry has its size and CRC-32. ``info``: key_groups / partition."""
-    sink = pa.BufferOutputStream()
-    pq.write_table(
-        table,
-        sink,
-        compression=COMPRESSION,
-        use_dictionary=[c for c in DICTIONARY_COLUMNS if c in table.column_names],
-        row_group_size=ROW_GROUP_ROWS,
-        write_statistics=[c for c in ("key_group", "partition") if c in table.column_names],
-    )
-    data = memoryview(sink.getvalue())
-    storage.write_bytes(path, data)
-    return SavepointFile(path, table.num_rows, len(data), crc32_checksum(data), **info)
+    writer = TableWriter(table.schema)
+    writer.write(table)
+    return writer.finish(storage, path, **info)
 
 
 def read_table(

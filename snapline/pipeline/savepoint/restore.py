@@ -51,6 +51,7 @@ from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.errors import CheckpointError, ConfigurationError
 from snapline.pipeline.graph import Pipeline
 from snapline.pipeline.keygroups import key_group_range
+from snapline.pipeline.runtime import departed
 from snapline.pipeline.runtime.topics import INTERNAL_TOPIC_CONFIG, TopicManager, pipeline_topics
 from snapline.pipeline.savepoint.export import JobTask, job_tasks, wait_until_stopped
 from snapline.pipeline.savepoint.format import (
@@ -316,7 +317,7 @@ def seed_from_savepoint(
                 job=pipeline.name,
                 task_id=task.task_id,
                 ref=ref,
-                worker_id="savepoint",
+                worker_id=departed.SEEDED,
                 positions=positions,
                 state=handle,
                 states=states_meta,

@@ -43,6 +43,7 @@ import logging
 import os
 import shutil
 import struct
+import sys
 import threading
 import time
 import uuid
@@ -482,18 +483,9 @@ class RocksDBStateBackend(KeyedStateBackend):
         # Keys are stored in the layout export_arrays returns, in RocksDB's (bytewise) order.
         import pyarrow as pa
 
-        from snapline.pipeline.state.columns import bulk
-
-        read = rocksdict.ReadOptions()
-        # One pass: caching its blocks would only evict others. (The stub lacks the argument.)
-        read.fill_cache(False)  # type: ignore[call-arg]
-        with bulk():
-            # One pass (keys and values of a block decoded once): measured ~15% faster than
-            # a pass for the keys and another for the values.
-            items = list(self.db.items(read_opt=read))
-            keys = pa.array(list(map(itemgetter(0), items)), pa.binary())
-            values = pa.array(list(map(itemgetter(1), items)), pa.binary())
-        return keys, values
+        for batch in self.export_batches(sys.maxsize):  # one batch: all of it
+            return batch
+        return pa.array([], pa.binary()), pa.array([], pa.binary())
 
     def load_arrays(self, stored: pa.Array, values: pa.Array) -> None:
         """Sorted into one SST file and ingested: no memtable, WAL or flush on the way."""
