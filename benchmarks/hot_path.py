@@ -9,7 +9,9 @@ The same input (JSON orders of ~100 B, 100,000 customers) runs through
 - ``two-stage``: the stages suite's pipeline (``key_by(customer)`` through a repartition topic):
   stage 1's task, then stage 2's task over what stage 1 produced.
 The producer is a stub that takes the call and drops the record, so only the Python work of
-the task thread is measured (no librdkafka threads, no broker, no checkpoints).
+the task thread is measured (no librdkafka threads, no broker, no checkpoints). With
+``--epoch N`` the keyed task takes a barrier every N records: its synchronous snapshot (and
+the state flush before it) is measured, the snapshot is then dropped.
 
 Two measures:
 - CPU time per record, the minimum over ``--repetitions`` (noisy on a shared machine);
@@ -44,6 +46,8 @@ from snapline.pipeline.stages import task_id_for
 from snapline.pipeline.state import create_backend
 
 CHUNK = 10_000
+#: Records between two barriers of the keyed task (``--epoch``; 0: no barriers).
+EPOCH = 0
 SYSTEMS = ("baseline", "keyed", "two-stage")
 
 
@@ -95,8 +99,12 @@ def orders(count: int, keys: int) -> list[ListedMessage]:
     for i in range(count):
         customer = f"c{rng.randrange(keys):07d}"
         value = orjson.dumps(
-            {"customer": customer, "amount": rng.randint(1, 100), "ts": 1790000000123,
-             "note": "x" * 30}
+            {
+                "customer": customer,
+                "amount": rng.randint(1, 100),
+                "ts": 1790000000123,
+                "note": "x" * 30,
+            }
         )
         out.append(ListedMessage("in", 0, i, value, customer.encode(), 1790000000123))
     return out
@@ -116,37 +124,64 @@ def baseline(messages: list[ListedMessage]) -> int:
     return producer.count
 
 
-def _task(pipeline: Pipeline, stage: int, channels: dict[tuple[str, int], int], backend: str,
-          producer: _Producer, tmp: str, partitions: dict[str, int]) -> Task:
+def _task(
+    pipeline: Pipeline,
+    stage: int,
+    channels: dict[tuple[str, int], int],
+    backend: str,
+    producer: _Producer,
+    tmp: str,
+    partitions: dict[str, int],
+) -> Task:
     return Task(
-        task_id_for(stage, 0), pipeline, channels,
+        task_id_for(stage, 0),
+        pipeline,
+        channels,
         create_backend(backend, task_dir=f"{tmp}/local-{stage}", options={}),
         _Output(producer),  # type: ignore[arg-type]
-        worker_id="hot-path", epoch=1, on_snapshot=lambda snapshot: None,
-        faults=FaultInjector(""), stage=stage, plan=pipeline.stages(),
-        topic_partitions=partitions, time_state=None, ttl_sweep_interval=0.0,
+        worker_id="hot-path",
+        epoch=1,
+        on_snapshot=lambda snapshot: None,
+        faults=FaultInjector(""),
+        stage=stage,
+        plan=pipeline.stages(),
+        topic_partitions=partitions,
+        time_state=None,
+        ttl_sweep_interval=0.0,
     )
 
 
 def keyed(messages: list[ListedMessage], backend: str) -> int:
     tmp = tempfile.mkdtemp(prefix="snapline-hot-path-")
     pipeline = Pipeline("hot", checkpoint_dir=f"{tmp}/chk", state_backend=backend)
-    (pipeline.source(KafkaSource("in", value_format="json")).key_by()
-     .process(RunningTotal()).sink(KafkaSink("out", value_format="json")))
+    (
+        pipeline.source(KafkaSource("in", value_format="json"))
+        .key_by()
+        .process(RunningTotal())
+        .sink(KafkaSink("out", value_format="json"))
+    )
     out = _Producer()
     task = _task(pipeline, 0, {("in", 0): 0}, backend, out, tmp, {})
+    checkpoint = 0
     for i in range(0, len(messages), CHUNK):
         task.enqueue(("in", 0), messages[i : i + CHUNK])
         task.run()
+        if EPOCH and (i + CHUNK) % EPOCH < CHUNK:
+            checkpoint += 1
+            task.inject_barrier(checkpoint)  # the snapshot is taken and dropped
+            task.run()
     return out.count
 
 
 def two_stage(messages: list[ListedMessage], backend: str) -> int:
     tmp = tempfile.mkdtemp(prefix="snapline-hot-path-")
     pipeline = Pipeline("hot", checkpoint_dir=f"{tmp}/chk", state_backend=backend)
-    (pipeline.source(KafkaSource("in", value_format="json"))
-     .key_by(lambda v: v["customer"], name="by-customer")
-     .process(RunningTotal()).sink(KafkaSink("out", value_format="json")))
+    (
+        pipeline.source(KafkaSource("in", value_format="json"))
+        .key_by(lambda v: v["customer"], name="by-customer")
+        .process(RunningTotal())
+        .sink(KafkaSink("out", value_format="json"))
+    )
     topic = next(iter(pipeline.stages().repartitions.values())).topic
     between = _Producer(keep=True)
     first = _task(pipeline, 0, {("in", 0): 0}, backend, between, tmp, {topic: 1})
@@ -175,9 +210,24 @@ def run_once(system: str, messages: list[ListedMessage], backend: str) -> float:
 
 
 def _instructions(system: str, records: int, backend: str, keys: int) -> int:
-    argv = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
-            "-m", "benchmarks.hot_path", "--child", system, "--records", str(records),
-            "--backend", backend, "--keys", str(keys)]
+    argv = [
+        "valgrind",
+        "--tool=callgrind",
+        "--callgrind-out-file=/dev/null",
+        sys.executable,
+        "-m",
+        "benchmarks.hot_path",
+        "--child",
+        system,
+        "--records",
+        str(records),
+        "--backend",
+        backend,
+        "--keys",
+        str(keys),
+        "--epoch",
+        str(EPOCH),
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=True)
     match = re.search(r"Collected : (\d+)", done.stderr)
     if match is None:
@@ -192,10 +242,22 @@ def main() -> None:
     parser.add_argument("--backend", choices=["memory", "rocksdb"], default="memory")
     parser.add_argument("--repetitions", type=int, default=5)
     parser.add_argument("--only", default=",".join(SYSTEMS))
-    parser.add_argument("--instructions", action="store_true",
-                        help="count instructions per record with valgrind (exact, slow)")
+    parser.add_argument(
+        "--epoch",
+        type=int,
+        default=0,
+        help="records between barriers of the keyed task (the harness: about "
+        "150,000, one second); default 0, no barriers",
+    )
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count instructions per record with valgrind (exact, slow)",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global EPOCH
+    EPOCH = args.epoch
     import gc
 
     gc.set_threshold(*GC_THRESHOLDS)  # as in a worker (runtime/worker.py: tune_interpreter)
@@ -203,21 +265,28 @@ def main() -> None:
         run_once(args.child, orders(args.records, args.keys), args.backend)
         return
     systems = [s for s in args.only.split(",") if s]
-    print(f"{args.backend} backend, {args.keys:,} keys; load average {os.getloadavg()}")
+    print(
+        f"{args.backend} backend, {args.keys:,} keys, barrier every {args.epoch:,} records "
+        f"(0: none); load average {os.getloadavg()}"
+    )
     if args.instructions:
         small, large = 10_000, 30_000
         base = {n: _instructions("none", n, args.backend, args.keys) for n in (small, large)}
         for system in systems:
-            counts = {n: _instructions(system, n, args.backend, args.keys) - base[n]
-                      for n in (small, large)}
+            counts = {
+                n: _instructions(system, n, args.backend, args.keys) - base[n]
+                for n in (small, large)
+            }
             per = (counts[large] - counts[small]) / (large - small)
             print(f"{system:>10}: {per:,.0f} instructions per record")
         return
     messages = orders(args.records, args.keys)
     for system in systems:
         best = min(run_once(system, messages, args.backend) for _ in range(args.repetitions))
-        print(f"{system:>10}: {best / len(messages) * 1e6:.2f} µs CPU per record "
-              f"(min of {args.repetitions})")
+        print(
+            f"{system:>10}: {best / len(messages) * 1e6:.2f} µs CPU per record "
+            f"(min of {args.repetitions})"
+        )
 
 
 if __name__ == "__main__":

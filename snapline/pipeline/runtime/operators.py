@@ -104,6 +104,10 @@ class Operator:
         """The wall clock is at ``now_ms``; True if processing-time timers fired."""
         return False
 
+    def flush_state(self) -> None:
+        """Write state values the operator holds back (write-back caches) to the backend:
+        the task calls it before every snapshot of the backend."""
+
     def close(self) -> None:
         """The task goes away."""
 
@@ -452,7 +456,7 @@ class ProcessOperator(Operator):
         max_parallelism: int,
     ) -> None:
         super().__init__(task, name)
-        self._scope = KeyScope()
+        self._scope = KeyScope(write_back=True)
         self._function = copy.copy(function)
         self._timers: TimerService | None = None
         for state_id, desc in states:
@@ -509,6 +513,9 @@ class ProcessOperator(Operator):
 
     def on_barrier(self, barrier: Barrier) -> None:
         self.task.snapshot_state(barrier.checkpoint_id)
+
+    def flush_state(self) -> None:
+        self._scope.flush()
 
     def on_watermark(self, watermark: int) -> None:
         if self._timers is not None:

@@ -410,6 +410,8 @@ class Task:
     def snapshot_state(self, checkpoint_id: int) -> None:
         """Synchronous part of the state snapshot, once per barrier for the task's backend."""
         if self._state_snapshot is None or self._state_snapshot[0] != checkpoint_id:
+            for op in self.operators:
+                op.flush_state()
             self._sweep_expired_state()
             self._state_snapshot = (checkpoint_id, self.backend.snapshot(checkpoint_id))
 

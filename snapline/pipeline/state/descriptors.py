@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeVar
 
 from snapline.pipeline.errors import ConfigurationError, StateError
 from snapline.pipeline.state.backend import KeyedStateBackend
-from snapline.pipeline.state.serde import Serde, resolve_serde
+from snapline.pipeline.state.serde import JsonSerde, PickleSerde, Serde, resolve_serde
 
 T = TypeVar("T")
 ACC = TypeVar("ACC")
@@ -30,15 +30,29 @@ R = TypeVar("R")
 
 
 class KeyScope:
-    """The current key of a task: set by the keyed operator before each record."""
+    """The current key of a task: set by the keyed operator before each record.
 
-    __slots__ = ("prefix", "key", "now")
+    ``write_back`` (set by the operator before it binds states): value states keep the
+    decoded values of plain scalars (see ``_plain``) in a per-epoch cache and write them to the
+    backend when the operator calls ``flush`` (at the barrier, before the snapshot), so a
+    key updated many times in an epoch is decoded once and encoded once. Only for scopes whose
+    ``prefix`` names one key (not Spark's per-key state handles, whose prefix is empty)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("prefix", "key", "now", "write_back", "flushers")
+
+    def __init__(self, write_back: bool = False) -> None:
         self.prefix: bytes | None = None
         self.key: Any = None
         #: Processing time (ms) for state TTL, set per batch by the operator (None: the clock).
         self.now: int | None = None
+        self.write_back = write_back
+        #: The ``flush`` of every bound state that caches writes (see ``write_back``).
+        self.flushers: list[Callable[[], None]] = []
+
+    def flush(self) -> None:
+        """Write every cached value to the backend and empty the caches."""
+        for flush in self.flushers:
+            flush()
 
     def now_ms(self) -> int:
         return self.now if self.now is not None else int(time.time() * 1000)
@@ -70,6 +84,8 @@ def ttl_ms(ttl: float | timedelta | None, name: str | None) -> int | None:
 
 
 _EXPIRY_BYTES = 8
+#: Serdes whose decode(encode(v)) is v for ``_plain`` values (write-back caching is exact).
+_EXACT_SERDES = (JsonSerde, PickleSerde)
 
 
 def _expiry(raw: bytes) -> int:
@@ -244,8 +260,55 @@ class ValueState(StateDescriptor, Generic[T]):
         return BoundValueState(self, backend, scope, state_id)
 
 
+#: Largest number of values one state caches in an epoch before it writes them back early.
+WRITE_BACK_ENTRIES = 200_000
+#: Updates per cached key an epoch must average for the cache to stay on. Measured with a
+#: value() + update() loop on the memory backend, 150,000 updates an epoch: 2 x faster than
+#: writing through at 1,000 keys, even at 100,000 keys (1.9 updates per key), ~25 % slower
+#: at 1,000,000 keys (1.1 per key), which pauses it.
+WRITE_BACK_MIN_UPDATES = 1.5
+#: Epochs a state writes through after an epoch below ``WRITE_BACK_MIN_UPDATES``.
+WRITE_BACK_PAUSE = 8
+WRITE_BACK_MAX_PAUSE = 64
+_MISSING = object()
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` may wait in a write-back cache: immutable, and the JSON and pickle
+    serdes encode it without error and decode it to an equal value of the same type (orjson
+    refuses ints beyond 64 bits and strings with surrogates, and writes NaN as null)."""
+    kind = type(value)
+    if kind is int:
+        return _INT_MIN <= value <= _INT_MAX
+    if kind is float:
+        return value - value == 0.0  # finite
+    if kind is str:
+        return value.isascii()
+    return kind is bool
+
+
 class BoundValueState(_Bound):
-    __slots__ = ("_default", "_mutable_default")
+    """Under a ``write_back`` scope (the keyed process operator), an update to a plain value
+    (``_plain``) waits in a per-epoch cache, where reads find it; ``flush`` encodes and writes
+    the cache to the backend. A key updated n times in an epoch is encoded once instead of n
+    times and decoded at most once. Anything else (dicts, lists, other serdes, TTL) goes to
+    the backend at once.
+
+    The cache costs more than it saves when keys are updated about once an epoch (a large key
+    space): after such an epoch the state writes through for ``WRITE_BACK_PAUSE`` epochs,
+    then tries the cache again (each failed try doubles the pause, up to
+    ``WRITE_BACK_MAX_PAUSE``)."""
+
+    __slots__ = (
+        "_default",
+        "_mutable_default",
+        "_cache",
+        "_spare",
+        "_updates",
+        "_paused",
+        "_pause",
+    )
 
     def __init__(
         self, desc: ValueState[Any], backend: KeyedStateBackend, scope: KeyScope, state_id: int
@@ -253,13 +316,31 @@ class BoundValueState(_Bound):
         super().__init__(desc, backend, scope, state_id)
         self._default = desc.default
         self._mutable_default = isinstance(desc.default, list | dict | set)
+        #: Updated plain values not yet written to the backend (stored key -> value); None
+        #: when the state writes through (no write-back scope, or paused).
+        self._cache: dict[bytes, Any] | None = None
+        #: The cache while paused (None: this state never caches).
+        self._spare: dict[bytes, Any] | None = None
+        self._updates = 0
+        #: Flushes left before the cache resumes; the next pause's length.
+        self._paused = 0
+        self._pause = WRITE_BACK_PAUSE
+        if scope.write_back and desc.ttl_ms is None and type(desc.serde) in _EXACT_SERDES:
+            self._cache = {}
+            scope.flushers.append(self.flush)
 
     # value() and update() run once per record: _key() is inlined.
     def value(self) -> Any:
         prefix = self._scope.prefix
         if prefix is None:
             prefix = self._scope.require(self._name)
-        raw = self._get(prefix + self._sid)
+        key = prefix + self._sid
+        cache = self._cache
+        if cache:
+            value = cache.get(key, _MISSING)
+            if value is not _MISSING:
+                return value
+        raw = self._get(key)
         if raw is None:
             return _fresh(self._default) if self._mutable_default else self._default
         return self._loads(raw)
@@ -268,10 +349,49 @@ class BoundValueState(_Bound):
         prefix = self._scope.prefix
         if prefix is None:
             prefix = self._scope.require(self._name)
+        key = prefix + self._sid
+        cache = self._cache
+        if cache is not None:
+            if value is not None and _plain(value):
+                cache[key] = value
+                self._updates += 1
+                if len(cache) > WRITE_BACK_ENTRIES:
+                    self.flush()
+                return
+            # Written through: an older cached value must neither be read nor written back.
+            cache.pop(key, None)
         if value is None:
-            self._backend.delete(prefix + self._sid)
+            self._backend.delete(key)
         else:
-            self._put(prefix + self._sid, self._dumps(value))
+            self._put(key, self._dumps(value))
+
+    def clear(self) -> None:
+        self.update(None)
+
+    def flush(self) -> None:
+        """Encode and write the cached values to the backend; empty the cache. At the end of
+        an epoch whose keys were updated fewer than ``WRITE_BACK_MIN_UPDATES`` times each on
+        average, pause the cache; resume it after ``WRITE_BACK_PAUSE`` flushes."""
+        cache = self._cache
+        if cache is None:
+            if self._spare is not None:
+                self._paused -= 1
+                if self._paused <= 0:
+                    self._cache, self._spare = self._spare, None
+            return
+        if cache:
+            # put, not put_many: a backend's own write buffer and read cache stay coherent.
+            put, dumps = self._put, self._dumps
+            for key, value in cache.items():
+                put(key, dumps(value))
+            if self._updates < WRITE_BACK_MIN_UPDATES * len(cache):
+                self._cache, self._spare = None, cache
+                self._paused = self._pause
+                self._pause = min(2 * self._pause, WRITE_BACK_MAX_PAUSE)
+            else:
+                self._pause = WRITE_BACK_PAUSE
+            cache.clear()
+        self._updates = 0
 
 
 # ---------------------------------------------------------------- ListState
