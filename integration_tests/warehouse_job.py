@@ -18,7 +18,13 @@ from typing import Any
 import orjson
 import psycopg
 import pyarrow.dataset as ds
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import (
+    Consumer,
+    ConsumerGroupTopicPartitions,
+    KafkaException,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient
 
 from examples.orders import create_topics, produce_orders, read_committed, verify_totals
 from examples.workers import REPO, WorkerProcess, read_events
@@ -151,7 +157,13 @@ class WarehouseJob:
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline:
-                committed = _committed(consumer, self.orders_topic, self.partitions)
+                try:
+                    committed = _committed(consumer, self.orders_topic, self.partitions)
+                except KafkaException as exc:
+                    raise AssertionError(
+                        f"the group's committed offsets stayed unreadable ({exc}); what the "
+                        f"broker answers:\n{self.offset_fetch_report()}\n{self.logs()}"
+                    ) from exc
                 ends = [
                     consumer.get_watermark_offsets(TopicPartition(c.topic, c.partition), 10)[1]
                     for c in committed
@@ -162,6 +174,33 @@ class WarehouseJob:
         finally:
             consumer.close()
         raise AssertionError(f"workers did not catch up in {timeout} s\n{self.logs()}")
+
+    def offset_fetch_report(self) -> str:
+        """The group's offsets of the input topic fetched as stable and as last committed: a
+        partition that answers UNSTABLE_OFFSET_COMMIT to the first and an offset to the second
+        has a transactional offset commit pending, which only its transaction's commit or
+        abort clears (Kafka's "hanging transaction" when neither ever comes)."""
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        partitions = [TopicPartition(self.orders_topic, p) for p in range(self.partitions)]
+        lines = []
+        for stable in (True, False):
+            request = [ConsumerGroupTopicPartitions(self.name, partitions)]
+            for _attempt in range(5):  # a coordinator may still be loading: bounded retries
+                try:
+                    futures = admin.list_consumer_group_offsets(
+                        request, require_stable=stable, request_timeout=20
+                    )
+                    (result,) = [f.result(timeout=30) for f in futures.values()]
+                    answers = ", ".join(
+                        f"{tp.partition}: {tp.error.name() if tp.error else tp.offset}"
+                        for tp in result.topic_partitions
+                    )
+                    break
+                except Exception as exc:
+                    answers = repr(exc)
+                    time.sleep(2)
+            lines.append(f"require_stable={stable}: {answers}")
+        return "\n".join(lines)
 
     def table_rows(self) -> list[dict[str, Any]]:
         if not self.table.exists():
