@@ -46,8 +46,6 @@ from snapline.pipeline.stages import task_id_for
 from snapline.pipeline.state import create_backend
 
 CHUNK = 10_000
-#: Records between two barriers of the keyed task (``--epoch``; 0: no barriers).
-EPOCH = 0
 SYSTEMS = ("baseline", "keyed", "two-stage")
 
 
@@ -151,7 +149,8 @@ def _task(
     )
 
 
-def keyed(messages: list[ListedMessage], backend: str) -> int:
+def keyed(messages: list[ListedMessage], backend: str, epoch: int = 0) -> int:
+    """``epoch``: records between two barriers (rounded up to whole chunks; 0: none)."""
     tmp = tempfile.mkdtemp(prefix="snapline-hot-path-")
     pipeline = Pipeline("hot", checkpoint_dir=f"{tmp}/chk", state_backend=backend)
     (
@@ -166,7 +165,7 @@ def keyed(messages: list[ListedMessage], backend: str) -> int:
     for i in range(0, len(messages), CHUNK):
         task.enqueue(("in", 0), messages[i : i + CHUNK])
         task.run()
-        if EPOCH and (i + CHUNK) % EPOCH < CHUNK:
+        if epoch and (i + CHUNK) % epoch < CHUNK:
             checkpoint += 1
             task.inject_barrier(checkpoint)  # the snapshot is taken and dropped
             task.run()
@@ -196,12 +195,12 @@ def two_stage(messages: list[ListedMessage], backend: str) -> int:
     return out.count
 
 
-def run_once(system: str, messages: list[ListedMessage], backend: str) -> float:
+def run_once(system: str, messages: list[ListedMessage], backend: str, epoch: int = 0) -> float:
     started = time.process_time()
     if system == "baseline":
         baseline(messages)
     elif system == "keyed":
-        keyed(messages, backend)
+        keyed(messages, backend, epoch)
     elif system == "two-stage":
         two_stage(messages, backend)
     elif system != "none":
@@ -209,7 +208,7 @@ def run_once(system: str, messages: list[ListedMessage], backend: str) -> float:
     return time.process_time() - started
 
 
-def _instructions(system: str, records: int, backend: str, keys: int) -> int:
+def _instructions(system: str, records: int, backend: str, keys: int, epoch: int) -> int:
     argv = [
         "valgrind",
         "--tool=callgrind",
@@ -226,7 +225,7 @@ def _instructions(system: str, records: int, backend: str, keys: int) -> int:
         "--keys",
         str(keys),
         "--epoch",
-        str(EPOCH),
+        str(epoch),
     ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=True)
     match = re.search(r"Collected : (\d+)", done.stderr)
@@ -256,13 +255,11 @@ def main() -> None:
     )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global EPOCH
-    EPOCH = args.epoch
     import gc
 
     gc.set_threshold(*GC_THRESHOLDS)  # as in a worker (runtime/worker.py: tune_interpreter)
     if args.child is not None:
-        run_once(args.child, orders(args.records, args.keys), args.backend)
+        run_once(args.child, orders(args.records, args.keys), args.backend, args.epoch)
         return
     systems = [s for s in args.only.split(",") if s]
     print(
@@ -271,10 +268,12 @@ def main() -> None:
     )
     if args.instructions:
         small, large = 10_000, 30_000
-        base = {n: _instructions("none", n, args.backend, args.keys) for n in (small, large)}
+        base = {
+            n: _instructions("none", n, args.backend, args.keys, args.epoch) for n in (small, large)
+        }
         for system in systems:
             counts = {
-                n: _instructions(system, n, args.backend, args.keys) - base[n]
+                n: _instructions(system, n, args.backend, args.keys, args.epoch) - base[n]
                 for n in (small, large)
             }
             per = (counts[large] - counts[small]) / (large - small)
@@ -282,7 +281,9 @@ def main() -> None:
         return
     messages = orders(args.records, args.keys)
     for system in systems:
-        best = min(run_once(system, messages, args.backend) for _ in range(args.repetitions))
+        best = min(
+            run_once(system, messages, args.backend, args.epoch) for _ in range(args.repetitions)
+        )
         print(
             f"{system:>10}: {best / len(messages) * 1e6:.2f} µs CPU per record "
             f"(min of {args.repetitions})"

@@ -304,7 +304,6 @@ class BoundValueState(_Bound):
         "_default",
         "_mutable_default",
         "_cache",
-        "_spare",
         "_updates",
         "_paused",
         "_pause",
@@ -317,10 +316,9 @@ class BoundValueState(_Bound):
         self._default = desc.default
         self._mutable_default = isinstance(desc.default, list | dict | set)
         #: Updated plain values not yet written to the backend (stored key -> value); None
-        #: when the state writes through (no write-back scope, or paused).
+        #: when the state writes through (no write-back scope, or paused). Only a state that
+        #: caches registers ``flush``, so ``flush`` sees None only while paused.
         self._cache: dict[bytes, Any] | None = None
-        #: The cache while paused (None: this state never caches).
-        self._spare: dict[bytes, Any] | None = None
         self._updates = 0
         #: Flushes left before the cache resumes; the next pause's length.
         self._paused = 0
@@ -373,11 +371,10 @@ class BoundValueState(_Bound):
         an epoch whose keys were updated fewer than ``WRITE_BACK_MIN_UPDATES`` times each on
         average, pause the cache; resume it after ``WRITE_BACK_PAUSE`` flushes."""
         cache = self._cache
-        if cache is None:
-            if self._spare is not None:
-                self._paused -= 1
-                if self._paused <= 0:
-                    self._cache, self._spare = self._spare, None
+        if cache is None:  # paused
+            self._paused -= 1
+            if self._paused <= 0:
+                self._cache = {}
             return
         if cache:
             # put, not put_many: a backend's own write buffer and read cache stay coherent.
@@ -385,7 +382,7 @@ class BoundValueState(_Bound):
             for key, value in cache.items():
                 put(key, dumps(value))
             if self._updates < WRITE_BACK_MIN_UPDATES * len(cache):
-                self._cache, self._spare = None, cache
+                self._cache = None
                 self._paused = self._pause
                 self._pause = min(2 * self._pause, WRITE_BACK_MAX_PAUSE)
             else:
