@@ -36,6 +36,7 @@ from snapline.connectors.local.broker import (
     read_state,
     render_pom,
     render_server_properties,
+    transaction_marker_defect,
     write_completion_marker,
     write_state,
 )
@@ -161,10 +162,27 @@ def test_free_ports_are_distinct_and_bindable() -> None:
 
 def test_kafka_version_default_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SNAPLINE_KAFKA_VERSION", raising=False)
-    assert kafka_version() == DEFAULT_KAFKA_VERSION == "4.3.1"
+    assert kafka_version() == DEFAULT_KAFKA_VERSION == "4.2.1"
     monkeypatch.setenv("SNAPLINE_KAFKA_VERSION", "4.2.0")
     assert kafka_version() == "4.2.0"
     assert kafka_version("3.9.1") == "3.9.1"
+
+
+@pytest.mark.parametrize(
+    ("version", "affected"),
+    [("4.2.1", False), ("4.2.0", False), ("3.9.1", False), ("4.3.0", True), ("4.3.1", True)],
+)
+def test_versions_with_the_transaction_marker_defect_are_named(
+    version: str, affected: bool
+) -> None:
+    found = transaction_marker_defect(version)
+    assert (found is not None) == affected
+    if found:
+        assert "KAFKA-20734" in found and version in found and "4.2.1" in found
+
+
+def test_the_default_version_is_free_of_the_transaction_marker_defect() -> None:
+    assert transaction_marker_defect(DEFAULT_KAFKA_VERSION) is None
 
 
 @pytest.mark.parametrize("bad", ["latest", "4.3", "4.3.1</version>", "../4.3.1"])
@@ -313,7 +331,7 @@ def test_failed_download_shows_mavens_errors(cache: Path, only_path: Path, java_
         ensure_kafka_jars("4.4.0")
     message = str(raised.value)
     assert "kafka-tools-api:jar:4.4.0 was not found" in message
-    assert "SNAPLINE_KAFKA_VERSION=4.3.1" in message
+    assert f"SNAPLINE_KAFKA_VERSION={DEFAULT_KAFKA_VERSION}" in message
     assert not jars_are_complete(libs_dir("4.4.0"))
 
 

@@ -37,6 +37,7 @@ from snapline.pipeline.errors import BrokerError
 
 __all__ = [
     "DEFAULT_KAFKA_VERSION",
+    "MARKER_DEFECT",
     "BrokerState",
     "LocalKafkaBroker",
     "broker_answers",
@@ -51,12 +52,23 @@ __all__ = [
     "read_state",
     "render_server_properties",
     "stop_recorded_broker",
+    "transaction_marker_defect",
 ]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_KAFKA_VERSION = "4.3.1"
-"""Newest release whose dependency tree resolves on Maven Central (4.4.0 lacks kafka-tools-api)."""
+DEFAULT_KAFKA_VERSION = "4.2.1"
+"""The newest release without KAFKA-20734 (see :func:`transaction_marker_defect`). 4.3.0 and
+4.3.1 have it; 4.4.0 does not resolve on Maven Central (it lacks kafka-tools-api)."""
+
+MARKER_DEFECT = (
+    "Kafka {version} has KAFKA-20734: after a broker restart its transaction coordinator can "
+    "skip the COMMIT or ABORT markers of a transaction whose partitions have no leader yet "
+    "(it takes them for deleted topics). The transaction then hangs: read_committed readers "
+    "and committed offsets stop at it for good, or a later COMMIT of the same producer makes "
+    "aborted records visible. Use Kafka 4.2.1 (Snapline's default; unset "
+    "SNAPLINE_KAFKA_VERSION) for exactly-once pipelines."
+)
 
 MIN_JAVA_VERSION = 17
 MARKER_NAME = ".snapline-complete"
@@ -88,6 +100,26 @@ def kafka_version(version: str | None = None) -> str:
             "fix SNAPLINE_KAFKA_VERSION (or unset it to use the default)."
         )
     return chosen
+
+
+def transaction_marker_defect(version: str) -> str | None:
+    """Why Kafka ``version`` can leave transactions hanging after a broker crash, or None.
+
+    Kafka 4.3 ported ``KRaftMetadataCache`` from Scala to Java, and its
+    ``getPartitionLeaderEndpoint`` now answers "no endpoint" for a partition whose leader is
+    offline, where 4.2 answered "unknown node". The transaction marker sender reads "no
+    endpoint" as "topic deleted" and drops the partition from the transaction (KAFKA-5202's
+    skip) instead of queueing its marker until a leader appears (KAFKA-20734, open when 4.3.1
+    shipped). On one node every partition is leaderless while a restarted broker waits for
+    its old registration to be fenced, so a broker crash between a transaction's
+    ``PrepareCommit`` and its markers reliably leaves it hanging
+    (``integration_tests/test_broker_crash_after_commit.py``). Releases from 4.3.0 on are
+    named until one is measured without it.
+    """
+    parts = re.match(r"^(\d+)\.(\d+)\.", version)
+    if parts is None or (int(parts[1]), int(parts[2])) < (4, 3):
+        return None
+    return MARKER_DEFECT.format(version=version)
 
 
 def cache_dir() -> Path:
@@ -702,6 +734,9 @@ class LocalKafkaBroker:
         :class:`LocalKafkaCluster` launches every node first, then waits for each.
         """
         java = find_java()
+        defect = transaction_marker_defect(self.version)
+        if defect:
+            logger.warning(defect)
         libs = ensure_kafka_jars(self.version, self._progress)
         _sweep_orphaned_data_dirs()
         data_dir = self._prepare_data_dir()

@@ -455,7 +455,9 @@ class Worker:
                     raise KafkaClientError(
                         f"could not read the committed offsets of {len(request)} partitions "
                         f"in {COMMITTED_OFFSETS_WAIT:.0f}s: {exc}; is a previous owner's "
-                        "transaction still open, or the group coordinator unreachable?"
+                        "transaction still open, or the group coordinator unreachable? If it "
+                        "stays so across restarts after a broker crash, the broker may run "
+                        "Kafka 4.3.x (KAFKA-20734, see docs/exactly-once.md 'Known limits')"
                     ) from exc
                 log.warning("committed offsets not available yet (%s); retrying", exc)
                 self._event({"event": "offsets_pending", "error": str(exc)[:200]})
