@@ -7,7 +7,9 @@ transaction-marker fault (issue 9 item 3) from the partition's segment files.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import statistics
 import struct
 import threading
@@ -127,6 +129,24 @@ class BounceJob(WarehouseJob):
         return "\n".join(f"--- {w.worker_id}\n{w.tail(60)}" for w in self.workers)
 
 
+def dump_stacks(job: BounceJob, worker_ids: list[str]) -> str:
+    """The Python stacks of ``worker_ids`` (the worker writes them to its log on SIGUSR1)."""
+    out = []
+    for worker_id in worker_ids:
+        worker = job.by_id[worker_id]
+        if worker.proc is None or not worker.alive:
+            continue
+        log = Path(worker.log_path)
+        before = log.stat().st_size if log.exists() else 0
+        os.kill(worker.proc.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        with log.open("rb") as f:
+            f.seek(before)
+            dump = f.read().decode(errors="replace")
+        out.append(f"--- stacks of {worker_id} (SIGUSR1)\n{dump[-20000:]}")
+    return "\n".join(out)
+
+
 def wait_for_recommits(
     job: BounceJob, outage: Outage, deadline_s: float = RECOMMIT_DEADLINE
 ) -> dict[str, float]:
@@ -147,9 +167,12 @@ def wait_for_recommits(
             elif job.pids().get(worker_id) != pid:
                 del waiting[worker_id]  # exited by itself: recorded in job.self_exits
         if waiting and time.monotonic() > deadline:
+            stacks = dump_stacks(job, sorted(waiting))
             raise AssertionError(
                 f"after the {outage.kind} outage, workers {sorted(waiting)} lived through it "
-                f"but did not commit within {deadline_s:.0f}s of the broker's return\n" + job.logs()
+                f"but did not commit within {deadline_s:.0f}s of the broker's return\n"
+                + job.logs()
+                + stacks
             )
         if waiting:
             time.sleep(0.5)

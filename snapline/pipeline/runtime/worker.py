@@ -29,6 +29,7 @@ threads.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import json
 import logging
@@ -1389,6 +1390,9 @@ def run_worker(pipeline: Pipeline, settings: WorkerSettings) -> None:
     tune_interpreter()
     signal.signal(signal.SIGTERM, worker.request_stop)
     signal.signal(signal.SIGINT, worker.request_stop)
+    # SIGUSR1 writes every thread's Python stack to stderr: how to see where a worker that
+    # stopped making progress waits, without stopping it (docs/operations.md).
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     try:
         worker.run()
     except KafkaClientError as exc:
