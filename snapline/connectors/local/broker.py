@@ -112,7 +112,7 @@ def transaction_marker_defect(version: str) -> str | None:
     skip) instead of queueing its marker until a leader appears (KAFKA-20734, open when 4.3.1
     shipped). On one node every partition is leaderless while a restarted broker waits for
     its old registration to be fenced, so a broker crash between a transaction's
-    ``PrepareCommit`` and its markers reliably leaves it hanging
+    ``PrepareCommit`` and its markers often leaves it hanging
     (``integration_tests/test_broker_crash_after_commit.py``). Releases from 4.3.0 on are
     named until one is measured without it.
     """
