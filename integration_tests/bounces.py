@@ -136,7 +136,7 @@ def dump_stacks(job: BounceJob, worker_ids: list[str]) -> str:
         worker = job.by_id[worker_id]
         if worker.proc is None or not worker.alive:
             continue
-        log = Path(worker.log_path)
+        log = worker.log_path
         before = log.stat().st_size if log.exists() else 0
         os.kill(worker.proc.pid, signal.SIGUSR1)
         time.sleep(1.0)

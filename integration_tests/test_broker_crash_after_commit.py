@@ -158,7 +158,9 @@ def test_a_broker_crash_right_after_a_commit_leaves_no_transaction_hanging(
                 producer.commit_transaction(TIMEOUT)
             # The crash: the coordinator has logged PrepareCommit of the last transaction;
             # its markers are being written (or not yet).
-            os.kill(broker.pid or 0, signal.SIGKILL)
+            pid = broker.pid
+            assert pid is not None, "the broker is not running"
+            os.kill(pid, signal.SIGKILL)
             assert broker.wait(TIMEOUT) is not None, "the broker JVM survived SIGKILL"
             del producer
             restarted = time.monotonic()

@@ -37,7 +37,6 @@ from snapline.pipeline.errors import BrokerError
 
 __all__ = [
     "DEFAULT_KAFKA_VERSION",
-    "MARKER_DEFECT",
     "BrokerState",
     "LocalKafkaBroker",
     "broker_answers",
@@ -61,12 +60,12 @@ DEFAULT_KAFKA_VERSION = "4.2.1"
 """The newest release without KAFKA-20734 (see :func:`transaction_marker_defect`). 4.3.0 and
 4.3.1 have it; 4.4.0 does not resolve on Maven Central (it lacks kafka-tools-api)."""
 
-MARKER_DEFECT = (
+_MARKER_DEFECT = (
     "Kafka {version} has KAFKA-20734: after a broker restart its transaction coordinator can "
     "skip the COMMIT or ABORT markers of a transaction whose partitions have no leader yet "
     "(it takes them for deleted topics). The transaction then hangs: read_committed readers "
     "and committed offsets stop at it for good, or a later COMMIT of the same producer makes "
-    "aborted records visible. Use Kafka 4.2.1 (Snapline's default; unset "
+    "aborted records visible. Use Kafka {default} (Snapline's default; unset "
     "SNAPLINE_KAFKA_VERSION) for exactly-once pipelines."
 )
 
@@ -119,7 +118,7 @@ def transaction_marker_defect(version: str) -> str | None:
     parts = re.match(r"^(\d+)\.(\d+)\.", version)
     if parts is None or (int(parts[1]), int(parts[2])) < (4, 3):
         return None
-    return MARKER_DEFECT.format(version=version)
+    return _MARKER_DEFECT.format(version=version, default=DEFAULT_KAFKA_VERSION)
 
 
 def cache_dir() -> Path:
