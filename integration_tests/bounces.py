@@ -14,6 +14,7 @@ import statistics
 import struct
 import threading
 import time
+import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,10 @@ CUSTOMERS = 500
 TRANSACTION_TIMEOUT_S = 10
 #: How long a worker that lived through an outage may take to commit again.
 RECOMMIT_DEADLINE = 120.0
+#: A worker whose task thread is stuck this long ends itself (runtime/liveness.py) well inside
+#: RECOMMIT_DEADLINE and is restarted like any other self-exit; its stack is in its log and
+#: reported as a warning (a CI run once saw a survivor stay silent for minutes).
+LIVENESS_TIMEOUT_S = 30
 STOP_BOUND = 30.0
 
 
@@ -59,7 +64,10 @@ class BounceJob(WarehouseJob):
             dsn,
             partitions=PARTITIONS,
             customers=CUSTOMERS,
-            extra_env={"SNAPLINE_EXAMPLE_TXN_TIMEOUT_MS": str(TRANSACTION_TIMEOUT_S * 1000)},
+            extra_env={
+                "SNAPLINE_EXAMPLE_TXN_TIMEOUT_MS": str(TRANSACTION_TIMEOUT_S * 1000),
+                "SNAPLINE_LIVENESS_TIMEOUT": str(LIVENESS_TIMEOUT_S),
+            },
         )
         self.by_id = {w.worker_id: w for w in self.workers}
         self.metrics = workdir / "metrics.jsonl"
@@ -112,6 +120,12 @@ class BounceJob(WarehouseJob):
         for worker in self.workers:
             if worker.proc is not None and not worker.alive:
                 self.self_exits.append((worker.worker_id, worker.proc.returncode))
+                stall = stall_report(worker)
+                if stall:
+                    warnings.warn(
+                        f"{worker.worker_id} ended by its liveness watchdog:\n{stall}",
+                        stacklevel=2,
+                    )
                 worker.start()
 
     def pids(self) -> dict[str, int]:
@@ -127,6 +141,20 @@ class BounceJob(WarehouseJob):
 
     def logs(self) -> str:
         return "\n".join(f"--- {w.worker_id}\n{w.tail(60)}" for w in self.workers)
+
+
+def stall_report(worker: WorkerProcess) -> str | None:
+    """The liveness watchdog's report (why, and the stacks) in the log of ``worker``'s last
+    incarnation, if the watchdog ended it."""
+    if not worker.log_path.exists():
+        return None
+    last = worker.log_path.read_text(errors="replace").rsplit("\n===== start ", 1)[-1]
+    for header in ("the task thread made no progress", "Timeout ("):
+        at = last.find(header)
+        if at >= 0:
+            lines = [line for line in last[at:].splitlines() if not line.startswith("%")]
+            return "\n".join(lines[:200])
+    return None
 
 
 def dump_stacks(job: BounceJob, worker_ids: list[str]) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -65,5 +67,24 @@ def embedded_total() -> Pipeline:
         .key_by(lambda v: v["customer"])
         .process(RunningTotal())
         .sink(KafkaSink(f"{PREFIX}totals"))
+    )
+    return pipeline
+
+
+def _stall_on_request(value: dict[str, Any]) -> dict[str, Any]:
+    """Passes orders through; an order with ``stall`` blocks the task thread for good:
+    "sleep" outside the GIL, "regex" inside it (a backtracking match that never ends)."""
+    how = value.get("stall")
+    if how == "sleep":
+        time.sleep(86_400)
+    elif how == "regex":
+        re.match(r"(a+)+$", "a" * 64 + "!")
+    return value
+
+
+def stalls() -> Pipeline:
+    pipeline = Pipeline(f"{PREFIX}job", checkpoint_interval=0.3)
+    pipeline.source(KafkaSource(f"{PREFIX}orders")).map(_stall_on_request).sink(
+        KafkaSink(f"{PREFIX}out")
     )
     return pipeline

@@ -18,6 +18,8 @@ import click
 
 from snapline.pipeline.cli_help import FullSummaryGroup
 from snapline.pipeline.errors import ConfigurationError, SnaplineError
+from snapline.pipeline.runtime.liveness import DEFAULT_TIMEOUT as DEFAULT_LIVENESS_TIMEOUT
+from snapline.pipeline.runtime.liveness import check_timeout as check_liveness_timeout
 from snapline.pipeline.supervisor import EX_CONFIG, EX_TEMPFAIL, MESSAGE_FILE_ENV
 
 log = logging.getLogger("snapline.pipeline.cli")  # also when run as __main__
@@ -137,6 +139,17 @@ def main() -> None:
     "them). With --workers N, worker i uses PORT+i. 0: any free port (logged).",
 )
 @click.option(
+    "--liveness-timeout",
+    type=float,
+    envvar="SNAPLINE_LIVENESS_TIMEOUT",
+    show_envvar=True,
+    default=DEFAULT_LIVENESS_TIMEOUT,
+    show_default=True,
+    help="Seconds a worker's task thread may make no progress (stuck in user code, a "
+    "client, a lock) before the worker writes every thread's stack to its log and exits 75 "
+    "to be restarted. Bounded waits (client calls, a broker outage) do not count. 0: off.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(LOG_LEVELS, case_sensitive=False),
     default="INFO",
@@ -154,6 +167,7 @@ def run(
     from_savepoint: str | None,
     allow_non_restored_state: bool,
     metrics_port: int | None,
+    liveness_timeout: float,
     log_level: str,
 ) -> None:
     """Run the pipeline SPEC (module:attribute) as one or more workers.
@@ -166,6 +180,9 @@ def run(
     deployment across restarts: its data dir is beside the checkpoints (.snapline/kafka by
     default), it comes back on the same port, and a second run continues from the committed
     checkpoint. If that port is taken by another process, the run stops and says so."""
+    liveness_problem = check_liveness_timeout(liveness_timeout)
+    if liveness_problem:
+        raise click.BadParameter(liveness_problem, param_hint="--liveness-timeout")
     _setup_logging(log_level)
     sys.path.insert(0, os.getcwd())
     from snapline.pipeline.graph import load_pipeline
@@ -226,6 +243,7 @@ def run(
                 local_dir or "",
                 on_missing,
                 metrics_port=metrics_port,
+                liveness_timeout=liveness_timeout,
             )
             from snapline.pipeline.runtime.topics import KafkaUnavailableError
 
@@ -254,6 +272,8 @@ def run(
                 checkpoint_dir,
                 "--log-level",
                 log_level,
+                "--liveness-timeout",
+                repr(liveness_timeout),
                 *(["--local-dir", local_dir] if local_dir else []),
                 *([f"--{on_missing}"] if on_missing != "fail" else []),
             ],

@@ -19,11 +19,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from confluent_kafka import KafkaError, KafkaException
 
 from snapline.pipeline.errors import CheckpointError, SnaplineError
+
+if TYPE_CHECKING:
+    from snapline.pipeline.runtime.liveness import Liveness
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +121,11 @@ class BoundedCall:
     After one call outlived its bound the client is left alone for good (``hung`` names the
     call); every later call raises :class:`KafkaClientError` at once."""
 
-    def __init__(self, client: str) -> None:
+    def __init__(self, client: str, liveness: Liveness | None = None) -> None:
         self.client = client
         self.hung: str | None = None
+        #: Told of each wait: a call within its bound is not a stalled task thread.
+        self.liveness = liveness
 
     def __call__(self, what: str, bound: float, fn: Callable[..., T], *args: Any) -> T:
         if self.hung is not None:
@@ -139,6 +144,8 @@ class BoundedCall:
                 done.set()
 
         thread = threading.Thread(target=target, name=f"kafka-{what}", daemon=True)
+        if self.liveness is not None:
+            self.liveness.allow(bound)
         thread.start()
         # Event.wait is interrupted by signals: SIGTERM's handler runs while we wait.
         if not done.wait(bound):

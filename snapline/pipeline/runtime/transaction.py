@@ -37,6 +37,7 @@ from snapline.pipeline.runtime.kafka_calls import (
     kafka_error,
     sleep_unless,
 )
+from snapline.pipeline.runtime.liveness import Liveness
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class TransactionalOutput:
         *,
         transactional_id: str | None,
         stopping: Callable[[], bool] = lambda: False,
+        liveness: Liveness | None = None,
     ) -> None:
         self.exactly_once = transactional_id is not None
         conf = {
@@ -86,7 +88,8 @@ class TransactionalOutput:
         conf["error_cb"] = self._on_error
         self._conf = conf
         self._stopping = stopping
-        self._call = BoundedCall("producer")
+        self._liveness = liveness
+        self._call = BoundedCall("producer", liveness)
         self.producer = Producer(conf)
         #: Why the producer failed fatally; it is replaced before its next transaction.
         self._fatal: str | None = None
@@ -348,7 +351,7 @@ class TransactionalOutput:
         log.warning("producer failed fatally (%s); replacing it", self._fatal)
         old = self.producer
         self.producer = Producer(self._conf)
-        self._call = BoundedCall("producer")
+        self._call = BoundedCall("producer", self._liveness)
         self.open_epoch = None
         self._abort_pending = False
         self._fatal = None

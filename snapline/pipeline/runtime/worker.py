@@ -21,10 +21,13 @@ bounded (``kafka_calls``); a checkpoint that cannot commit because the broker is
 makes the worker wait for the broker, then abort the epoch and restore; fatal client errors,
 hung calls and outages longer than ``BROKER_OUTAGE_LIMIT`` exit with EX_TEMPFAIL (75) so that
 the supervisor restarts the worker. SIGTERM ends the worker within ``STOP_BOUND`` seconds.
+A task thread that makes no progress for ``liveness_timeout`` seconds (stuck anywhere, also
+outside client calls) ends the worker the same way, with every thread's stack in its log
+(``liveness``).
 
 Threads: this module runs on the main (task) thread; only the coordinator's pool, the helper
-threads of bounded client calls and the stop timer run elsewhere. librdkafka runs its own
-threads.
+threads of bounded client calls, the liveness watchdog and the stop timer run elsewhere.
+librdkafka runs its own threads.
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ from snapline.pipeline.runtime.kafka_calls import (
     kafka_error,
     sleep_unless,
 )
+from snapline.pipeline.runtime.liveness import DEFAULT_TIMEOUT as DEFAULT_LIVENESS_TIMEOUT
+from snapline.pipeline.runtime.liveness import Liveness, Watchdog
 from snapline.pipeline.runtime.metrics import WorkerMetrics
 from snapline.pipeline.runtime.task import Task, TaskSnapshot
 from snapline.pipeline.runtime.transaction import FencedError, TransactionalOutput
@@ -128,6 +133,9 @@ class WorkerSettings:
     on_missing_offsets: str = "fail"
     #: Serve Prometheus metrics on this port (None: no endpoint; 0: any free port).
     metrics_port: int | None = None
+    #: Seconds the task thread may make no progress before the worker dumps every thread's
+    #: stack and exits with EX_TEMPFAIL (0: no watchdog; runtime/liveness.py).
+    liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT
 
     def resolved_local_dir(self) -> Path:
         """Where tasks keep local state: ``local_dir``, else beside a local checkpoint
@@ -153,6 +161,7 @@ class Worker:
         pipeline.validate()
         self.pipeline = pipeline
         self.settings = settings
+        self.liveness = Liveness(settings.liveness_timeout or DEFAULT_LIVENESS_TIMEOUT)
         self.faults = FaultInjector()
         self.storage = CheckpointStorage(settings.checkpoint_dir)
         self.local_dir = settings.resolved_local_dir()
@@ -231,7 +240,10 @@ class Worker:
         )
         producer_config = {**kafka_config, "client.id": f"{pipeline.name}-{settings.worker_id}"}
         self.output = TransactionalOutput(
-            producer_config, transactional_id=transactional_id, stopping=lambda: self._stopping
+            producer_config,
+            transactional_id=transactional_id,
+            stopping=lambda: self._stopping,
+            liveness=self.liveness,
         )
         self._consumer_fatal: str | None = None
         #: Savepoint requests (snapline savepoint create) arrive on the control channel; while
@@ -244,7 +256,7 @@ class Worker:
         self._savepoint_request: Request | None = None
         self._assigned = False
         self.consumer = self._new_consumer()
-        self._consumer_call = BoundedCall("consumer")
+        self._consumer_call = BoundedCall("consumer", self.liveness)
         self._outage: BrokerOutageError | None = None
         self._consumer_replaced: list[float] = []
 
@@ -416,6 +428,7 @@ class Worker:
         self._restored_bytes = {}
         self._previous_owners = set()
         for task_id, tps in sorted(by_task.items()):
+            self.liveness.beat()  # one task's files restored per beat
             positions, ref = self._restore_task(
                 task_id, [committed_by_tp[(t.topic, t.partition)] for t in tps]
             )
@@ -946,6 +959,7 @@ class Worker:
         attempt = 0
         last_log = started
         while not self._broker_reachable():
+            self.liveness.beat()  # a wait that BROKER_OUTAGE_LIMIT bounds
             waited = time.monotonic() - started
             if self._stopping:
                 raise _StopNow(f"stop requested while the broker is unreachable ({exc})")
@@ -985,7 +999,7 @@ class Worker:
             self._consumer_call("close", 10.0, old.close)
         except Exception as close_exc:  # a fenced consumer may fail to close; it is dropped
             log.warning("closing the fenced consumer: %s", close_exc)
-        self._consumer_call = BoundedCall("consumer")
+        self._consumer_call = BoundedCall("consumer", self.liveness)
         self._consumer_fatal = None
         self.consumer = self._new_consumer()
         self._subscribe()
@@ -1035,6 +1049,7 @@ class Worker:
             self._event({"event": "transactions_ready"})
             self._subscribe()
             while True:
+                self.liveness.beat()
                 if self._exit_after_savepoint:
                     log.info("stopped with a savepoint: exiting")
                     break
@@ -1393,9 +1408,17 @@ def run_worker(pipeline: Pipeline, settings: WorkerSettings) -> None:
     # SIGUSR1 writes every thread's Python stack to stderr: how to see where a worker that
     # stopped making progress waits, without stopping it (docs/operations.md).
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    watchdog = None
+    if settings.liveness_timeout:
+        worker.liveness.beat()
+        watchdog = Watchdog(worker.liveness)
+        watchdog.start()
     try:
         worker.run()
     except KafkaClientError as exc:
         log.error("%s (exit %d: restart the worker)", exc, EX_TEMPFAIL)
         _exit_now(EX_TEMPFAIL)
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
     _exit_now(0)
