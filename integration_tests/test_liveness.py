@@ -1,7 +1,9 @@
 """A worker whose task thread stops making progress ends itself with every thread's stack in
 its log (runtime/liveness.py), so that its supervisor restarts it: exit 75 from the watchdog
 thread, or exit 1 from the faulthandler backstop when the stalled thread holds the GIL. A
-worker that only waits for input is making progress and lives on."""
+worker that only waits for input is making progress and lives on. A worker whose consumer is
+left outside the group (no assignment while the broker answers) replaces the consumer and
+goes on, exactly once."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 from confluent_kafka import Producer
 
 from examples.orders import create_topics, read_committed
-from examples.workers import WorkerProcess
+from examples.workers import WorkerProcess, read_events
 from snapline.pipeline.runtime.kafka_calls import EX_TEMPFAIL
 from snapline.pipeline.runtime.liveness import CHECK_INTERVAL, REARM_INTERVAL, backstop_after
 
@@ -76,3 +78,57 @@ def test_a_stalled_task_thread_ends_the_worker_with_its_stack(
     assert says in log, worker.tail(80)
     # The stack shows where the task thread stood.
     assert "_stall_on_request" in log, worker.tail(80)
+
+
+def test_a_consumer_left_outside_the_group_is_replaced(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """The consumer leaves the group right after the first commit (fault action "leave") and
+    never asks to join again, as librdkafka once did after a double broker outage. The
+    worker must notice (no assignment for the rejoin limit while the broker answers),
+    replace the consumer in the same process and process every input exactly once."""
+    prefix = f"{unique_name}-"
+    create_topics(kafka_bootstrap, {f"{prefix}orders": 2, f"{prefix}out": 2})
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+
+    def produce(first: int, count: int) -> None:
+        for i in range(first, first + count):
+            producer.produce(f"{prefix}orders", orjson.dumps({"order_id": i}))
+        producer.flush(30)
+
+    worker = WorkerProcess(
+        "integration_tests.pipelines:stalls",
+        "w0",
+        kafka_bootstrap,
+        tmp_path / "chk",
+        tmp_path,
+        {
+            "SNAPLINE_TEST_PREFIX": prefix,
+            "SNAPLINE_FAULT": "after_kafka_commit:1:leave",
+            "SNAPLINE_TEST_REJOIN_LIMIT": "3",
+            "SNAPLINE_METRICS_FILE": str(tmp_path / "metrics.jsonl"),
+        },
+    )
+    produce(0, ORDERS)
+    worker.start()
+    try:
+        pid = worker.proc.pid if worker.proc else None
+        # Bounded: the first commit makes the consumer leave; the rejoin limit is 3 s.
+        deadline = time.monotonic() + 60
+        while not any(
+            e.get("event") == "consumer_replaced" for e in read_events(tmp_path / "metrics.jsonl")
+        ):
+            assert worker.alive, f"the worker exited\n{worker.tail()}"
+            assert time.monotonic() < deadline, f"the consumer was not replaced\n{worker.tail()}"
+            time.sleep(0.5)
+        produce(ORDERS, ORDERS)
+        outputs = read_committed(kafka_bootstrap, f"{prefix}out", 2 * ORDERS, timeout=60)
+        assert worker.alive and worker.proc is not None and worker.proc.pid == pid
+    finally:
+        worker.stop()
+    ids = sorted(o["order_id"] for o in outputs)
+    assert ids == list(range(2 * ORDERS)), f"lost or duplicated: {ids}"
+    replaced = [
+        e for e in read_events(tmp_path / "metrics.jsonl") if e.get("event") == "consumer_replaced"
+    ]
+    assert "no partition assignment" in replaced[0]["error"], replaced

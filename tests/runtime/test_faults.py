@@ -1,4 +1,4 @@
-"""The fault-injection hook's spec parsing: kill points, odds and the stop action."""
+"""The fault-injection hook's spec parsing: kill points, odds and the stop and leave actions."""
 
 from __future__ import annotations
 
@@ -50,3 +50,16 @@ def test_zero_odds_never_fire(monkeypatch: pytest.MonkeyPatch) -> None:
     for _ in range(100):
         injector.point("sync_snapshot")
     assert sent == []
+
+
+def test_leave_calls_the_workers_hook_once_and_sends_no_signal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sent: list[int] = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: sent.append(sig))
+    injector = FaultInjector("after_kafka_commit:1:leave", log_path="")
+    left: list[bool] = []
+    injector.on_leave = lambda: left.append(True)
+    injector.point("after_kafka_commit")
+    injector.point("after_kafka_commit")
+    assert left == [True] and sent == []

@@ -5,7 +5,9 @@ checkpoint protocol.
 probability p each time it passes that point; ``name:p:stop`` sends it SIGSTOP instead (it
 carries on from that very point when a SIGCONT comes, and a stop fires at most once per
 process, which is how the zombie tests make a
-worker wake up in the middle of the commit protocol). ``SNAPLINE_FAULT_LOG`` names a file
+worker wake up in the middle of the commit protocol); ``name:p:leave`` makes the worker's
+consumer leave the group there, once per process, as librdkafka once did for good after a
+broker outage (the worker must notice and replace it). ``SNAPLINE_FAULT_LOG`` names a file
 where each hit is appended first (so tests can count hits). Without the variable this is a
 no-op.
 """
@@ -16,6 +18,7 @@ import os
 import random
 import signal
 import time
+from collections.abc import Callable
 
 KILL_POINTS = (
     "after_offsets_read",  # recovery read the committed offsets, restored nothing yet
@@ -35,16 +38,26 @@ class FaultInjector:
         spec = os.environ.get("SNAPLINE_FAULT", "") if spec is None else spec
         self._log_path = os.environ.get("SNAPLINE_FAULT_LOG") if log_path is None else log_path
         self._odds: dict[str, float] = {}
-        self._actions: dict[str, signal.Signals] = {}
+        self._actions: dict[str, signal.Signals | None] = {}
+        #: What "leave" does (the worker sets it: its consumer leaves the group).
+        self.on_leave: Callable[[], None] = lambda: None
         for part in filter(None, (p.strip() for p in spec.split(","))):
             name, _, rest = part.partition(":")
             prob, _, action = rest.partition(":")
             if name not in KILL_POINTS:
                 raise ValueError(f"unknown kill point {name!r}; use one of {KILL_POINTS}")
-            if action not in ("", "kill", "stop"):
-                raise ValueError(f"unknown fault action {action!r} for {name}; use kill or stop")
+            if action not in ("", "kill", "stop", "leave"):
+                raise ValueError(
+                    f"unknown fault action {action!r} for {name}; use kill, stop or leave"
+                )
             self._odds[name] = float(prob or 1.0)
-            self._actions[name] = signal.SIGSTOP if action == "stop" else signal.SIGKILL
+            self._actions[name] = (
+                None
+                if action == "leave"
+                else signal.SIGSTOP
+                if action == "stop"
+                else signal.SIGKILL
+            )
         self._random = random.Random()
 
     @property
@@ -61,6 +74,9 @@ class FaultInjector:
                 fh.flush()
                 os.fsync(fh.fileno())
         action = self._actions[name]
-        if action == signal.SIGSTOP:
+        if action != signal.SIGKILL:
             del self._odds[name]
-        os.kill(os.getpid(), action)
+        if action is None:
+            self.on_leave()
+        else:
+            os.kill(os.getpid(), action)

@@ -118,6 +118,10 @@ REPARTITION_DELETE_INTERVAL = 5.0
 #: A fenced consumer is replaced in place at most this often per 10 minutes; more means two
 #: live workers share an id, and the worker exits with EX_TEMPFAIL.
 MAX_CONSUMER_REPLACEMENTS = 5
+#: A consumer without an assignment this long (at least 3 session timeouts) while the broker
+#: answers is outside the group for good and is replaced like a fenced one: after a session
+#: timed out during a double broker outage, librdkafka once never sent another JoinGroup.
+REJOIN_LIMIT = 60.0
 
 
 @dataclass(frozen=True)
@@ -258,6 +262,13 @@ class Worker:
         self.consumer = self._new_consumer()
         self._consumer_call = BoundedCall("consumer", self.liveness)
         self._outage: BrokerOutageError | None = None
+        #: Since when the consumer has had no assignment (None: it has one, maybe empty).
+        self._unassigned_since: float | None = time.monotonic()
+        session_s = float(self._consumer_config()["session.timeout.ms"]) / 1000
+        self._rejoin_limit = float(
+            os.environ.get("SNAPLINE_TEST_REJOIN_LIMIT") or max(REJOIN_LIMIT, 3 * session_s)
+        )
+        self.faults.on_leave = lambda: self.consumer.unsubscribe()
         self._consumer_replaced: list[float] = []
 
     # ------------------------------------------------------------------ setup
@@ -336,6 +347,7 @@ class Worker:
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         log.info("assigned %s", sorted((p.topic, p.partition) for p in partitions))
         self._assigned = True
+        self._unassigned_since = None
         self._event({"event": "assigned", "partitions": len(partitions)})
         self._drop_tasks()
         self._restore_pending = False
@@ -374,6 +386,7 @@ class Worker:
         before and the new owners restore the previous checkpoint: correct either way."""
         self._event({"event": "revoked", "partitions": len(partitions)})
         self._assigned = False
+        self._unassigned_since = time.monotonic()
         if self.tasks:
             started = time.monotonic()
             before = self.checkpoints_committed
@@ -394,6 +407,7 @@ class Worker:
         log.warning("lost %d partitions: aborting the open epoch", len(partitions))
         self._event({"event": "lost", "partitions": len(partitions)})
         self._assigned = False
+        self._unassigned_since = time.monotonic()
         self._drop_tasks()
         self._restore_pending = False
 
@@ -977,6 +991,19 @@ class Worker:
         log.warning("broker reachable again after %.1fs; aborting the epoch and restoring", waited)
         self._event({"event": "broker_back", "waited": round(waited, 3)})
 
+    def _check_membership(self, now: float) -> None:
+        """The consumer has had no assignment for ``_rejoin_limit`` seconds. During an outage
+        that is expected: the wait starts again once the broker answers. With the broker
+        answering, the consumer is outside the group and is replaced."""
+        if not self._broker_reachable():
+            self._unassigned_since = now
+            return
+        assert self._unassigned_since is not None
+        raise ConsumerOutOfGroupError(
+            f"consumer: no partition assignment for {now - self._unassigned_since:.0f}s while "
+            "the broker answers (it did not rejoin the group after its session ended)"
+        )
+
     def _replace_consumer(self, exc: ConsumerFencedError) -> None:
         """A fresh consumer (same group.instance.id) instead of one that failed fatally.
 
@@ -1003,6 +1030,8 @@ class Worker:
         self._consumer_fatal = None
         self.consumer = self._new_consumer()
         self._subscribe()
+        self._assigned = False
+        self._unassigned_since = time.monotonic()
         holder: list[object] = [old]
         del old
         threading.Thread(target=_release, args=(holder,), name="kafka-release", daemon=True).start()
@@ -1102,6 +1131,8 @@ class Worker:
         else:
             time.sleep(0.002)
         now = time.monotonic()
+        if self._unassigned_since is not None and now - self._unassigned_since > self._rejoin_limit:
+            self._check_membership(now)
         self._maybe_trigger(now)
         for task in self.tasks.values():
             task.run()
@@ -1324,6 +1355,12 @@ class ConsumerFencedError(KafkaClientError):
     """The consumer failed fatally, typically "Static consumer fenced by other consumer with
     same group.instance.id" after its session timed out during a broker outage (librdkafka
     #3437); the worker replaces the consumer (``MAX_CONSUMER_REPLACEMENTS``)."""
+
+
+class ConsumerOutOfGroupError(ConsumerFencedError):
+    """The consumer has had no assignment for ``REJOIN_LIMIT`` seconds while the broker
+    answers: it is outside the group (librdkafka did not rejoin after its session ended in a
+    broker outage) and is replaced like a fenced one."""
 
 
 class _StopNow(Exception):
