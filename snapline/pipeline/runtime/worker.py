@@ -1077,6 +1077,7 @@ class Worker:
             self.output.init()
             self._event({"event": "transactions_ready"})
             self._subscribe()
+            self._unassigned_since = time.monotonic()  # the rejoin limit counts from here
             while True:
                 self.liveness.beat()
                 if self._exit_after_savepoint:
