@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -23,6 +24,44 @@ pytestmark = pytest.mark.integration
 
 TIMEOUT = 5.0
 ORDERS = 20
+
+
+class StallsJob:
+    """The topics of integration_tests.pipelines:stalls, its worker (not started) and a
+    producer of orders numbered from 0."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        tmp_path: Path,
+        name: str,
+        partitions: int,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.prefix = f"{name}-"
+        create_topics(bootstrap, {f"{self.prefix}orders": partitions, f"{self.prefix}out": 1})
+        self.producer = Producer({"bootstrap.servers": bootstrap})
+        self.produced = 0
+        self.worker = WorkerProcess(
+            "integration_tests.pipelines:stalls",
+            "w0",
+            bootstrap,
+            tmp_path / "chk",
+            tmp_path,
+            {"SNAPLINE_TEST_PREFIX": self.prefix, **(env or {})},
+        )
+
+    def produce(self, count: int, **extra: str) -> None:
+        for _ in range(count):
+            order = {"order_id": self.produced, **extra}
+            self.producer.produce(f"{self.prefix}orders", orjson.dumps(order))
+            self.produced += 1
+        self.producer.flush(30)
+
+    def outputs(self) -> list[dict[str, Any]]:
+        """Every committed output, once there are as many as orders produced."""
+        return read_committed(self.bootstrap, f"{self.prefix}out", self.produced, timeout=60)
 
 
 @pytest.mark.parametrize(
@@ -41,29 +80,17 @@ def test_a_stalled_task_thread_ends_the_worker_with_its_stack(
     exit_code: int,
     says: str,
 ) -> None:
-    prefix = f"{unique_name}-"
-    create_topics(kafka_bootstrap, {f"{prefix}orders": 1, f"{prefix}out": 1})
-    producer = Producer({"bootstrap.servers": kafka_bootstrap})
-    for i in range(ORDERS):
-        producer.produce(f"{prefix}orders", orjson.dumps({"order_id": i}))
-    producer.flush(30)
-    worker = WorkerProcess(
-        "integration_tests.pipelines:stalls",
-        "w0",
-        kafka_bootstrap,
-        tmp_path / "chk",
-        tmp_path,
-        {"SNAPLINE_TEST_PREFIX": prefix},
-    )
+    job = StallsJob(kafka_bootstrap, tmp_path, unique_name, 1)
+    worker = job.worker
+    job.produce(ORDERS)
     worker.start(extra_args=["--liveness-timeout", str(TIMEOUT)])
     try:
-        assert len(read_committed(kafka_bootstrap, f"{prefix}out", ORDERS, timeout=60)) == ORDERS
+        assert len(job.outputs()) == ORDERS
         if how == "sleep":
             # Waiting for input is progress: idle for more than two timeouts, still alive.
             time.sleep(2 * TIMEOUT + CHECK_INTERVAL)
             assert worker.alive, f"an idle worker ended itself\n{worker.tail()}"
-        producer.produce(f"{prefix}orders", orjson.dumps({"order_id": ORDERS, "stall": how}))
-        producer.flush(30)
+        job.produce(1, stall=how)
         stalled = time.monotonic()
         # Bounded: the watchdog fires TIMEOUT after the last beat, the backstop at most
         # REARM_INTERVAL + its delay later; 30 s more for start-up noise on a busy machine.
@@ -87,48 +114,35 @@ def test_a_consumer_left_outside_the_group_is_replaced(
     never asks to join again, as librdkafka once did after a double broker outage. The
     worker must notice (no assignment for the rejoin limit while the broker answers),
     replace the consumer in the same process and process every input exactly once."""
-    prefix = f"{unique_name}-"
-    create_topics(kafka_bootstrap, {f"{prefix}orders": 2, f"{prefix}out": 2})
-    producer = Producer({"bootstrap.servers": kafka_bootstrap})
-
-    def produce(first: int, count: int) -> None:
-        for i in range(first, first + count):
-            producer.produce(f"{prefix}orders", orjson.dumps({"order_id": i}))
-        producer.flush(30)
-
-    worker = WorkerProcess(
-        "integration_tests.pipelines:stalls",
-        "w0",
+    metrics = tmp_path / "metrics.jsonl"
+    job = StallsJob(
         kafka_bootstrap,
-        tmp_path / "chk",
         tmp_path,
+        unique_name,
+        2,
         {
-            "SNAPLINE_TEST_PREFIX": prefix,
             "SNAPLINE_FAULT": "after_kafka_commit:1:leave",
             "SNAPLINE_TEST_REJOIN_LIMIT": "3",
-            "SNAPLINE_METRICS_FILE": str(tmp_path / "metrics.jsonl"),
+            "SNAPLINE_METRICS_FILE": str(metrics),
         },
     )
-    produce(0, ORDERS)
+    worker = job.worker
+    job.produce(ORDERS)
     worker.start()
     try:
         pid = worker.proc.pid if worker.proc else None
         # Bounded: the first commit makes the consumer leave; the rejoin limit is 3 s.
         deadline = time.monotonic() + 60
-        while not any(
-            e.get("event") == "consumer_replaced" for e in read_events(tmp_path / "metrics.jsonl")
-        ):
+        while not any(e.get("event") == "consumer_replaced" for e in read_events(metrics)):
             assert worker.alive, f"the worker exited\n{worker.tail()}"
             assert time.monotonic() < deadline, f"the consumer was not replaced\n{worker.tail()}"
             time.sleep(0.5)
-        produce(ORDERS, ORDERS)
-        outputs = read_committed(kafka_bootstrap, f"{prefix}out", 2 * ORDERS, timeout=60)
+        job.produce(ORDERS)
+        outputs = job.outputs()
         assert worker.alive and worker.proc is not None and worker.proc.pid == pid
     finally:
         worker.stop()
     ids = sorted(o["order_id"] for o in outputs)
     assert ids == list(range(2 * ORDERS)), f"lost or duplicated: {ids}"
-    replaced = [
-        e for e in read_events(tmp_path / "metrics.jsonl") if e.get("event") == "consumer_replaced"
-    ]
+    replaced = [e for e in read_events(metrics) if e.get("event") == "consumer_replaced"]
     assert "no partition assignment" in replaced[0]["error"], replaced
