@@ -949,13 +949,31 @@ class Worker:
         for (topic, partition), offset in restored.items():
             self.consumer.seek(TopicPartition(topic, partition, offset))
 
-    def _broker_reachable(self) -> bool:
-        """The broker answers a metadata request and every source partition has a leader."""
+    def _broker_reachable(self, fresh_client: bool = False) -> bool:
+        """The broker answers a metadata request and every source partition has a leader.
+
+        Asked through the worker's consumer, or with ``fresh_client`` through a new admin
+        client, when the consumer itself is suspect (it stays outside its group: in a bounce
+        test run, one that asked that consumer was never replaced)."""
         topics = self.pipeline.source_topics()
         try:
-            metadata = self._consumer_call(
-                "list_topics", 2 + HANG_GRACE, self.consumer.list_topics, None, 2
-            )
+            if fresh_client:
+                admin = AdminClient(self._kafka_config)
+                try:
+                    call = BoundedCall("admin", self.liveness)
+                    metadata = call("list_topics", 5 + HANG_GRACE, admin.list_topics, None, 5)
+                except KafkaClientError:  # hung: this admin client is dropped anyway
+                    return False
+                finally:
+                    holder: list[object] = [admin]
+                    del admin
+                    threading.Thread(
+                        target=_release, args=(holder,), name="kafka-release", daemon=True
+                    ).start()
+            else:
+                metadata = self._consumer_call(
+                    "list_topics", 2 + HANG_GRACE, self.consumer.list_topics, None, 2
+                )
         except KafkaException:
             return False
         for name in topics:
@@ -995,7 +1013,11 @@ class Worker:
         """The consumer has had no assignment for ``_rejoin_limit`` seconds. During an outage
         that is expected: the wait starts again once the broker answers. With the broker
         answering, the consumer is outside the group and is replaced."""
-        if not self._broker_reachable():
+        if not self._broker_reachable(fresh_client=True):
+            log.info(
+                "no partition assignment for %.0fs and the broker does not answer: waiting",
+                now - (self._unassigned_since or now),
+            )
             self._unassigned_since = now
             return
         assert self._unassigned_since is not None
