@@ -2,7 +2,7 @@
 its log (runtime/liveness.py), so that its supervisor restarts it: exit 75 from the watchdog
 thread, or exit 1 from the faulthandler backstop when the stalled thread holds the GIL. A
 worker that only waits for input is making progress and lives on. A worker whose consumer is
-left outside the group (no assignment while the broker answers) replaces the consumer and
+stuck (left outside its group, or not fetching while records wait) replaces the consumer and
 goes on, exactly once."""
 
 from __future__ import annotations
@@ -107,13 +107,21 @@ def test_a_stalled_task_thread_ends_the_worker_with_its_stack(
     assert "_stall_on_request" in log, worker.tail(80)
 
 
-def test_a_consumer_left_outside_the_group_is_replaced(
-    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+@pytest.mark.parametrize(
+    ("action", "says"),
+    [
+        ("leave", "no partition assignment"),
+        ("stall", "fetched nothing"),
+    ],
+)
+def test_a_stuck_consumer_is_replaced_and_nothing_is_lost_or_repeated(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str, action: str, says: str
 ) -> None:
-    """The consumer leaves the group right after the first commit (fault action "leave") and
-    never asks to join again, as librdkafka once did after a double broker outage. The
-    worker must notice (no assignment for the rejoin limit while the broker answers),
-    replace the consumer in the same process and process every input exactly once."""
+    """Right after the first commit the consumer leaves its group and never asks to join
+    again ("leave", as librdkafka did after a double broker outage), or stops fetching
+    ("stall"). The worker must notice (for the limit, 3 s here, while the broker answers a
+    fresh client), replace the consumer in the same process and process every input exactly
+    once."""
     metrics = tmp_path / "metrics.jsonl"
     job = StallsJob(
         kafka_bootstrap,
@@ -121,8 +129,8 @@ def test_a_consumer_left_outside_the_group_is_replaced(
         unique_name,
         2,
         {
-            "SNAPLINE_FAULT": "after_kafka_commit:1:leave",
-            "SNAPLINE_TEST_REJOIN_LIMIT": "3",
+            "SNAPLINE_FAULT": f"after_kafka_commit:1:{action}",
+            "SNAPLINE_TEST_CONSUMER_LIMIT": "3",
             "SNAPLINE_METRICS_FILE": str(metrics),
         },
     )
@@ -131,13 +139,14 @@ def test_a_consumer_left_outside_the_group_is_replaced(
     worker.start()
     try:
         pid = worker.proc.pid if worker.proc else None
-        # Bounded: the first commit makes the consumer leave; the rejoin limit is 3 s.
+        assert len(job.outputs()) == ORDERS
+        job.produce(ORDERS)  # what a stalled consumer would leave unread
+        # Bounded: the consumer broke at the first commit; the limit is 3 s.
         deadline = time.monotonic() + 60
         while not any(e.get("event") == "consumer_replaced" for e in read_events(metrics)):
             assert worker.alive, f"the worker exited\n{worker.tail()}"
             assert time.monotonic() < deadline, f"the consumer was not replaced\n{worker.tail()}"
             time.sleep(0.5)
-        job.produce(ORDERS)
         outputs = job.outputs()
         assert worker.alive and worker.proc is not None and worker.proc.pid == pid
     finally:
@@ -145,4 +154,4 @@ def test_a_consumer_left_outside_the_group_is_replaced(
     ids = sorted(o["order_id"] for o in outputs)
     assert ids == list(range(2 * ORDERS)), f"lost or duplicated: {ids}"
     replaced = [e for e in read_events(metrics) if e.get("event") == "consumer_replaced"]
-    assert "no partition assignment" in replaced[0]["error"], replaced
+    assert says in replaced[0]["error"], replaced

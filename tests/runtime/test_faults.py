@@ -52,14 +52,18 @@ def test_zero_odds_never_fire(monkeypatch: pytest.MonkeyPatch) -> None:
     assert sent == []
 
 
-def test_leave_calls_the_workers_hook_once_and_sends_no_signal(
+def test_leave_and_stall_call_the_workers_hooks_once_and_send_no_signal(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     sent: list[int] = []
     monkeypatch.setattr(faults.os, "kill", lambda pid, sig: sent.append(sig))
-    injector = FaultInjector("after_kafka_commit:1:leave", log_path="")
-    left: list[bool] = []
-    injector.on_leave = lambda: left.append(True)
-    injector.point("after_kafka_commit")
-    injector.point("after_kafka_commit")
-    assert left == [True] and sent == []
+    injector = FaultInjector("after_kafka_commit:1:leave,sync_snapshot:1:stall", log_path="")
+    called: list[str] = []
+    injector.hooks = {
+        "leave": lambda: called.append("leave"),
+        "stall": lambda: called.append("stall"),
+    }
+    for _ in range(2):
+        injector.point("after_kafka_commit")
+        injector.point("sync_snapshot")
+    assert called == ["leave", "stall"] and sent == []

@@ -5,9 +5,10 @@ checkpoint protocol.
 probability p each time it passes that point; ``name:p:stop`` sends it SIGSTOP instead (it
 carries on from that very point when a SIGCONT comes, and a stop fires at most once per
 process, which is how the zombie tests make a
-worker wake up in the middle of the commit protocol); ``name:p:leave`` makes the worker's
-consumer leave the group there, once per process, as librdkafka once did for good after a
-broker outage (the worker must notice and replace it). ``SNAPLINE_FAULT_LOG`` names a file
+worker wake up in the middle of the commit protocol). Two actions break the worker's consumer
+there instead, once per process, as librdkafka did after broker outages (the worker must
+notice and replace it): ``name:p:leave`` makes it leave its group, ``name:p:stall`` makes it
+stop fetching. ``SNAPLINE_FAULT_LOG`` names a file
 where each hit is appended first (so tests can count hits). Without the variable this is a
 no-op.
 """
@@ -29,6 +30,8 @@ KILL_POINTS = (
     "after_offsets_sent",  # source offsets sent to the transaction, not committed yet
     "after_kafka_commit",  # commit point passed, sinks not yet notified
 )
+#: Actions that break the worker's consumer instead of signalling the process.
+HOOK_ACTIONS = ("leave", "stall")
 
 
 class FaultInjector:
@@ -38,22 +41,22 @@ class FaultInjector:
         spec = os.environ.get("SNAPLINE_FAULT", "") if spec is None else spec
         self._log_path = os.environ.get("SNAPLINE_FAULT_LOG") if log_path is None else log_path
         self._odds: dict[str, float] = {}
-        self._actions: dict[str, signal.Signals | None] = {}
-        #: What "leave" does (the worker sets it: its consumer leaves the group).
-        self.on_leave: Callable[[], None] = lambda: None
+        self._actions: dict[str, signal.Signals | str] = {}
+        #: What the consumer-breaking actions do (the worker sets them).
+        self.hooks: dict[str, Callable[[], None]] = {}
         for part in filter(None, (p.strip() for p in spec.split(","))):
             name, _, rest = part.partition(":")
             prob, _, action = rest.partition(":")
             if name not in KILL_POINTS:
                 raise ValueError(f"unknown kill point {name!r}; use one of {KILL_POINTS}")
-            if action not in ("", "kill", "stop", "leave"):
+            if action not in ("", "kill", "stop", *HOOK_ACTIONS):
                 raise ValueError(
-                    f"unknown fault action {action!r} for {name}; use kill, stop or leave"
+                    f"unknown fault action {action!r} for {name}; use kill, stop, leave or stall"
                 )
             self._odds[name] = float(prob or 1.0)
             self._actions[name] = (
-                None
-                if action == "leave"
+                action
+                if action in HOOK_ACTIONS
                 else signal.SIGSTOP
                 if action == "stop"
                 else signal.SIGKILL
@@ -76,7 +79,7 @@ class FaultInjector:
         action = self._actions[name]
         if action != signal.SIGKILL:
             del self._odds[name]
-        if action is None:
-            self.on_leave()
+        if isinstance(action, str):
+            self.hooks[action]()
         else:
             os.kill(os.getpid(), action)

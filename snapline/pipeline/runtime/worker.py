@@ -44,19 +44,22 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
     OFFSET_END,
     Consumer,
+    IsolationLevel,
     KafkaError,
     KafkaException,
     TopicPartition,
 )
-from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from snapline.connectors.config import redact
 from snapline.pipeline.checkpoint.identity import JobIdentity, check_storage_identity
@@ -73,6 +76,8 @@ from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.errors import CheckpointError, CheckpointStorageError, ConfigurationError
 from snapline.pipeline.graph import Pipeline
 from snapline.pipeline.runtime import departed
+from snapline.pipeline.runtime.consumer_watch import LIMIT as WATCH_LIMIT
+from snapline.pipeline.runtime.consumer_watch import ConsumerStuckError, ConsumerWatch
 from snapline.pipeline.runtime.coordinator import CheckpointCoordinator, CompletedCheckpoint
 from snapline.pipeline.runtime.faults import FaultInjector
 from snapline.pipeline.runtime.kafka_calls import (
@@ -98,6 +103,8 @@ from snapline.pipeline.state import create_backend
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 BATCH_SIZE = 2000
 #: Output records held for later epochs before the worker stops reading and waits.
 MAX_HELD_RECORDS = 500_000
@@ -118,10 +125,6 @@ REPARTITION_DELETE_INTERVAL = 5.0
 #: A fenced consumer is replaced in place at most this often per 10 minutes; more means two
 #: live workers share an id, and the worker exits with EX_TEMPFAIL.
 MAX_CONSUMER_REPLACEMENTS = 5
-#: A consumer without an assignment this long (at least 3 session timeouts) while the broker
-#: answers is outside the group for good and is replaced like a fenced one: after a session
-#: timed out during a double broker outage, librdkafka once never sent another JoinGroup.
-REJOIN_LIMIT = 60.0
 
 
 @dataclass(frozen=True)
@@ -262,13 +265,14 @@ class Worker:
         self.consumer = self._new_consumer()
         self._consumer_call = BoundedCall("consumer", self.liveness)
         self._outage: BrokerOutageError | None = None
-        #: Since when the consumer has had no assignment (None: it has one, maybe empty).
-        self._unassigned_since: float | None = time.monotonic()
         session_s = float(self._consumer_config()["session.timeout.ms"]) / 1000
-        self._rejoin_limit = float(
-            os.environ.get("SNAPLINE_TEST_REJOIN_LIMIT") or max(REJOIN_LIMIT, 3 * session_s)
+        self._watch = ConsumerWatch(
+            float(os.environ.get("SNAPLINE_TEST_CONSUMER_LIMIT") or max(WATCH_LIMIT, 3 * session_s))
         )
-        self.faults.on_leave = lambda: self.consumer.unsubscribe()
+        self.faults.hooks = {
+            "leave": lambda: self.consumer.unsubscribe(),
+            "stall": lambda: self.consumer.pause(self._task_partitions(0)),
+        }
         self._consumer_replaced: list[float] = []
 
     # ------------------------------------------------------------------ setup
@@ -347,7 +351,7 @@ class Worker:
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         log.info("assigned %s", sorted((p.topic, p.partition) for p in partitions))
         self._assigned = True
-        self._unassigned_since = None
+        self._watch.assigned()
         self._event({"event": "assigned", "partitions": len(partitions)})
         self._drop_tasks()
         self._restore_pending = False
@@ -386,7 +390,7 @@ class Worker:
         before and the new owners restore the previous checkpoint: correct either way."""
         self._event({"event": "revoked", "partitions": len(partitions)})
         self._assigned = False
-        self._unassigned_since = time.monotonic()
+        self._watch.unassigned()
         if self.tasks:
             started = time.monotonic()
             before = self.checkpoints_committed
@@ -407,7 +411,7 @@ class Worker:
         log.warning("lost %d partitions: aborting the open epoch", len(partitions))
         self._event({"event": "lost", "partitions": len(partitions)})
         self._assigned = False
-        self._unassigned_since = time.monotonic()
+        self._watch.unassigned()
         self._drop_tasks()
         self._restore_pending = False
 
@@ -958,18 +962,15 @@ class Worker:
         topics = self.pipeline.source_topics()
         try:
             if fresh_client:
-                admin = AdminClient(self._kafka_config)
+                call = BoundedCall("admin", self.liveness)
                 try:
-                    call = BoundedCall("admin", self.liveness)
-                    metadata = call("list_topics", 5 + HANG_GRACE, admin.list_topics, None, 5)
+                    metadata = self._with_fresh_admin(
+                        lambda admin: call(
+                            "list_topics", 5 + HANG_GRACE, admin.list_topics, None, 5
+                        )
+                    )
                 except KafkaClientError:  # hung: this admin client is dropped anyway
                     return False
-                finally:
-                    holder: list[object] = [admin]
-                    del admin
-                    threading.Thread(
-                        target=_release, args=(holder,), name="kafka-release", daemon=True
-                    ).start()
             else:
                 metadata = self._consumer_call(
                     "list_topics", 2 + HANG_GRACE, self.consumer.list_topics, None, 2
@@ -1009,24 +1010,57 @@ class Worker:
         log.warning("broker reachable again after %.1fs; aborting the epoch and restoring", waited)
         self._event({"event": "broker_back", "waited": round(waited, 3)})
 
-    def _check_membership(self, now: float) -> None:
-        """The consumer has had no assignment for ``_rejoin_limit`` seconds. During an outage
-        that is expected: the wait starts again once the broker answers. With the broker
-        answering, the consumer is outside the group and is replaced."""
-        if not self._broker_reachable(fresh_client=True):
-            log.info(
-                "no partition assignment for %.0fs and the broker does not answer: waiting",
-                now - (self._unassigned_since or now),
-            )
-            self._unassigned_since = now
-            return
-        assert self._unassigned_since is not None
-        raise ConsumerOutOfGroupError(
-            f"consumer: no partition assignment for {now - self._unassigned_since:.0f}s while "
-            "the broker answers (it did not rejoin the group after its session ended)"
-        )
+    def _with_fresh_admin(self, use: Callable[[AdminClient], T]) -> T:
+        """``use`` a new admin client, dropped afterwards on a helper thread (librdkafka's
+        destructor may block while the broker is gone)."""
+        holder: list[AdminClient] = [AdminClient(self._kafka_config)]
+        try:
+            return use(holder[0])
+        finally:
+            threading.Thread(
+                target=_release, args=(holder,), name="kafka-release", daemon=True
+            ).start()
 
-    def _replace_consumer(self, exc: ConsumerFencedError) -> None:
+    def _broker_answers_fresh_client(self) -> bool:
+        if self._broker_reachable(fresh_client=True):
+            return True
+        log.info("the consumer looks stuck, but the broker does not answer: waiting")
+        return False
+
+    def _task_partitions(self, offset: int) -> list[TopicPartition]:
+        return [
+            TopicPartition(topic, partition, offset)
+            for task in self.tasks.values()
+            for topic, partition in task.channels
+        ]
+
+    def _records_waiting(self) -> int:
+        """Committed records past the consumer's positions in the tasks' partitions, by the
+        partitions' ends as a fresh admin client reads them (0 when it cannot tell)."""
+        positions = {
+            (tp.topic, tp.partition): tp.offset
+            for tp in self.consumer.position(self._task_partitions(0))  # local, no request
+            if tp.offset >= 0
+        }
+        if not positions:
+            return 0
+        request = {TopicPartition(t, p): OffsetSpec.latest() for t, p in positions}
+
+        def ends_of(admin: AdminClient) -> dict[tuple[str, int], int]:
+            found = admin.list_offsets(
+                request, isolation_level=IsolationLevel.READ_COMMITTED, request_timeout=5
+            )
+            return {
+                (tp.topic, tp.partition): f.result(timeout=10).offset for tp, f in found.items()
+            }
+
+        try:
+            ends = self._with_fresh_admin(ends_of)
+        except (KafkaException, FutureTimeout):
+            return 0
+        return sum(max(0, ends[key] - position) for key, position in positions.items())
+
+    def _replace_consumer(self, exc: KafkaClientError) -> None:
         """A fresh consumer (same group.instance.id) instead of one that failed fatally.
 
         The epoch is aborted first: nothing read under the old membership may commit. The new
@@ -1053,7 +1087,7 @@ class Worker:
         self.consumer = self._new_consumer()
         self._subscribe()
         self._assigned = False
-        self._unassigned_since = time.monotonic()
+        self._watch.unassigned()
         holder: list[object] = [old]
         del old
         threading.Thread(target=_release, args=(holder,), name="kafka-release", daemon=True).start()
@@ -1099,7 +1133,7 @@ class Worker:
             self.output.init()
             self._event({"event": "transactions_ready"})
             self._subscribe()
-            self._unassigned_since = time.monotonic()  # the rejoin limit counts from here
+            self._watch.unassigned()  # the limit counts from the subscription
             while True:
                 self.liveness.beat()
                 if self._exit_after_savepoint:
@@ -1117,7 +1151,7 @@ class Worker:
                         self._step()
                 except BrokerOutageError as exc:
                     self._outage = exc
-                except ConsumerFencedError as exc:
+                except (ConsumerFencedError, ConsumerStuckError) as exc:
                     self._replace_consumer(exc)
         except _StopNow as exc:
             self.output.abort_timeout = 1.0  # the successor's init_transactions aborts it
@@ -1147,6 +1181,7 @@ class Worker:
             return
         pending = self.coordinator.pending
         held = self.output.held
+        messages = None
         if held < MAX_HELD_RECORDS:
             messages = self._consume(0.005 if pending else 0.05)
             if messages:
@@ -1154,8 +1189,14 @@ class Worker:
         else:
             time.sleep(0.002)
         now = time.monotonic()
-        if self._unassigned_since is not None and now - self._unassigned_since > self._rejoin_limit:
-            self._check_membership(now)
+        if messages:
+            self._watch.fetched(now)
+        self._watch.check(
+            now,
+            bool(self.tasks) and self._paused is None and held < MAX_HELD_RECORDS,
+            self._broker_answers_fresh_client,
+            self._records_waiting,
+        )
         self._maybe_trigger(now)
         for task in self.tasks.values():
             task.run()
@@ -1378,12 +1419,6 @@ class ConsumerFencedError(KafkaClientError):
     """The consumer failed fatally, typically "Static consumer fenced by other consumer with
     same group.instance.id" after its session timed out during a broker outage (librdkafka
     #3437); the worker replaces the consumer (``MAX_CONSUMER_REPLACEMENTS``)."""
-
-
-class ConsumerOutOfGroupError(ConsumerFencedError):
-    """The consumer has had no assignment for ``REJOIN_LIMIT`` seconds while the broker
-    answers: it is outside the group (librdkafka did not rejoin after its session ended in a
-    broker outage) and is replaced like a fenced one."""
 
 
 class _StopNow(Exception):
