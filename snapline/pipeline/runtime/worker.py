@@ -1037,11 +1037,14 @@ class Worker:
     def _records_waiting(self) -> int:
         """Committed records past the consumer's positions in the tasks' partitions, by the
         partitions' ends as a fresh admin client reads them (0 when it cannot tell)."""
-        positions = {
-            (tp.topic, tp.partition): tp.offset
-            for tp in self.consumer.position(self._task_partitions(0))  # local, no request
-            if tp.offset >= 0
-        }
+        try:
+            positions = {
+                (tp.topic, tp.partition): tp.offset
+                for tp in self.consumer.position(self._task_partitions(0))  # local, no request
+                if tp.offset >= 0
+            }
+        except KafkaException:  # e.g. the partitions moved meanwhile
+            return 0
         if not positions:
             return 0
         request = {TopicPartition(t, p): OffsetSpec.latest() for t, p in positions}
