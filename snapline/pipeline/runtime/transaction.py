@@ -342,13 +342,15 @@ class TransactionalOutput:
         self.open_epoch = None
 
     def _replace_producer(self) -> None:
-        """A fresh producer with the same transactional id instead of one that failed fatally.
+        """A fresh producer with the same transactional id instead of one that failed fatally
+        (or is stuck in a commit_transaction that timed out).
 
         Its init_transactions bumps the epoch, aborting the transaction the old one left open,
-        so nothing of the failed epoch becomes visible. Should another live incarnation of this
+        so nothing of the failed epoch becomes visible; a commit the coordinator had already
+        logged completes instead, offsets included, and recovery restores from it. Should another live incarnation of this
         worker own the id, it is fenced in turn; its consumer (same static group.instance.id)
         is fenced by the group coordinator and that worker exits."""
-        log.warning("producer failed fatally (%s); replacing it", self._fatal)
+        log.warning("producer cannot go on (%s); replacing it", self._fatal)
         old = self.producer
         self.producer = Producer(self._conf)
         self._call = BoundedCall("producer", self._liveness)
@@ -375,6 +377,16 @@ class TransactionalOutput:
             log.warning("%s; the abort completes when the broker is back", exc)
             return
         except CheckpointError as exc:
+            error = kafka_error(exc.__cause__) if exc.__cause__ is not None else None
+            if error is not None and error.code() == KafkaError._CONFLICT:
+                # A commit_transaction that timed out still runs inside librdkafka ("retry
+                # call to resume"); the worker gave its epoch up, and this producer can
+                # neither abort nor begin. A fresh producer's init_transactions settles the
+                # transaction as after a restart: the coordinator completes a commit it had
+                # logged, else aborts. Recovery then reads the offsets that count.
+                self._fatal = f"abort_transaction: {error}"
+                self._replace_producer()
+                return
             # e.g. no transaction in progress: nothing left to abort
             log.warning("abort_transaction: %s", exc)
         self._abort_pending = False

@@ -1,0 +1,57 @@
+"""What an abort does when librdkafka refuses it (no broker: the producer's calls are
+stubbed; a Producer object is created but never connects)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException
+
+from snapline.pipeline.runtime.transaction import TransactionalOutput
+
+
+class StuckInCommit:
+    """A producer whose commit_transaction timed out and still runs inside librdkafka."""
+
+    def abort_transaction(self, timeout: float) -> None:
+        raise KafkaException(
+            KafkaError(
+                KafkaError._CONFLICT,
+                "Conflicting commit_transaction API call is already in progress",
+            )
+        )
+
+
+class NothingToAbort:
+    def abort_transaction(self, timeout: float) -> None:
+        raise KafkaException(KafkaError(KafkaError._STATE, "No transaction in progress"))
+
+
+def output_with(
+    producer: Any, monkeypatch: pytest.MonkeyPatch
+) -> tuple[TransactionalOutput, list[str]]:
+    output = TransactionalOutput({"bootstrap.servers": "127.0.0.1:1"}, transactional_id="t")
+    output.producer = producer
+    output.abort_timeout = 0.5
+    replaced: list[str] = []
+    monkeypatch.setattr(output, "_replace_producer", lambda: replaced.append(str(output._fatal)))
+    output.open_epoch = 7
+    return output, replaced
+
+
+def test_an_abort_refused_for_a_commit_in_progress_replaces_the_producer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    output, replaced = output_with(StuckInCommit(), monkeypatch)
+    output.abort()
+    assert (
+        len(replaced) == 1 and "commit_transaction API call is already in progress" in replaced[0]
+    )
+    assert output.open_epoch is None
+
+
+def test_an_abort_with_nothing_to_abort_keeps_the_producer(monkeypatch: pytest.MonkeyPatch) -> None:
+    output, replaced = output_with(NothingToAbort(), monkeypatch)
+    output.abort()
+    assert replaced == [] and output.open_epoch is None
