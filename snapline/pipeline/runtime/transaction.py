@@ -347,9 +347,10 @@ class TransactionalOutput:
 
         Its init_transactions bumps the epoch, aborting the transaction the old one left open,
         so nothing of the failed epoch becomes visible; a commit the coordinator had already
-        logged completes instead, offsets included, and recovery restores from it. Should another live incarnation of this
-        worker own the id, it is fenced in turn; its consumer (same static group.instance.id)
-        is fenced by the group coordinator and that worker exits."""
+        logged completes instead, offsets included, and recovery restores from it. Should
+        another live incarnation of this worker own the id, it is fenced in turn; its consumer
+        (same static group.instance.id) is fenced by the group coordinator and that worker
+        exits."""
         log.warning("producer cannot go on (%s); replacing it", self._fatal)
         old = self.producer
         self.producer = Producer(self._conf)
