@@ -610,6 +610,15 @@ class BounceRun:
                 else ""
             )
         )
+        stuck = [
+            line
+            for worker in job.workers
+            if worker.log_path.exists()
+            for line in worker.log_path.read_text(errors="replace").splitlines()
+            if "consumer: no partition assignment" in line or "consumer: fetched nothing" in line
+        ]
+        if stuck:  # replaced in place (runtime/consumer_watch.py): shown, not failed
+            warnings.warn(f"{label}: stuck consumers replaced:\n" + "\n".join(stuck), stacklevel=2)
         bad_exits = {code for code in exits if code != EX_TEMPFAIL}
         assert not bad_exits, f"workers exited by themselves with {job.self_exits}\n{job.logs()}"
         return check
