@@ -30,8 +30,15 @@ KILL_POINTS = (
     "after_offsets_sent",  # source offsets sent to the transaction, not committed yet
     "after_kafka_commit",  # commit point passed, sinks not yet notified
 )
-#: Actions that break the worker's consumer instead of signalling the process.
-HOOK_ACTIONS = ("leave", "stall")
+#: What each action does: a signal to this process, or the name of the worker's hook that
+#: breaks its consumer ("leave", "stall").
+_ACTIONS: dict[str, signal.Signals | str] = {
+    "": signal.SIGKILL,
+    "kill": signal.SIGKILL,
+    "stop": signal.SIGSTOP,
+    "leave": "leave",
+    "stall": "stall",
+}
 
 
 class FaultInjector:
@@ -49,18 +56,12 @@ class FaultInjector:
             prob, _, action = rest.partition(":")
             if name not in KILL_POINTS:
                 raise ValueError(f"unknown kill point {name!r}; use one of {KILL_POINTS}")
-            if action not in ("", "kill", "stop", *HOOK_ACTIONS):
+            if action not in _ACTIONS:
                 raise ValueError(
                     f"unknown fault action {action!r} for {name}; use kill, stop, leave or stall"
                 )
             self._odds[name] = float(prob or 1.0)
-            self._actions[name] = (
-                action
-                if action in HOOK_ACTIONS
-                else signal.SIGSTOP
-                if action == "stop"
-                else signal.SIGKILL
-            )
+            self._actions[name] = _ACTIONS[action]
         self._random = random.Random()
 
     @property

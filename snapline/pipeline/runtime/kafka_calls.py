@@ -174,3 +174,16 @@ def sleep_unless(stopping: Callable[[], bool], seconds: float) -> None:
         if left <= 0:
             return
         time.sleep(min(left, 0.1))
+
+
+def release_in_background(holder: list[Any]) -> None:
+    """Drop a retired client on a helper thread: librdkafka's destructor may block while the
+    broker is gone, and never on the task thread. ``holder`` must hold the only reference
+    (callers ``del`` their own names first)."""
+    threading.Thread(target=_release, args=(holder,), name="kafka-release", daemon=True).start()
+
+
+def _release(holder: list[Any]) -> None:
+    """Runs on the helper thread, which takes and drops the last reference."""
+    client = holder.pop()
+    del client

@@ -16,7 +16,6 @@ helper thread that the task thread waits for (see ``kafka_calls``).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +34,7 @@ from snapline.pipeline.runtime.kafka_calls import (
     classify,
     is_unavailable,
     kafka_error,
+    release_in_background,
     sleep_unless,
 )
 from snapline.pipeline.runtime.liveness import Liveness
@@ -360,10 +360,9 @@ class TransactionalOutput:
         self._fatal = None
         self._delivery_errors = []  # the old producer's; its transaction is aborted
         self.replaced += 1
-        # librdkafka's destructor may block; never on the task thread
         holder: list[object] = [old]
         del old
-        threading.Thread(target=_release, args=(holder,), name="kafka-release", daemon=True).start()
+        release_in_background(holder)
         self.init()
 
     def _finish_abort(self, timeout: float, *, leave_pending: bool = False) -> None:
@@ -399,9 +398,3 @@ class TransactionalOutput:
         except (KafkaClientError, KafkaException) as exc:
             log.warning("producer close: %s", exc)
         log.debug("producer closed in %.3fs", time.monotonic() - start)
-
-
-def _release(holder: list[object]) -> None:
-    """Runs on a helper thread, which takes and drops the last reference to a retired client."""
-    client = holder.pop()
-    del client

@@ -90,6 +90,7 @@ from snapline.pipeline.runtime.kafka_calls import (
     backoff,
     classify,
     kafka_error,
+    release_in_background,
     sleep_unless,
 )
 from snapline.pipeline.runtime.liveness import DEFAULT_TIMEOUT as DEFAULT_LIVENESS_TIMEOUT
@@ -271,7 +272,7 @@ class Worker:
         )
         self.faults.hooks = {
             "leave": lambda: self.consumer.unsubscribe(),
-            "stall": lambda: self.consumer.pause(self._task_partitions(0)),
+            "stall": lambda: self.consumer.pause(self._task_partitions()),
         }
         self._consumer_replaced: list[float] = []
 
@@ -1017,9 +1018,7 @@ class Worker:
         try:
             return use(holder[0])
         finally:
-            threading.Thread(
-                target=_release, args=(holder,), name="kafka-release", daemon=True
-            ).start()
+            release_in_background(holder)
 
     def _broker_answers_fresh_client(self) -> bool:
         if self._broker_reachable(fresh_client=True):
@@ -1027,9 +1026,9 @@ class Worker:
         log.info("the consumer looks stuck, but the broker does not answer: waiting")
         return False
 
-    def _task_partitions(self, offset: int) -> list[TopicPartition]:
+    def _task_partitions(self) -> list[TopicPartition]:
         return [
-            TopicPartition(topic, partition, offset)
+            TopicPartition(topic, partition)
             for task in self.tasks.values()
             for topic, partition in task.channels
         ]
@@ -1040,7 +1039,7 @@ class Worker:
         try:
             positions = {
                 (tp.topic, tp.partition): tp.offset
-                for tp in self.consumer.position(self._task_partitions(0))  # local, no request
+                for tp in self.consumer.position(self._task_partitions())  # local, no request
                 if tp.offset >= 0
             }
         except KafkaException:  # e.g. the partitions moved meanwhile
@@ -1093,7 +1092,7 @@ class Worker:
         self._watch.unassigned()
         holder: list[object] = [old]
         del old
-        threading.Thread(target=_release, args=(holder,), name="kafka-release", daemon=True).start()
+        release_in_background(holder)
 
     def _new_consumer(self) -> Consumer:
         return Consumer({**self._consumer_config(), "error_cb": self._on_consumer_error})
@@ -1437,13 +1436,6 @@ def _log_delete_failure(tp: TopicPartition) -> Any:
             )
 
     return done
-
-
-def _release(holder: list[object]) -> None:
-    """Runs on a helper thread, which takes and drops the last reference to a retired client
-    (librdkafka's destructor may block)."""
-    client = holder.pop()
-    del client
 
 
 def _exit_now(code: int) -> None:
