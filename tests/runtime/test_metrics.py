@@ -49,6 +49,29 @@ def _scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
     return found
 
 
+def test_a_restored_task_reports_the_checkpoint_it_restored_as_its_last(tmp_path: Path) -> None:
+    """A task that moved here has a last committed checkpoint before this worker commits one:
+    the one it restored (a task restored without a checkpoint has no such series)."""
+    metrics = WorkerMetrics("orders", "w1", str(tmp_path), port=0, addr="127.0.0.1")
+    try:
+        assert metrics.port
+        metrics.on_event(
+            {
+                "event": "restored",
+                "seconds": 0.1,
+                "checkpoints": {"p0": 7, "p1": None},
+                "bytes": {"p0": 10},
+            },
+            None,
+        )
+        found = _scrape(metrics.port)
+    finally:
+        metrics.close()
+    assert found["snapline_last_checkpoint_id"] == [
+        ({"job": "orders", "worker": "w1", "stage": "0", "task": "p0"}, 7.0)
+    ]
+
+
 def test_checkpoints_and_restores_become_series_and_history(tmp_path: Path) -> None:
     metrics = WorkerMetrics("orders", "w0", str(tmp_path), port=0, addr="127.0.0.1")
     try:

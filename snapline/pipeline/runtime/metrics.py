@@ -321,6 +321,13 @@ class WorkerMetrics:
             for task_id, size in sizes.items():
                 labels = (self.job, self.worker, stage_of(task_id), task_id)
                 prom.restored_bytes.labels(*labels).inc(int(size))
+            # A task restored from checkpoint N: N is its last committed checkpoint until this
+            # worker commits the next (without this the gauge is absent on the new owner
+            # between a rebalance and its first commit).
+            for task_id, checkpoint_id in restored.items():
+                if checkpoint_id is not None:
+                    labels = (self.job, self.worker, stage_of(task_id), task_id)
+                    prom.last_checkpoint.labels(*labels).set(checkpoint_id)
         ids = [c for c in restored.values() if c is not None]
         self.history.record(
             HistoryEntry(
