@@ -262,6 +262,9 @@ def main() -> None:
         run_once(args.child, orders(args.records, args.keys), args.backend, args.epoch)
         return
     systems = [s for s in args.only.split(",") if s]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        parser.error(f"--only: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
     print(
         f"{args.backend} backend, {args.keys:,} keys, barrier every {args.epoch:,} records "
         f"(0: none); load average {os.getloadavg()}"
