@@ -98,6 +98,7 @@ def build() -> Pipeline:
         state_backend=env("SNAPLINE_EXAMPLE_BACKEND", "memory"),
         retained_checkpoints=int(env("SNAPLINE_EXAMPLE_RETAINED", "3")),
         tolerable_failed_checkpoints=int(env("SNAPLINE_EXAMPLE_TOLERABLE", "3")),
+        checkpoint_timeout=float(env("SNAPLINE_EXAMPLE_CHECKPOINT_TIMEOUT", "60")),
         # tests shorten it so that a broker outage can outlast it quickly
         kafka_config=(
             {"transaction.timeout.ms": int(env("SNAPLINE_EXAMPLE_TXN_TIMEOUT_MS", ""))}

@@ -5,6 +5,8 @@ The worker's checkpoint storage is a real directory whose writes a test can make
 ``flaky`` every other one, ``slow <s>`` delays each). Processing continues while checkpoints
 fail, up to ``tolerable_failed_checkpoints`` in a row; when storage heals, checkpoints resume
 by themselves; past the tolerance the worker stops with a message naming the storage error.
+Storage that hangs fails each checkpoint at ``checkpoint_timeout``, and the worker still ends
+past the tolerance instead of waiting for the hung writes.
 Every sink holds every input exactly once at the end.
 """
 
@@ -99,6 +101,50 @@ def test_storage_full_past_the_tolerance_stops_the_worker_naming_the_error(
     assert "tolerable_failed_checkpoints=3" in tail and "No space left on device" in tail, tail
     assert str(job.checkpoint_dir) in tail, "the message does not name the storage"
     # Storage healed: a restart resumes from the last committed checkpoint, losing nothing.
+    control.write_text("")
+    worker.start()
+    job.produce(500)
+    job.wait_until_caught_up()
+    worker.stop()
+    job.verify()
+
+
+def test_hung_storage_fails_checkpoints_at_the_timeout_and_ends_the_worker(
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list
+) -> None:
+    """A storage write that never returns (a hung mount): each checkpoint fails at
+    ``checkpoint_timeout``, the worker keeps nothing it did not commit, and past the tolerance
+    it ends, naming the timeout, although the hung write still holds a thread. Healed, a
+    restart loses and duplicates nothing."""
+    control = tmp_path / "storage-faults"
+    job = WarehouseJob(
+        kafka_bootstrap,
+        unique_name,
+        tmp_path,
+        postgres_dsn,
+        workers=1,
+        interval=0.3,
+        tolerable=1,
+        extra_env={
+            "SNAPLINE_TEST_STORAGE_FAULTS": str(control),
+            "SNAPLINE_EXAMPLE_CHECKPOINT_TIMEOUT": "3",
+        },
+    )
+    jobs.append(job)
+    (worker,) = job.workers
+    worker.start()
+    job.produce(2000)
+    job.wait_until_caught_up()
+    control.write_text("slow 3600")  # every write blocks for an hour
+    hung = time.time()
+    job.produce(500)
+    # 2 checkpoints of 3 s each, their recoveries (backoff 1 s, 2 s): well within 60 s.
+    code = worker.wait_exit(60)
+    assert code not in (None, 0), worker.tail()
+    tail = worker.tail()
+    assert "did not complete within 3" in tail and "tolerable_failed_checkpoints=1" in tail, tail
+    failed = _events(job, "checkpoint_failed", hung)
+    assert len(failed) >= 2, failed
     control.write_text("")
     worker.start()
     job.produce(500)

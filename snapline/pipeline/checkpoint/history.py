@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from snapline.pipeline.background import SHUTDOWN_BOUND, BackgroundJobs
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 
 log = logging.getLogger(__name__)
@@ -149,14 +149,14 @@ class HistoryWriter:
         self._storage = CheckpointStorage(storage_uri)
         self._job = job
         self._worker = _safe(worker)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="history")
+        self._jobs = BackgroundJobs(1, "history")
         self._written = 0
         self._last_ns = 0
 
     def record(self, entry: HistoryEntry) -> None:
         stamp = max(time.time_ns(), self._last_ns + 1)  # names stay unique and ordered
         self._last_ns = stamp
-        self._pool.submit(self._write, stamp, entry)
+        self._jobs.submit("a checkpoint history entry", self._write, stamp, entry)
 
     def _write(self, stamp: int, entry: HistoryEntry) -> None:
         directory = history_directory(self._job)
@@ -176,8 +176,9 @@ class HistoryWriter:
         except Exception as exc:  # best effort: the history never fails a checkpoint
             log.warning("checkpoint history: could not write an entry: %s", exc)
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+    def close(self, bound: float = SHUTDOWN_BOUND) -> list[str]:
+        """Write what is queued, for at most ``bound`` seconds; returns the writes left."""
+        return self._jobs.shutdown(bound)
 
 
 def read_history(storage: CheckpointStorage, job: str, limit: int = 500) -> list[HistoryEntry]:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from snapline.pipeline.background import SHUTDOWN_BOUND, BackgroundJobs
 from snapline.pipeline.checkpoint.metadata import (
     CheckpointRef,
     TaskCheckpoint,
@@ -78,7 +79,7 @@ class CheckpointCoordinator:
         self.faults = faults
         self.timeout = timeout
         self._states = states
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="materialize")
+        self._jobs = BackgroundJobs(threads, "materialize")
         #: A token unique to this worker incarnation: storage paths of two writers never clash.
         self.attempt = uuid.uuid4().hex[:8]
         self.next_id = 1
@@ -113,8 +114,12 @@ class CheckpointCoordinator:
             "sync": snapshot.sync_seconds,
             "alignment": max(0.0, time.monotonic() - pending.triggered_at - snapshot.sync_seconds),
         }
-        pending.futures[snapshot.task_id] = self._pool.submit(
-            self._materialize, snapshot, timings, pending.triggered_wall
+        pending.futures[snapshot.task_id] = self._jobs.submit(
+            f"checkpoint {snapshot.checkpoint_id} of task {snapshot.task_id}",
+            self._materialize,
+            snapshot,
+            timings,
+            pending.triggered_wall,
         )
         if pending.all_acknowledged:
             pending.aligned_at = time.monotonic()
@@ -225,7 +230,7 @@ class CheckpointCoordinator:
     def retain(self, task_id: str, committed: CheckpointRef, keep: int) -> None:
         """After ``committed`` passed the commit point: mark it committed, then delete the
         task's checkpoints that are provably dead or no longer retained (background)."""
-        self._pool.submit(self._retain, task_id, committed, keep)
+        self._jobs.submit(f"retention of task {task_id}", self._retain, task_id, committed, keep)
 
     def _retain(self, task_id: str, committed: CheckpointRef, keep: int) -> None:
         """Keep ``committed`` and the newest ``keep - 1`` older checkpoints marked committed.
@@ -279,5 +284,9 @@ class CheckpointCoordinator:
         if handles and all(h.backend == "rocksdb" for h in handles):
             discard(self.storage, f"{self.job}/tasks/{task_id}", handles)
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=False)
+    def shutdown(self, bound: float = SHUTDOWN_BOUND) -> list[str]:
+        """Let materializations and retention finish, for at most ``bound`` seconds; returns
+        the jobs still running then. One that hangs (a storage write on a hung mount) belongs
+        to a checkpoint that timed out and never committed; the caller ends the process with
+        ``os._exit`` (see ``snapline.pipeline.background``)."""
+        return self._jobs.shutdown(bound)

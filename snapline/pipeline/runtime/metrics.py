@@ -89,12 +89,13 @@ class WorkerMetrics:
         self.port = int(self._server.server_port)
         log.info("metrics of worker %s: http://%s:%d/metrics", self.worker, addr, self.port)
 
-    def close(self) -> None:
+    def close(self) -> list[str]:
+        """Stop serving; returns the history writes still running after their bound."""
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-        self.history.close()
+        return self.history.close()
 
     # ------------------------------------------------------------------ samples
     def maybe_sample(self, tasks: Mapping[str, Task], held: int, consumer: Any) -> None:

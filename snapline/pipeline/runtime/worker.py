@@ -62,6 +62,7 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from snapline.connectors.config import redact
+from snapline.pipeline.background import SHUTDOWN_BOUND
 from snapline.pipeline.checkpoint.identity import JobIdentity, check_storage_identity
 from snapline.pipeline.checkpoint.metadata import (
     METADATA_FILE,
@@ -188,6 +189,8 @@ class Worker:
             for node_id, entries in pipeline.state_ids().items()
             for sid, desc in entries
         ]
+        #: Background jobs still running when the worker closed (see ``_close``).
+        self.hung_jobs: list[str] = []
         self.coordinator = CheckpointCoordinator(
             pipeline.name,
             settings.worker_id,
@@ -1407,8 +1410,15 @@ class Worker:
         for task in self.tasks.values():
             task.close()
         self.tasks = {}
-        self.coordinator.shutdown()
-        self.metrics.close()
+        self.hung_jobs = self.coordinator.shutdown()
+        self.hung_jobs += self.metrics.close()
+        if self.hung_jobs:
+            log.error(
+                "left behind at exit, each still running after %.0f s: %s (no checkpoint "
+                "among them committed; look for a hung checkpoint storage)",
+                SHUTDOWN_BOUND,
+                "; ".join(self.hung_jobs),
+            )
         self._control.close()
         try:
             self._consumer_call("close", 10.0, self.consumer.close)
@@ -1508,6 +1518,12 @@ def run_worker(pipeline: Pipeline, settings: WorkerSettings) -> None:
     except KafkaClientError as exc:
         log.error("%s (exit %d: restart the worker)", exc, EX_TEMPFAIL)
         _exit_now(EX_TEMPFAIL)
+    except Exception as exc:
+        if worker.hung_jobs:
+            # A normal exit would join the hung threads, i.e. never end.
+            log.error("%s (exit 1)", exc)
+            _exit_now(1)
+        raise
     finally:
         if watchdog is not None:
             watchdog.stop()
