@@ -6,6 +6,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from confluent_kafka import KafkaException
+
 from snapline.pipeline.errors import ConfigurationError
 from snapline.pipeline.formats import FORMATS, encode_key, value_encoder
 from snapline.pipeline.record import Record
@@ -86,8 +88,8 @@ class KafkaSinkWriter(SinkWriter):
                     producer.produce(topic, value, key)
                     sent += 1
                     continue
-                except BufferError:
-                    pass  # the output waits for room
+                except (BufferError, KafkaException):
+                    pass  # the output waits for room, or says why the producer cannot go on
             produce(epoch, topic, value, key)
         if sent:
             output.sent(sent)

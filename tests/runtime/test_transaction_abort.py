@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from snapline.pipeline.runtime.transaction import TransactionalOutput
+from snapline.pipeline.runtime.transaction import FencedError, TransactionalOutput
 
 
 class StuckInCommit:
@@ -55,3 +55,46 @@ def test_an_abort_with_nothing_to_abort_keeps_the_producer(monkeypatch: pytest.M
     output, replaced = output_with(NothingToAbort(), monkeypatch)
     output.abort()
     assert replaced == [] and output.open_epoch is None
+
+
+class Fenced:
+    """A transactional producer fenced while the epoch ran: every produce is refused."""
+
+    def produce(self, *args: Any, **kwargs: Any) -> None:
+        raise KafkaException(KafkaError(KafkaError._FATAL, "Unable to produce message"))
+
+    def abort_transaction(self, timeout: float) -> None:
+        raise KafkaException(KafkaError(KafkaError._FENCED, "fenced by a newer instance"))
+
+
+class TooLarge:
+    def produce(self, *args: Any, **kwargs: Any) -> None:
+        raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "too large"))
+
+    def abort_transaction(self, timeout: float) -> None:
+        pass
+
+
+def test_a_produce_refused_by_a_fenced_producer_fails_the_epoch_and_the_abort_replaces_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not a client error that ends the worker (exit 75): FencedError, which the worker
+    handles like a fenced commit (abort, replace the producer, restore)."""
+    output, replaced = output_with(Fenced(), monkeypatch)
+    with pytest.raises(FencedError, match="produce failed fatally"):
+        output.produce(7, "out", b"v", b"k")
+    output.abort()
+    # the first replacement is for the produce (the stub keeps the old producer, whose
+    # abort_transaction is refused in turn)
+    assert replaced and "Unable to produce message" in replaced[0], replaced
+
+
+def test_a_produce_refused_for_another_reason_raises_as_it_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    output, replaced = output_with(TooLarge(), monkeypatch)
+    with pytest.raises(KafkaException) as info:
+        output.produce(7, "out", b"v", b"k")
+    assert not isinstance(info.value, FencedError) and output._fatal is None
+    output.abort()
+    assert replaced == []

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
+from confluent_kafka import KafkaException
 
 from snapline.pipeline.formats import bytes_decoder, encode_key
 from snapline.pipeline.formats import tag_key as _tagged_key
@@ -358,8 +359,8 @@ class RepartitionWriter(KeyByOperator):
                     )
                     sent += 1
                     continue
-                except BufferError:
-                    pass  # the output waits for room
+                except (BufferError, KafkaException):
+                    pass  # the output waits for room, or says why the producer cannot go on
             produce(topic, value, tagged, partition, r.timestamp)
         if sent:
             self.task.sent(sent)

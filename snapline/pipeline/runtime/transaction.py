@@ -252,10 +252,15 @@ class TransactionalOutput:
                     self.producer.produce(topic, value, key, on_delivery=callback)
                 break
             except BufferError:
-                self.producer.poll(0.05)
+                self.poll(0.05)
+            except KafkaException as exc:
+                fenced = self._fenced("produce", exc)
+                if fenced is None:
+                    raise
+                raise fenced from exc
         self.produced += 1
         if self.produced & 0x3FF == 0:
-            self.producer.poll(0)
+            self.poll()
 
     def direct_producer(self, epoch: int) -> Producer | None:
         """The producer itself when records of ``epoch`` go straight to it (exactly-once and
@@ -269,10 +274,29 @@ class TransactionalOutput:
     def sent(self, count: int) -> None:
         """``count`` records went straight to the producer (see :meth:`direct_producer`)."""
         self.produced += count
-        self.producer.poll(0)
+        self.poll()
 
-    def poll(self) -> None:
-        self.producer.poll(0)
+    def poll(self, timeout: float = 0) -> None:
+        """Serve the producer's callbacks; raises FencedError once it failed fatally."""
+        try:
+            self.producer.poll(timeout)
+        except KafkaException as exc:
+            fenced = self._fenced("poll", exc)
+            if fenced is None:
+                raise
+            raise fenced from exc
+
+    def _fenced(self, what: str, exc: KafkaException) -> FencedError | None:
+        """What to raise instead of ``exc`` out of ``produce`` or ``poll``. A transactional producer
+        fenced while the epoch ran (e.g. a survivor aborted this worker's transaction while it
+        was out of the group) refuses every call with a fatal error: like a fenced commit,
+        FencedError fails the epoch, whose abort replaces the producer, and the worker
+        restores in the same process. None: ``exc`` stays as it is."""
+        error = kafka_error(exc)
+        if self.exactly_once and error is not None and classify(error) is ErrorClass.FATAL:
+            self._fatal = f"{what}: {error}"
+            return FencedError(f"producer: {what} failed fatally: {error}")
+        return None
 
     def commit(
         self,

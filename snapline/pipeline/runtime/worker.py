@@ -1174,7 +1174,9 @@ class Worker:
             raise
         except KafkaException as exc:
             # Raised out of a rebalance callback or a client call: the clients are in an
-            # unknown state; a restarted worker recovers from the committed checkpoint.
+            # unknown state; a restarted worker recovers from the committed checkpoint. Where
+            # it came from goes to the log: no call is expected to raise this far.
+            log.error("Kafka client error out of the worker loop", exc_info=exc)
             raise KafkaClientError(f"Kafka client error: {exc}") from exc
         finally:
             self._close()
@@ -1203,9 +1205,16 @@ class Worker:
             self._records_waiting,
         )
         self._maybe_trigger(now)
-        for task in self.tasks.values():
-            task.run()
-        self.output.poll()
+        try:
+            for task in self.tasks.values():
+                task.run()
+            self.output.poll()
+        except FencedError as exc:
+            # The producer was fenced while the epoch ran: the abort replaces it and the
+            # tasks restore from the committed checkpoint, as after a fenced commit.
+            self._event({"event": "checkpoint_failed", "error": str(exc)[:500]})
+            self._fail_checkpoint(exc)
+            return
         self.metrics.maybe_sample(self.tasks, self.output.held, self.consumer)
         if self.coordinator.pending is not None:
             try:
