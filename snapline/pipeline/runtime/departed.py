@@ -12,9 +12,10 @@ worker does it for that worker, but only if the consumer group says it is gone: 
 member id (``<job>-<worker id>``) is not a member of the group the rebalance just formed.
 A worker missing from the group is dead, or a zombie whose commit the group coordinator
 refuses anyway; ``init_transactions`` with its transactional id aborts its open transaction
-and fences its producer, as its own restart would. A worker that restarts in the instant
-between the membership check and that call is fenced once, exits with code 75 and starts
-again; nothing committed is touched either way.
+and fences its producer, as its own restart would. A worker that is back in the group by
+the time of that call (it was out only for a moment, or restarted in that instant) is fenced
+while it runs: it replaces its producer and restores its tasks in the same process
+(transaction.py, ``TransactionalOutput._fenced``). Nothing committed is touched either way.
 
 On by default; ``SNAPLINE_ABORT_DEPARTED=0`` turns it off (then the open transaction of a
 worker that never comes back ends after ``transaction.timeout.ms``). It was opt-in for one
