@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from examples.workers import read_events
+from examples.workers import WorkerProcess, read_events
 from integration_tests.warehouse_job import WarehouseJob, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]
@@ -31,9 +31,17 @@ def _events(job: WarehouseJob, kind: str, since: float = 0.0) -> list[dict]:
     ]
 
 
-def test_processing_continues_while_storage_fails_and_checkpoints_resume(
-    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list
-) -> None:
+def _started_job(
+    kafka_bootstrap: str,
+    postgres_dsn: str,
+    tmp_path: Path,
+    unique_name: str,
+    jobs: list,
+    tolerable: int,
+    env: dict[str, str] | None = None,
+) -> tuple[WarehouseJob, WorkerProcess, Path]:
+    """One worker whose storage faults the returned control file sets, caught up with 2,000
+    orders."""
     control = tmp_path / "storage-faults"
     job = WarehouseJob(
         kafka_bootstrap,
@@ -42,14 +50,23 @@ def test_processing_continues_while_storage_fails_and_checkpoints_resume(
         postgres_dsn,
         workers=1,
         interval=0.3,
-        tolerable=1000,
-        extra_env={"SNAPLINE_TEST_STORAGE_FAULTS": str(control)},
+        tolerable=tolerable,
+        extra_env={"SNAPLINE_TEST_STORAGE_FAULTS": str(control), **(env or {})},
     )
     jobs.append(job)
     (worker,) = job.workers
     worker.start()
     job.produce(2000)
     job.wait_until_caught_up()
+    return job, worker, control
+
+
+def test_processing_continues_while_storage_fails_and_checkpoints_resume(
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list
+) -> None:
+    job, worker, control = _started_job(
+        kafka_bootstrap, postgres_dsn, tmp_path, unique_name, jobs, 1000
+    )
 
     for mode in ("full", "flaky"):
         control.write_text(mode)
@@ -79,21 +96,9 @@ def test_processing_continues_while_storage_fails_and_checkpoints_resume(
 def test_storage_full_past_the_tolerance_stops_the_worker_naming_the_error(
     kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list
 ) -> None:
-    control = tmp_path / "storage-faults"
-    job = WarehouseJob(
-        kafka_bootstrap,
-        unique_name,
-        tmp_path,
-        postgres_dsn,
-        workers=1,
-        interval=0.3,
-        extra_env={"SNAPLINE_TEST_STORAGE_FAULTS": str(control)},
+    job, worker, control = _started_job(
+        kafka_bootstrap, postgres_dsn, tmp_path, unique_name, jobs, 3
     )
-    jobs.append(job)
-    (worker,) = job.workers
-    worker.start()
-    job.produce(2000)
-    job.wait_until_caught_up()
     control.write_text("full")
     job.produce(500)
     assert worker.wait_exit(60) != 0
@@ -113,38 +118,34 @@ def test_hung_storage_fails_checkpoints_at_the_timeout_and_ends_the_worker(
     kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list
 ) -> None:
     """A storage write that never returns (a hung mount): each checkpoint fails at
-    ``checkpoint_timeout``, the worker keeps nothing it did not commit, and past the tolerance
-    it ends, naming the timeout, although the hung write still holds a thread. Healed, a
-    restart loses and duplicates nothing."""
-    control = tmp_path / "storage-faults"
-    job = WarehouseJob(
+    ``checkpoint_timeout``, and past the tolerance the worker ends, naming the timeout,
+    although the hung writes still hold threads. If instead the restore after the first
+    failure hangs (it writes the committed marker of a checkpoint whose marker the hung pool
+    never wrote), the liveness watchdog ends it, naming the write in the stacks it prints.
+    Either way it ends; healed, a restart loses and duplicates nothing."""
+    job, worker, control = _started_job(
         kafka_bootstrap,
-        unique_name,
-        tmp_path,
         postgres_dsn,
-        workers=1,
-        interval=0.3,
-        tolerable=1,
-        extra_env={
-            "SNAPLINE_TEST_STORAGE_FAULTS": str(control),
-            "SNAPLINE_EXAMPLE_CHECKPOINT_TIMEOUT": "3",
-        },
+        tmp_path,
+        unique_name,
+        jobs,
+        1,
+        {"SNAPLINE_EXAMPLE_CHECKPOINT_TIMEOUT": "3", "SNAPLINE_LIVENESS_TIMEOUT": "15"},
     )
-    jobs.append(job)
-    (worker,) = job.workers
-    worker.start()
-    job.produce(2000)
-    job.wait_until_caught_up()
     control.write_text("slow 3600")  # every write blocks for an hour
     hung = time.time()
     job.produce(500)
     # 2 checkpoints of 3 s each, their recoveries (backoff 1 s, 2 s): well within 60 s.
     code = worker.wait_exit(60)
     assert code not in (None, 0), worker.tail()
-    tail = worker.tail()
-    assert "did not complete within 3" in tail and "tolerable_failed_checkpoints=1" in tail, tail
-    failed = _events(job, "checkpoint_failed", hung)
-    assert len(failed) >= 2, failed
+    text = worker.log_path.read_text(errors="replace")
+    if code == 1:  # past the tolerance
+        assert "tolerable_failed_checkpoints=1" in text, worker.tail()
+        assert "did not complete within 3" in text, worker.tail()
+        assert len(_events(job, "checkpoint_failed", hung)) >= 2, worker.tail()
+    else:  # the watchdog: a restore hung on a write
+        assert code == 75 and "the task thread made no progress" in text, worker.tail()
+        assert "_before_write" in text and "did not complete within 3" in text, worker.tail()
     control.write_text("")
     worker.start()
     job.produce(500)

@@ -1419,6 +1419,7 @@ class Worker:
         for task in self.tasks.values():
             task.close()
         self.tasks = {}
+        self.liveness.allow(2 * SHUTDOWN_BOUND)  # each of the two waits below is bounded
         self.hung_jobs = self.coordinator.shutdown()
         self.hung_jobs += self.metrics.close()
         if self.hung_jobs:
