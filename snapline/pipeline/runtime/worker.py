@@ -1424,8 +1424,8 @@ class Worker:
         self.hung_jobs += self.metrics.close()
         if self.hung_jobs:
             log.error(
-                "left behind at exit, each still running after %.0f s: %s (no checkpoint "
-                "among them committed; look for a hung checkpoint storage)",
+                "left behind at exit, each still running after %.0f s: %s (a checkpoint "
+                "still being written never committed; look for a hung checkpoint storage)",
                 SHUTDOWN_BOUND,
                 "; ".join(self.hung_jobs),
             )
