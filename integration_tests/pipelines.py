@@ -40,6 +40,22 @@ def dead_letters() -> Pipeline:
     return pipeline
 
 
+def _pad_every_50th(value: dict[str, Any]) -> dict[str, Any]:
+    if value["order_id"] % 50 == 7:  # an output larger than the producer's 1 MB limit
+        return {**value, "pad": "x" * 1_100_000}
+    return value
+
+
+def oversized() -> Pipeline:
+    pipeline = Pipeline(f"{PREFIX}job", checkpoint_interval=0.3)
+    (
+        pipeline.source(KafkaSource(f"{PREFIX}orders"))
+        .map(_pad_every_50th)
+        .sink(KafkaSink(f"{PREFIX}totals"))
+    )
+    return pipeline
+
+
 def missing_topic() -> Pipeline:
     pipeline = Pipeline(f"{PREFIX}job")
     pipeline.source(KafkaSource(f"{PREFIX}no-such-topic")).sink(KafkaSink(f"{PREFIX}out"))

@@ -83,6 +83,59 @@ def test_bad_records_go_to_dead_letter_topic(
         assert ("cannot decode" in reason) or ("amount must be an int" in reason)
 
 
+def test_an_output_too_large_for_the_producer_goes_to_the_dead_letters(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """An output over the producer's message.max.bytes is bad output, like one the format
+    cannot encode: its input goes to the dead letters, the worker goes on (before, the
+    produce error ended it, and every restart ended on the same record)."""
+    prefix = f"{unique_name}-"
+    create_topics(kafka_bootstrap, {f"{prefix}orders": 2, f"{prefix}totals": 2})
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    padded = []
+    for i in range(300):
+        value = orjson.dumps({"customer": f"c{i % 7}", "amount": 1, "order_id": i})
+        if i % 50 == 7:
+            padded.append(value)
+        producer.produce(f"{prefix}orders", value, f"c{i % 7}".encode())
+    producer.flush(30)
+    worker = WorkerProcess(
+        "integration_tests.pipelines:oversized",
+        "w0",
+        kafka_bootstrap,
+        tmp_path / "chk",
+        tmp_path,
+        {"SNAPLINE_TEST_PREFIX": prefix},
+    )
+    worker.start()
+    good = 300 - len(padded)
+    try:
+        outputs = read_committed(kafka_bootstrap, f"{prefix}totals", good, timeout=60, settle=2)
+        consumer = Consumer(
+            {
+                "bootstrap.servers": kafka_bootstrap,
+                "group.id": "dlq-reader",
+                "isolation.level": "read_committed",
+            }
+        )
+        consumer.assign([TopicPartition(f"{prefix}job.dead-letter", 0, 0)])
+        letters = []
+        deadline = time.monotonic() + 30
+        while len(letters) < len(padded) and time.monotonic() < deadline:
+            letters += [m for m in consumer.consume(100, 0.5) if m.error() is None]
+        consumer.close()
+        assert worker.alive, worker.tail()
+    finally:
+        worker.stop()
+    ids = sorted(o["order_id"] for o in outputs)
+    assert ids == [i for i in range(300) if i % 50 != 7], ids
+    assert sorted(m.value() for m in letters) == sorted(padded)
+    for message in letters:
+        reason = dict(message.headers())["snapline.error"].decode()
+        assert "output too large for the producer" in reason and "message.max.bytes" in reason
+    assert "exit 75" not in worker.log_path.read_text(errors="replace")
+
+
 def test_at_least_once_loses_nothing_across_kills(
     kafka_bootstrap: str, tmp_path: Path, unique_name: str
 ) -> None:

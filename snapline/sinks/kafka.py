@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaError, KafkaException
 
 from snapline.pipeline.errors import ConfigurationError
 from snapline.pipeline.formats import FORMATS, encode_key, value_encoder
@@ -14,6 +14,7 @@ from snapline.pipeline.record import Record
 from snapline.pipeline.sink import Sink, SinkContext, SinkWriter
 
 VALUE_FORMATS = FORMATS
+_TOO_LARGE = KafkaError.MSG_SIZE_TOO_LARGE
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,19 @@ class KafkaSinkWriter(SinkWriter):
                     continue
                 except (BufferError, KafkaException):
                     pass  # the output waits for room, or says why the producer cannot go on
-            produce(epoch, topic, value, key)
+            try:
+                produce(epoch, topic, value, key)
+            except KafkaException as exc:
+                error = exc.args[0] if exc.args else None
+                if not isinstance(error, KafkaError) or error.code() != _TOO_LARGE:
+                    raise
+                # Bad output, like a value the format cannot encode: the input goes to the
+                # dead letters instead of the worker failing on it after every restart.
+                self._context.dead_letter(
+                    record,
+                    f"{self._topic}: output too large for the producer ({error.str()}; raise "
+                    "message.max.bytes in kafka_config, and the topic's max.message.bytes)",
+                    epoch,
+                )
         if sent:
             output.sent(sent)

@@ -98,3 +98,18 @@ def test_a_produce_refused_for_another_reason_raises_as_it_is(
     assert not isinstance(info.value, FencedError) and output._fatal is None
     output.abort()
     assert replaced == []
+
+
+def test_a_held_record_too_large_for_the_producer_is_refused_when_it_is_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Records of a later epoch wait in memory; one librdkafka would refuse is refused at
+    once (as librdkafka does for the open epoch), so the sink dead-letters it instead of the
+    next begin failing on it."""
+    output, _ = output_with(TooLarge(), monkeypatch)
+    output.max_message_bytes = 100
+    output.produce(8, "out", b"v" * 90, b"k" * 10)  # exactly the limit: held
+    with pytest.raises(KafkaException) as info:
+        output.produce(8, "out", b"v" * 91, b"k" * 10)
+    assert info.value.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE
+    assert output.held == 1

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaError, KafkaException
 
 from snapline.pipeline.formats import bytes_decoder, encode_key
 from snapline.pipeline.formats import tag_key as _tagged_key
@@ -35,6 +35,9 @@ from snapline.pipeline.time import timestamp_ms
 
 if TYPE_CHECKING:
     from snapline.connectors.kafka_source import KafkaSource
+
+#: librdkafka's error for a record larger than the producer's message.max.bytes.
+_TOO_LARGE = KafkaError.MSG_SIZE_TOO_LARGE
 
 
 class OperatorContext(Protocol):
@@ -361,7 +364,17 @@ class RepartitionWriter(KeyByOperator):
                     continue
                 except (BufferError, KafkaException):
                     pass  # the output waits for room, or says why the producer cannot go on
-            produce(topic, value, tagged, partition, r.timestamp)
+            try:
+                produce(topic, value, tagged, partition, r.timestamp)
+            except KafkaException as exc:
+                error = exc.args[0] if exc.args else None
+                if not isinstance(error, KafkaError) or error.code() != _TOO_LARGE:
+                    raise
+                self.task.dead_letter(
+                    r,
+                    f"{self.name}: the record is too large for the repartition topic "
+                    f"({error.str()}; raise message.max.bytes in kafka_config)",
+                )
         if sent:
             self.task.sent(sent)
 

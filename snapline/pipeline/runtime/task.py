@@ -493,10 +493,18 @@ class Task:
         )
 
     def _sink_dead_letter(self, record: Record, reason: str, epoch: int) -> None:
+        """A sink refused ``record``: the dead letter carries the row it refused, or the
+        input record when that row is too large for a Kafka record itself."""
         try:
             row = orjson.dumps(record.value, default=str)
         except TypeError:
             row = repr(record.value).encode()
+        limit = getattr(self.output, "max_message_bytes", None)
+        if limit is not None and len(row) + len(record.raw_key or b"") > limit:
+            # dead_letter sends record.raw when given no value
+            reason += "; the dead letter holds the input record (the output is too large)"
+            self.dead_letter(record, reason)
+            return
         self.dead_letter(record, reason, row)
 
 

@@ -87,6 +87,9 @@ class TransactionalOutput:
         self._delivery_errors: list[str] = []
         conf["error_cb"] = self._on_error
         self._conf = conf
+        #: librdkafka refuses a record whose key and value exceed this (MSG_SIZE_TOO_LARGE);
+        #: records held for a later epoch are checked against it when they are held.
+        self.max_message_bytes = int(conf.get("message.max.bytes", 1_000_000))
         self._stopping = stopping
         self._liveness = liveness
         self._call = BoundedCall("producer", liveness)
@@ -218,6 +221,15 @@ class TransactionalOutput:
             # Held records live until the checkpoint commits: keep exact-size copies, not
             # the encoder's (orjson's) 4 KiB buffers behind each small value.
             held = None if value is None else b"%b" % value
+            size = (0 if value is None else len(value)) + (0 if key is None else len(key))
+            if size > self.max_message_bytes:  # refused now, as librdkafka would refuse it
+                raise KafkaException(
+                    KafkaError(
+                        KafkaError.MSG_SIZE_TOO_LARGE,
+                        f"Message size {size} exceeds message.max.bytes "
+                        f"{self.max_message_bytes}",
+                    )
+                )
             self._buffer.append((epoch, topic, held, key, headers, partition, timestamp))
 
     def _send(
