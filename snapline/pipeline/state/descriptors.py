@@ -350,7 +350,12 @@ class BoundValueState(_Bound):
         key = prefix + self._sid
         cache = self._cache
         if cache is not None:
-            if value is not None and _plain(value):
+            # _plain(value), its int case inlined (a counter's update, once per record)
+            if (
+                _INT_MIN <= value <= _INT_MAX
+                if type(value) is int
+                else value is not None and _plain(value)
+            ):
                 cache[key] = value
                 self._updates += 1
                 if len(cache) > WRITE_BACK_ENTRIES:
