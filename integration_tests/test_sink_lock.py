@@ -32,7 +32,7 @@ def test_a_locked_sink_table_ends_the_worker_and_a_restart_loses_nothing(
     jobs.append(job)
     (worker,) = job.workers
     worker.start()
-    job.produce(2000)
+    job.produce(500)
     job.wait_until_caught_up()
     with psycopg.connect(postgres_dsn) as locker:
         locker.execute(f"LOCK TABLE {job.pg_table} IN ACCESS EXCLUSIVE MODE")
