@@ -61,6 +61,17 @@ def _started_job(
     return job, worker, control
 
 
+def _heal_restart_and_verify(job: WarehouseJob, worker: WorkerProcess, control: Path) -> None:
+    """Storage healed: a restart resumes from the last committed checkpoint, losing and
+    duplicating nothing."""
+    control.write_text("")
+    worker.start()
+    job.produce(500)
+    job.wait_until_caught_up()
+    worker.stop()
+    job.verify()
+
+
 def test_processing_continues_while_storage_fails_and_checkpoints_resume(
     kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list
 ) -> None:
@@ -105,13 +116,7 @@ def test_storage_full_past_the_tolerance_stops_the_worker_naming_the_error(
     tail = worker.tail()
     assert "tolerable_failed_checkpoints=3" in tail and "No space left on device" in tail, tail
     assert str(job.checkpoint_dir) in tail, "the message does not name the storage"
-    # Storage healed: a restart resumes from the last committed checkpoint, losing nothing.
-    control.write_text("")
-    worker.start()
-    job.produce(500)
-    job.wait_until_caught_up()
-    worker.stop()
-    job.verify()
+    _heal_restart_and_verify(job, worker, control)
 
 
 def test_hung_storage_fails_checkpoints_at_the_timeout_and_ends_the_worker(
@@ -146,9 +151,4 @@ def test_hung_storage_fails_checkpoints_at_the_timeout_and_ends_the_worker(
     else:  # the watchdog: a restore hung on a write
         assert code == 75 and "the task thread made no progress" in text, worker.tail()
         assert "_before_write" in text and "did not complete within 3" in text, worker.tail()
-    control.write_text("")
-    worker.start()
-    job.produce(500)
-    job.wait_until_caught_up()
-    worker.stop()
-    job.verify()
+    _heal_restart_and_verify(job, worker, control)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -25,6 +26,25 @@ def _committed(bootstrap: str, group: str, topic: str, partitions: int) -> list[
         return consumer.committed([TopicPartition(topic, p) for p in range(partitions)], 10)
     finally:
         consumer.close()
+
+
+def _dead_letters(bootstrap: str, topic: str, expected: int) -> list[Any]:
+    """The committed messages of dead-letter ``topic`` (one partition): until ``expected``
+    arrived, for at most 30 s."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": "dlq-reader",
+            "isolation.level": "read_committed",
+        }
+    )
+    consumer.assign([TopicPartition(topic, 0, 0)])
+    letters: list[Any] = []
+    deadline = time.monotonic() + 30
+    while len(letters) < expected and time.monotonic() < deadline:
+        letters += [m for m in consumer.consume(100, 0.5) if m.error() is None]
+    consumer.close()
+    return letters
 
 
 def test_bad_records_go_to_dead_letter_topic(
@@ -58,19 +78,7 @@ def test_bad_records_go_to_dead_letter_topic(
     worker.start()
     try:
         outputs = read_committed(kafka_bootstrap, f"{prefix}totals", good, timeout=60, settle=2)
-        consumer = Consumer(
-            {
-                "bootstrap.servers": kafka_bootstrap,
-                "group.id": "dlq-reader",
-                "isolation.level": "read_committed",
-            }
-        )
-        consumer.assign([TopicPartition(f"{prefix}job.dead-letter", 0, 0)])
-        letters = []
-        deadline = time.monotonic() + 30
-        while len(letters) < len(bad) and time.monotonic() < deadline:
-            letters += [m for m in consumer.consume(100, 0.5) if m.error() is None]
-        consumer.close()
+        letters = _dead_letters(kafka_bootstrap, f"{prefix}job.dead-letter", len(bad))
     finally:
         worker.stop()
     assert len(outputs) == good and len({o["order_id"] for o in outputs}) == good
@@ -111,19 +119,7 @@ def test_an_output_too_large_for_the_producer_goes_to_the_dead_letters(
     good = 300 - len(padded)
     try:
         outputs = read_committed(kafka_bootstrap, f"{prefix}totals", good, timeout=60, settle=2)
-        consumer = Consumer(
-            {
-                "bootstrap.servers": kafka_bootstrap,
-                "group.id": "dlq-reader",
-                "isolation.level": "read_committed",
-            }
-        )
-        consumer.assign([TopicPartition(f"{prefix}job.dead-letter", 0, 0)])
-        letters = []
-        deadline = time.monotonic() + 30
-        while len(letters) < len(padded) and time.monotonic() < deadline:
-            letters += [m for m in consumer.consume(100, 0.5) if m.error() is None]
-        consumer.close()
+        letters = _dead_letters(kafka_bootstrap, f"{prefix}job.dead-letter", len(padded))
         assert worker.alive, worker.tail()
     finally:
         worker.stop()
