@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
+from snapline.pipeline.runtime import transaction
 from snapline.pipeline.runtime.transaction import FencedError, TransactionalOutput
 
 
@@ -113,3 +114,35 @@ def test_a_held_record_too_large_for_the_producer_is_refused_when_it_is_held(
         output.produce(8, "out", b"v" * 91, b"k" * 10)
     assert info.value.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE
     assert output.held == 1
+
+
+class AbortNeverEnds:
+    """An abort that times out on every attempt although the broker answers ("retry call to
+    resume" forever, seen in a bounce-test run)."""
+
+    def abort_transaction(self, timeout: float) -> None:
+        raise KafkaException(
+            KafkaError(
+                KafkaError._TIMED_OUT,
+                "Timed out waiting for operation to finish, retry call to resume",
+                retriable=True,
+            )
+        )
+
+    def begin_transaction(self) -> None:
+        pass
+
+
+def test_a_pending_abort_still_stuck_at_begin_replaces_the_producer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """begin runs after the worker rejoined its group: an abort still timing out then is
+    stuck, and a new producer's init_transactions ends the transaction instead of the worker
+    retrying it for minutes."""
+    monkeypatch.setattr(transaction, "PENDING_ABORT_BOUND", 1.0)
+    output, replaced = output_with(AbortNeverEnds(), monkeypatch)
+    output.abort()  # times out: left pending
+    assert replaced == [] and output._abort_pending
+    output.begin(8)
+    assert len(replaced) == 1 and "abort_transaction still not done" in replaced[0], replaced
+    assert output.open_epoch == 8

@@ -49,6 +49,11 @@ ABORT_TIMEOUT = 10.0
 INIT_TIMEOUT = 120.0
 #: librdkafka timeout of one attempt of a transactional call.
 ATTEMPT_TIMEOUT = 5.0
+#: Bound of a pending abort completed by ``begin``. Past it the producer is replaced: begin
+#: runs after the worker rejoined its group (the broker answers), and an abort that still
+#: times out then is stuck inside librdkafka ("retry call to resume" forever, seen in a
+#: bounce-test run); a new producer's init_transactions ends the transaction instead.
+PENDING_ABORT_BOUND = 15.0
 
 
 class FencedError(KafkaClientError, CheckpointError):
@@ -173,7 +178,7 @@ class TransactionalOutput:
             if self._fatal is not None:
                 self._replace_producer()
             if self._abort_pending:
-                self._finish_abort(INIT_TIMEOUT)
+                self._finish_abort(PENDING_ABORT_BOUND, replace_if_stuck=True)
             try:
                 self.producer.begin_transaction()
             except KafkaException as exc:
@@ -401,13 +406,21 @@ class TransactionalOutput:
         release_in_background(holder)
         self.init()
 
-    def _finish_abort(self, timeout: float, *, leave_pending: bool = False) -> None:
+    def _finish_abort(
+        self, timeout: float, *, leave_pending: bool = False, replace_if_stuck: bool = False
+    ) -> None:
         try:
             self._retry("abort_transaction", timeout, self.producer.abort_transaction)
         except FencedError:
             self._replace_producer()
             return
         except BrokerOutageError as exc:
+            if replace_if_stuck:
+                # A new producer's init_transactions (bounded by INIT_TIMEOUT) ends the
+                # transaction as after a restart: the coordinator aborts it.
+                self._fatal = f"abort_transaction still not done: {exc}"
+                self._replace_producer()
+                return
             if not leave_pending:
                 raise
             log.warning("%s; the abort completes when the broker is back", exc)
