@@ -43,6 +43,7 @@ def test_a_locked_sink_table_ends_the_worker_and_a_restart_loses_nothing(
         locker.rollback()
     text = worker.log_path.read_text(errors="replace")
     assert code == 75 and "the task thread made no progress" in text, worker.tail()
+    assert "in _apply" in text, "the stacks do not show the apply waiting for the lock"
     worker.start()
     job.produce(500)
     job.wait_until_caught_up()

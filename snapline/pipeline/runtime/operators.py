@@ -24,6 +24,7 @@ from snapline.pipeline.functions import Context, KeyedCoProcessFunction, KeyedPr
 from snapline.pipeline.keygroups import KEY_PREFIX, state_key_prefix
 from snapline.pipeline.record import Record
 from snapline.pipeline.runtime.barrier import Barrier
+from snapline.pipeline.runtime.kafka_calls import kafka_error
 from snapline.pipeline.runtime.timers import TimerService, processing_time_ms
 from snapline.pipeline.runtime.watermarks import WatermarkRecord
 from snapline.pipeline.sink import PreCommitResult, SinkWriter
@@ -35,9 +36,6 @@ from snapline.pipeline.time import timestamp_ms
 
 if TYPE_CHECKING:
     from snapline.connectors.kafka_source import KafkaSource
-
-#: librdkafka's error for a record larger than the producer's message.max.bytes.
-_TOO_LARGE = KafkaError.MSG_SIZE_TOO_LARGE
 
 
 class OperatorContext(Protocol):
@@ -367,8 +365,8 @@ class RepartitionWriter(KeyByOperator):
             try:
                 produce(topic, value, tagged, partition, r.timestamp)
             except KafkaException as exc:
-                error = exc.args[0] if exc.args else None
-                if not isinstance(error, KafkaError) or error.code() != _TOO_LARGE:
+                error = kafka_error(exc)
+                if error is None or error.code() != KafkaError.MSG_SIZE_TOO_LARGE:
                     raise
                 self.task.dead_letter(
                     r,

@@ -142,10 +142,10 @@ class TransactionalOutput:
                 error = kafka_error(exc)
                 if error is None:
                     raise CheckpointError(f"Kafka {what} failed: {exc}") from exc
+                fenced = self._fenced(what, exc)
+                if fenced is not None:
+                    raise fenced from exc
                 kind = classify(error)
-                if kind is ErrorClass.FATAL:
-                    self._fatal = f"{what}: {error}"
-                    raise FencedError(f"producer: {what} failed fatally: {error}") from exc
                 out_of_time = time.monotonic() + backoff(attempt) >= deadline or self._stopping()
                 if kind is ErrorClass.RETRIABLE and not out_of_time:
                     log.info("%s: %s; retrying", what, error)
@@ -304,11 +304,11 @@ class TransactionalOutput:
             raise fenced from exc
 
     def _fenced(self, what: str, exc: KafkaException) -> FencedError | None:
-        """What to raise instead of ``exc`` out of ``produce`` or ``poll``. A transactional producer
-        fenced while the epoch ran (e.g. a survivor aborted this worker's transaction while it
-        was out of the group) refuses every call with a fatal error: like a fenced commit,
-        FencedError fails the epoch, whose abort replaces the producer, and the worker
-        restores in the same process. None: ``exc`` stays as it is."""
+        """What to raise instead of ``exc`` out of a producer call (the transactional calls,
+        ``produce``, ``poll``). A transactional producer fenced, even while the epoch ran (e.g.
+        a survivor aborted this worker's transaction while it was out of the group), refuses
+        every call with a fatal error: FencedError fails the epoch, whose abort replaces the
+        producer, and the worker restores in the same process. None: ``exc`` stays as it is."""
         error = kafka_error(exc)
         if self.exactly_once and error is not None and classify(error) is ErrorClass.FATAL:
             self._fatal = f"{what}: {error}"
