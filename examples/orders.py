@@ -19,10 +19,16 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 
-def create_topics(bootstrap: str, topics: dict[str, int]) -> None:
+def create_topics(
+    bootstrap: str, topics: dict[str, int], configs: dict[str, dict[str, str]] | None = None
+) -> None:
+    """Create ``topics`` (name -> partitions), each with its topic settings in ``configs``."""
     admin = AdminClient({"bootstrap.servers": bootstrap})
+    configs = configs or {}
     # The broker's default.replication.factor: 1 on one broker, 3 on a local cluster.
-    futures = admin.create_topics([NewTopic(t, n) for t, n in topics.items()])
+    futures = admin.create_topics(
+        [NewTopic(t, n, config=configs.get(t, {})) for t, n in topics.items()]
+    )
     for future in futures.values():
         try:
             future.result()

@@ -40,9 +40,13 @@ def dead_letters() -> Pipeline:
     return pipeline
 
 
+#: Bytes of padding that make an output too large (default: over the producer's 1 MB limit).
+PAD = int(os.environ.get("SNAPLINE_TEST_PAD", "1100000"))
+
+
 def _pad_every_50th(value: dict[str, Any]) -> dict[str, Any]:
-    if value["order_id"] % 50 == 7:  # an output larger than the producer's 1 MB limit
-        return {**value, "pad": "x" * 1_100_000}
+    if value["order_id"] % 50 == 7:  # an output too large to produce
+        return {**value, "pad": "x" * PAD}
     return value
 
 

@@ -91,45 +91,67 @@ def test_bad_records_go_to_dead_letter_topic(
         assert ("cannot decode" in reason) or ("amount must be an int" in reason)
 
 
+@pytest.mark.parametrize("limit", ["producer", "topic"])
 def test_an_output_too_large_for_the_producer_goes_to_the_dead_letters(
-    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str, limit: str
 ) -> None:
     """An output over the producer's message.max.bytes is bad output, like one the format
     cannot encode: its input goes to the dead letters, the worker goes on (before, the
-    produce error ended it, and every restart ended on the same record)."""
+    produce error ended it, and every restart ended on the same record).
+
+    ``topic``: the output topic's max.message.bytes (64 KiB) is below the producer's
+    default; the worker lowers the producer's limits to it at start (before, librdkafka took
+    the record, the broker refused its batch and every commit of the epoch failed). One input
+    is itself over the producer's limit: its dead letter names it and leaves its bytes out."""
     prefix = f"{unique_name}-"
-    create_topics(kafka_bootstrap, {f"{prefix}orders": 2, f"{prefix}totals": 2})
-    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    topic_limit = {"max.message.bytes": "65536"} if limit == "topic" else {}
+    create_topics(
+        kafka_bootstrap,
+        {f"{prefix}orders": 2, f"{prefix}totals": 2},
+        {f"{prefix}totals": topic_limit},
+    )
+    producer = Producer({"bootstrap.servers": kafka_bootstrap, "message.max.bytes": 1_040_000})
     padded = []
+    huge = b""
     for i in range(300):
         value = orjson.dumps({"customer": f"c{i % 7}", "amount": 1, "order_id": i})
         if i % 50 == 7:
             padded.append(value)
+        if i == 120:  # over the worker's producer limit as an input already
+            value = orjson.dumps(
+                {"customer": f"c{i % 7}", "amount": 1, "order_id": i, "pad": "y" * 1_010_000}
+            )
+            huge = value
         producer.produce(f"{prefix}orders", value, f"c{i % 7}".encode())
     producer.flush(30)
-    worker = WorkerProcess(
-        "integration_tests.pipelines:oversized",
-        "w0",
-        kafka_bootstrap,
-        tmp_path / "chk",
-        tmp_path,
-        {"SNAPLINE_TEST_PREFIX": prefix},
-    )
+    env = {"SNAPLINE_TEST_PREFIX": prefix}
+    if limit == "topic":
+        env["SNAPLINE_TEST_PAD"] = "100000"
+    spec = "integration_tests.pipelines:oversized"
+    worker = WorkerProcess(spec, "w0", kafka_bootstrap, tmp_path / "chk", tmp_path, env)
     worker.start()
-    good = 300 - len(padded)
+    good = 300 - len(padded) - 1
     try:
         outputs = read_committed(kafka_bootstrap, f"{prefix}totals", good, timeout=60, settle=2)
-        letters = _dead_letters(kafka_bootstrap, f"{prefix}job.dead-letter", len(padded))
+        letters = _dead_letters(kafka_bootstrap, f"{prefix}job.dead-letter", len(padded) + 1)
         assert worker.alive, worker.tail()
     finally:
         worker.stop()
     ids = sorted(o["order_id"] for o in outputs)
-    assert ids == [i for i in range(300) if i % 50 != 7], ids
-    assert sorted(m.value() for m in letters) == sorted(padded)
-    for message in letters:
+    assert ids == [i for i in range(300) if i % 50 != 7 and i != 120], ids
+    whole = [m for m in letters if m.value() is not None]
+    assert sorted(m.value() for m in whole) == sorted(padded)
+    for message in whole:
         reason = dict(message.headers())["snapline.error"].decode()
         assert "output too large for the producer" in reason and "message.max.bytes" in reason
-    assert "exit 75" not in worker.log_path.read_text(errors="replace")
+    (omitted,) = [m for m in letters if m.value() is None]
+    headers = dict(omitted.headers())
+    assert headers["snapline.topic"] == f"{prefix}orders".encode()
+    assert f"{len(huge)} bytes".encode() in headers["snapline.value-omitted"]
+    log = worker.log_path.read_text(errors="replace")
+    assert "exit 75" not in log
+    if limit == "topic":
+        assert f"producer message.max.bytes={65536 - 256}" in log, log[-3000:]
 
 
 def test_at_least_once_loses_nothing_across_kills(

@@ -8,12 +8,14 @@ import pytest
 from snapline import KafkaSink, KafkaSource, Pipeline
 from snapline.pipeline.errors import ConfigurationError
 from snapline.pipeline.runtime.topics import (
+    BATCH_OVERHEAD,
     KafkaUnavailableError,
     Role,
     TopicManager,
     TopicSpec,
     pipeline_topics,
     plan,
+    producer_size_limits,
 )
 
 WHERE = "kafka:9092"
@@ -151,3 +153,24 @@ def test_invalid_kafka_setting_is_a_configuration_error(
     with pytest.raises(ConfigurationError, match="invalid Kafka settings") as err:
         TopicManager({"bootstrap.servers": "127.0.0.1:1", **setting}, "here")
     assert named in str(err.value) and "kafka_config" in str(err.value)
+
+
+def test_a_topic_with_a_smaller_record_limit_lowers_the_producers_limits() -> None:
+    """The broker refuses a whole batch over the topic's max.message.bytes, and the epoch's
+    commit then fails on every retry: the producer's batch and record limits must stay below
+    it. Left at librdkafka's defaults, they are lowered; the broker's default topic limit
+    (1,048,588) changes nothing."""
+    assert producer_size_limits({}, "out", 1_048_588) == {}
+    cap = 65_536 - BATCH_OVERHEAD
+    assert producer_size_limits({}, "out", 65_536) == {"message.max.bytes": cap, "batch.size": cap}
+    assert producer_size_limits({"batch.size": 16_384}, "out", 65_536) == {"message.max.bytes": cap}
+
+
+def test_a_producer_limit_set_above_a_topics_limit_fails_at_start_with_the_fix() -> None:
+    with pytest.raises(ConfigurationError) as info:
+        producer_size_limits({"message.max.bytes": 2_000_000}, "out", 1_048_588)
+    message = str(info.value)
+    assert "message.max.bytes=2000000" in message and "'out'" in message
+    assert f"at most {1_048_588 - BATCH_OVERHEAD}" in message and "raise the topic" in message
+    with pytest.raises(ConfigurationError, match="raise the topic's max.message.bytes"):
+        producer_size_limits({}, "tiny", 1_000)

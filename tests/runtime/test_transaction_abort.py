@@ -9,7 +9,7 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 
 from snapline.pipeline.runtime import transaction
-from snapline.pipeline.runtime.transaction import FencedError, TransactionalOutput
+from snapline.pipeline.runtime.transaction import RECORD_OVERHEAD, FencedError, TransactionalOutput
 
 
 class StuckInCommit:
@@ -108,10 +108,10 @@ def test_a_held_record_too_large_for_the_producer_is_refused_when_it_is_held(
     once (as librdkafka does for the open epoch), so the sink dead-letters it instead of the
     next begin failing on it."""
     output, _ = output_with(TooLarge(), monkeypatch)
-    output.max_message_bytes = 100
-    output.produce(8, "out", b"v" * 90, b"k" * 10)  # exactly the limit: held
+    output.max_message_bytes = 100 + RECORD_OVERHEAD + len("h") + 1 + 10
+    output.produce(8, "out", b"v" * 90, b"k" * 10, [("h", b"x")])  # exactly the limit: held
     with pytest.raises(KafkaException) as info:
-        output.produce(8, "out", b"v" * 91, b"k" * 10)
+        output.produce(8, "out", b"v" * 91, b"k" * 10, [("h", b"x")])
     assert info.value.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE
     assert output.held == 1
 

@@ -47,7 +47,7 @@ from snapline.pipeline.runtime.operators import (
     SourceOperator,
 )
 from snapline.pipeline.runtime.timers import processing_time_ms
-from snapline.pipeline.runtime.transaction import TransactionalOutput
+from snapline.pipeline.runtime.transaction import TransactionalOutput, record_size
 from snapline.pipeline.runtime.watermarks import (
     ChannelClock,
     SourceChannelClock,
@@ -484,13 +484,27 @@ class Task:
         headers = dead_letter_headers(
             reason, record.topic, record.partition, record.offset, self.task_id
         )
+        if value is None:
+            value = record.raw
+        if not self._fits(value, record.raw_key, headers):
+            # Even the input is too large for the producer: the dead letter names its
+            # source position (where the input still is) and leaves the bytes out.
+            size = 0 if value is None else len(value)
+            headers.append(
+                (
+                    "snapline.value-omitted",
+                    f"{size} bytes, over the producer's message.max.bytes".encode(),
+                )
+            )
+            value = None
         self.output.produce(
-            self.epoch,
-            self.pipeline.dead_letter_topic,
-            record.raw if value is None else value,
-            record.raw_key,
-            headers,
+            self.epoch, self.pipeline.dead_letter_topic, value, record.raw_key, headers
         )
+
+    def _fits(self, value: bytes | None, key: bytes | None, headers: Any) -> bool:
+        """Whether the producer takes a record of this size (``message.max.bytes``)."""
+        limit = getattr(self.output, "max_message_bytes", None)
+        return limit is None or record_size(value, key, headers) <= limit
 
     def _sink_dead_letter(self, record: Record, reason: str, epoch: int) -> None:
         """A sink refused ``record``: the dead letter carries the row it refused, or the
@@ -499,8 +513,9 @@ class Task:
             row = orjson.dumps(record.value, default=str)
         except TypeError:
             row = repr(record.value).encode()
-        limit = getattr(self.output, "max_message_bytes", None)
-        if limit is not None and len(row) + len(record.raw_key or b"") > limit:
+        # The reason and source position headers make up most of a dead letter's headers.
+        headers = dead_letter_headers(reason, record.topic, 0, 0, self.task_id)
+        if not self._fits(row, record.raw_key, headers):
             # dead_letter sends record.raw when given no value
             reason += "; the dead letter holds the input record (the output is too large)"
             self.dead_letter(record, reason)

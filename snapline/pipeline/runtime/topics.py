@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from snapline.pipeline.errors import ConfigurationError, SnaplineError
 from snapline.pipeline.graph import Pipeline
@@ -53,6 +53,15 @@ INTERNAL_TOPIC_CONFIG = {
 }
 #: How long a just-created topic may take to have a leader for every partition.
 LEADER_WAIT = 30.0
+#: librdkafka's defaults for ``message.max.bytes`` and ``batch.size``.
+PRODUCER_DEFAULT_LIMIT = 1_000_000
+#: Bytes a record batch holds besides its records' keys, values and headers, with room to
+#: spare: Kafka's v2 batch header is 61 bytes and librdkafka's per-record check already
+#: counts each record's own framing; lz4 sends a batch uncompressed when compressing would
+#: not make it smaller.
+BATCH_OVERHEAD = 256
+#: librdkafka's smallest allowed ``message.max.bytes``.
+_SMALLEST_PRODUCER_LIMIT = 1000
 
 # Errors of a create request that say "the cluster is busy or unreachable": try again later
 # (the worker exits and is restarted), as opposed to a request that can never succeed.
@@ -194,6 +203,42 @@ def plan(specs: Iterable[TopicSpec], existing: Mapping[str, int], where: str) ->
     return TopicPlan(create=create, partitions=partitions)
 
 
+def producer_size_limits(
+    kafka_config: Mapping[str, Any], topic: str, topic_limit: int
+) -> dict[str, int]:
+    """The producer settings that keep every record batch it sends within ``topic_limit``,
+    the smallest ``max.message.bytes`` of the topics the job writes (``topic``).
+
+    The broker refuses a whole batch larger than the topic's limit, and the epoch's
+    transaction then fails to commit, on every retry of the same input. A batch is at most
+    ``batch.size`` bytes and a record at most ``message.max.bytes`` (librdkafka refuses a
+    larger one in ``produce()``, and Snapline sends that record's input to the dead letters).
+    So both must stay ``BATCH_OVERHEAD`` below the topic's limit: lowered when
+    ``kafka_config`` leaves them at librdkafka's defaults; a ConfigurationError naming the fix
+    when it sets one higher."""
+    cap = topic_limit - BATCH_OVERHEAD
+    if cap < _SMALLEST_PRODUCER_LIMIT:
+        raise ConfigurationError(
+            f"topic {topic!r} accepts record batches of at most {topic_limit} bytes "
+            f"(max.message.bytes); Snapline needs at least "
+            f"{_SMALLEST_PRODUCER_LIMIT + BATCH_OVERHEAD}: raise the topic's max.message.bytes"
+        )
+    settings: dict[str, int] = {}
+    for name in ("message.max.bytes", "batch.size"):
+        if name in kafka_config:
+            if int(kafka_config[name]) > cap:
+                raise ConfigurationError(
+                    f"kafka_config sets {name}={kafka_config[name]}, but topic {topic!r} "
+                    f"accepts record batches of at most {topic_limit} bytes "
+                    f"(max.message.bytes): the broker would refuse a batch that size and "
+                    f"every retry of the checkpoint would fail the same way. Set {name} to "
+                    f"at most {cap}, or raise the topic's max.message.bytes"
+                )
+        elif cap < PRODUCER_DEFAULT_LIMIT:
+            settings[name] = cap
+    return settings
+
+
 class TopicManager:
     """Checks and creates the job's topics on the cluster (see the module's rule)."""
 
@@ -255,6 +300,36 @@ class TopicManager:
                 self._raise_create_error(name, result.create[name], exc)
         self._wait_for_leaders(result.create)
         return result
+
+    def smallest_record_limit(self, specs: Iterable[TopicSpec]) -> tuple[str, int] | None:
+        """The topic the job writes with the smallest ``max.message.bytes``, and that limit;
+        None when the cluster does not say (e.g. DescribeConfigs is not allowed: logged)."""
+        names = sorted({s.name for s in specs if s.role is not Role.SOURCE})
+        if not names:
+            return None
+        try:
+            futures = self._admin.describe_configs(
+                [ConfigResource("topic", name) for name in names], request_timeout=self._timeout
+            )
+        except KafkaException as exc:
+            log.warning("cannot read the topics' max.message.bytes (%s): not checked", exc)
+            return None
+        smallest: tuple[str, int] | None = None
+        for resource, future in futures.items():
+            try:
+                entry = future.result(timeout=self._timeout + 5).get("max.message.bytes")
+                limit = int(entry.value) if entry is not None and entry.value else None
+            except (KafkaException, TimeoutError, ValueError) as exc:
+                log.warning(
+                    "cannot read max.message.bytes of topic %s (%s): the producer's record "
+                    "size limits are not checked against it",
+                    resource.name,
+                    exc,
+                )
+                continue
+            if limit is not None and (smallest is None or limit < smallest[1]):
+                smallest = (resource.name, limit)
+        return smallest
 
     def _raise_create_error(self, name: str, partitions: int, exc: KafkaException) -> None:
         error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None

@@ -63,6 +63,20 @@ class FencedError(KafkaClientError, CheckpointError):
     begin replaces the producer (its ``init_transactions`` aborts whatever is left open)."""
 
 
+#: The most bytes librdkafka adds to a record's key, value and headers when it checks the
+#: record against ``message.max.bytes`` (RD_KAFKAP_MESSAGE_V2_MAX_OVERHEAD, rounded up).
+RECORD_OVERHEAD = 40
+
+
+def record_size(value: bytes | None, key: bytes | None, headers: Any = None) -> int:
+    """The size librdkafka checks against ``message.max.bytes`` (at least: each header counts
+    its name and value plus 10 bytes of framing)."""
+    size = RECORD_OVERHEAD + (0 if value is None else len(value)) + (0 if key is None else len(key))
+    for name, header in headers or ():
+        size += len(name) + (0 if header is None else len(header)) + 10
+    return size
+
+
 class TransactionalOutput:
     """Produces records into the open epoch's transaction, buffering later epochs."""
 
@@ -226,7 +240,7 @@ class TransactionalOutput:
             # Held records live until the checkpoint commits: keep exact-size copies, not
             # the encoder's (orjson's) 4 KiB buffers behind each small value.
             held = None if value is None else b"%b" % value
-            size = (0 if value is None else len(value)) + (0 if key is None else len(key))
+            size = record_size(value, key, headers)
             if size > self.max_message_bytes:  # refused now, as librdkafka would refuse it
                 raise KafkaException(
                     KafkaError(

@@ -232,6 +232,8 @@ class Worker:
         self.plan = pipeline.stages()
         self._stage_of_topic = self.plan.stage_of_topics(pipeline.source_topics())
         self._repartitioned = {rep.topic for rep in self.plan.repartitions.values()}
+        #: Producer settings that keep its batches within the output topics' size limit.
+        self._producer_limits: dict[str, int] = {}
         #: Partitions per topic the job reads or writes (the topic plan at start).
         self._topic_partitions = self._check_topics()
         #: Repartition-topic positions of the last committed checkpoints, per task: records
@@ -249,7 +251,11 @@ class Worker:
             if pipeline.exactly_once
             else None
         )
-        producer_config = {**kafka_config, "client.id": f"{pipeline.name}-{settings.worker_id}"}
+        producer_config = {
+            **kafka_config,
+            **self._producer_limits,
+            "client.id": f"{pipeline.name}-{settings.worker_id}",
+        }
         self.output = TransactionalOutput(
             producer_config,
             transactional_id=transactional_id,
@@ -318,10 +324,25 @@ class Worker:
         """Fail at start, naming the fix, when a source topic is missing or the sources are
         not co-partitioned; create missing output, dead-letter and repartition topics (the
         rule: snapline/pipeline/runtime/topics.py). Returns the partitions per topic."""
-        from snapline.pipeline.runtime.topics import TopicManager, pipeline_topics
+        from snapline.pipeline.runtime.topics import (
+            TopicManager,
+            pipeline_topics,
+            producer_size_limits,
+        )
 
         manager = TopicManager(self._kafka_config, self.settings.bootstrap_servers)
-        partitions = dict(manager.ensure(pipeline_topics(self.pipeline)).partitions)
+        specs = pipeline_topics(self.pipeline)
+        partitions = dict(manager.ensure(specs).partitions)
+        smallest = manager.smallest_record_limit(specs)
+        if smallest is not None:
+            self._producer_limits = producer_size_limits(self._kafka_config, *smallest)
+            if self._producer_limits:
+                log.info(
+                    "topic %s accepts record batches of at most %d bytes: producer %s",
+                    smallest[0],
+                    smallest[1],
+                    ", ".join(f"{k}={v}" for k, v in self._producer_limits.items()),
+                )
         for stage in self.plan.stages:
             counts = {topic: partitions[topic] for topic in stage.reads}
             if len(set(counts.values())) > 1:
