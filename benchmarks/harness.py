@@ -22,7 +22,7 @@ from typing import Any
 
 from benchmarks.child_env import ChildEnv, read_start_time, read_stats
 from benchmarks.kafka_admin import Topics
-from benchmarks.process import Child, Exit, machine_cpu, tree_cpu_seconds
+from benchmarks.process import Child, Exit, machine_cpu, tree_cpu_seconds, tree_thread_cpu
 from benchmarks.profiling import render
 from benchmarks.snapline_runs import METRICS_ENV, checkpoint_metrics
 from benchmarks.stats import percentile, summarize
@@ -70,6 +70,8 @@ class RunResult:
     #: first input and its last output, and cores of the whole machine busy on average then
     #: (broker, verifier and the system together; at the core count the machine is full).
     cpu_s: float | None = None
+    #: ``cpu_s`` by kind of thread (``process.tree_thread_cpu``): main, librdkafka, other.
+    cpu_threads_s: dict[str, float] = field(default_factory=dict)
     machine_busy_cores: float | None = None
     stopped_by: str = ""
     profiled: bool = False
@@ -193,6 +195,7 @@ class Bench:
                 result.fail(why)
             else:
                 cpu_before, machine_before = tree_cpu_seconds(child.pid), machine_cpu()
+                threads_before = tree_thread_cpu(child.pid)
                 result.startup_s = round(started - child.started_at, 3)
                 hard = s.startup_timeout + n / s.min_rate
                 seen, why = verifier.wait_for(n, hard, s.stall_timeout, child.running)
@@ -201,6 +204,11 @@ class Bench:
                 else:
                     machine_after = machine_cpu()
                     result.cpu_s = round(tree_cpu_seconds(child.pid) - cpu_before, 2)
+                    threads_after = tree_thread_cpu(child.pid)
+                    result.cpu_threads_s = {
+                        kind: round(threads_after[kind] - threads_before[kind], 2)
+                        for kind in threads_after
+                    }
                     window = machine_after[1] - machine_before[1]
                     if window > 0:
                         busy = (machine_after[0] - machine_before[0]) / window

@@ -158,6 +158,31 @@ def machine_cpu() -> tuple[float, float]:
     return (total - idle) / ticks, total / ticks
 
 
+def tree_thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of ``pid`` and its live descendants by kind of thread: ``main`` (each
+    process's main thread: a Snapline worker's task thread, a baseline's loop), ``librdkafka``
+    (threads named ``rdk:*``: its broker, main and queue threads, compression included) and
+    ``other`` (Python's other threads: checkpoint materialization, history, liveness...)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    split = {"main": 0.0, "librdkafka": 0.0, "other": 0.0}
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for task in Path(f"/proc/{p}").joinpath("task").iterdir():
+                stat = (task / "stat").read_text()
+                name = stat[stat.index("(") + 1 : stat.rindex(")")]
+                fields = stat.rsplit(")", 1)[1].split()
+                seconds = (int(fields[11]) + int(fields[12])) / ticks
+                kind = "main" if task.name == str(p) else (
+                    "librdkafka" if name.startswith("rdk:") else "other")
+                split[kind] += seconds
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+        except (OSError, ValueError, IndexError):
+            continue
+    return split
+
+
 def tree_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of ``pid`` and every live descendant (a supervisor's
     workers), from ``/proc``; 0 for what has exited."""

@@ -111,6 +111,12 @@ def summarize_systems(systems: list[System], results: list[RunResult]) -> list[d
             # (everything on it) while it ran: where the machine, not the system, was the limit.
             "cpu_us_per_record": median([r.cpu_s / r.records * 1e6 for r in ok
                                          if r.cpu_s is not None and r.records]),
+            # ... of it in each kind of thread (main, librdkafka, other).
+            "cpu_us_per_record_by_thread": {
+                kind: median([r.cpu_threads_s[kind] / r.records * 1e6 for r in ok
+                              if kind in r.cpu_threads_s and r.records])
+                for kind in ("main", "librdkafka", "other")
+            },
             "machine_busy_cores": median([r.machine_busy_cores for r in ok
                                           if r.machine_busy_cores is not None]),
             "notes": system.notes,

@@ -84,8 +84,10 @@ def _line(result: RunResult) -> str:
                 f"p99 {lat.get('p99', 0) * 1000:,.0f} ms over {lat.get('count')} records")
     cpu = ""
     if result.cpu_s is not None and result.machine_busy_cores is not None:
-        cpu = (f", CPU {result.cpu_s / result.records * 1e6:.1f} µs/record, machine "
-               f"{result.machine_busy_cores:.2f} cores busy")
+        per = 1e6 / result.records
+        split = "/".join(f"{v * per:.1f}" for v in result.cpu_threads_s.values())
+        cpu = (f", CPU {result.cpu_s * per:.1f} µs/record (main/librdkafka/other threads "
+               f"{split}), machine {result.machine_busy_cores:.2f} cores busy")
     return (f"{result.records_per_s:,.0f} records/s ({result.elapsed_s:.1f}s, startup "
             f"{result.startup_s:.1f}s, peak RSS {result.peak_rss_mb:,.0f} MB{cpu})")
 
