@@ -146,3 +146,45 @@ def test_a_pending_abort_still_stuck_at_begin_replaces_the_producer(
     output.begin(8)
     assert len(replaced) == 1 and "abort_transaction still not done" in replaced[0], replaced
     assert output.open_epoch == 8
+
+
+class Recording:
+    """Takes every record; refuses the first produce call with a full queue (BufferError)."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[Any, ...]] = []
+        self.full_once = True
+
+    def produce(self, topic: str, value: Any = None, key: Any = None, **kwargs: Any) -> None:
+        if self.full_once:
+            self.full_once = False
+            raise BufferError("queue full")
+        self.records.append((topic, value, key, kwargs.get("headers"), kwargs.get("partition")))
+
+    def poll(self, timeout: float = 0) -> int:
+        return 0
+
+
+def test_records_held_for_the_next_epoch_are_sent_in_order_when_its_transaction_begins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Records of epoch 8 produced while epoch 7's transaction is open wait; ``begin(8)``
+    sends them in produce order, plain ones straight to the producer and those with headers
+    or a partition through the general path, a full queue retried; epoch 9's keep waiting."""
+    producer = Recording()
+    output, _ = output_with(producer, monkeypatch)
+    output.produce(8, "out", b"a", b"k")
+    output.produce(8, "dlq", b"b", None, [("snapline.error", b"x")])
+    output.produce(9, "out", b"later", b"k")
+    output.produce(8, "rep", b"c", b"k", partition=3, timestamp=5)
+    output.produce(8, "out", b"d", b"k")
+    assert output.held == 5 and producer.records == []
+    output.open_epoch = None
+    output._open(8)
+    assert producer.records == [
+        ("out", b"a", b"k", None, None),
+        ("dlq", b"b", None, [("snapline.error", b"x")], None),
+        ("rep", b"c", b"k", None, 3),
+        ("out", b"d", b"k", None, None),
+    ]
+    assert output.held == 1 and output.produced == 4
