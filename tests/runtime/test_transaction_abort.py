@@ -188,3 +188,17 @@ def test_records_held_for_the_next_epoch_are_sent_in_order_when_its_transaction_
         ("out", b"d", b"k", None, None),
     ]
     assert output.held == 1 and output.produced == 4
+
+
+def test_at_least_once_reports_a_failed_delivery_at_flush_without_a_callback_per_record() -> None:
+    """At-least-once produces without a per-record callback (librdkafka reports only failed
+    deliveries, to the producer's on_delivery): a record that never reaches a broker still
+    fails the flush that precedes the offset commit. A real librdkafka producer, no broker."""
+    output = TransactionalOutput(
+        {"bootstrap.servers": "127.0.0.1:1", "message.timeout.ms": 300}, transactional_id=None
+    )
+    assert output.direct_producer(3) is output.producer
+    output.produce(3, "out", b"v", b"k")
+    output.direct_producer(3).produce("out", b"w", b"k")  # type: ignore[union-attr]
+    with pytest.raises(transaction.CheckpointError, match="records failed delivery"):
+        output.flush(10)

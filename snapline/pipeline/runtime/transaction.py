@@ -102,9 +102,15 @@ class TransactionalOutput:
         if transactional_id is not None:
             conf["transactional.id"] = transactional_id
             conf.setdefault("transaction.timeout.ms", 60000)
+        else:
+            # At-least-once checks every delivery before committing offsets (flush). Only
+            # failed deliveries are reported: a success costs no Python call.
+            conf.setdefault("delivery.report.only.error", True)
         log.debug("producer config %s", redact(conf))
         self._delivery_errors: list[str] = []
         conf["error_cb"] = self._on_error
+        if not self.exactly_once:
+            conf["on_delivery"] = self._on_delivery
         self._conf = conf
         #: librdkafka refuses a record whose key and value exceed this (MSG_SIZE_TOO_LARGE);
         #: records held for a later epoch are checked against it when they are held.
@@ -285,27 +291,18 @@ class TransactionalOutput:
         partition: int = -1,
         timestamp: int = 0,
     ) -> None:
-        # Exactly-once needs no per-record delivery callback: a failed delivery fails
-        # commit_transaction. At-least-once checks every delivery before committing offsets.
-        callback = None if self.exactly_once else self._on_delivery
+        # No per-record delivery callback: exactly-once, a failed delivery fails
+        # commit_transaction; at-least-once, the producer's on_delivery reports failures.
         while True:
             try:
                 if partition >= 0:
                     self.producer.produce(
-                        topic,
-                        value,
-                        key,
-                        partition=partition,
-                        timestamp=timestamp,
-                        headers=headers,
-                        on_delivery=callback,
+                        topic, value, key, partition=partition, timestamp=timestamp, headers=headers
                     )
                 elif headers:
-                    self.producer.produce(topic, value, key, headers=headers, on_delivery=callback)
-                elif callback is None:
-                    self.producer.produce(topic, value, key)
+                    self.producer.produce(topic, value, key, headers=headers)
                 else:
-                    self.producer.produce(topic, value, key, on_delivery=callback)
+                    self.producer.produce(topic, value, key)
                 break
             except BufferError:
                 self.poll(0.05)
@@ -319,11 +316,11 @@ class TransactionalOutput:
             self.poll()
 
     def direct_producer(self, epoch: int) -> Producer | None:
-        """The producer itself when records of ``epoch`` go straight to it (exactly-once and
-        its transaction open), else None. A sink's batch loop may call
+        """The producer itself when records of ``epoch`` go straight to it (at-least-once,
+        or exactly-once with its transaction open), else None. A sink's batch loop may call
         ``produce(topic, value, key)`` on it, fall back to :meth:`produce` on BufferError,
         and report what it sent with :meth:`sent` (one Python call less per record)."""
-        if self.exactly_once and epoch == self.open_epoch:
+        if epoch == self.open_epoch or not self.exactly_once:
             return self.producer
         return None
 
