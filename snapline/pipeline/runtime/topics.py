@@ -60,6 +60,8 @@ PRODUCER_DEFAULT_LIMIT = 1_000_000
 #: counts each record's own framing; lz4 sends a batch uncompressed when compressing would
 #: not make it smaller.
 BATCH_OVERHEAD = 256
+#: How long the worker waits for the topics' max.message.bytes at start (then it goes on).
+DESCRIBE_TIMEOUT = 5.0
 #: librdkafka's smallest allowed ``message.max.bytes``.
 _SMALLEST_PRODUCER_LIMIT = 1000
 
@@ -307,17 +309,22 @@ class TopicManager:
         names = sorted({s.name for s in specs if s.role is not Role.SOURCE})
         if not names:
             return None
+        # A check, not a requirement: bounded well below the topic calls' timeout, so that a
+        # broker going away just now delays the start by seconds, not by a minute.
+        timeout = min(self._timeout, DESCRIBE_TIMEOUT)
         try:
             futures = self._admin.describe_configs(
-                [ConfigResource("topic", name) for name in names], request_timeout=self._timeout
+                [ConfigResource("topic", name) for name in names], request_timeout=timeout
             )
         except KafkaException as exc:
             log.warning("cannot read the topics' max.message.bytes (%s): not checked", exc)
             return None
         smallest: tuple[str, int] | None = None
+        deadline = time.monotonic() + timeout + 1
         for resource, future in futures.items():
             try:
-                entry = future.result(timeout=self._timeout + 5).get("max.message.bytes")
+                left = max(deadline - time.monotonic(), 0.1)
+                entry = future.result(timeout=left).get("max.message.bytes")
                 limit = int(entry.value) if entry is not None and entry.value else None
             except (KafkaException, TimeoutError, ValueError) as exc:
                 log.warning(
