@@ -222,17 +222,17 @@ class TransactionalOutput:
         held, self._buffer = self._buffer, []
         if not held:
             return
-        # Records of an epoch whose transaction had not begun, often a fifth of all output
-        # (those produced while the previous checkpoint completed): the common case (no
-        # headers, partitioner's choice, exactly-once) goes straight to the producer.
-        direct = self.exactly_once
+        # Records of an epoch whose transaction had not begun (only exactly-once holds any),
+        # often a fifth of all output (those produced while the previous checkpoint
+        # completed): the common case (no headers, partitioner's choice) goes straight to
+        # the producer.
         produce = self.producer.produce
         sent = 0
         for item in held:
             if item[0] != epoch:
                 self._buffer.append(item)
                 continue
-            if direct and item[5] < 0 and not item[4]:
+            if item[5] < 0 and not item[4]:
                 try:
                     produce(item[1], item[2], item[3])
                     sent += 1

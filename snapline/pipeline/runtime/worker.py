@@ -232,10 +232,9 @@ class Worker:
         self.plan = pipeline.stages()
         self._stage_of_topic = self.plan.stage_of_topics(pipeline.source_topics())
         self._repartitioned = {rep.topic for rep in self.plan.repartitions.values()}
-        #: Producer settings that keep its batches within the output topics' size limit.
-        self._producer_limits: dict[str, int] = {}
-        #: Partitions per topic the job reads or writes (the topic plan at start).
-        self._topic_partitions = self._check_topics()
+        #: Partitions per topic the job reads or writes (the topic plan at start), and the
+        #: producer settings that keep its batches within the output topics' size limit.
+        self._topic_partitions, producer_limits = self._check_topics()
         #: Repartition-topic positions of the last committed checkpoints, per task: records
         #: below the oldest retained one are dead (``_delete_consumed_records``).
         self._repartition_positions: dict[str, list[dict[tuple[str, int], int]]] = {}
@@ -253,7 +252,7 @@ class Worker:
         )
         producer_config = {
             **kafka_config,
-            **self._producer_limits,
+            **producer_limits,
             "client.id": f"{pipeline.name}-{settings.worker_id}",
         }
         self.output = TransactionalOutput(
@@ -320,10 +319,12 @@ class Worker:
             "auto.offset.reset": "latest" if starts == {"latest"} else "earliest",
         }
 
-    def _check_topics(self) -> dict[str, int]:
+    def _check_topics(self) -> tuple[dict[str, int], dict[str, int]]:
         """Fail at start, naming the fix, when a source topic is missing or the sources are
         not co-partitioned; create missing output, dead-letter and repartition topics (the
-        rule: snapline/pipeline/runtime/topics.py). Returns the partitions per topic."""
+        rule: snapline/pipeline/runtime/topics.py). Returns the partitions per topic, and the
+        producer settings that keep record batches within the smallest ``max.message.bytes``
+        of the topics the job writes (``topics.producer_size_limits``)."""
         from snapline.pipeline.runtime.topics import (
             TopicManager,
             pipeline_topics,
@@ -333,15 +334,16 @@ class Worker:
         manager = TopicManager(self._kafka_config, self.settings.bootstrap_servers)
         specs = pipeline_topics(self.pipeline)
         partitions = dict(manager.ensure(specs).partitions)
+        limits: dict[str, int] = {}
         smallest = manager.smallest_record_limit(specs)
         if smallest is not None:
-            self._producer_limits = producer_size_limits(self._kafka_config, *smallest)
-            if self._producer_limits:
+            limits = producer_size_limits(self._kafka_config, *smallest)
+            if limits:
                 log.info(
                     "topic %s accepts record batches of at most %d bytes: producer %s",
                     smallest[0],
                     smallest[1],
-                    ", ".join(f"{k}={v}" for k, v in self._producer_limits.items()),
+                    ", ".join(f"{k}={v}" for k, v in limits.items()),
                 )
         for stage in self.plan.stages:
             counts = {topic: partitions[topic] for topic in stage.reads}
@@ -351,7 +353,7 @@ class Worker:
                     f"have different partition counts {counts}; declare the same partitions= "
                     "on their key_by operators"
                 )
-        return partitions
+        return partitions, limits
 
     def _check_identity(self) -> str:
         """The Kafka cluster id, checked against the one the job's checkpoints were made on."""
