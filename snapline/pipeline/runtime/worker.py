@@ -1284,14 +1284,20 @@ class Worker:
             raise error
         if self._consumer_fatal is not None:
             raise ConsumerFencedError(f"consumer failed fatally: {self._consumer_fatal}")
-        # Checked here, not only in _route: a poll whose messages are dropped (after a failed
+        # Checked here, not in _route: a poll whose messages are dropped (after a failed
         # checkpoint) must not swallow the one event that says the consumer is dead.
+        events = False
         for msg in messages:
             error = msg.error()
-            if error is not None and classify(error) is ErrorClass.FATAL:
-                # e.g. "Static consumer fenced by other consumer with same group.instance.id"
-                # after a broker outage longer than session.timeout.ms
-                raise ConsumerFencedError(f"consumer failed fatally: {error}")
+            if error is not None:
+                if classify(error) is ErrorClass.FATAL:
+                    # e.g. "Static consumer fenced by other consumer with same
+                    # group.instance.id" after a broker outage longer than session.timeout.ms
+                    raise ConsumerFencedError(f"consumer failed fatally: {error}")
+                log.warning("consumer: %s", error)
+                events = True
+        if events:  # only records go on: what the poll returned besides them is logged
+            messages = [msg for msg in messages if msg.error() is None]
         if messages and self._rebalances != rebalances:
             # A rebalance callback rebuilt (or dropped) the tasks during this poll. The batch
             # can hold messages fetched under the old assignment, which the new tasks must
@@ -1322,17 +1328,18 @@ class Worker:
                 self.consumer.pause(positions)
 
     def _route(self, messages: list[Any]) -> None:
+        """Hand the records of one poll (``_consume``'s: no error events) to their tasks'
+        channels, in order per partition. A poll returns a partition's records in runs
+        (mostly one run per poll), so the group is looked up once per run."""
         groups: dict[tuple[str, int], list[Any]] = {}
+        topic, partition = "", -1
+        group: list[Any] = []
         for msg in messages:
-            if msg.error():
-                log.warning("consumer: %s", msg.error())  # fatal ones were raised by _consume
-                continue
-            key = (msg.topic(), msg.partition())
-            group = groups.get(key)
-            if group is None:
-                groups[key] = [msg]
-            else:
-                group.append(msg)
+            p, t = msg.partition(), msg.topic()
+            if p != partition or t != topic:
+                topic, partition = t, p
+                group = groups.setdefault((t, p), [])
+            group.append(msg)
         for (topic, partition), batch in groups.items():
             task = self.tasks.get(task_id_for(self._stage_of_topic[topic], partition))
             if task is None or (topic, partition) not in task.channels:
