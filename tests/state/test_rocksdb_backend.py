@@ -351,3 +351,25 @@ def test_the_read_cache_is_bounded(make_rocksdb: MakeRocks, monkeypatch) -> None
     backend.flush_writes()
     assert [backend.get(b"key-%06d" % i) for i in range(50)] == [b"v"] * 50
     assert len(backend._cache) <= 10
+
+
+def test_a_flush_that_overflows_the_read_cache_caches_what_it_wrote(
+    make_rocksdb: MakeRocks, monkeypatch
+) -> None:
+    from snapline.pipeline.state import rocksdb as rocksdb_module
+
+    monkeypatch.setattr(rocksdb_module, "READ_CACHE_ENTRIES", 10)
+    backend = make_rocksdb()
+    for i in range(8):
+        backend.put(b"old-%d" % i, b"o")
+    backend.flush_writes()  # fits: the cache holds the 8
+    for i in range(6):
+        backend.put(b"new-%d" % i, b"n")
+    backend.flush_writes()  # 8 + 6 > 10: the cache starts over with the 6 written
+    assert backend._cache == {b"new-%d" % i: b"n" for i in range(6)}
+    backend.put(b"new-0", b"changed")  # the written dict became the cache: a new one buffers
+    assert backend._cache[b"new-0"] == b"n"
+    assert backend.get(b"new-0") == b"changed"
+    backend.flush_writes()
+    assert backend.get(b"new-0") == b"changed"
+    assert [backend.get(b"old-%d" % i) for i in range(8)] == [b"o"] * 8

@@ -318,12 +318,17 @@ class RocksDBStateBackend(KeyedStateBackend):
             else:
                 batch.put(key, value)
         self._db.write(batch, self._write_options)
+        # What was written is what the next reads find. When the cache would overflow, it
+        # starts over with just that: the written dict becomes the cache (no copy).
         cache = self._cache
-        if len(cache) + len(pending) > READ_CACHE_ENTRIES:
+        if len(cache) + len(pending) <= READ_CACHE_ENTRIES:
+            cache.update(pending)
+            pending.clear()
+        elif len(pending) <= READ_CACHE_ENTRIES:
+            self._cache, self._pending = pending, {}
+        else:
             cache.clear()
-        if len(pending) <= READ_CACHE_ENTRIES:
-            cache.update(pending)  # what was written is what the next reads find
-        pending.clear()
+            pending.clear()
 
     # ------------------------------------------------------------------ maps
     def map_get(self, prefix: bytes, user_key: bytes) -> bytes | None:
