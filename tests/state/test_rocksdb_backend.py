@@ -282,11 +282,19 @@ def test_restore_failure_keeps_current_state(
     assert not list(target.task_dir.glob("restore-*"))
 
 
+@pytest.mark.parametrize("flush", ["write-batch", "ingest"])
 def test_buffered_writes_are_read_back_and_reach_snapshots(
-    make_rocksdb: MakeRocks, tmp_path: Path, storage: CheckpointStorage
+    make_rocksdb: MakeRocks,
+    tmp_path: Path,
+    storage: CheckpointStorage,
+    monkeypatch: pytest.MonkeyPatch,
+    flush: str,
 ) -> None:
     """Writes of the open epoch are buffered: reads see them at once (puts, deletes, map
-    entries), iteration and snapshots see them too, and a restore replaces them."""
+    entries), iteration and snapshots see them too, and a restore replaces them. Either way
+    of flushing them (``SST_FLUSH_ENTRIES``)."""
+    if flush == "ingest":
+        monkeypatch.setattr("snapline.pipeline.state.rocksdb.SST_FLUSH_ENTRIES", 1)
     backend = make_rocksdb()
     backend.put(b"a", b"1")
     backend.put(b"b", b"2")
@@ -373,3 +381,31 @@ def test_a_flush_that_overflows_the_read_cache_caches_what_it_wrote(
     backend.flush_writes()
     assert backend.get(b"new-0") == b"changed"
     assert [backend.get(b"old-%d" % i) for i in range(8)] == [b"o"] * 8
+
+
+def test_an_ingested_flush_keeps_its_deletes_and_leaves_no_files(
+    make_rocksdb: MakeRocks, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("snapline.pipeline.state.rocksdb.SST_FLUSH_ENTRIES", 10)
+    backend = make_rocksdb()
+    for i in range(30):
+        backend.put(b"k%03d" % i, b"old")
+    backend.flush_writes()  # 30 puts: one SST file
+    for i in range(0, 30, 2):
+        backend.delete(b"k%03d" % i)
+    for i in range(1, 30, 2):
+        backend.put(b"k%03d" % i, b"new")
+    backend.put(b"k100", b"added")
+    backend.flush_writes()  # 15 deletes through a write batch, 16 puts in an SST file
+    backend._cache.clear()  # what follows reads the database
+    assert [backend.get(b"k%03d" % i) for i in range(30)] == [
+        None if i % 2 == 0 else b"new" for i in range(30)
+    ]
+    assert backend.get(b"k100") == b"added"
+    for i in range(1, 30, 2):
+        backend.delete(b"k%03d" % i)
+    backend.flush_writes()  # deletes only: no SST file
+    backend._cache.clear()
+    assert [backend.get(b"k%03d" % i) for i in range(30)] == [None] * 30
+    assert backend.get(b"k100") == b"added"
+    assert not list(backend.task_dir.glob("flush-*"))

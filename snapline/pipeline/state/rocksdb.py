@@ -3,7 +3,8 @@ checkpoints (a hard-link RocksDB checkpoint, then new SST files only), verified 
 
 Threads
     The task thread owns the database: every get/put/map operation, ``snapshot`` (the
-    synchronous part: RocksDB flushes the memtable and hard-links the live files into
+    synchronous part: the epoch's buffered writes reach the database, as one ingested SST file
+    when there are many; RocksDB flushes the memtable and hard-links the live files into
     ``<task_dir>/checkpoints/chk-<n>-<token>``; nothing else), ``restore`` and ``close``.
     A checkpoint thread runs ``RocksDBSnapshot.materialize``: it reads only that hard-linked
     directory, whose files are immutable, uploads the SST files storage does not hold yet to
@@ -49,7 +50,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
-from itertools import islice
+from itertools import islice, starmap
 from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -93,6 +94,12 @@ _KEY_LEN = struct.Struct(">I")
 _MAP_END = b"\x02"
 #: Buffered writes of the open epoch flushed to RocksDB once this many keys are pending.
 WRITE_BUFFER_ENTRIES = 100_000
+#: A flush of at least this many buffered writes (the snapshot's, mostly) reaches RocksDB as
+#: one SST file written in key order and ingested, not through the memtable: a checkpoint
+#: then has no memtable to flush. Measured, the snapshot pause (median of 22 epochs, two runs)
+#: with 2,500 / 12,500 / 50,000 keys written in the epoch: through a write batch 7.3-8.0 /
+#: 22.5-24.7 / 64-70 ms, ingested 6.3-8.7 / 17.0-17.7 / 49-56 ms.
+SST_FLUSH_ENTRIES = 5_000
 #: Values read from or written to the database that a task keeps in a dict for its next
 #: reads (a running total reads every key it updates; a read through rocksdict costs ~1 µs
 #: more than a dict's). When full it is emptied and fills again with what is read.
@@ -221,9 +228,12 @@ class RocksDBStateBackend(KeyedStateBackend):
         self._stash_previous_incarnation()
         self.checkpoints_dir.mkdir(exist_ok=True)
         self._db: Any = self._open()
+        self._sst_options = build_db_options(self.options, self.resources)
+        self._ingest_options = rocksdict.IngestExternalFileOptions()
+        self._ingest_options.set_move_files(True)
         #: Writes of the open epoch not yet in the database (None: a delete). Reads look here
         #: first; a key written by many records between two checkpoints reaches RocksDB once,
-        #: in one write batch, at the snapshot (or when the buffer is full).
+        #: at the snapshot (or when the buffer is full), in one write batch or SST file.
         self._pending: dict[bytes, bytes | None] = {}
         #: Values equal to the database's (None: absent), for reads: READ_CACHE_ENTRIES.
         #: Emptied by anything that writes to the database other than ``flush_writes``.
@@ -235,7 +245,9 @@ class RocksDBStateBackend(KeyedStateBackend):
 
         A fresh backend must start empty: only ``restore`` decides what state a task has.
         """
-        for staging in self.task_dir.glob("restore-*"):  # a restore interrupted by a crash
+        # A restore or a flush (``_ingest``) interrupted by a crash: the database never took
+        # these files.
+        for staging in [*self.task_dir.glob("restore-*"), *self.task_dir.glob("flush-*")]:
             shutil.rmtree(staging, ignore_errors=True)
         leftovers = [p for p in (self.db_dir, self.checkpoints_dir) if p.exists()]
         if not leftovers:
@@ -311,13 +323,16 @@ class RocksDBStateBackend(KeyedStateBackend):
         pending = self._pending
         if not pending:
             return
-        batch = rocksdict.WriteBatch(raw_mode=True)
-        for key, value in pending.items():
-            if value is None:
-                batch.delete(key)
-            else:
-                batch.put(key, value)
-        self._db.write(batch, self._write_options)
+        if len(pending) >= SST_FLUSH_ENTRIES:
+            self._ingest(pending)
+        else:
+            batch = rocksdict.WriteBatch(raw_mode=True)
+            for key, value in pending.items():
+                if value is None:
+                    batch.delete(key)
+                else:
+                    batch.put(key, value)
+            self._db.write(batch, self._write_options)
         # What was written is what the next reads find. When the cache would overflow, it
         # starts over with just that: the written dict becomes the cache (no copy).
         cache = self._cache
@@ -329,6 +344,32 @@ class RocksDBStateBackend(KeyedStateBackend):
         else:
             cache.clear()
             pending.clear()
+
+    def _ingest(self, pending: dict[bytes, bytes | None]) -> None:
+        """Write ``pending`` as one SST file in key order and ingest it (the deletes go
+        through a write batch first: an SST file of ours holds no tombstones). Keys are
+        distinct, so the order between the two does not matter; the ingested file is newer
+        than everything in the database, as the write batch would have been."""
+        deletes = [key for key, value in pending.items() if value is None]
+        if deletes:
+            batch = rocksdict.WriteBatch(raw_mode=True)
+            for key in deletes:
+                batch.delete(key)
+            self._db.write(batch, self._write_options)
+            if len(deletes) == len(pending):
+                return
+        staging = self.task_dir / f"flush-{uuid.uuid4().hex[:8]}"
+        staging.mkdir()
+        try:
+            path = str(staging / "epoch.sst")
+            writer = rocksdict.SstFileWriter(self._sst_options)
+            writer.open(path)
+            puts = sorted(item for item in pending.items() if item[1] is not None)
+            deque(starmap(writer.__setitem__, puts), maxlen=0)
+            writer.finish()
+            self._db.ingest_external_file([path], self._ingest_options)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
     # ------------------------------------------------------------------ maps
     def map_get(self, prefix: bytes, user_key: bytes) -> bytes | None:
