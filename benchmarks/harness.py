@@ -22,7 +22,14 @@ from typing import Any
 
 from benchmarks.child_env import ChildEnv, read_start_time, read_stats
 from benchmarks.kafka_admin import Topics
-from benchmarks.process import Child, Exit, machine_cpu, tree_cpu_seconds, tree_thread_cpu
+from benchmarks.process import (
+    Child,
+    Exit,
+    machine_cpu,
+    tree_cpu_seconds,
+    tree_main_waits,
+    tree_thread_cpu,
+)
 from benchmarks.profiling import render
 from benchmarks.snapline_runs import METRICS_ENV, checkpoint_metrics
 from benchmarks.stats import percentile, summarize
@@ -73,6 +80,11 @@ class RunResult:
     #: ``cpu_s`` by kind of thread (``process.tree_thread_cpu``): main, librdkafka, other.
     cpu_threads_s: dict[str, float] = field(default_factory=dict)
     machine_busy_cores: float | None = None
+    #: Of ``machine_busy_cores``, the cores the hypervisor took (steal; 0 on a quiet host).
+    machine_steal_cores: float | None = None
+    #: Seconds the system's main threads (a worker's task thread) were runnable but waited for
+    #: a CPU, over the same window (``process.tree_main_waits``); per process.
+    main_wait_s: float | None = None
     stopped_by: str = ""
     profiled: bool = False
     profile: str = ""
@@ -196,6 +208,7 @@ class Bench:
             else:
                 cpu_before, machine_before = tree_cpu_seconds(child.pid), machine_cpu()
                 threads_before = tree_thread_cpu(child.pid)
+                waits_before = tree_main_waits(child.pid)
                 result.startup_s = round(started - child.started_at, 3)
                 hard = s.startup_timeout + n / s.min_rate
                 seen, why = verifier.wait_for(n, hard, s.stall_timeout, child.running)
@@ -209,10 +222,14 @@ class Bench:
                         kind: round(threads_after[kind] - threads_before[kind], 2)
                         for kind in threads_after
                     }
+                    result.main_wait_s = round(tree_main_waits(child.pid) - waits_before, 2)
                     window = machine_after[1] - machine_before[1]
                     if window > 0:
+                        cores = os.cpu_count() or 1
                         busy = (machine_after[0] - machine_before[0]) / window
-                        result.machine_busy_cores = round(busy * (os.cpu_count() or 1), 2)
+                        steal = (machine_after[2] - machine_before[2]) / window
+                        result.machine_busy_cores = round(busy * cores, 2)
+                        result.machine_steal_cores = round(steal * cores, 2)
                     result.elapsed_s = round(seen - started, 3)
                     result.wall_s = round(seen - child.started_at, 3)
                     result.records_per_s = round(n / max(seen - started, 1e-6), 1)

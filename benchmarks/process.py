@@ -149,13 +149,33 @@ def tail(path: Path, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def machine_cpu() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine since boot, from ``/proc/stat``."""
+def machine_cpu() -> tuple[float, float, float]:
+    """(busy, total, steal) CPU seconds of the whole machine since boot, from ``/proc/stat``.
+    Busy includes steal: time a virtual machine's CPUs wanted to run but the hypervisor ran
+    something else (a quiet host shows none)."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     ticks = os.sysconf("SC_CLK_TCK")
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
     total = sum(fields[:8])
-    return (total - idle) / ticks, total / ticks
+    steal = fields[7] if len(fields) > 7 else 0
+    return (total - idle) / ticks, total / ticks, steal / ticks
+
+
+def tree_main_waits(pid: int) -> float:
+    """Seconds the main threads of ``pid`` and its live descendants spent runnable but waiting
+    for a CPU (the second field of ``/proc/<pid>/schedstat``; 0 where the kernel has none).
+    Over a window, a large share of it says the machine's cores, not a lock or the system's
+    own waiting, held the task threads back."""
+    waited, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            waited += int(Path(f"/proc/{p}/schedstat").read_text().split()[1])
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+        except (OSError, ValueError, IndexError):
+            continue
+    return waited / 1e9
 
 
 def tree_thread_cpu(pid: int) -> dict[str, float]:

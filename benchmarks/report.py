@@ -119,6 +119,12 @@ def summarize_systems(systems: list[System], results: list[RunResult]) -> list[d
             },
             "machine_busy_cores": median([r.machine_busy_cores for r in ok
                                           if r.machine_busy_cores is not None]),
+            "machine_steal_cores": median([r.machine_steal_cores for r in ok
+                                           if r.machine_steal_cores is not None]),
+            # Seconds the main threads waited for a CPU per second of the run, summed over
+            # the system's processes (two workers: up to 2).
+            "main_wait_share": median([r.main_wait_s / r.elapsed_s for r in ok
+                                       if r.main_wait_s is not None and r.elapsed_s]),
             "notes": system.notes,
         })
     base = next((r["records_per_s"] for r in rows if r["system"] == "baseline-a"), None)

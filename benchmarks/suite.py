@@ -88,6 +88,11 @@ def _line(result: RunResult) -> str:
         split = "/".join(f"{v * per:.1f}" for v in result.cpu_threads_s.values())
         cpu = (f", CPU {result.cpu_s * per:.1f} µs/record (main/librdkafka/other threads "
                f"{split}), machine {result.machine_busy_cores:.2f} cores busy")
+        if result.machine_steal_cores:
+            cpu += f" ({result.machine_steal_cores:.2f} stolen by the hypervisor)"
+        if result.main_wait_s is not None and result.elapsed_s:
+            cpu += (f", main threads waited for a CPU "
+                    f"{result.main_wait_s / result.elapsed_s:.0%} of the run")
     return (f"{result.records_per_s:,.0f} records/s ({result.elapsed_s:.1f}s, startup "
             f"{result.startup_s:.1f}s, peak RSS {result.peak_rss_mb:,.0f} MB{cpu})")
 
