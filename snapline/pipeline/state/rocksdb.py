@@ -49,8 +49,8 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator
-from itertools import islice, starmap
+from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
 from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -358,18 +358,28 @@ class RocksDBStateBackend(KeyedStateBackend):
             self._db.write(batch, self._write_options)
             if len(deletes) == len(pending):
                 return
-        staging = self.task_dir / f"flush-{uuid.uuid4().hex[:8]}"
-        staging.mkdir()
+        keys, values = zip(
+            *sorted(item for item in pending.items() if item[1] is not None), strict=True
+        )
+        self._ingest_sorted(self._db, "flush", keys, values)
+
+    def _ingest_sorted(
+        self, db: Any, staging: str, keys: Iterable[bytes], values: Iterable[bytes]
+    ) -> None:
+        """Write the entries (keys strictly increasing) as one SST file in a staging
+        directory of the task (``<staging>-<token>``, removed after, and at the next start if
+        a crash left it) and ingest it into ``db``, moving the file."""
+        directory = self.task_dir / f"{staging}-{uuid.uuid4().hex[:8]}"
+        directory.mkdir()
         try:
-            path = str(staging / "epoch.sst")
+            path = str(directory / "entries.sst")
             writer = rocksdict.SstFileWriter(self._sst_options)
             writer.open(path)
-            puts = sorted(item for item in pending.items() if item[1] is not None)
-            deque(starmap(writer.__setitem__, puts), maxlen=0)
+            deque(map(writer.__setitem__, keys, values), maxlen=0)
             writer.finish()
-            self._db.ingest_external_file([path], self._ingest_options)
+            db.ingest_external_file([path], self._ingest_options)
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(directory, ignore_errors=True)
 
     # ------------------------------------------------------------------ maps
     def map_get(self, prefix: bytes, user_key: bytes) -> bytes | None:
@@ -552,20 +562,8 @@ class RocksDBStateBackend(KeyedStateBackend):
             # A key twice: put_many semantics (the last one wins), which an SST cannot hold.
             super().load_arrays(stored, values)
             return
-        staging = self.task_dir / f"restore-{uuid.uuid4().hex[:8]}"
-        staging.mkdir()
-        try:
-            path = str(staging / "load.sst")
-            writer = rocksdict.SstFileWriter(build_db_options(self.options, self.resources))
-            writer.open(path)
-            with bulk():
-                deque(map(writer.__setitem__, stored.to_pylist(), values.to_pylist()), maxlen=0)
-            writer.finish()
-            ingest = rocksdict.IngestExternalFileOptions()
-            ingest.set_move_files(True)
-            self.db.ingest_external_file([path], ingest)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        with bulk():
+            self._ingest_sorted(self.db, "restore", stored.to_pylist(), values.to_pylist())
 
     def items(self) -> Iterator[tuple[bytes, bytes | None, bytes]]:
         # Stored keys are key_group(2) | key_len(4) | key | state_id(1) [| MAP_TAG | user key].
