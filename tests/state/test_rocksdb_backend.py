@@ -391,12 +391,15 @@ def test_an_ingested_flush_keeps_its_deletes_and_leaves_no_files(
     for i in range(30):
         backend.put(b"k%03d" % i, b"old")
     backend.flush_writes()  # 30 puts: one SST file
+    memtable = "rocksdb.num-entries-active-mem-table"
+    assert backend._db.property_int_value(memtable) == 0, "the puts went through the memtable"
     for i in range(0, 30, 2):
         backend.delete(b"k%03d" % i)
     for i in range(1, 30, 2):
         backend.put(b"k%03d" % i, b"new")
     backend.put(b"k100", b"added")
     backend.flush_writes()  # 15 deletes through a write batch, 16 puts in an SST file
+    assert backend._db.property_int_value(memtable) <= 15, "the puts went through the memtable"
     backend._cache.clear()  # what follows reads the database
     assert [backend.get(b"k%03d" % i) for i in range(30)] == [
         None if i % 2 == 0 else b"new" for i in range(30)

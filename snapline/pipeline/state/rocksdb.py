@@ -245,7 +245,7 @@ class RocksDBStateBackend(KeyedStateBackend):
 
         A fresh backend must start empty: only ``restore`` decides what state a task has.
         """
-        # A restore or a flush (``_ingest``) interrupted by a crash: the database never took
+        # A restore or a flush (``_ingest_sorted``) interrupted by a crash: the database never took
         # these files.
         for staging in [*self.task_dir.glob("restore-*"), *self.task_dir.glob("flush-*")]:
             shutil.rmtree(staging, ignore_errors=True)
@@ -318,21 +318,31 @@ class RocksDBStateBackend(KeyedStateBackend):
             self.flush_writes()
 
     def flush_writes(self) -> None:
-        """Write the buffered writes to the database in one batch (before anything that
-        iterates the database or snapshots it)."""
+        """Write the buffered writes to the database, in one write batch or, when there are
+        ``SST_FLUSH_ENTRIES`` or more, as one ingested SST file (before anything that iterates
+        the database or snapshots it)."""
         pending = self._pending
         if not pending:
             return
-        if len(pending) >= SST_FLUSH_ENTRIES:
-            self._ingest(pending)
-        else:
-            batch = rocksdict.WriteBatch(raw_mode=True)
-            for key, value in pending.items():
-                if value is None:
-                    batch.delete(key)
-                else:
-                    batch.put(key, value)
+        # Many writes: the puts go in as one SST file in key order (``_ingest_sorted``), the
+        # deletes through the write batch (an SST file of ours holds no tombstones). Keys are
+        # distinct, so the order between the two does not matter.
+        ingest = len(pending) >= SST_FLUSH_ENTRIES
+        puts: list[tuple[bytes, bytes]] = []
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        for key, value in pending.items():
+            if value is None:
+                batch.delete(key)
+            elif ingest:
+                puts.append((key, value))
+            else:
+                batch.put(key, value)
+        if not batch.is_empty():
             self._db.write(batch, self._write_options)
+        if puts:
+            puts.sort()
+            keys, values = zip(*puts, strict=True)
+            self._ingest_sorted(self._db, "flush", keys, values)
         # What was written is what the next reads find. When the cache would overflow, it
         # starts over with just that: the written dict becomes the cache (no copy).
         cache = self._cache
@@ -344,24 +354,6 @@ class RocksDBStateBackend(KeyedStateBackend):
         else:
             cache.clear()
             pending.clear()
-
-    def _ingest(self, pending: dict[bytes, bytes | None]) -> None:
-        """Write ``pending`` as one SST file in key order and ingest it (the deletes go
-        through a write batch first: an SST file of ours holds no tombstones). Keys are
-        distinct, so the order between the two does not matter; the ingested file is newer
-        than everything in the database, as the write batch would have been."""
-        deletes = [key for key, value in pending.items() if value is None]
-        if deletes:
-            batch = rocksdict.WriteBatch(raw_mode=True)
-            for key in deletes:
-                batch.delete(key)
-            self._db.write(batch, self._write_options)
-            if len(deletes) == len(pending):
-                return
-        keys, values = zip(
-            *sorted(item for item in pending.items() if item[1] is not None), strict=True
-        )
-        self._ingest_sorted(self._db, "flush", keys, values)
 
     def _ingest_sorted(
         self, db: Any, staging: str, keys: Iterable[bytes], values: Iterable[bytes]
