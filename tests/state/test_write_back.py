@@ -8,11 +8,13 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from state_helpers import Keyed, take_checkpoint
 
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.errors import StateError
 from snapline.pipeline.state import descriptors
 from snapline.pipeline.state.backend import KeyedStateBackend
 from snapline.pipeline.state.descriptors import KeyScope, ValueState
@@ -45,6 +47,19 @@ def test_plain_updates_reach_the_backend_at_flush(make_backend: Make) -> None:
     assert stored(backend, keyed, "a") == b"15"
     keyed.at("a")
     assert total.value() == 15
+
+
+def test_an_update_that_cannot_be_encoded_leaves_the_cached_value(make_backend: Make) -> None:
+    backend = make_backend()
+    keyed = write_back(backend)
+    state = keyed.bind(ValueState("v"), 1)
+    keyed.at("a")
+    state.update(7)
+    with pytest.raises(StateError, match="not JSON-serializable"):
+        state.update({"ids": {1, 2}})  # a set: the update fails, as if never made
+    assert state.value() == 7
+    keyed.scope.flush()
+    assert stored(backend, keyed, "a") == b"7"
 
 
 def test_a_written_through_value_replaces_a_cached_one(make_backend: Make) -> None:

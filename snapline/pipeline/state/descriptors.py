@@ -33,7 +33,7 @@ class KeyScope:
     """The current key of a task: set by the keyed operator before each record.
 
     ``write_back`` (set by the operator before it binds states): value states keep the
-    decoded values of plain scalars (see ``_plain``) in a per-epoch cache and write them to the
+    decoded values of plain scalars (see ``is_plain``) in a per-epoch cache and write them to the
     backend when the operator calls ``flush`` (at the barrier, before the snapshot), so a
     key updated many times in an epoch is decoded once and encoded once. Only for scopes whose
     ``prefix`` names one key (not Spark's per-key state handles, whose prefix is empty)."""
@@ -84,8 +84,8 @@ def ttl_ms(ttl: float | timedelta | None, name: str | None) -> int | None:
 
 
 _EXPIRY_BYTES = 8
-#: Serdes whose decode(encode(v)) is v for ``_plain`` values (write-back caching is exact).
-_EXACT_SERDES = (JsonSerde, PickleSerde)
+#: Serdes whose decode(encode(v)) is v for ``is_plain`` values (write-back caching is exact).
+EXACT_SERDES = (JsonSerde, PickleSerde)
 
 
 def _expiry(raw: bytes) -> int:
@@ -274,7 +274,7 @@ _MISSING = object()
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
 
 
-def _plain(value: Any) -> bool:
+def is_plain(value: Any) -> bool:
     """Whether ``value`` may wait in a write-back cache: immutable, and the JSON and pickle
     serdes encode it without error and decode it to an equal value of the same type (orjson
     refuses ints beyond 64 bits and strings with surrogates, and writes NaN as null)."""
@@ -290,7 +290,7 @@ def _plain(value: Any) -> bool:
 
 class BoundValueState(_Bound):
     """Under a ``write_back`` scope (the keyed process operator), an update to a plain value
-    (``_plain``) waits in a per-epoch cache, where reads find it; ``flush`` encodes and writes
+    (``is_plain``) waits in a per-epoch cache, where reads find it; ``flush`` encodes and writes
     the cache to the backend. A key updated n times in an epoch is encoded once instead of n
     times and decoded at most once. Anything else (dicts, lists, other serdes, TTL) goes to
     the backend at once.
@@ -323,7 +323,7 @@ class BoundValueState(_Bound):
         #: Flushes left before the cache resumes; the next pause's length.
         self._paused = 0
         self._pause = WRITE_BACK_PAUSE
-        if scope.write_back and desc.ttl_ms is None and type(desc.serde) in _EXACT_SERDES:
+        if scope.write_back and desc.ttl_ms is None and type(desc.serde) in EXACT_SERDES:
             self._cache = {}
             scope.flushers.append(self.flush)
 
@@ -350,23 +350,27 @@ class BoundValueState(_Bound):
         key = prefix + self._sid
         cache = self._cache
         if cache is not None:
-            # _plain(value), its int case inlined (a counter's update, once per record)
+            # is_plain(value), its int case inlined (a counter's update, once per record)
             if (
                 _INT_MIN <= value <= _INT_MAX
                 if type(value) is int
-                else value is not None and _plain(value)
+                else value is not None and is_plain(value)
             ):
                 cache[key] = value
                 self._updates += 1
                 if len(cache) > WRITE_BACK_ENTRIES:
                     self.flush()
                 return
-            # Written through: an older cached value must neither be read nor written back.
+            # Written through: an older cached value must neither be read nor written back
+            # (dropped only once the new one is encoded: if encoding raises, it stays).
+            encoded = None if value is None else self._dumps(value)
             cache.pop(key, None)
-        if value is None:
+        else:
+            encoded = None if value is None else self._dumps(value)
+        if encoded is None:
             self._backend.delete(key)
         else:
-            self._put(key, self._dumps(value))
+            self._put(key, encoded)
 
     def clear(self) -> None:
         self.update(None)
