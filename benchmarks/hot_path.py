@@ -37,7 +37,14 @@ from typing import Any
 
 import orjson
 
-from snapline import KafkaSink, KafkaSource, KeyedProcessFunction, Pipeline, ValueState
+from snapline import (
+    AggregateFunction,
+    KafkaSink,
+    KafkaSource,
+    KeyedProcessFunction,
+    Pipeline,
+    ValueState,
+)
 from snapline.pipeline.record import ListedMessage
 from snapline.pipeline.runtime.faults import FaultInjector
 from snapline.pipeline.runtime.task import Task
@@ -46,7 +53,7 @@ from snapline.pipeline.stages import task_id_for
 from snapline.pipeline.state import create_backend
 
 CHUNK = 10_000
-SYSTEMS = ("baseline", "keyed", "two-stage")
+SYSTEMS = ("baseline", "keyed", "aggregate", "two-stage")
 
 
 class RunningTotal(KeyedProcessFunction):
@@ -56,6 +63,19 @@ class RunningTotal(KeyedProcessFunction):
         t = self.total.value() + value["amount"]
         self.total.update(t)
         yield {"customer": ctx.key, "total": t}
+
+
+class Total(AggregateFunction[dict[str, Any], int, int]):
+    """The running total as a rolling aggregate (``key_by().aggregate(Total())``)."""
+
+    def create_accumulator(self) -> int:
+        return 0
+
+    def add(self, value: dict[str, Any], accumulator: int) -> int:
+        return accumulator + value["amount"]  # type: ignore[no-any-return]
+
+    def get_result(self, accumulator: int) -> int:
+        return accumulator
 
 
 class _Producer:
@@ -149,15 +169,16 @@ def _task(
     )
 
 
-def keyed(messages: list[ListedMessage], backend: str, epoch: int = 0) -> int:
-    """``epoch``: records between two barriers (rounded up to whole chunks; 0: none)."""
+def keyed(
+    messages: list[ListedMessage], backend: str, epoch: int = 0, rolling: bool = False
+) -> int:
+    """``epoch``: records between two barriers (rounded up to whole chunks; 0: none).
+    ``rolling``: the running total as ``aggregate(Total())`` instead of a process function."""
     tmp = tempfile.mkdtemp(prefix="snapline-hot-path-")
     pipeline = Pipeline("hot", checkpoint_dir=f"{tmp}/chk", state_backend=backend)
-    (
-        pipeline.source(KafkaSource("in", value_format="json"))
-        .key_by()
-        .process(RunningTotal())
-        .sink(KafkaSink("out", value_format="json"))
+    keyed = pipeline.source(KafkaSource("in", value_format="json")).key_by()
+    (keyed.aggregate(Total()) if rolling else keyed.process(RunningTotal())).sink(
+        KafkaSink("out", value_format="json")
     )
     out = _Producer()
     task = _task(pipeline, 0, {("in", 0): 0}, backend, out, tmp, {})
@@ -201,6 +222,8 @@ def run_once(system: str, messages: list[ListedMessage], backend: str, epoch: in
         baseline(messages)
     elif system == "keyed":
         keyed(messages, backend, epoch)
+    elif system == "aggregate":
+        keyed(messages, backend, epoch, rolling=True)
     elif system == "two-stage":
         two_stage(messages, backend)
     elif system != "none":

@@ -14,7 +14,7 @@ from typing import Any
 
 from benchmarks.child_env import ChildEnv, StartMarker
 from snapline.connectors import KafkaSource
-from snapline.pipeline import KeyedProcessFunction, Pipeline, ValueState
+from snapline.pipeline import AggregateFunction, KeyedProcessFunction, Pipeline, ValueState
 from snapline.pipeline.functions import Context
 from snapline.sinks import KafkaSink
 
@@ -32,6 +32,24 @@ class RunningTotal(KeyedProcessFunction):
         t = self.total.value() + value["amount"]
         self.total.update(t)
         yield {"customer": ctx.key, "total": t}
+
+
+class Total(AggregateFunction[dict[str, Any], int, int]):
+    """The running total as a rolling aggregate: ``key_by().aggregate(Total(...))`` emits
+    ``{"key": customer, "value": total}`` (the verifier's ``rolling`` mode)."""
+
+    def __init__(self, start_file: str) -> None:
+        self._marker = StartMarker(start_file)
+
+    def create_accumulator(self) -> int:
+        return 0
+
+    def add(self, value: dict[str, Any], accumulator: int) -> int:
+        self._marker.mark()
+        return accumulator + value["amount"]  # type: ignore[no-any-return]
+
+    def get_result(self, accumulator: int) -> int:
+        return accumulator
 
 
 class RunningTotalWithNote(KeyedProcessFunction):
@@ -73,6 +91,19 @@ def running_total() -> Pipeline:
         pipeline.source(KafkaSource(env.in_topic, value_format="json"))
         .key_by()  # the input is keyed by customer
         .process(RunningTotal(env.start_file))
+        .sink(KafkaSink(env.out_topic, value_format="json"))
+    )
+    return pipeline
+
+
+def running_total_aggregate() -> Pipeline:
+    """The running total with the built-in rolling aggregate instead of a process function."""
+    env = ChildEnv.from_environ()
+    pipeline = _pipeline(env)
+    (
+        pipeline.source(KafkaSource(env.in_topic, value_format="json"))
+        .key_by()  # the input is keyed by customer
+        .aggregate(Total(env.start_file))
         .sink(KafkaSink(env.out_topic, value_format="json"))
     )
     return pipeline

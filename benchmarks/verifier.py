@@ -19,7 +19,9 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartiti
 
 from benchmarks.workload import Expected, LatencyLedger
 
-Mode = Literal["total", "map", "state"]
+#: total: outputs {"customer", "total"}; rolling: the same as a rolling aggregate emits them,
+#: {"key": customer, "value": total}; map: the input's orders projected.
+Mode = Literal["total", "rolling", "map", "state"]
 
 
 @dataclass
@@ -43,6 +45,8 @@ class Tally:
         self.count += 1
         try:
             value = orjson.loads(raw or b"")
+            if self.mode == "rolling":
+                value = {"customer": value["key"], "total": value["value"]}
             customer = value["customer"]
         except (orjson.JSONDecodeError, KeyError, TypeError):
             self.undecodable += 1

@@ -15,8 +15,15 @@ from typing import TYPE_CHECKING, Any
 from snapline.pipeline.errors import ConfigurationError
 from snapline.pipeline.functions import KeyedCoProcessFunction, KeyedProcessFunction
 from snapline.pipeline.keygroups import DEFAULT_MAX_PARALLELISM, MAX_MAX_PARALLELISM
+from snapline.pipeline.rolling import (
+    RollingAggregate,
+    rolling_aggregate,
+    rolling_count,
+    rolling_reduce,
+)
 from snapline.pipeline.state import BACKENDS
 from snapline.pipeline.state.descriptors import StateDescriptor, declared_states
+from snapline.pipeline.state.serde import Serde
 from snapline.pipeline.state.timers import TimerState
 
 if TYPE_CHECKING:
@@ -25,6 +32,7 @@ if TYPE_CHECKING:
     from snapline.connectors.kafka_source import KafkaSource
     from snapline.pipeline.sink import Sink
     from snapline.pipeline.stages import StagePlan
+    from snapline.pipeline.state.descriptors import AggregateFunction
     from snapline.pipeline.windows import WindowAssigner, WindowedStream, WindowSpec
 
 GUARANTEES = ("exactly_once", "at_least_once")
@@ -127,6 +135,24 @@ class Stream:
             ".key_by(lambda value: <key>) before .process(...)"
         )
 
+    def count(self, *, name: str = "", uid: str | None = None) -> Stream:
+        raise _needs_key("count()")
+
+    def reduce(
+        self, fn: Callable[[Any, Any], Any], *, name: str = "", uid: str | None = None
+    ) -> Stream:
+        raise _needs_key("reduce(fn)")
+
+    def aggregate(
+        self,
+        function: AggregateFunction[Any, Any, Any],
+        *,
+        serde: Serde | str | None = None,
+        name: str = "",
+        uid: str | None = None,
+    ) -> Stream:
+        raise _needs_key("aggregate(function)")
+
     def window(
         self,
         assigner: WindowAssigner,
@@ -168,7 +194,7 @@ class KeyedStream(Stream):
 
     def process(
         self, function: KeyedProcessFunction, *, name: str = "", uid: str | None = None
-    ) -> Stream:
+    ) -> KeyedStream:
         """Run ``function`` per key with its keyed state. ``uid`` is the operator's stable id
         in savepoints (default: ``name``, else the function's class name, with ``-2``, ``-3``
         ... for repeats); set it explicitly before an upgrade may rename things."""
@@ -187,6 +213,33 @@ class KeyedStream(Stream):
             )
         )
         return KeyedStream(self._pipeline, node)
+
+    def count(self, *, name: str = "", uid: str | None = None) -> KeyedStream:
+        """A rolling count per key: each record emits ``{"key": key, "value": n}``, n the
+        number of the key's records so far (not windowed: see ``window(...).count()``)."""
+        return self.process(rolling_count(), name=name or "count", uid=uid)
+
+    def reduce(
+        self, fn: Callable[[Any, Any], Any], *, name: str = "", uid: str | None = None
+    ) -> KeyedStream:
+        """A rolling reduce per key: each record emits ``{"key": key, "value": acc}`` where
+        ``acc = fn(acc, value)`` (the key's first value as it is). The accumulator is keyed
+        state stored as JSON; ``fn`` returning None sends the record to the dead letters."""
+        return self.process(rolling_reduce(fn), name=name or "reduce", uid=uid)
+
+    def aggregate(
+        self,
+        function: AggregateFunction[Any, Any, Any],
+        *,
+        serde: Serde | str | None = None,
+        name: str = "",
+        uid: str | None = None,
+    ) -> KeyedStream:
+        """A rolling aggregate per key: each record emits ``{"key": key, "value":
+        function.get_result(acc)}`` after ``acc = function.add(value, acc)`` (starting from
+        ``create_accumulator()``). The accumulator is keyed state stored with ``serde`` (JSON
+        by default), e.g. a running total or average per customer."""
+        return self.process(rolling_aggregate(function, serde), name=name or "aggregate", uid=uid)
 
     def window(
         self,
@@ -256,6 +309,13 @@ class ConnectedStreams:
             )
         )
         return KeyedStream(self._pipeline, node)
+
+
+def _needs_key(call: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"{call} is a rolling aggregation per key and needs a keyed stream: call "
+        f".key_by(lambda value: <key>) before .{call}"
+    )
 
 
 def _reject_state_on(kind: str, fn: Any) -> None:
@@ -406,7 +466,9 @@ class Pipeline:
             if node.kind in STATEFUL_KINDS:
                 result[node.id] = []
                 declared = (
-                    node.fn.states() if node.kind == "window" else declared_states(type(node.fn))
+                    node.fn.states()
+                    if node.kind == "window" or isinstance(node.fn, RollingAggregate)
+                    else declared_states(type(node.fn))
                 )
                 for desc in declared:
                     result[node.id].append((next_id, desc))

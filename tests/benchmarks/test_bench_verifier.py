@@ -37,6 +37,27 @@ def test_correct_output_passes() -> None:
     assert check(tally_of(outputs()), expected(), exactly_once=True) == []
 
 
+def rolling(values: list[bytes]) -> list[bytes]:
+    """The same outputs as a rolling aggregate emits them."""
+    out = []
+    for raw in values:
+        v = orjson.loads(raw)
+        out.append(orjson.dumps({"key": v["customer"], "value": v["total"]}))
+    return out
+
+
+def test_rolling_outputs_are_checked_like_totals() -> None:
+    assert check(tally_of(rolling(outputs()), "rolling"), expected(), exactly_once=True) == []
+    out = outputs()
+    duplicated = rolling([*out[:3], out[2], *out[3:]])
+    problems = check(tally_of(duplicated, "rolling"), expected(), exactly_once=True)
+    assert any("6 outputs for 5 inputs" in p for p in problems)
+    wrong = rolling([*out[:4], orjson.dumps({"customer": "b", "total": 8})])
+    assert check(tally_of(wrong, "rolling"), expected(), exactly_once=True)
+    # Read as plain totals they are not understood at all.
+    assert tally_of(rolling(outputs())).undecodable == len(INPUTS)
+
+
 def test_duplicate_is_caught_under_exactly_once_only() -> None:
     out = outputs()
     duplicated = [*out[:3], out[2], *out[3:]]

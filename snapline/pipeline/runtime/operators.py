@@ -23,6 +23,7 @@ from snapline.pipeline.formats import untag_key as _untag_key
 from snapline.pipeline.functions import Context, KeyedCoProcessFunction, KeyedProcessFunction
 from snapline.pipeline.keygroups import KEY_PREFIX, state_key_prefix
 from snapline.pipeline.record import Record
+from snapline.pipeline.rolling import RollingAggregate
 from snapline.pipeline.runtime.barrier import Barrier
 from snapline.pipeline.runtime.kafka_calls import kafka_error
 from snapline.pipeline.runtime.timers import TimerService, processing_time_ms
@@ -30,7 +31,14 @@ from snapline.pipeline.runtime.watermarks import WatermarkRecord
 from snapline.pipeline.sink import PreCommitResult, SinkWriter
 from snapline.pipeline.stages import Repartition
 from snapline.pipeline.state.backend import KeyedStateBackend
-from snapline.pipeline.state.descriptors import KeyScope, StateDescriptor
+from snapline.pipeline.state.descriptors import (
+    EXACT_SERDES,
+    PLAIN_INT_MAX,
+    PLAIN_INT_MIN,
+    KeyScope,
+    StateDescriptor,
+    is_plain,
+)
 from snapline.pipeline.state.timers import EVENT_TIME, PROCESSING_TIME, TimerState
 from snapline.pipeline.time import timestamp_ms
 
@@ -575,6 +583,126 @@ class ProcessOperator(Operator):
 
     def close(self) -> None:
         self._function.close()
+
+
+#: Decoded accumulators a ``RollingAggregateOperator`` keeps between epochs (about 180 bytes
+#: each); beyond it the cache is emptied at the next chunk or barrier.
+ROLLING_CACHE_ENTRIES = 50_000
+_MISSING = object()
+
+
+class RollingAggregateOperator(Operator):
+    """``KeyedStream.count/reduce/aggregate`` (a ``RollingAggregate``) without a process
+    function's per-record machinery (key scope, context, generator, state methods): the same
+    state entries, encoded alike, and the same outputs and dead letters as a
+    ``ProcessOperator`` running the function.
+
+    Accumulators that are plain values (``is_plain``: numbers, ASCII strings, booleans, with
+    the JSON or pickle serde) stay decoded in a cache keyed by the key's bytes, across epochs:
+    an update marks the key dirty, and ``flush_state`` (before every snapshot) writes the dirty
+    ones to the backend. The cache lives and dies with the task, and every restore builds a
+    new task over a new backend, so it never holds a value the backend does not. Other
+    accumulators (dicts, lists, other serdes) are read, decoded, encoded and written per
+    record, as ``ValueState`` does."""
+
+    def __init__(
+        self,
+        task: OperatorContext,
+        name: str,
+        function: RollingAggregate,
+        states: list[tuple[int, StateDescriptor]],
+        backend: KeyedStateBackend,
+    ) -> None:
+        super().__init__(task, name)
+        ((state_id, desc),) = [(sid, d) for sid, d in states if d is function.descriptor]
+        self._sid = bytes([state_id])
+        self._get = backend.get
+        self._put = backend.put
+        self._loads = desc.serde.loads
+        self._dumps = desc.serde.dumps
+        self._cacheable = type(desc.serde) in EXACT_SERDES
+        self._function = function
+        #: Key bytes -> decoded accumulator (plain values only).
+        self._values: dict[bytes, Any] = {}
+        #: Key bytes -> key-group, of the cached values not yet written to the backend.
+        self._dirty: dict[bytes, int] = {}
+
+    def process(self, records: list[Record]) -> None:
+        if len(self._values) > ROLLING_CACHE_ENTRIES:
+            self.flush_state()
+            self._values.clear()
+        values = self._values
+        dirty = self._dirty
+        cacheable = self._cacheable
+        function = self._function
+        create, add, value_first, result = (
+            function.create,
+            function.add,
+            function.value_first,
+            function.result,
+        )
+        get, loads = self._get, self._loads
+        pack_prefix = KEY_PREFIX.pack
+        sid = self._sid
+        out: list[Record] = []
+        append = out.append
+        in_place = self.owns_input
+        for r in records:
+            key_bytes: bytes = r.key_bytes  # type: ignore[assignment]
+            value = r.value
+            try:
+                # function.fold(acc, value), inlined
+                acc = values.get(key_bytes, _MISSING)
+                if acc is _MISSING:
+                    raw = get(pack_prefix(r.key_group, len(key_bytes)) + key_bytes + sid)
+                    acc = None if raw is None else loads(raw)
+                if acc is None:
+                    if create is None:
+                        acc = value
+                    else:
+                        acc = add(value, create()) if value_first else add(create(), value)
+                else:
+                    acc = add(value, acc) if value_first else add(acc, value)
+                if acc is None:
+                    raise ValueError(
+                        f"{function.what}: the function returned None for key {r.key!r}"
+                    )
+                # is_plain(acc), its int case inlined (counts and sums)
+                if cacheable and (
+                    PLAIN_INT_MIN <= acc <= PLAIN_INT_MAX if type(acc) is int else is_plain(acc)
+                ):
+                    values[key_bytes] = acc
+                    dirty[key_bytes] = r.key_group
+                else:
+                    self._write_through(r, acc)
+                out_value = {"key": r.key, "value": acc if result is None else result(acc)}
+            except Exception as exc:
+                self.task.dead_letter(r, f"{self.name} raised {exc!r}")
+                continue
+            if in_place:
+                r.value = out_value
+                append(r)
+            else:
+                append(r.with_value(out_value))
+        self.emit(out)
+
+    def _write_through(self, r: Record, acc: Any) -> None:
+        key_bytes = r.key_bytes
+        assert key_bytes is not None
+        encoded = self._dumps(acc)  # first: if it raises, the cached value stays
+        self._values.pop(key_bytes, None)
+        self._dirty.pop(key_bytes, None)
+        self._put(state_key_prefix(r.key_group, key_bytes) + self._sid, encoded)
+
+    def on_barrier(self, barrier: Barrier) -> None:
+        self.task.snapshot_state(barrier.checkpoint_id)
+
+    def flush_state(self) -> None:
+        values, put, dumps, sid = self._values, self._put, self._dumps, self._sid
+        pack_prefix = KEY_PREFIX.pack
+        for key_bytes, group in self._dirty.items():
+            put(pack_prefix(group, len(key_bytes)) + key_bytes + sid, dumps(values[key_bytes]))
+        self._dirty.clear()
 
 
 class CoProcessOperator(ProcessOperator):

@@ -31,6 +31,7 @@ import orjson
 from snapline.pipeline.errors import ConfigurationError, SnaplineError
 from snapline.pipeline.graph import Node, Pipeline
 from snapline.pipeline.record import Record, dead_letter_headers
+from snapline.pipeline.rolling import RollingAggregate
 from snapline.pipeline.runtime.barrier import Barrier, BarrierAligner
 from snapline.pipeline.runtime.faults import FaultInjector
 from snapline.pipeline.runtime.operators import (
@@ -43,6 +44,7 @@ from snapline.pipeline.runtime.operators import (
     ProcessOperator,
     RepartitionSource,
     RepartitionWriter,
+    RollingAggregateOperator,
     SinkOperator,
     SourceOperator,
 )
@@ -261,6 +263,8 @@ class Task:
                 raw_keys=node.fn is None and _kafka_keys_are_raw(node),
             )
         maxp = self.pipeline.max_parallelism
+        if kind == "process" and isinstance(node.fn, RollingAggregate):
+            return RollingAggregateOperator(self, node.name, node.fn, states[node.id], self.backend)
         if kind == "process":
             return ProcessOperator(self, node.name, node.fn, states[node.id], self.backend, maxp)
         if kind == "co_process":

@@ -271,7 +271,7 @@ WRITE_BACK_MIN_UPDATES = 1.5
 WRITE_BACK_PAUSE = 8
 WRITE_BACK_MAX_PAUSE = 64
 _MISSING = object()
-_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
+PLAIN_INT_MIN, PLAIN_INT_MAX = -(1 << 63), (1 << 64) - 1
 
 
 def is_plain(value: Any) -> bool:
@@ -280,7 +280,7 @@ def is_plain(value: Any) -> bool:
     refuses ints beyond 64 bits and strings with surrogates, and writes NaN as null)."""
     kind = type(value)
     if kind is int:
-        return _INT_MIN <= value <= _INT_MAX
+        return PLAIN_INT_MIN <= value <= PLAIN_INT_MAX
     if kind is float:
         return value - value == 0.0  # finite
     if kind is str:
@@ -352,7 +352,7 @@ class BoundValueState(_Bound):
         if cache is not None:
             # is_plain(value), its int case inlined (a counter's update, once per record)
             if (
-                _INT_MIN <= value <= _INT_MAX
+                PLAIN_INT_MIN <= value <= PLAIN_INT_MAX
                 if type(value) is int
                 else value is not None and is_plain(value)
             ):

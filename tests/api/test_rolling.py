@@ -1,0 +1,266 @@
+"""Rolling aggregations (``KeyedStream.count/reduce/aggregate``): every record emits its key's
+result so far, exactly once through crashes; the service runtime's fast operator keeps the
+same state entries, outputs and dead letters as the function run as a process function."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from snapline import (
+    AggregateFunction,
+    ConfigurationError,
+    KafkaSink,
+    KafkaSource,
+    KeyedStream,
+    Pipeline,
+)
+from snapline.pipeline.record import Record
+from snapline.pipeline.rolling import RollingAggregate, rolling_aggregate, rolling_reduce
+from snapline.pipeline.runtime import operators
+from snapline.pipeline.runtime.operators import (
+    Operator,
+    ProcessOperator,
+    RollingAggregateOperator,
+)
+from snapline.pipeline.state import create_backend
+from snapline.pipeline.state.backend import KeyedStateBackend
+from snapline.pipeline.state.timers import TimerState
+from snapline.testing import Message, run_pipeline
+
+
+class SumCount(AggregateFunction[int, list[int], dict[str, int]]):
+    """A dict result over a list accumulator: not a plain value, written through."""
+
+    def create_accumulator(self) -> list[int]:
+        return [0, 0]
+
+    def add(self, value: int, accumulator: list[int]) -> list[int]:
+        accumulator[0] += 1  # in place, as user code may do
+        accumulator[1] += value
+        return accumulator
+
+    def get_result(self, accumulator: list[int]) -> dict[str, int]:
+        return {"n": accumulator[0], "sum": accumulator[1]}
+
+
+class Mean(AggregateFunction[int, list[int], float]):
+    def create_accumulator(self) -> list[int]:
+        return [0, 0]
+
+    def add(self, value: int, accumulator: list[int]) -> list[int]:
+        return [accumulator[0] + 1, accumulator[1] + value]
+
+    def get_result(self, accumulator: list[int]) -> float:
+        return accumulator[1] / accumulator[0]
+
+
+def _add(a: int, b: int) -> int:
+    return a + b
+
+
+HOW = ("count", "reduce", "aggregate", "aggregate-dict")
+
+
+def finish(keyed: KeyedStream, how: str) -> KeyedStream:
+    if how == "count":
+        return keyed.count()
+    if how == "reduce":
+        return keyed.reduce(_add)
+    if how == "aggregate":
+        return keyed.aggregate(Mean())
+    return keyed.aggregate(SumCount())
+
+
+def reference(how: str, events: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    seen: dict[str, list[int]] = defaultdict(list)
+    out = []
+    for key, v in events:
+        seen[key].append(v)
+        values = seen[key]
+        result: Any = {
+            "count": len(values),
+            "reduce": sum(values),
+            "aggregate": sum(values) / len(values),
+            "aggregate-dict": {"n": len(values), "sum": sum(values)},
+        }[how]
+        out.append({"key": key, "value": result})
+    return out
+
+
+def rolling_pipeline(how: str, backend: str) -> Pipeline:
+    pipeline = Pipeline("rolling", state_backend=backend)
+    keyed = pipeline.source(KafkaSource("events", value_format="json")).key_by()
+    finish(keyed, how).sink(KafkaSink("out", value_format="json"))
+    return pipeline
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    how=st.sampled_from(HOW),
+    events=st.lists(
+        st.tuples(st.sampled_from("abcde"), st.integers(-1000, 1000)), min_size=1, max_size=60
+    ),
+    every=st.integers(1, 12),
+    crashes=st.lists(st.integers(1, 60), max_size=3),
+)
+def test_each_record_emits_its_keys_result_so_far_exactly_once_through_crashes(
+    how: str, events: list[tuple[str, int]], every: int, crashes: list[int]
+) -> None:
+    pipeline = rolling_pipeline(how, "memory")
+    inputs = {"events": [Message(v, key=k) for k, v in events]}
+    run = run_pipeline(pipeline, inputs, checkpoint_every=every, crash_after=crashes)
+    assert run.outputs["out"] == reference(how, events)
+    assert run.dead_letters == []
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_rocksdb_keeps_the_same_results_through_a_crash(how: str) -> None:
+    events = [(f"k{i % 7}", i) for i in range(80)]
+    inputs = {"events": [Message(v, key=k) for k, v in events]}
+    run = run_pipeline(
+        rolling_pipeline(how, "rocksdb"), inputs, checkpoint_every=9, crash_after=(31, 50)
+    )
+    assert run.crashes == 2
+    assert run.outputs["out"] == reference(how, events)
+
+
+def test_the_accumulator_is_a_value_state_named_acc_under_the_operators_uid() -> None:
+    pipeline = rolling_pipeline("count", "memory")
+    node = next(n for n in pipeline.nodes if n.kind == "process")
+    assert pipeline.operator_uids()[node.id] == "count"
+    [(_, acc), (_, timers)] = pipeline.state_ids()[node.id]
+    assert (acc.name, acc.kind, acc.serde.name) == ("acc", "value", "json")
+    assert isinstance(timers, TimerState)
+    custom = Pipeline("p").source(KafkaSource("t")).key_by()
+    custom.aggregate(Mean(), serde="string", uid="mean").sink(KafkaSink("o"))
+    [(_, acc), _] = custom._pipeline.state_ids()[custom._pipeline.nodes[-2].id]
+    assert acc.serde.name == "string"
+
+
+def test_misuse_fails_at_declaration_with_the_fix() -> None:
+    stream = Pipeline("p").source(KafkaSource("t"))
+    with pytest.raises(ConfigurationError, match=r"needs a keyed stream.*key_by"):
+        stream.count()
+    with pytest.raises(ConfigurationError, match=r"reduce\(\) needs a function"):
+        stream.key_by().reduce(42)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=r"aggregate\(\) needs an AggregateFunction"):
+        stream.key_by().aggregate(lambda a, b: a)  # type: ignore[arg-type]
+
+
+# ------------------------------------------- the fast operator against the process function
+class _Task:
+    task_id = "0-0"
+    epoch = 1
+    watermark = -1
+
+    def __init__(self) -> None:
+        self.dead: list[tuple[Any, str]] = []
+
+    def dead_letter(self, record: Record, reason: str, value: bytes | None = None) -> None:
+        self.dead.append((record.value, reason))
+
+    def now_ms(self) -> int:
+        return 0
+
+
+class _Collect(Operator):
+    def __init__(self) -> None:
+        self.values: list[Any] = []
+
+    def process(self, records: list[Record]) -> None:
+        self.values.extend(r.value for r in records)
+
+
+def _records(events: list[tuple[str, Any]], start: int) -> list[Record]:
+    out = []
+    for i, (key, value) in enumerate(events):
+        kb = key.encode()
+        out.append(Record(value, 0, "t", 0, start + i, key, kb, len(kb) % 4, None, kb))
+    return out
+
+
+def _drive(
+    fast: bool, function: RollingAggregate, epochs: list[list[tuple[str, Any]]]
+) -> tuple[list[Any], list[tuple[Any, str]], list[dict[bytes, bytes]]]:
+    """Run the epochs through one operator; the outputs, dead letters and, after each epoch's
+    flush, the backend's entries."""
+    pipeline = Pipeline("p")
+    pipeline.source(KafkaSource("t")).key_by().process(function).sink(KafkaSink("o"))
+    states = pipeline.state_ids()[pipeline.nodes[2].id]
+    task = _Task()
+    backend: KeyedStateBackend = create_backend("memory")
+    op: Operator = (
+        RollingAggregateOperator(task, "agg", function, states, backend)  # type: ignore[arg-type]
+        if fast
+        else ProcessOperator(task, "agg", function, states, backend, 128)  # type: ignore[arg-type]
+    )
+    op.owns_input = True
+    out = _Collect()
+    op.downstream.append(out)
+    entries = []
+    offset = 0
+    for events in epochs:
+        op.process(_records(events, offset))
+        offset += len(events)
+        op.flush_state()
+        entries.append({k: v for k, _, v in backend.items()})
+    return out.values, task.dead, entries
+
+
+def _fussy(a: Any, b: Any) -> Any:
+    if b == "boom":
+        raise RuntimeError("boom")
+    if b == "none":
+        return None
+    if b == "unencodable":
+        return {1, 2}  # a set: not JSON
+    if isinstance(a, str) or isinstance(b, str):
+        return f"{a}{b}"
+    if isinstance(a, dict) or isinstance(b, dict):
+        return {"n": (a.get("n", 1) if isinstance(a, dict) else 1) + 1}
+    return a + b
+
+
+EVENT = st.tuples(
+    st.sampled_from(["a", "b", "ccc", "d"]),
+    st.one_of(
+        st.integers(-5, 5),
+        st.floats(-10, 10, allow_nan=False),
+        st.sampled_from(["x", "boom", "none", "unencodable", {"n": 1}, 2**70]),
+    ),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    epochs=st.lists(st.lists(EVENT, max_size=12), min_size=1, max_size=5),
+    cache_entries=st.sampled_from([1, 2, 50_000]),
+)
+def test_the_fast_operator_keeps_the_process_functions_state_outputs_and_dead_letters(
+    epochs: list[list[tuple[str, Any]]], cache_entries: int
+) -> None:
+    # Ints, floats and strings are cached; dicts, big ints and sets are written through (or
+    # fail to encode); errors and None go to the dead letters: each mixed per key.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(operators, "ROLLING_CACHE_ENTRIES", cache_entries)
+        fast = _drive(True, rolling_reduce(_fussy), epochs)
+    assert fast == _drive(False, rolling_reduce(_fussy), epochs)
+
+
+def test_the_fast_operator_emits_results_that_later_records_do_not_change() -> None:
+    epochs = [[("a", 1), ("a", 2), ("b", 5), ("a", 3)]]
+    fast = _drive(True, rolling_aggregate(SumCount(), None), epochs)
+    assert fast[0] == [
+        {"key": "a", "value": {"n": 1, "sum": 1}},
+        {"key": "a", "value": {"n": 2, "sum": 3}},
+        {"key": "b", "value": {"n": 1, "sum": 5}},
+        {"key": "a", "value": {"n": 3, "sum": 6}},
+    ]
+    assert fast == _drive(False, rolling_aggregate(SumCount(), None), epochs)
