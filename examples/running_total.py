@@ -7,7 +7,8 @@ customer. Output ``<prefix>customer-totals`` JSON {"customer", "total", "count",
 Topic prefix, job name and backend come from the environment so tests and the demo can run
 several copies side by side: SNAPLINE_EXAMPLE_PREFIX, SNAPLINE_EXAMPLE_JOB,
 SNAPLINE_EXAMPLE_BACKEND, SNAPLINE_EXAMPLE_GUARANTEE, SNAPLINE_EXAMPLE_INTERVAL,
-SNAPLINE_EXAMPLE_ON_CORRUPT.
+SNAPLINE_EXAMPLE_ON_CORRUPT. SNAPLINE_EXAMPLE_COUNTS=1 also writes a rolling count per
+customer (``key_by().count()``) to ``<prefix>customer-counts`` as {"key", "value"}.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def build(*, with_refunds: bool = False) -> Pipeline:
         keyed = orders.key_by()
     totals = keyed.process(RunningTotal())
     totals.sink(KafkaSink(f"{prefix}customer-totals", value_format="json"))
+    if env("SNAPLINE_EXAMPLE_COUNTS") == "1":
+        keyed.count().sink(KafkaSink(f"{prefix}customer-counts", value_format="json"))
     return pipeline
 
 

@@ -2,7 +2,10 @@
 
 Every test produces orders with unique ids, runs workers of the running-total example,
 breaks them, and then checks with a ``read_committed`` consumer that every order's effect
-appears exactly once and each customer's final total equals the sum of its orders.
+appears exactly once and each customer's final total equals the sum of its orders. The two
+SIGKILL tests also run the example's rolling count (``key_by().count()``, whose counts wait
+decoded in its operator across epochs) and check that each customer's counts are 1..n, each
+once, n its number of orders.
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ import random
 import signal
 import threading
 import time
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,15 +45,18 @@ class Job:
         interval: float = 0.5,
         workers: int = 2,
         extra_env: dict[str, str] | None = None,
+        counts: bool = False,
     ):
         self.bootstrap = bootstrap
         self.name = name
         self.prefix = f"{name}-"
-        create_topics(
-            bootstrap,
-            {f"{self.prefix}orders": PARTITIONS, f"{self.prefix}customer-totals": PARTITIONS},
-        )
+        self.counts = counts
+        topics = [f"{self.prefix}orders", f"{self.prefix}customer-totals"]
+        if counts:
+            topics.append(f"{self.prefix}customer-counts")
+        create_topics(bootstrap, dict.fromkeys(topics, PARTITIONS))
         env = {
+            "SNAPLINE_EXAMPLE_COUNTS": "1" if counts else "",
             "SNAPLINE_EXAMPLE_PREFIX": self.prefix,
             "SNAPLINE_EXAMPLE_JOB": name,
             "SNAPLINE_EXAMPLE_BACKEND": backend,
@@ -91,6 +99,32 @@ class Job:
         )
         result = verify_totals(outputs, self.expected, range(self.produced))
         assert result.ok, result.summary() + "\n" + self.logs()
+        if self.counts:
+            self._verify_counts(outputs, timeout)
+
+    def _verify_counts(self, totals: list[dict[str, Any]], timeout: float) -> None:
+        """Each customer's rolling counts are 1..n, each exactly once (n: its orders, which
+        ``verify_totals`` checked in the totals)."""
+        orders = Counter(o["customer"] for o in totals)
+        counts = read_committed(
+            self.bootstrap,
+            f"{self.prefix}customer-counts",
+            self.produced,
+            timeout=timeout,
+            settle=3.0,
+        )
+        seen: dict[str, list[int]] = defaultdict(list)
+        for c in counts:
+            seen[c["key"]].append(c["value"])
+        wrong = {
+            customer: sorted(seen.get(customer, []))[:10]
+            for customer, n in orders.items()
+            if sorted(seen.get(customer, [])) != list(range(1, n + 1))
+        }
+        assert len(counts) == self.produced and not wrong and set(seen) == set(orders), (
+            f"{len(counts)} counts for {self.produced} orders; customers with wrong counts "
+            f"({len(wrong)}): {dict(list(wrong.items())[:5])}\n{self.logs()}"
+        )
 
     def wait_until_caught_up(self, timeout: float = 180) -> None:
         """Until the workers committed offsets for every produced order (or timeout)."""
@@ -148,7 +182,7 @@ BACKENDS = ["memory", "rocksdb"]
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_random_sigkills_lose_and_duplicate_nothing(job_factory, backend: str) -> None:
     """2 workers, ≥ 200k orders, ≥ 20 SIGKILLs of a random worker at random moments."""
-    job = job_factory(backend=backend, interval=0.5)
+    job = job_factory(backend=backend, interval=0.5, counts=True)
     for worker in job.workers:
         worker.start()
     producer = job.produce_in_background(200_000, waves=40)
@@ -178,7 +212,7 @@ def test_every_kill_point_is_survived(job_factory, backend: str) -> None:
         "after_metadata_write": 0.15,
         "after_kafka_commit": 0.15,
     }
-    job = job_factory(backend=backend, interval=0.3)
+    job = job_factory(backend=backend, interval=0.3, counts=True)
     fault_log = job.workers[0].fault_log
 
     def spec() -> str:
