@@ -71,11 +71,17 @@ class RollingAggregate(KeyedProcessFunction):
         return self.add(value, acc) if self.value_first else self.add(acc, value)
 
     def process(self, value: Any, ctx: Context) -> Iterable[Any]:
+        # The output before the state: a record whose result raises leaves no trace in state.
         acc = self.fold(self.acc.value(), value)
         if acc is None:
-            raise ValueError(f"{self.what}: the function returned None for key {ctx.key!r}")
+            raise returned_none(self.what, ctx.key)
+        out = {"key": ctx.key, "value": acc if self.result is None else self.result(acc)}
         self.acc.update(acc)
-        return ({"key": ctx.key, "value": acc if self.result is None else self.result(acc)},)
+        return (out,)
+
+
+def returned_none(what: str, key: Any) -> ValueError:
+    return ValueError(f"{what}: the function returned None for key {key!r}")
 
 
 def rolling_count() -> RollingAggregate:

@@ -264,3 +264,28 @@ def test_the_fast_operator_emits_results_that_later_records_do_not_change() -> N
         {"key": "a", "value": {"n": 3, "sum": 6}},
     ]
     assert fast == _drive(False, rolling_aggregate(SumCount(), None), epochs)
+
+
+class PickySum(AggregateFunction[int, int, int]):
+    def create_accumulator(self) -> int:
+        return 0
+
+    def add(self, value: int, accumulator: int) -> int:
+        return accumulator + value
+
+    def get_result(self, accumulator: int) -> int:
+        if accumulator == 13:
+            raise ValueError("unlucky")
+        return accumulator
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_record_whose_result_raises_is_a_dead_letter_with_no_effect_on_state(
+    fast: bool,
+) -> None:
+    values, dead, entries = _drive(
+        fast, rolling_aggregate(PickySum(), None), [[("a", 10), ("a", 3)], [("a", 1)]]
+    )
+    assert values == [{"key": "a", "value": 10}, {"key": "a", "value": 11}]
+    assert [(v, "unlucky" in reason) for v, reason in dead] == [(3, True)]
+    assert list(entries[-1].values()) == [b"11"]

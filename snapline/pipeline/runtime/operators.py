@@ -23,7 +23,7 @@ from snapline.pipeline.formats import untag_key as _untag_key
 from snapline.pipeline.functions import Context, KeyedCoProcessFunction, KeyedProcessFunction
 from snapline.pipeline.keygroups import KEY_PREFIX, state_key_prefix
 from snapline.pipeline.record import Record
-from snapline.pipeline.rolling import RollingAggregate
+from snapline.pipeline.rolling import RollingAggregate, returned_none
 from snapline.pipeline.runtime.barrier import Barrier
 from snapline.pipeline.runtime.kafka_calls import kafka_error
 from snapline.pipeline.runtime.timers import TimerService, processing_time_ms
@@ -664,9 +664,8 @@ class RollingAggregateOperator(Operator):
                 else:
                     acc = add(value, acc) if value_first else add(acc, value)
                 if acc is None:
-                    raise ValueError(
-                        f"{function.what}: the function returned None for key {r.key!r}"
-                    )
+                    raise returned_none(function.what, r.key)
+                out_value = {"key": r.key, "value": acc if result is None else result(acc)}
                 # is_plain(acc), its int case inlined (counts and sums)
                 if cacheable and (
                     PLAIN_INT_MIN <= acc <= PLAIN_INT_MAX if type(acc) is int else is_plain(acc)
@@ -675,7 +674,6 @@ class RollingAggregateOperator(Operator):
                     dirty[key_bytes] = r.key_group
                 else:
                     self._write_through(r, acc)
-                out_value = {"key": r.key, "value": acc if result is None else result(acc)}
             except Exception as exc:
                 self.task.dead_letter(r, f"{self.name} raised {exc!r}")
                 continue
