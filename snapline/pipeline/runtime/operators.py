@@ -39,6 +39,7 @@ from snapline.pipeline.state.descriptors import (
     StateDescriptor,
     is_plain,
 )
+from snapline.pipeline.state.serde import JsonSerde
 from snapline.pipeline.state.timers import EVENT_TIME, PROCESSING_TIME, TimerState
 from snapline.pipeline.time import timestamp_ms
 
@@ -585,10 +586,9 @@ class ProcessOperator(Operator):
         self._function.close()
 
 
-#: Decoded accumulators a ``RollingAggregateOperator`` keeps between epochs (about 180 bytes
-#: each); beyond it the cache is emptied at the next chunk or barrier.
+#: Decoded accumulators a ``RollingAggregateOperator`` keeps between epochs (about 250 bytes
+#: each); beyond it the cache is emptied at the next chunk.
 ROLLING_CACHE_ENTRIES = 50_000
-_MISSING = object()
 
 
 class RollingAggregateOperator(Operator):
@@ -622,10 +622,12 @@ class RollingAggregateOperator(Operator):
         self._dumps = desc.serde.dumps
         self._cacheable = type(desc.serde) in EXACT_SERDES
         self._function = function
-        #: Key bytes -> decoded accumulator (plain values only).
-        self._values: dict[bytes, Any] = {}
-        #: Key bytes -> key-group, of the cached values not yet written to the backend.
-        self._dirty: dict[bytes, int] = {}
+        #: JSON-encodes a plain value as the serde does (orjson's own function, no wrapper).
+        self._dumps_plain = orjson.dumps if type(desc.serde) is JsonSerde else desc.serde.dumps
+        #: Key bytes -> [stored key, decoded accumulator] (plain values only).
+        self._values: dict[bytes, list[Any]] = {}
+        #: The entries of ``_values`` updated since the last flush, by key bytes.
+        self._dirty: dict[bytes, list[Any]] = {}
 
     def process(self, records: list[Record]) -> None:
         if len(self._values) > ROLLING_CACHE_ENTRIES:
@@ -652,10 +654,12 @@ class RollingAggregateOperator(Operator):
             value = r.value
             try:
                 # function.fold(acc, value), inlined
-                acc = values.get(key_bytes, _MISSING)
-                if acc is _MISSING:
-                    raw = get(pack_prefix(r.key_group, len(key_bytes)) + key_bytes + sid)
-                    acc = None if raw is None else loads(raw)
+                entry = values.get(key_bytes)
+                if entry is None:
+                    stored = pack_prefix(r.key_group, len(key_bytes)) + key_bytes + sid
+                    raw = get(stored)
+                    entry = [stored, None if raw is None else loads(raw)]
+                acc = entry[1]
                 if acc is None:
                     if create is None:
                         acc = value
@@ -670,10 +674,10 @@ class RollingAggregateOperator(Operator):
                 if cacheable and (
                     PLAIN_INT_MIN <= acc <= PLAIN_INT_MAX if type(acc) is int else is_plain(acc)
                 ):
-                    values[key_bytes] = acc
-                    dirty[key_bytes] = r.key_group
+                    entry[1] = acc
+                    values[key_bytes] = dirty[key_bytes] = entry
                 else:
-                    self._write_through(r, acc)
+                    self._write_through(key_bytes, entry[0], acc)
             except Exception as exc:
                 self.task.dead_letter(r, f"{self.name} raised {exc!r}")
                 continue
@@ -684,22 +688,19 @@ class RollingAggregateOperator(Operator):
                 append(r.with_value(out_value))
         self.emit(out)
 
-    def _write_through(self, r: Record, acc: Any) -> None:
-        key_bytes = r.key_bytes
-        assert key_bytes is not None
+    def _write_through(self, key_bytes: bytes, stored: bytes, acc: Any) -> None:
         encoded = self._dumps(acc)  # first: if it raises, the cached value stays
         self._values.pop(key_bytes, None)
         self._dirty.pop(key_bytes, None)
-        self._put(state_key_prefix(r.key_group, key_bytes) + self._sid, encoded)
+        self._put(stored, encoded)
 
     def on_barrier(self, barrier: Barrier) -> None:
         self.task.snapshot_state(barrier.checkpoint_id)
 
     def flush_state(self) -> None:
-        values, put, dumps, sid = self._values, self._put, self._dumps, self._sid
-        pack_prefix = KEY_PREFIX.pack
-        for key_bytes, group in self._dirty.items():
-            put(pack_prefix(group, len(key_bytes)) + key_bytes + sid, dumps(values[key_bytes]))
+        put, dumps = self._put, self._dumps_plain
+        for stored, acc in self._dirty.values():
+            put(stored, dumps(acc))
         self._dirty.clear()
 
 
