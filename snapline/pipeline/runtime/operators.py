@@ -39,7 +39,6 @@ from snapline.pipeline.state.descriptors import (
     StateDescriptor,
     is_plain,
 )
-from snapline.pipeline.state.serde import JsonSerde
 from snapline.pipeline.state.timers import EVENT_TIME, PROCESSING_TIME, TimerState
 from snapline.pipeline.time import timestamp_ms
 
@@ -622,8 +621,6 @@ class RollingAggregateOperator(Operator):
         self._dumps = desc.serde.dumps
         self._cacheable = type(desc.serde) in EXACT_SERDES
         self._function = function
-        #: JSON-encodes a plain value as the serde does (orjson's own function, no wrapper).
-        self._dumps_plain = orjson.dumps if type(desc.serde) is JsonSerde else desc.serde.dumps
         #: Key bytes -> [stored key, decoded accumulator] (plain values only).
         self._values: dict[bytes, list[Any]] = {}
         #: The entries of ``_values`` updated since the last flush, by key bytes.
@@ -698,7 +695,8 @@ class RollingAggregateOperator(Operator):
         self.task.snapshot_state(barrier.checkpoint_id)
 
     def flush_state(self) -> None:
-        put, dumps = self._put, self._dumps_plain
+        # The serde's dumps, not orjson.dumps: state must hold exact-size bytes (json_bytes).
+        put, dumps = self._put, self._dumps
         for stored, acc in self._dirty.values():
             put(stored, dumps(acc))
         self._dirty.clear()
