@@ -3,8 +3,8 @@
 Not windowed: each key's accumulator lives in keyed state for good, and every record emits the
 key's updated result as ``{"key": key, "value": result}`` (Flink's rolling ``reduce``, Kafka
 Streams' ``groupByKey().aggregate()``). The accumulator is one ``ValueState`` named ``acc``,
-so savepoints, ``snapline savepoint read`` and the Spark runners see it like any process
-function's state.
+so savepoints (state as data under ``<savepoint>/operators/<uid>``) and the Spark runners see
+it like any process function's state.
 
 ``RollingAggregate`` is a ``KeyedProcessFunction``: that is its meaning everywhere (the Spark
 runners run it as one). The service runtime runs it with ``RollingAggregateOperator``
@@ -22,7 +22,7 @@ from snapline.pipeline.functions import Context, KeyedProcessFunction
 from snapline.pipeline.state.descriptors import AggregateFunction, StateDescriptor, ValueState
 from snapline.pipeline.state.serde import Serde
 
-#: The name of the accumulator's state (``snapline savepoint read`` shows it).
+#: The name of the accumulator's state (as savepoints show it).
 STATE_NAME = "acc"
 
 
