@@ -349,24 +349,22 @@ class BoundValueState(_Bound):
             prefix = self._scope.require(self._name)
         key = prefix + self._sid
         cache = self._cache
+        # is_plain(value), its int case inlined (a counter's update, once per record)
+        if cache is not None and (
+            PLAIN_INT_MIN <= value <= PLAIN_INT_MAX
+            if type(value) is int
+            else value is not None and is_plain(value)
+        ):
+            cache[key] = value
+            self._updates += 1
+            if len(cache) > WRITE_BACK_ENTRIES:
+                self.flush()
+            return
+        # Encoded before an older cached value is dropped: if encoding raises, that value stays.
+        encoded = None if value is None else self._dumps(value)
         if cache is not None:
-            # is_plain(value), its int case inlined (a counter's update, once per record)
-            if (
-                PLAIN_INT_MIN <= value <= PLAIN_INT_MAX
-                if type(value) is int
-                else value is not None and is_plain(value)
-            ):
-                cache[key] = value
-                self._updates += 1
-                if len(cache) > WRITE_BACK_ENTRIES:
-                    self.flush()
-                return
-            # Written through: an older cached value must neither be read nor written back
-            # (dropped only once the new one is encoded: if encoding raises, it stays).
-            encoded = None if value is None else self._dumps(value)
+            # Written through: the older cached value must neither be read nor written back.
             cache.pop(key, None)
-        else:
-            encoded = None if value is None else self._dumps(value)
         if encoded is None:
             self._backend.delete(key)
         else:
