@@ -135,11 +135,18 @@ class Stream:
             ".key_by(lambda value: <key>) before .process(...)"
         )
 
-    def count(self, *, name: str = "", uid: str | None = None) -> Stream:
+    def count(
+        self, *, ttl: float | timedelta | None = None, name: str = "", uid: str | None = None
+    ) -> Stream:
         raise _needs_key("count()")
 
     def reduce(
-        self, fn: Callable[[Any, Any], Any], *, name: str = "", uid: str | None = None
+        self,
+        fn: Callable[[Any, Any], Any],
+        *,
+        ttl: float | timedelta | None = None,
+        name: str = "",
+        uid: str | None = None,
     ) -> Stream:
         raise _needs_key("reduce(fn)")
 
@@ -148,6 +155,7 @@ class Stream:
         function: AggregateFunction[Any, Any, Any],
         *,
         serde: Serde | str | None = None,
+        ttl: float | timedelta | None = None,
         name: str = "",
         uid: str | None = None,
     ) -> Stream:
@@ -214,32 +222,46 @@ class KeyedStream(Stream):
         )
         return KeyedStream(self._pipeline, node)
 
-    def count(self, *, name: str = "", uid: str | None = None) -> KeyedStream:
+    def count(
+        self, *, ttl: float | timedelta | None = None, name: str = "", uid: str | None = None
+    ) -> KeyedStream:
         """A rolling count per key: each record emits ``{"key": key, "value": n}``, n the
-        number of the key's records so far (not windowed: see ``window(...).count()``)."""
-        return self.process(rolling_count(), name=name or "count", uid=uid)
+        number of the key's records so far (not windowed: see ``window(...).count()``).
+        ``ttl`` (seconds or timedelta, processing time): a key's count expires that long
+        after its last record, and the key counts from 1 again."""
+        return self.process(rolling_count(ttl), name=name or "count", uid=uid)
 
     def reduce(
-        self, fn: Callable[[Any, Any], Any], *, name: str = "", uid: str | None = None
+        self,
+        fn: Callable[[Any, Any], Any],
+        *,
+        ttl: float | timedelta | None = None,
+        name: str = "",
+        uid: str | None = None,
     ) -> KeyedStream:
         """A rolling reduce per key: each record emits ``{"key": key, "value": acc}`` where
         ``acc = fn(acc, value)`` (the key's first value as it is). The accumulator is keyed
-        state stored as JSON; ``fn`` returning None sends the record to the dead letters."""
-        return self.process(rolling_reduce(fn), name=name or "reduce", uid=uid)
+        state stored as JSON; ``fn`` returning None sends the record to the dead letters.
+        ``ttl``: as for ``count()``."""
+        return self.process(rolling_reduce(fn, ttl), name=name or "reduce", uid=uid)
 
     def aggregate(
         self,
         function: AggregateFunction[Any, Any, Any],
         *,
         serde: Serde | str | None = None,
+        ttl: float | timedelta | None = None,
         name: str = "",
         uid: str | None = None,
     ) -> KeyedStream:
         """A rolling aggregate per key: each record emits ``{"key": key, "value":
         function.get_result(acc)}`` after ``acc = function.add(value, acc)`` (starting from
         ``create_accumulator()``). The accumulator is keyed state stored with ``serde`` (JSON
-        by default), e.g. a running total or average per customer."""
-        return self.process(rolling_aggregate(function, serde), name=name or "aggregate", uid=uid)
+        by default), e.g. a running total or average per customer. ``ttl``: as for
+        ``count()`` (an expired key starts again from ``create_accumulator()``)."""
+        return self.process(
+            rolling_aggregate(function, serde, ttl), name=name or "aggregate", uid=uid
+        )
 
     def window(
         self,

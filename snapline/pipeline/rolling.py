@@ -15,6 +15,7 @@ per-record machinery of a process function.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from datetime import timedelta
 from typing import Any
 
 from snapline.pipeline.errors import ConfigurationError
@@ -39,7 +40,9 @@ class RollingAggregate(KeyedProcessFunction):
     ``add(acc, value)`` (a reduce function's). ``result`` maps the accumulator to the emitted
     value (None: the accumulator itself). An accumulator of None cannot be stored: a function
     that returns None sends the record to the dead letters and leaves the key's state as it
-    was."""
+    was. ``ttl`` (seconds or timedelta, processing time): a key's accumulator expires that
+    long after its last update, and the key's next record starts again from ``create()``
+    (``ValueState``'s TTL)."""
 
     def __init__(
         self,
@@ -49,13 +52,14 @@ class RollingAggregate(KeyedProcessFunction):
         value_first: bool,
         result: Callable[[Any], Any] | None,
         serde: Serde | str | None = None,
+        ttl: float | timedelta | None = None,
     ) -> None:
         self.what = what
         self.create = create
         self.add = add
         self.value_first = value_first
         self.result = result
-        self.descriptor: ValueState[Any] = ValueState(STATE_NAME, serde=serde)
+        self.descriptor: ValueState[Any] = ValueState(STATE_NAME, serde=serde, ttl=ttl)
         self.descriptor.attribute = STATE_NAME
         self.acc: Any = None  # the bound ValueState, set per task by the runtime
 
@@ -84,18 +88,22 @@ def returned_none(what: str, key: Any) -> ValueError:
     return ValueError(f"{what}: the function returned None for key {key!r}")
 
 
-def rolling_count() -> RollingAggregate:
-    return RollingAggregate("count", int, _count, True, None)
+def rolling_count(ttl: float | timedelta | None = None) -> RollingAggregate:
+    return RollingAggregate("count", int, _count, True, None, ttl=ttl)
 
 
-def rolling_reduce(fn: Callable[[Any, Any], Any]) -> RollingAggregate:
+def rolling_reduce(
+    fn: Callable[[Any, Any], Any], ttl: float | timedelta | None = None
+) -> RollingAggregate:
     if not callable(fn):
         raise ConfigurationError(f"reduce() needs a function of two values, got {fn!r}")
-    return RollingAggregate("reduce", None, fn, False, None)
+    return RollingAggregate("reduce", None, fn, False, None, ttl=ttl)
 
 
 def rolling_aggregate(
-    function: AggregateFunction[Any, Any, Any], serde: Serde | str | None
+    function: AggregateFunction[Any, Any, Any],
+    serde: Serde | str | None,
+    ttl: float | timedelta | None = None,
 ) -> RollingAggregate:
     if not isinstance(function, AggregateFunction):
         raise ConfigurationError(
@@ -108,4 +116,5 @@ def rolling_aggregate(
         True,
         function.get_result,
         serde,
+        ttl,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import tracemalloc
 from collections import defaultdict
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -130,6 +131,91 @@ def test_rocksdb_keeps_the_same_results_through_a_crash(how: str) -> None:
     )
     assert run.crashes == 2
     assert run.outputs["out"] == reference(how, events)
+
+
+def ttl_reference(
+    how: str, events: list[tuple[str, int, int]], ttl: int
+) -> list[dict[str, Any]]:
+    """``reference`` where a key's values are forgotten ``ttl`` ms after its last update."""
+    seen: dict[str, tuple[list[int], int]] = {}
+    out = []
+    for key, t, v in events:
+        values, expiry = seen.get(key, ([], 0))
+        if expiry <= t:
+            values = []
+        seen[key] = ([*values, v], t + ttl)
+        out.extend(reference(how, [(key, x) for x in seen[key][0]])[-1:])
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    how=st.sampled_from(HOW),
+    steps=st.lists(
+        st.tuples(st.sampled_from("abc"), st.integers(0, 15), st.integers(-50, 50)),
+        min_size=1,
+        max_size=40,
+    ),
+    ttl=st.integers(1, 30),
+    crashes=st.lists(st.integers(1, 40), max_size=2),
+    backend=st.sampled_from(["memory", "rocksdb"]),
+)
+def test_with_a_ttl_a_key_starts_again_once_its_accumulator_expired(
+    how: str,
+    steps: list[tuple[str, int, int]],
+    ttl: int,
+    crashes: list[int],
+    backend: str,
+) -> None:
+    events, t = [], 1_000
+    for key, dt, v in steps:
+        t += dt  # processing time moves forward by the step (never back)
+        events.append((key, t, v))
+    now = [0]
+
+    def clock(value: dict[str, int]) -> int:
+        now[0] = value["t"]  # the processing time of this record, for the harness's clock
+        return value["t"]
+
+    expiry = timedelta(milliseconds=ttl)
+    pipeline = Pipeline("rolling-ttl", state_backend=backend)
+    keyed = pipeline.source(
+        KafkaSource("events", value_format="json", timestamp=clock, idle_timeout=None)
+    ).key_by()
+    if how == "count":
+        rolled = keyed.count(ttl=expiry)
+    elif how == "reduce":
+        rolled = keyed.reduce(lambda a, b: {"v": a["v"] + b["v"], "t": b["t"]}, ttl=expiry)
+    else:
+        rolled = keyed.aggregate(
+            OfField(Mean() if how == "aggregate" else SumCount()), ttl=expiry
+        )
+    rolled.sink(KafkaSink("out", value_format="json"))
+    inputs = {"events": [Message({"v": v, "t": t}, key=k) for k, t, v in events]}
+    run = run_pipeline(
+        pipeline, inputs, checkpoint_every=4, crash_after=crashes, processing_time=lambda: now[0]
+    )
+    outputs = run.outputs["out"]
+    if how == "reduce":
+        outputs = [{"key": o["key"], "value": o["value"]["v"]} for o in outputs]
+    assert outputs == ttl_reference(how, events, ttl)
+    assert run.dead_letters == []
+
+
+class OfField(AggregateFunction[dict[str, int], Any, Any]):
+    """An aggregate function of the records' ``v`` field."""
+
+    def __init__(self, inner: AggregateFunction[int, Any, Any]) -> None:
+        self.inner = inner
+
+    def create_accumulator(self) -> Any:
+        return self.inner.create_accumulator()
+
+    def add(self, value: dict[str, int], accumulator: Any) -> Any:
+        return self.inner.add(value["v"], accumulator)
+
+    def get_result(self, accumulator: Any) -> Any:
+        return self.inner.get_result(accumulator)
 
 
 def test_the_accumulator_is_a_value_state_named_acc_under_the_operators_uid() -> None:

@@ -602,7 +602,8 @@ class RollingAggregateOperator(Operator):
     ones to the backend. The cache lives and dies with the task, and every restore builds a
     new task over a new backend, so it never holds a value the backend does not. Other
     accumulators (dicts, lists, other serdes) are read, decoded, encoded and written per
-    record, as ``ValueState`` does."""
+    record, as ``ValueState`` does. An aggregate with a ``ttl`` is not run here: the task runs
+    its function in a ``ProcessOperator`` (``ValueState``'s expiry stamps)."""
 
     def __init__(
         self,

@@ -263,7 +263,11 @@ class Task:
                 raw_keys=node.fn is None and _kafka_keys_are_raw(node),
             )
         maxp = self.pipeline.max_parallelism
-        if kind == "process" and isinstance(node.fn, RollingAggregate):
+        if (
+            kind == "process"
+            and isinstance(node.fn, RollingAggregate)
+            and node.fn.descriptor.ttl_ms is None  # with a TTL: ValueState's stamps and expiry
+        ):
             return RollingAggregateOperator(self, node.name, node.fn, states[node.id], self.backend)
         if kind == "process":
             return ProcessOperator(self, node.name, node.fn, states[node.id], self.backend, maxp)
