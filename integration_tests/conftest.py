@@ -37,9 +37,21 @@ class KafkaInfo:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test here is ``integration``. Tests marked ``long`` (the long versions of chaos
+    tests whose short versions run by default) run only when ``-m`` names them, e.g.
+    ``bash scripts/test -m long``."""
+    long_wanted = "long" in (config.option.markexpr or "")
+    kept, deselected = [], []
     for item in items:
         if _HERE in Path(str(item.path)).resolve().parents:
             item.add_marker(pytest.mark.integration)
+        if item.get_closest_marker("long") is not None and not long_wanted:
+            deselected.append(item)
+        else:
+            kept.append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
 
 
 def pytest_report_header(config: pytest.Config) -> str:

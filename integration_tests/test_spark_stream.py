@@ -1,9 +1,14 @@
 """The same pipeline on Spark, continuous (issue 14): the warehouse running total as a
 Structured Streaming query on real PySpark (local[2]) reading a real broker, into Kafka,
 Parquet and PostgreSQL. Orders keep arriving while the driver process (with its JVM and Python
-workers: the whole process group) is SIGKILLed at random moments, 5 times, and restarted from
-its checkpoint location. Independent readers (read_committed consumer, pyarrow, SQL) find every
-order exactly once and the per-customer totals equal the ones computed by the producer.
+workers: the whole process group) is SIGKILLed, at random moments and right after a batch's
+Kafka commit point, and restarted from its checkpoint location. Independent readers
+(read_committed consumer, pyarrow, SQL) find every order exactly once and the per-customer
+totals equal the ones computed by the producer.
+
+Each test runs twice: with 2 kills (one of each kind: the default run and CI) and with 5
+(marked ``long``, left out by default: ``bash scripts/test -m long``). A kill costs a driver
+start (a JVM and a Spark session, 15-30 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -25,8 +30,14 @@ from integration_tests.warehouse_job import SPEC, WarehouseJob, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.postgres]
 
-KILLS = 5
 ORDERS_PER_ROUND = 400
+#: The kills of a run, in order: ``random`` at a random moment, ``after-commit`` right after a
+#: batch's Kafka commit point.
+SHORT = ("after-commit", "random")
+LONG = ("random", "after-commit", "random", "after-commit", "random")
+KILLS = pytest.mark.parametrize(
+    "kills", [SHORT, pytest.param(LONG, marks=pytest.mark.long)], ids=["2-kills", "5-kills"]
+)
 
 
 class StreamDriver:
@@ -113,11 +124,13 @@ class StreamDriver:
         return self.log.read_text(errors="replace")[-6000:] if self.log.exists() else ""
 
 
-def kill_and_restart(driver: StreamDriver, produce: Any, rng: random.Random) -> None:
-    """KILLS SIGKILLs while input flows: at random moments of a run, and right after a batch's
-    Kafka commit point (before Parquet and PostgreSQL publish it and before Spark marks it
-    done); then the last start."""
-    for kind in ("random", "after-commit", "random", "after-commit", "random"):
+def kill_and_restart(
+    driver: StreamDriver, produce: Any, rng: random.Random, kills: tuple[str, ...]
+) -> None:
+    """SIGKILLs while input flows, one per entry of ``kills``: at a random moment of a run,
+    or right after a batch's Kafka commit point (before Parquet and PostgreSQL publish it and
+    before Spark marks it done); then the last start."""
+    for kind in kills:
         if kind == "after-commit":
             driver.start(kill_after_commit=True)
             produce()  # input flows while the query runs
@@ -131,8 +144,13 @@ def kill_and_restart(driver: StreamDriver, produce: Any, rng: random.Random) -> 
     driver.start()
 
 
+@KILLS
 def test_streaming_running_total_exactly_once_across_driver_sigkills(
-    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str
+    kafka_bootstrap: str,
+    postgres_dsn: str,
+    tmp_path: Path,
+    unique_name: str,
+    kills: tuple[str, ...],
 ) -> None:
     job = WarehouseJob(
         kafka_bootstrap, unique_name, tmp_path, postgres_dsn, partitions=2, customers=50, workers=0
@@ -142,7 +160,7 @@ def test_streaming_running_total_exactly_once_across_driver_sigkills(
     rng = random.Random(14)
     try:
         job.produce(ORDERS_PER_ROUND)
-        kill_and_restart(driver, lambda: job.produce(ORDERS_PER_ROUND), rng)
+        kill_and_restart(driver, lambda: job.produce(ORDERS_PER_ROUND), rng, kills)
         job.produce(ORDERS_PER_ROUND)
         # Every order reaches the Parquet table within a few 1 s batches of a running driver.
         wait_for(
@@ -151,11 +169,13 @@ def test_streaming_running_total_exactly_once_across_driver_sigkills(
             120,
             driver.tail,
         )
-        assert driver.runs == KILLS + 1
+        assert driver.runs == len(kills) + 1
         job.verify()  # Kafka, Parquet and PostgreSQL: each order once, totals as expected
         # The batches committed to Kafka just before a kill were re-run by Spark and skipped.
         log = driver.log.read_text(errors="replace")
-        assert log.count("committed before a restart") >= 2, driver.tail()
+        assert log.count("committed before a restart") >= kills.count("after-commit"), (
+            driver.tail()
+        )
     finally:
         if driver.process is not None and driver.process.poll() is None:
             driver.kill()
@@ -233,8 +253,13 @@ class WindowJob:
 
 
 @pytest.mark.slow
+@KILLS
 def test_streaming_window_exactly_once_across_driver_sigkills(
-    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str
+    kafka_bootstrap: str,
+    postgres_dsn: str,
+    tmp_path: Path,
+    unique_name: str,
+    kills: tuple[str, ...],
 ) -> None:
     from collections import Counter
 
@@ -247,7 +272,7 @@ def test_streaming_window_exactly_once_across_driver_sigkills(
     rng = random.Random(15)
     try:
         job.produce(ORDERS_PER_ROUND)
-        kill_and_restart(driver, lambda: job.produce(ORDERS_PER_ROUND), rng)
+        kill_and_restart(driver, lambda: job.produce(ORDERS_PER_ROUND), rng, kills)
         job.produce(ORDERS_PER_ROUND, flush=True)
         expected = job.expected
         # The flush order's event time closes every window: Spark fires their timers in the
@@ -275,7 +300,9 @@ def test_streaming_window_exactly_once_across_driver_sigkills(
             ).fetchall()
         assert {(c, s): (n, a) for c, s, n, a in db} == expected, "PostgreSQL"
         log = driver.log.read_text(errors="replace")
-        assert log.count("committed before a restart") >= 2, driver.tail()
+        assert log.count("committed before a restart") >= kills.count("after-commit"), (
+            driver.tail()
+        )
     finally:
         if driver.process is not None and driver.process.poll() is None:
             driver.kill()

@@ -146,7 +146,7 @@ class _Map:
         self._entries().clear()
 
 
-def _row(key: str, offset: int, amount: int, item: str) -> Row:
+def _row(key: str, offset: int, amount: int, item: str, now: int = 5000) -> Row:
     return Row(
         key=tag_key(key, key.encode()),
         topic="in",
@@ -158,7 +158,7 @@ def _row(key: str, offset: int, amount: int, item: str) -> Row:
         raw=b"{}",
         raw_key=key.encode(),
         reason=None,
-        now=5000,
+        now=now,
     )
 
 
@@ -357,3 +357,42 @@ def test_a_processing_time_timer_fails_the_query_with_a_message() -> None:
     rows = iter([_ts_row("c", 0, 10)])
     with pytest.raises(UnmappedTimerError, match="processing-time timers are not mapped"):
         list(processor.handleInputRows((tag_key("c", b"c"),), rows, _Watermark(0)))
+
+
+class AmountSum(AggregateFunction[dict[str, Any], int, int]):
+    def create_accumulator(self) -> int:
+        return 0
+
+    def add(self, value: dict[str, Any], accumulator: int) -> int:
+        return accumulator + value["amount"]
+
+    def get_result(self, accumulator: int) -> int:
+        return accumulator
+
+
+def test_a_rolling_aggregate_keeps_its_accumulator_in_a_spark_value_state() -> None:
+    """``key_by().aggregate(..., ttl=)`` on Spark streaming: the accumulator is the Spark value
+    state of the operator's uid and ``acc``, carried across batches and forgotten once its
+    TTL passed in the batch's processing time."""
+    name = "_snapline_stream_rolling_test"
+    module = types.ModuleType(name)
+    pipeline = Pipeline("rolling")
+    keyed = pipeline.source(KafkaSource("in")).key_by()
+    keyed.aggregate(AmountSum(), ttl=10.0, uid="sum").sink(KafkaSink("out"))
+    module.pipeline = pipeline  # type: ignore[attr-defined]
+    sys.modules[name] = module
+    processor = keyed_processor(f"{name}:pipeline")
+    handle = _Handle()
+    processor.init(handle)
+    assert handle.created == {spark_state_name("sum", "acc"): "value"}
+
+    first = _batch(processor, handle, "a", [_row("a", 2, 5, "y"), _row("a", 1, 3, "x")])
+    assert first == [{"key": "a", "value": 3}, {"key": "a", "value": 8}]
+    assert _batch(processor, handle, "b", [_row("b", 3, 100, "x")]) == [
+        {"key": "b", "value": 100}
+    ]
+    # Updated at 5,000 ms (10 s TTL): alive at 14,999 and updated; that update expires at 24,999.
+    (alive,) = _batch(processor, handle, "a", [_row("a", 4, 4, "x", now=14_999)])
+    assert alive == {"key": "a", "value": 12}
+    (fresh,) = _batch(processor, handle, "a", [_row("a", 5, 7, "x", now=24_999)])
+    assert fresh == {"key": "a", "value": 7}
