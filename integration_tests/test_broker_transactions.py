@@ -3,6 +3,7 @@ point relies on (read_committed visibility, abort, fencing, offsets with metadat
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -196,3 +197,37 @@ def test_offsets_sent_to_transaction_carry_metadata_to_a_new_consumer(
     assert committed.offset == next_offset == 3
     assert committed.metadata == "checkpoint=7"
     assert read_all(kafka_bootstrap, sink, "read_committed") == ["in0", "in1", "in2"]
+
+
+@pytest.mark.parametrize("exactly_once", [True, False], ids=["exactly-once", "at-least-once"])
+def test_a_record_the_broker_refuses_fails_the_commit_without_delivery_reports(
+    kafka_bootstrap: str, admin: AdminClient, unique_name: str, exactly_once: bool
+) -> None:
+    """A worker's producer reports failed deliveries only (``delivery.report.only.error``: a
+    delivered record costs no event to serve). A record the broker refuses (larger than the
+    topic's ``max.message.bytes``, as when the limit was lowered after the worker read it)
+    must still fail the commit point, and nothing of its epoch becomes visible to
+    read_committed."""
+    from snapline.pipeline.errors import CheckpointError
+    from snapline.pipeline.runtime.transaction import TransactionalOutput
+
+    topic = create_topic(admin, unique_name, config={"max.message.bytes": "2000"})
+    output = TransactionalOutput(
+        {"bootstrap.servers": kafka_bootstrap},
+        transactional_id=f"{unique_name}-tx" if exactly_once else None,
+    )
+    assert output._conf["delivery.report.only.error"] is True
+    if exactly_once:
+        output.init()
+        output.begin(1)
+    output.produce(1, topic, b"fits", b"k")
+    # Under the producer's limit, over the topic's (random: the batch is compressed).
+    output.produce(1, topic, os.urandom(10_000), b"k")
+    with pytest.raises((CheckpointError, KafkaException)):
+        if exactly_once:
+            output.commit([], None, timeout=20)
+        else:
+            output.flush(20)
+    if exactly_once:
+        output.abort()
+        assert read_all(kafka_bootstrap, topic, "read_committed") == []

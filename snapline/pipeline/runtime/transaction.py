@@ -102,10 +102,10 @@ class TransactionalOutput:
         if transactional_id is not None:
             conf["transactional.id"] = transactional_id
             conf.setdefault("transaction.timeout.ms", 60000)
-        else:
-            # At-least-once checks every delivery before committing offsets (flush). Only
-            # failed deliveries are reported: a success costs no Python call.
-            conf.setdefault("delivery.report.only.error", True)
+        # Only failed deliveries are reported: a delivered record leaves no event for poll()
+        # to serve. A failed one still fails the commit point: at-least-once through
+        # on_delivery and flush, exactly-once through commit_transaction.
+        conf.setdefault("delivery.report.only.error", True)
         log.debug("producer config %s", redact(conf))
         self._delivery_errors: list[str] = []
         conf["error_cb"] = self._on_error
