@@ -91,7 +91,7 @@ def test_bad_records_go_to_dead_letter_topic(
         assert ("cannot decode" in reason) or ("amount must be an int" in reason)
 
 
-@pytest.mark.parametrize("limit", ["producer", "topic"])
+@pytest.mark.parametrize("limit", ["producer", "topic", "lowered"])
 def test_an_output_too_large_for_the_producer_goes_to_the_dead_letters(
     kafka_bootstrap: str, tmp_path: Path, unique_name: str, limit: str
 ) -> None:
@@ -101,8 +101,12 @@ def test_an_output_too_large_for_the_producer_goes_to_the_dead_letters(
 
     ``topic``: the output topic's max.message.bytes (64 KiB) is below the producer's
     default; the worker lowers the producer's limits to it at start (before, librdkafka took
-    the record, the broker refused its batch and every commit of the epoch failed). One input
-    is itself over the producer's limit: its dead letter names it and leaves its bytes out."""
+    the record, the broker refused its batch and every commit of the epoch failed).
+    ``lowered``: the topic's limit is lowered to 64 KiB while the worker runs; the first
+    batch the broker refuses fails one checkpoint, the worker reads the limits again and
+    goes on in the same process (before, every retry failed until the worker gave up and a
+    restart read the new limit). One input is itself over the producer's limit: its dead
+    letter names it and leaves its bytes out."""
     prefix = f"{unique_name}-"
     topic_limit = {"max.message.bytes": "65536"} if limit == "topic" else {}
     create_topics(
@@ -113,6 +117,7 @@ def test_an_output_too_large_for_the_producer_goes_to_the_dead_letters(
     producer = Producer({"bootstrap.servers": kafka_bootstrap, "message.max.bytes": 1_040_000})
     padded = []
     huge = b""
+    values = []
     for i in range(300):
         value = orjson.dumps({"customer": f"c{i % 7}", "amount": 1, "order_id": i})
         if i % 50 == 7:
@@ -122,16 +127,26 @@ def test_an_output_too_large_for_the_producer_goes_to_the_dead_letters(
                 {"customer": f"c{i % 7}", "amount": 1, "order_id": i, "pad": "y" * 1_010_000}
             )
             huge = value
+        values.append(value)
+    # ``lowered``: the first 5 (none padded) go through before the limit changes.
+    first = 5 if limit == "lowered" else 300
+    for i, value in enumerate(values[:first]):
         producer.produce(f"{prefix}orders", value, f"c{i % 7}".encode())
     producer.flush(30)
     env = {"SNAPLINE_TEST_PREFIX": prefix}
-    if limit == "topic":
+    if limit != "producer":
         env["SNAPLINE_TEST_PAD"] = "100000"
     spec = "integration_tests.pipelines:oversized"
     worker = WorkerProcess(spec, "w0", kafka_bootstrap, tmp_path / "chk", tmp_path, env)
     worker.start()
     good = 300 - len(padded) - 1
     try:
+        if limit == "lowered":
+            read_committed(kafka_bootstrap, f"{prefix}totals", first, timeout=60, settle=0)
+            _set_topic_config(kafka_bootstrap, f"{prefix}totals", "max.message.bytes", "65536")
+            for i, value in enumerate(values[first:], first):
+                producer.produce(f"{prefix}orders", value, f"c{i % 7}".encode())
+            producer.flush(30)
         outputs = read_committed(kafka_bootstrap, f"{prefix}totals", good, timeout=60, settle=2)
         letters = _dead_letters(kafka_bootstrap, f"{prefix}job.dead-letter", len(padded) + 1)
         assert worker.alive, worker.tail()
@@ -152,6 +167,24 @@ def test_an_output_too_large_for_the_producer_goes_to_the_dead_letters(
     assert "exit 75" not in log
     if limit == "topic":
         assert f"producer message.max.bytes={65536 - 256}" in log, log[-3000:]
+    if limit == "lowered":
+        assert "now accepts record batches of at most 65536 bytes" in log, log[-3000:]
+        assert f"producer message.max.bytes={65536 - 256}" in log, log[-3000:]
+
+
+def _set_topic_config(bootstrap: str, topic: str, name: str, value: str) -> None:
+    from confluent_kafka.admin import (
+        AdminClient,
+        AlterConfigOpType,
+        ConfigEntry,
+        ConfigResource,
+    )
+
+    entry = ConfigEntry(name, value, incremental_operation=AlterConfigOpType.SET)
+    resource = ConfigResource("topic", topic, incremental_configs=[entry])
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for future in admin.incremental_alter_configs([resource]).values():
+        future.result(timeout=30)
 
 
 def test_at_least_once_loses_nothing_across_kills(

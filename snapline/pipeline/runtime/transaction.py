@@ -418,6 +418,21 @@ class TransactionalOutput:
             self._finish_abort(self.abort_timeout, leave_pending=True)
         self.open_epoch = None
 
+    def resize(self, limits: dict[str, int]) -> bool:
+        """New record size limits (``message.max.bytes``, ``batch.size``): a topic's
+        ``max.message.bytes`` was lowered while the worker ran. The producer is replaced with
+        them: now when at-least-once, at the next ``begin`` (or ``abort``) when exactly-once,
+        whose open transaction the new producer's init_transactions aborts. False when the
+        producer has these limits already."""
+        if all(self._conf.get(name) == value for name, value in limits.items()):
+            return False
+        self._conf.update(limits)
+        self.max_message_bytes = int(self._conf.get("message.max.bytes", 1_000_000))
+        self._fatal = self._fatal or f"record size limits changed to {limits}"
+        if not self.exactly_once:
+            self._replace_producer()
+        return True
+
     def _replace_producer(self) -> None:
         """A fresh producer with the same transactional id instead of one that failed fatally
         (or is stuck in a commit_transaction that timed out).

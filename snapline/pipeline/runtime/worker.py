@@ -944,12 +944,40 @@ class Worker:
     def _fail_checkpoint(self, exc: Exception) -> None:
         """Abort the epoch and restore every task from its committed checkpoint."""
         self._count_failure(exc)
+        if "MSG_SIZE_TOO_LARGE" in str(exc):
+            self._reread_record_limits()
         if isinstance(exc, BrokerOutageError):
             self._await_broker(exc)
         else:
             sleep_unless(lambda: self._stopping, min(0.5 * 2**self._failures, 10))
         self._drop_tasks()
         self._restore_pending = True
+
+    def _reread_record_limits(self) -> None:
+        """The broker refused a record batch as too large: a topic's ``max.message.bytes`` was
+        lowered after the worker read it at start. Read the limits again; the producer gets
+        the new ones, so the restored epoch's records fit its batches, and a record over
+        them goes to the dead letters (``Task._fits``) instead of failing every retry. Kafka
+        config that sets a limit above the topic's ends the worker with the fix
+        (ConfigurationError), as at start."""
+        from snapline.pipeline.runtime.topics import (
+            TopicManager,
+            pipeline_topics,
+            producer_size_limits,
+        )
+
+        manager = TopicManager(self._kafka_config, self.settings.bootstrap_servers)
+        smallest = manager.smallest_record_limit(pipeline_topics(self.pipeline))
+        if smallest is None:
+            return
+        limits = producer_size_limits(self._kafka_config, *smallest)
+        if limits and self.output.resize(limits):
+            log.warning(
+                "topic %s now accepts record batches of at most %d bytes: producer %s",
+                smallest[0],
+                smallest[1],
+                ", ".join(f"{k}={v}" for k, v in limits.items()),
+            )
 
     def _restore_after_failure(self) -> None:
         """Rebuild the tasks of the partitions this worker still owns.
