@@ -325,26 +325,21 @@ class Worker:
         rule: snapline/pipeline/runtime/topics.py). Returns the partitions per topic, and the
         producer settings that keep record batches within the smallest ``max.message.bytes``
         of the topics the job writes (``topics.producer_size_limits``)."""
-        from snapline.pipeline.runtime.topics import (
-            TopicManager,
-            pipeline_topics,
-            producer_size_limits,
-        )
+        from snapline.pipeline.runtime.topics import TopicManager, pipeline_topics
 
         manager = TopicManager(self._kafka_config, self.settings.bootstrap_servers)
         specs = pipeline_topics(self.pipeline)
         partitions = dict(manager.ensure(specs).partitions)
         limits: dict[str, int] = {}
-        smallest = manager.smallest_record_limit(specs)
-        if smallest is not None:
-            limits = producer_size_limits(self._kafka_config, *smallest)
-            if limits:
-                log.info(
-                    "topic %s accepts record batches of at most %d bytes: producer %s",
-                    smallest[0],
-                    smallest[1],
-                    ", ".join(f"{k}={v}" for k, v in limits.items()),
-                )
+        found = self._record_limits(manager)
+        if found is not None:
+            topic, limit, limits = found
+            log.info(
+                "topic %s accepts record batches of at most %d bytes: producer %s",
+                topic,
+                limit,
+                ", ".join(f"{k}={v}" for k, v in limits.items()),
+            )
         for stage in self.plan.stages:
             counts = {topic: partitions[topic] for topic in stage.reads}
             if len(set(counts.values())) > 1:
@@ -960,24 +955,35 @@ class Worker:
         them goes to the dead letters (``Task._fits``) instead of failing every retry. Kafka
         config that sets a limit above the topic's ends the worker with the fix
         (ConfigurationError), as at start."""
-        from snapline.pipeline.runtime.topics import (
-            TopicManager,
-            pipeline_topics,
-            producer_size_limits,
-        )
+        from snapline.pipeline.runtime.topics import TopicManager
 
-        manager = TopicManager(self._kafka_config, self.settings.bootstrap_servers)
-        smallest = manager.smallest_record_limit(pipeline_topics(self.pipeline))
-        if smallest is None:
+        found = self._record_limits(
+            TopicManager(self._kafka_config, self.settings.bootstrap_servers)
+        )
+        if found is None:
+            log.warning("a record batch was refused as too large; no topic's limit is lower")
             return
-        limits = producer_size_limits(self._kafka_config, *smallest)
-        if limits and self.output.resize(limits):
+        topic, limit, limits = found
+        if self.output.resize(limits):
             log.warning(
                 "topic %s now accepts record batches of at most %d bytes: producer %s",
-                smallest[0],
-                smallest[1],
+                topic,
+                limit,
                 ", ".join(f"{k}={v}" for k, v in limits.items()),
             )
+
+    def _record_limits(self, manager: Any) -> tuple[str, int, dict[str, int]] | None:
+        """The topic the job writes with the smallest ``max.message.bytes``, that limit, and
+        the producer settings that keep record batches within it
+        (``topics.producer_size_limits``); None when the cluster does not say or the
+        producer's defaults fit. ``manager``: a ``topics.TopicManager``."""
+        from snapline.pipeline.runtime.topics import pipeline_topics, producer_size_limits
+
+        smallest = manager.smallest_record_limit(pipeline_topics(self.pipeline))
+        if smallest is None:
+            return None
+        limits = producer_size_limits(self._kafka_config, *smallest)
+        return (smallest[0], smallest[1], limits) if limits else None
 
     def _restore_after_failure(self) -> None:
         """Rebuild the tasks of the partitions this worker still owns.
