@@ -209,7 +209,10 @@ def test_a_record_the_broker_refuses_fails_the_commit_without_delivery_reports(
     must still fail the commit point, and nothing of its epoch becomes visible to
     read_committed."""
     from snapline.pipeline.errors import CheckpointError
-    from snapline.pipeline.runtime.transaction import TransactionalOutput
+    from snapline.pipeline.runtime.transaction import (
+        TransactionalOutput,
+        TransactionFailedError,
+    )
 
     topic = create_topic(admin, unique_name, config={"max.message.bytes": "2000"})
     output = TransactionalOutput(
@@ -223,6 +226,12 @@ def test_a_record_the_broker_refuses_fails_the_commit_without_delivery_reports(
     output.produce(1, topic, b"fits", b"k")
     # Under the producer's limit, over the topic's (random: the batch is compressed).
     output.produce(1, topic, os.urandom(10_000), b"k")
+    if exactly_once:
+        # Once the refusal arrived, the transaction takes no more records: the epoch fails
+        # (TransactionFailedError, a CheckpointError) instead of a client error.
+        output.producer.flush(20)
+        with pytest.raises(TransactionFailedError, match="the open transaction failed"):
+            output.produce(1, topic, b"after", b"k")
     with pytest.raises((CheckpointError, KafkaException)):
         if exactly_once:
             output.commit([], None, timeout=20)

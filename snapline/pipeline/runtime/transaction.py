@@ -63,6 +63,12 @@ class FencedError(KafkaClientError, CheckpointError):
     begin replaces the producer (its ``init_transactions`` aborts whatever is left open)."""
 
 
+class TransactionFailedError(CheckpointError):
+    """Exactly-once: the open transaction failed (librdkafka refuses further records with
+    "Erroneous state" once, e.g., the broker refused a batch). The checkpoint fails: the epoch
+    is aborted and the tasks restore from the committed checkpoint."""
+
+
 #: The most bytes librdkafka adds to a record's key, value and headers when it checks the
 #: record against ``message.max.bytes`` (RD_KAFKAP_MESSAGE_V2_MAX_OVERHEAD, rounded up).
 RECORD_OVERHEAD = 40
@@ -308,9 +314,14 @@ class TransactionalOutput:
                 self.poll(0.05)
             except KafkaException as exc:
                 fenced = self._fenced("produce", exc)
-                if fenced is None:
-                    raise
-                raise fenced from exc
+                if fenced is not None:
+                    raise fenced from exc
+                error = kafka_error(exc)
+                if self.exactly_once and error is not None and error.code() == KafkaError._STATE:
+                    raise TransactionFailedError(
+                        f"the open transaction failed; producer: {error.str()}"
+                    ) from exc
+                raise
         self.produced += 1
         if self.produced & 0x3FF == 0:
             self.poll()

@@ -98,7 +98,11 @@ from snapline.pipeline.runtime.liveness import DEFAULT_TIMEOUT as DEFAULT_LIVENE
 from snapline.pipeline.runtime.liveness import Liveness, Watchdog
 from snapline.pipeline.runtime.metrics import WorkerMetrics
 from snapline.pipeline.runtime.task import Task, TaskSnapshot
-from snapline.pipeline.runtime.transaction import FencedError, TransactionalOutput
+from snapline.pipeline.runtime.transaction import (
+    FencedError,
+    TransactionalOutput,
+    TransactionFailedError,
+)
 from snapline.pipeline.savepoint.control import PAUSE_LIMIT, ControlChannel, Request, write_ack
 from snapline.pipeline.stages import task_id_for
 from snapline.pipeline.state import create_backend
@@ -939,7 +943,10 @@ class Worker:
     def _fail_checkpoint(self, exc: Exception) -> None:
         """Abort the epoch and restore every task from its committed checkpoint."""
         self._count_failure(exc)
-        if "MSG_SIZE_TOO_LARGE" in str(exc):
+        if "MSG_SIZE_TOO_LARGE" in str(exc) or isinstance(exc, TransactionFailedError):
+            # The broker refused a batch as too large (a failed commit says so; a produce
+            # into the failed transaction only says "Erroneous state"): a topic's limit may
+            # have been lowered.
             self._reread_record_limits()
         if isinstance(exc, BrokerOutageError):
             self._await_broker(exc)
@@ -949,19 +956,18 @@ class Worker:
         self._restore_pending = True
 
     def _reread_record_limits(self) -> None:
-        """The broker refused a record batch as too large: a topic's ``max.message.bytes`` was
-        lowered after the worker read it at start. Read the limits again; the producer gets
-        the new ones, so the restored epoch's records fit its batches, and a record over
-        them goes to the dead letters (``Task._fits``) instead of failing every retry. Kafka
-        config that sets a limit above the topic's ends the worker with the fix
-        (ConfigurationError), as at start."""
+        """After a checkpoint failed on a refused batch: when a topic's ``max.message.bytes``
+        was lowered since the worker read it, the broker refuses batches over it and every
+        retry of the epoch would fail. Read the limits again; the producer gets new ones, so
+        the restored epoch's records fit its batches, and a record over them goes to the dead
+        letters (``Task._fits``). Kafka config that sets a limit above the topic's ends the
+        worker with the fix (ConfigurationError), as at start."""
         from snapline.pipeline.runtime.topics import TopicManager
 
         found = self._record_limits(
             TopicManager(self._kafka_config, self.settings.bootstrap_servers)
         )
         if found is None:
-            log.warning("a record batch was refused as too large; no topic's limit is lower")
             return
         topic, limit, limits = found
         if self.output.resize(limits):
@@ -1266,9 +1272,10 @@ class Worker:
             for task in self.tasks.values():
                 task.run()
             self.output.poll()
-        except FencedError as exc:
-            # The producer was fenced while the epoch ran: the abort replaces it and the
-            # tasks restore from the committed checkpoint, as after a fenced commit.
+        except (FencedError, TransactionFailedError) as exc:
+            # The producer was fenced, or its transaction failed, while the epoch ran: the
+            # abort ends the transaction (replacing a fenced producer) and the tasks restore
+            # from the committed checkpoint, as after a failed commit.
             self._event({"event": "checkpoint_failed", "error": str(exc)[:500]})
             self._fail_checkpoint(exc)
             return
