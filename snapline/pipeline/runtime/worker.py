@@ -1411,15 +1411,16 @@ class Worker:
                     return True
                 target = self.coordinator.next_id
                 self._trigger(time.monotonic())
-            for task in self.tasks.values():
-                task.run()
-            self.output.poll()
             try:
+                for task in self.tasks.values():
+                    task.run()
+                self.output.poll()
                 done = self.coordinator.poll()
                 if done is not None:
                     self._complete(done)
             except CheckpointError as exc:
-                # FencedError too: the abort that follows replaces the producer
+                # FencedError and TransactionFailedError too (also out of task.run): the abort
+                # that follows ends the transaction, replacing a fenced producer
                 log.error("%s: final checkpoint failed (the epoch is aborted): %s", reason, exc)
                 self._event({"event": "checkpoint_failed", "error": str(exc)[:500]})
                 return False
