@@ -68,14 +68,20 @@ class Everything(KeyedProcessFunction):
         }
 
 
-def _module() -> str:
-    name = "_snapline_stream_state_test"
+def _importable(name: str, pipeline: Pipeline) -> str:
+    """Register ``pipeline`` as the ``pipeline`` of a module ``name``; its spec, as
+    ``keyed_processor`` imports it."""
     module = types.ModuleType(name)
-    pipeline = Pipeline("state-map")
-    pipeline.source(KafkaSource("in")).key_by().process(Everything()).sink(KafkaSink("out"))
     module.pipeline = pipeline  # type: ignore[attr-defined]
     sys.modules[name] = module
     return f"{name}:pipeline"
+
+
+def _module() -> str:
+    name = "_snapline_stream_state_test"
+    pipeline = Pipeline("state-map")
+    pipeline.source(KafkaSource("in")).key_by().process(Everything()).sink(KafkaSink("out"))
+    return _importable(name, pipeline)
 
 
 class _Handle:
@@ -254,7 +260,6 @@ def _windows_module() -> str:
     from snapline import tumbling
 
     name = "_snapline_stream_window_test"
-    module = types.ModuleType(name)
     pipeline = Pipeline("window-map")
     (
         pipeline.source(KafkaSource("in"))
@@ -264,9 +269,7 @@ def _windows_module() -> str:
         .map(lambda r: {"key": r["key"], "start": r["start"], "n": r["value"]})
         .sink(KafkaSink("out"))
     )
-    module.pipeline = pipeline  # type: ignore[attr-defined]
-    sys.modules[name] = module
-    return f"{name}:pipeline"
+    return _importable(name, pipeline)
 
 
 def _ts_row(key: str, offset: int, ts: int) -> Row:
@@ -314,12 +317,9 @@ class Reminder(KeyedProcessFunction):
 
 def test_on_timer_runs_from_spark_expired_timers_with_the_keys_state() -> None:
     name = "_snapline_stream_timer_test"
-    module = types.ModuleType(name)
     pipeline = Pipeline("timer-map")
     pipeline.source(KafkaSource("in")).key_by().process(Reminder()).sink(KafkaSink("out"))
-    module.pipeline = pipeline  # type: ignore[attr-defined]
-    sys.modules[name] = module
-    processor = keyed_processor(f"{name}:pipeline")
+    processor = keyed_processor(_importable(name, pipeline))
     handle = _Handle()
     processor.init(handle)
     handle.key = "b"
@@ -345,12 +345,9 @@ def test_a_processing_time_timer_fails_the_query_with_a_message() -> None:
     from snapline.pipeline.spark.stream_ops import UnmappedTimerError
 
     name = "_snapline_stream_ptimer_test"
-    module = types.ModuleType(name)
     pipeline = Pipeline("ptimer")
     pipeline.source(KafkaSource("in")).key_by().process(ProcessingTimer()).sink(KafkaSink("o"))
-    module.pipeline = pipeline  # type: ignore[attr-defined]
-    sys.modules[name] = module
-    processor = keyed_processor(f"{name}:pipeline")
+    processor = keyed_processor(_importable(name, pipeline))
     handle = _Handle()
     processor.init(handle)
     handle.key = "c"
@@ -375,13 +372,10 @@ def test_a_rolling_aggregate_keeps_its_accumulator_in_a_spark_value_state() -> N
     state of the operator's uid and ``acc``, carried across batches and forgotten once its
     TTL passed in the batch's processing time."""
     name = "_snapline_stream_rolling_test"
-    module = types.ModuleType(name)
     pipeline = Pipeline("rolling")
     keyed = pipeline.source(KafkaSource("in")).key_by()
     keyed.aggregate(AmountSum(), ttl=10.0, uid="sum").sink(KafkaSink("out"))
-    module.pipeline = pipeline  # type: ignore[attr-defined]
-    sys.modules[name] = module
-    processor = keyed_processor(f"{name}:pipeline")
+    processor = keyed_processor(_importable(name, pipeline))
     handle = _Handle()
     processor.init(handle)
     assert handle.created == {spark_state_name("sum", "acc"): "value"}
