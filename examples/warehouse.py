@@ -131,6 +131,8 @@ def build() -> Pipeline:
     else:
         totals = keyed.process(RunningTotal())
     totals.sink(KafkaSink(f"{prefix}customer-totals", value_format="json"))
+    if env("SNAPLINE_EXAMPLE_COUNTS"):  # a second branch of the keyed stream: orders per customer
+        keyed.count(uid="OrderCount").sink(KafkaSink(f"{prefix}order-counts", value_format="json"))
     totals.sink(
         ParquetSink(
             env("SNAPLINE_WAREHOUSE", "warehouse/customer_totals"), checkpoint_column="checkpoint"

@@ -4,7 +4,9 @@ Parquet and PostgreSQL. Orders keep arriving while the driver process (with its 
 workers: the whole process group) is SIGKILLed, at random moments and right after a batch's
 Kafka commit point, and restarted from its checkpoint location. Independent readers
 (read_committed consumer, pyarrow, SQL) find every order exactly once and the per-customer
-totals equal the ones computed by the producer.
+totals equal the ones computed by the producer. Beside the running total, the same keyed
+stream feeds a rolling count (a branch): its outputs count each customer's orders 1..n, each
+once.
 
 Each test runs twice: with 2 kills (one of each kind: the default run and CI) and with 5
 (marked ``long``, left out by default: ``bash scripts/test -m long``). A kill costs a driver
@@ -20,11 +22,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from examples.orders import create_topics, read_committed
 from examples.workers import REPO
 from integration_tests.warehouse_job import SPEC, WarehouseJob, wait_for
 
@@ -153,8 +157,17 @@ def test_streaming_running_total_exactly_once_across_driver_sigkills(
     kills: tuple[str, ...],
 ) -> None:
     job = WarehouseJob(
-        kafka_bootstrap, unique_name, tmp_path, postgres_dsn, partitions=2, customers=50, workers=0
+        kafka_bootstrap,
+        unique_name,
+        tmp_path,
+        postgres_dsn,
+        partitions=2,
+        customers=50,
+        workers=0,
+        extra_env={"SNAPLINE_EXAMPLE_COUNTS": "1"},  # key_by() also feeds a rolling count
     )
+    counts_topic = f"{job.prefix}order-counts"
+    create_topics(kafka_bootstrap, {counts_topic: 2})
     driver = StreamDriver(job, tmp_path / "spark-checkpoint")
     job.logs = driver.tail  # type: ignore[method-assign]  # failure messages show the driver
     rng = random.Random(14)
@@ -171,11 +184,18 @@ def test_streaming_running_total_exactly_once_across_driver_sigkills(
         )
         assert driver.runs == len(kills) + 1
         job.verify()  # Kafka, Parquet and PostgreSQL: each order once, totals as expected
+        # The branch beside the running total: customer c's n orders counted 1..n, once each.
+        orders = Counter(r["customer"] for r in job.table_rows())  # one row per order (verified)
+        counts = read_committed(kafka_bootstrap, counts_topic, job.produced, settle=3.0)
+        seen: dict[str, list[int]] = {}
+        for out in counts:
+            seen.setdefault(out["key"], []).append(out["value"])
+        assert {c: sorted(v) for c, v in seen.items()} == {
+            c: list(range(1, n + 1)) for c, n in orders.items()
+        }, f"order counts: {len(counts)} outputs for {job.produced} orders\n{driver.tail()}"
         # The batches committed to Kafka just before a kill were re-run by Spark and skipped.
         log = driver.log.read_text(errors="replace")
-        assert log.count("committed before a restart") >= kills.count("after-commit"), (
-            driver.tail()
-        )
+        assert log.count("committed before a restart") >= kills.count("after-commit"), driver.tail()
     finally:
         if driver.process is not None and driver.process.poll() is None:
             driver.kill()
@@ -300,9 +320,7 @@ def test_streaming_window_exactly_once_across_driver_sigkills(
             ).fetchall()
         assert {(c, s): (n, a) for c, s, n, a in db} == expected, "PostgreSQL"
         log = driver.log.read_text(errors="replace")
-        assert log.count("committed before a restart") >= kills.count("after-commit"), (
-            driver.tail()
-        )
+        assert log.count("committed before a restart") >= kills.count("after-commit"), driver.tail()
     finally:
         if driver.process is not None and driver.process.poll() is None:
             driver.kill()

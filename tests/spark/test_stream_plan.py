@@ -134,12 +134,45 @@ def test_what_cannot_map_is_refused_at_start(build: Any, message: str) -> None:
     assert message in str(info.value)
 
 
-def test_branching_graph_is_refused() -> None:
+def test_branches_after_key_by_form_a_tree_of_the_same_key() -> None:
+    p = _pipeline()
+    keyed = p.source(KafkaSource("a")).key_by()
+    totals = keyed.process(Total())
+    totals.sink(KafkaSink("o"))
+    totals.map(lambda v: v).sink(KafkaSink("o-mapped"))
+    keyed.count().sink(KafkaSink("counts"))
+    plan = plan_stream(p)
+    assert [s.kind for s in plan.keyed] == ["pass", "process", "map", "process"]
+    assert [s.next for s in plan.keyed] == [(1, 3), (2,), (), ()]
+    assert [s.sinks for s in plan.keyed] == [(), (0,), (1,), (2,)]
+    assert [sink.name for sink in plan.sinks] == ["kafka:o", "kafka:o-mapped", "kafka:counts"]
+    assert len(plan.process_ids) == 2 and plan.timed is None
+
+
+def test_a_branch_may_hold_the_one_timed_operator_but_not_two() -> None:
     p = _pipeline()
     keyed = p.source(KafkaSource("a")).key_by()
     keyed.process(Total()).sink(KafkaSink("o"))
-    keyed.process(Total(), uid="other").sink(KafkaSink("o2"))
-    with pytest.raises(ConfigurationError, match="branching"):
+    keyed.window(tumbling(1000)).count().sink(KafkaSink("w"))
+    plan = plan_stream(p)
+    assert plan.timed == plan.keyed[2].node_id
+    keyed.process(WithTimer(), uid="timed").sink(KafkaSink("t"))
+    with pytest.raises(ConfigurationError, match="2 operators with timers"):
+        plan_stream(p)
+
+
+def test_branching_before_key_by_or_a_second_key_by_in_a_branch_is_refused() -> None:
+    p = _pipeline()
+    source = p.source(KafkaSource("a"))
+    source.key_by().process(Total()).sink(KafkaSink("o"))
+    source.map(lambda v: v).key_by().process(Total(), uid="other").sink(KafkaSink("o2"))
+    with pytest.raises(ConfigurationError, match="branching graph before key_by"):
+        plan_stream(p)
+    p = _pipeline()
+    keyed = p.source(KafkaSource("a")).key_by(lambda v: v["x"])
+    keyed.process(Total()).sink(KafkaSink("o"))
+    keyed.map(lambda v: v).key_by(lambda v: v["y"]).process(Total(), uid="y").sink(KafkaSink("o2"))
+    with pytest.raises(ConfigurationError, match="second key_by"):
         plan_stream(p)
 
 
@@ -163,6 +196,22 @@ def test_run_chain_feeds_sinks_and_the_end_in_order() -> None:
     run_chain(steps, fns, 4, None, lambda s, v: sunk.append((s, v)), ended.append)
     assert sunk == [(0, 4), (1, 4), (2, 40), (1, 6), (2, 60)]
     assert ended == [40, 60]
+
+
+def test_run_chain_runs_every_branch_depth_first() -> None:
+    steps = [
+        Step("pass", 0, (0,), (1, 3)),
+        Step("map", 1, (1,), (2,)),
+        Step("flat_map", 2, (2,), ()),
+        Step("filter", 3, (3,), ()),
+    ]
+    fns = [None, lambda v: v * 10, lambda v: [v, v + 1], lambda v: v % 2 == 0]
+    sunk: list[tuple[int, Any]] = []
+    run_chain(steps, fns, 4, None, lambda s, v: sunk.append((s, v)))
+    assert sunk == [(0, 4), (1, 40), (2, 40), (2, 41), (3, 4)]
+    sunk.clear()
+    run_chain(steps, fns, 3, None, lambda s, v: sunk.append((s, v)), start=1)  # a timer's
+    assert sunk == [(1, 30), (2, 30), (2, 31)]
 
 
 @pytest.mark.parametrize(

@@ -382,11 +382,86 @@ def test_a_rolling_aggregate_keeps_its_accumulator_in_a_spark_value_state() -> N
 
     first = _batch(processor, handle, "a", [_row("a", 2, 5, "y"), _row("a", 1, 3, "x")])
     assert first == [{"key": "a", "value": 3}, {"key": "a", "value": 8}]
-    assert _batch(processor, handle, "b", [_row("b", 3, 100, "x")]) == [
-        {"key": "b", "value": 100}
-    ]
+    assert _batch(processor, handle, "b", [_row("b", 3, 100, "x")]) == [{"key": "b", "value": 100}]
     # Updated at 5,000 ms (10 s TTL): alive at 14,999 and updated; that update expires at 24,999.
     (alive,) = _batch(processor, handle, "a", [_row("a", 4, 4, "x", now=14_999)])
     assert alive == {"key": "a", "value": 12}
     (fresh,) = _batch(processor, handle, "a", [_row("a", 5, 7, "x", now=24_999)])
     assert fresh == {"key": "a", "value": 7}
+
+
+def test_branches_after_key_by_share_the_key_and_keep_their_own_state() -> None:
+    """A keyed stream feeding a running sum, a rolling count and a window: every record runs
+    through each branch, each keeps its Spark state under its own uid, and a window timer's
+    output goes to the window's branch only."""
+    from snapline import tumbling
+
+    name = "_snapline_stream_branches_test"
+    pipeline = Pipeline("branches")
+    keyed = pipeline.source(KafkaSource("in")).key_by()
+    keyed.aggregate(AmountSum(), uid="sum").sink(KafkaSink("sums"))
+    keyed.count(uid="n").sink(KafkaSink("counts"))
+    keyed.window(tumbling(1000)).count().sink(KafkaSink("windows"))
+    processor = keyed_processor(_importable(name, pipeline))
+    handle = _Handle()
+    processor.init(handle)
+    assert set(handle.created) >= {spark_state_name("sum", "acc"), spark_state_name("n", "acc")}
+    handle.key = "a"
+    tagged = tag_key("a", b"a")
+    rows = [_ts_row("a", 0, 100), _ts_row("a", 1, 900)]
+    out = list(processor.handleInputRows((tagged,), iter(rows), _Watermark(0)))
+    assert [(r.sink, r.offset, r.n, pickle.loads(r.value)) for r in out] == [
+        (0, 0, 0, {"key": "a", "value": 1}),
+        (1, 0, 1, {"key": "a", "value": 1}),
+        (0, 1, 0, {"key": "a", "value": 2}),
+        (1, 1, 1, {"key": "a", "value": 2}),
+    ]
+    assert handle.timers == {("a", 999)}
+    fired = list(processor.handleExpiredTimer((tagged,), _Watermark(1200), _Expired(999)))
+    assert [(r.sink, pickle.loads(r.value)["value"]) for r in fired] == [(2, 2)]
+    again = list(processor.handleInputRows((tagged,), iter([_ts_row("a", 2, 1500)]), None))
+    assert [(r.sink, pickle.loads(r.value)["value"]) for r in again] == [(0, 3), (1, 3)]
+
+
+class FailsOnOdd(KeyedProcessFunction):
+    """Counts, then raises for odd amounts (after yielding once for 3)."""
+
+    seen = ValueState("seen", default=0)
+
+    def process(self, value: dict[str, Any], ctx: Context) -> Any:
+        self.seen.update(self.seen.value() + 1)
+        if value["amount"] == 3:
+            yield {"before": self.seen.value()}
+        if value["amount"] % 2:
+            raise ValueError(f"odd {value['amount']}")
+        yield {"seen": self.seen.value()}
+
+
+def test_a_branch_that_raises_is_a_dead_letter_of_its_own_and_the_others_go_on() -> None:
+    """As in a service task, user code raising in one branch sends the record to the dead
+    letters naming that operator; the other branch's output for the record is kept, and so
+    are the outputs the failing function made before it raised."""
+    name = "_snapline_stream_branch_error_test"
+    pipeline = Pipeline("branch-errors")
+    keyed = pipeline.source(KafkaSource("in")).key_by()
+    keyed.process(FailsOnOdd(), name="fussy").sink(KafkaSink("fussy"))
+    keyed.count(uid="n").sink(KafkaSink("counts"))
+    processor = keyed_processor(_importable(name, pipeline))
+    handle = _Handle()
+    processor.init(handle)
+    handle.key = "a"
+    tagged = tag_key("a", b"a")
+    rows = [_row("a", 0, 2, "x"), _row("a", 1, 3, "x"), _row("a", 2, 4, "x")]
+    out = [
+        (r.offset, r.sink, r.reason or pickle.loads(r.value))
+        for r in processor.handleInputRows((tagged,), iter(rows), None)
+    ]
+    assert out == [
+        (0, 0, {"seen": 1}),
+        (0, 1, {"key": "a", "value": 1}),
+        (1, -1, "in[0]@1: fussy raised ValueError('odd 3')"),
+        (1, 0, {"before": 2}),
+        (1, 1, {"key": "a", "value": 2}),
+        (2, 0, {"seen": 3}),
+        (2, 1, {"key": "a", "value": 3}),
+    ]

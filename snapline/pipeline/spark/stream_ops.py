@@ -394,6 +394,7 @@ def keyed_processor(spec: str) -> Any:
             self.keys: dict[str, Any] = {"bytes": b"", "group": 0}
             self.window: tuple[Any, list[Any]] | None = None
             by_id = {n.id: n for n in pipeline.nodes}
+            self.names = [by_id[step.node_id].name for step in plan.keyed]
             self.fns: list[Any] = []
             for step in plan.keyed:
                 fn = by_id[step.node_id].fn
@@ -448,18 +449,20 @@ def keyed_processor(spec: str) -> Any:
                     ctx.timestamp, ctx.topic = r.ts, r.topic
                     ctx.partition, ctx.offset = r.partition, r.offset
                     outs: list[tuple[int, Any]] = []
-                    try:
-                        run_chain(
-                            self.plan.keyed, self.fns, pickle.loads(r.value), ctx, _adder(outs)
-                        )
-                    except UnmappedTimerError:
-                        raise
-                    except Exception as exc:
-                        where = f"{r.topic}[{r.partition}]@{r.offset}"
-                        reason = _dead(f"{where}: {exc!r}", self.fail, where)
-                        self.window_task.dead.clear()
+                    failed: list[tuple[int, Exception]] = []
+                    run_chain(
+                        self.plan.keyed,
+                        self.fns,
+                        pickle.loads(r.value),
+                        ctx,
+                        _adder(outs),
+                        on_error=_step_failed(failed),
+                    )
+                    where = f"{r.topic}[{r.partition}]@{r.offset}"
+                    for step, exc in failed:  # that step's output is lost; other branches ran
+                        reason = f"{where}: {self.names[step]} raised {exc!r}"
+                        reason = _dead(reason, self.fail, where)
                         yield _out(Row, r, -1, 0, tagged, r.raw, reason)
-                        continue
                     for reason in self.window_task.dead:
                         yield _out(Row, r, -1, 0, tagged, r.raw, reason)
                     self.window_task.dead.clear()
@@ -496,10 +499,15 @@ def keyed_processor(spec: str) -> Any:
                     values = list(self.fns[index].on_timer(ts, ctx) or ())
                     ctx.time_domain = None
                 outs: list[tuple[int, Any]] = []
+                after = (index + 1,) if step.next is None else step.next
                 for value in values:
                     for sink in step.sinks:
                         outs.append((sink, value))
-                    run_chain(self.plan.keyed, self.fns, value, ctx, _adder(outs), start=index + 1)
+                    for start in after:
+                        if start < len(self.plan.keyed):
+                            run_chain(
+                                self.plan.keyed, self.fns, value, ctx, _adder(outs), start=start
+                            )
                 self.backend.flush()
             finally:
                 self.scope.prefix = None
@@ -525,6 +533,18 @@ class _TimerRow:
         self.seq = 0
         self.ts = ts
         self.raw_key = key_bytes
+
+
+def _step_failed(failed: list[tuple[int, Exception]]) -> Callable[[int, Exception], None]:
+    """``run_chain``'s ``on_error`` for the keyed part: user code raising is a dead letter of
+    that step; a processing-time timer ends the query (it cannot map)."""
+
+    def on_error(step: int, exc: Exception) -> None:
+        if isinstance(exc, UnmappedTimerError):
+            raise exc
+        failed.append((step, exc))
+
+    return on_error
 
 
 def _adder(outs: list[tuple[int, Any]]) -> Callable[[int, Any], None]:

@@ -2,15 +2,18 @@
 of a Structured Streaming query, or a ConfigurationError at start naming what cannot map.
 
 A supported pipeline is one Kafka source, a chain of stateless operators, at most one
-``key_by`` and after it a chain of keyed process functions and stateless operators, with sinks
-hanging off any operator of the last chain (or of the only chain, without ``key_by``):
+``key_by`` and after it a tree of keyed process functions and stateless operators (any operator
+may feed several), with sinks hanging off any operator after ``key_by`` (or of the only chain,
+without ``key_by``):
 
     source → (map | filter | flat_map)* → key_by → (process | window | map | filter | flat_map)*
+                                                  ↘ (process | ...)*   (branches, same key)
 
 The part before ``key_by`` runs per micro-batch on the executors; the part after it runs per
-key through ``transformWithState``. At most one operator of it may use event-time timers (a
-window, or a process function implementing ``on_timer``): Spark keeps one set of timers per
-key. ``run_chain`` pushes one value through a part.
+key through ``transformWithState``: every branch sees the key's records in the same order, in
+one state store, as the operators of a service task do. At most one operator of it may use
+event-time timers (a window, or a process function implementing ``on_timer``): Spark keeps one
+set of timers per key. ``run_chain`` pushes one value through a part.
 """
 
 from __future__ import annotations
@@ -34,12 +37,14 @@ STATELESS = ("map", "filter", "flat_map")
 
 @dataclass(frozen=True)
 class Step:
-    """One operator of a chain and the sinks (indexes into ``StreamPlan.sinks``) its output
-    feeds."""
+    """One operator of a part, the sinks (indexes into ``StreamPlan.sinks``) its output feeds,
+    and the steps (indexes into the part) its output goes on to: None for the next one in the
+    list (a chain), ``()`` for none (the end of a branch)."""
 
     kind: str
     node_id: int
     sinks: tuple[int, ...] = ()
+    next: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,8 @@ class StreamPlan:
     pre: tuple[Step, ...]
     #: The ``key_by`` node id, or None for a pipeline without keyed state.
     key_by: int | None
-    #: After ``key_by`` (starts with its "pass" step); empty without ``key_by``.
+    #: After ``key_by`` (starts with its "pass" step), a tree in depth-first order: every
+    #: step names the steps it feeds (``Step.next``); empty without ``key_by``.
     keyed: tuple[Step, ...]
     sinks: tuple[Sink, ...]
     #: The one keyed operator with event-time timers (a window, or a process function that
@@ -84,35 +90,23 @@ def plan_stream(pipeline: Pipeline) -> StreamPlan:
     key_by: int | None = None
     node: Node = sources[0]
     kind = "pass"
-    while True:
-        below = pipeline.downstream(node)
-        sink_nodes = [n for n in below if n.kind == "sink"]
-        indexes = tuple(range(len(sinks), len(sinks) + len(sink_nodes)))
-        sinks.extend(n.fn for n in sink_nodes)
-        (keyed if key_by is not None else pre).append(Step(kind, node.id, indexes))
-        rest = [n for n in below if n.kind != "sink"]
+    while True:  # the chain before key_by
+        rest = _step(pipeline, node, kind, sinks, pre)
         if not rest:
             break
         if len(rest) > 1:
             raise _refuse(
-                f"a branching graph ({node.name!r} feeds {[n.name for n in rest]})",
-                "give each branch its own pipeline, or run it as services",
+                f"a branching graph before key_by ({node.name!r} feeds {[n.name for n in rest]})",
+                "branch after key_by (every branch then runs per key), give each branch its "
+                "own pipeline, or run it as services",
             )
         node = rest[0]
         kind = node.kind
         if kind == "key_by":
-            if key_by is not None:
-                raise _refuse(
-                    f"a second key_by ({node.name!r}: a multi-stage pipeline)",
-                    "one key_by per pipeline on Spark streaming; run it as services or on "
-                    "Spark bounded (snapline spark run)",
-                )
             key_by = node.id
-            kind = "pass"
-        elif kind == "process":
-            _check_process(node.fn, node.name)
-        elif kind != "window" and kind not in STATELESS:
-            raise _refuse(f"the operator {node.name!r} ({kind})", "run it as services")
+            _keyed_tree(pipeline, node, "pass", sinks, keyed)
+            break
+        _check_kind(node)
     if key_by is not None and any(s.sinks for s in pre):
         raise _refuse(
             "a sink before key_by",
@@ -136,6 +130,45 @@ def plan_stream(pipeline: Pipeline) -> StreamPlan:
     )
 
 
+def _step(
+    pipeline: Pipeline, node: Node, kind: str, sinks: list[Sink], steps: list[Step]
+) -> list[Node]:
+    """Append ``node``'s step (its sinks added to ``sinks``); the operators it feeds."""
+    below = pipeline.downstream(node)
+    sink_nodes = [n for n in below if n.kind == "sink"]
+    indexes = tuple(range(len(sinks), len(sinks) + len(sink_nodes)))
+    sinks.extend(n.fn for n in sink_nodes)
+    steps.append(Step(kind, node.id, indexes))
+    return [n for n in below if n.kind != "sink"]
+
+
+def _keyed_tree(
+    pipeline: Pipeline, node: Node, kind: str, sinks: list[Sink], steps: list[Step]
+) -> int:
+    """Append the keyed part from ``node`` on, depth first; ``node``'s index."""
+    index = len(steps)
+    children = []
+    for child in _step(pipeline, node, kind, sinks, steps):
+        if child.kind == "key_by":
+            raise _refuse(
+                f"a second key_by ({child.name!r}: a multi-stage pipeline)",
+                "one key_by per pipeline on Spark streaming; run it as services or on "
+                "Spark bounded (snapline spark run)",
+            )
+        _check_kind(child)
+        children.append(_keyed_tree(pipeline, child, child.kind, sinks, steps))
+    step = steps[index]
+    steps[index] = Step(step.kind, step.node_id, step.sinks, tuple(children))
+    return index
+
+
+def _check_kind(node: Node) -> None:
+    if node.kind == "process":
+        _check_process(node.fn, node.name)
+    elif node.kind != "window" and node.kind not in STATELESS:
+        raise _refuse(f"the operator {node.name!r} ({node.kind})", "run it as services")
+
+
 def _has_timers(fn: Any) -> bool:
     return isinstance(fn, KeyedProcessFunction) and (
         type(fn).on_timer is not KeyedProcessFunction.on_timer
@@ -155,33 +188,48 @@ def run_chain(
     emit_sink: Callable[[int, Any], None],
     emit_end: Callable[[Any], None] | None = None,
     start: int = 0,
+    on_error: Callable[[int, Exception], None] | None = None,
 ) -> None:
-    """Push ``value`` through ``steps[start:]`` (``functions[i]`` is step i's function, bound
-    process function, or for a window a function from a value to the window's outputs): every
-    output goes to the sinks of its step and on to the next step; what leaves the last step
-    goes to ``emit_end`` (the key_by) when given."""
+    """Push ``value`` through step ``start`` and the steps after it (``functions[i]`` is step
+    i's function, bound process function, or for a window a function from a value to the
+    window's outputs): every output goes to the sinks of its step and on to the steps it feeds
+    (``Step.next``, in order, depth first); what leaves the end of a chain goes to
+    ``emit_end`` (the key_by) when given.
+
+    A step that raises: without ``on_error`` the exception ends the run. With it, as in a
+    service task, only that step fails: ``on_error(step index, exception)`` is told, the
+    outputs it made before raising go on, and every other branch runs."""
+    end = len(steps)
 
     def push(i: int, v: Any) -> None:
-        if i == len(steps):
+        if i == end:
             if emit_end is not None:
                 emit_end(v)
             return
         step = steps[i]
         fn = functions[i]
-        outs: Any
-        if step.kind == "pass":
-            outs = (v,)
-        elif step.kind == "map":
-            outs = (fn(v),)
-        elif step.kind == "filter":
-            outs = (v,) if fn(v) else ()
-        elif step.kind in ("flat_map", "window"):
-            outs = fn(v) or ()
-        else:
-            outs = fn.process(v, ctx) or ()
+        outs: list[Any] = []
+        try:
+            if step.kind == "pass":
+                outs.append(v)
+            elif step.kind == "map":
+                outs.append(fn(v))
+            elif step.kind == "filter":
+                if fn(v):
+                    outs.append(v)
+            elif step.kind in ("flat_map", "window"):
+                outs.extend(fn(v) or ())
+            else:
+                outs.extend(fn.process(v, ctx) or ())
+        except Exception as exc:
+            if on_error is None:
+                raise
+            on_error(i, exc)
+        after = (i + 1,) if step.next is None else step.next or (end,)
         for out in outs:
             for sink in step.sinks:
                 emit_sink(sink, out)
-            push(i + 1, out)
+            for j in after:
+                push(j, out)
 
     push(start, value)
