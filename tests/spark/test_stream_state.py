@@ -465,3 +465,54 @@ def test_a_branch_that_raises_is_a_dead_letter_of_its_own_and_the_others_go_on()
         (2, 0, {"seen": 3}),
         (2, 1, {"key": "a", "value": 3}),
     ]
+
+
+class Timed(KeyedProcessFunction):
+    """Registers a timer 10 ms after each record; odd timers raise."""
+
+    def process(self, value: dict[str, Any], ctx: Context) -> Any:
+        ctx.timers.register_event_time(ctx.timestamp + 10)
+        return ()
+
+    def on_timer(self, timestamp: int, ctx: Context) -> Any:
+        yield {"fired": timestamp}
+        if timestamp % 2:
+            raise RuntimeError(f"timer {timestamp}")
+
+
+def _explode(value: Any) -> Any:
+    raise ValueError("no")
+
+
+def test_a_timer_whose_function_or_branch_raises_leaves_dead_letters_and_the_rest() -> None:
+    name = "_snapline_stream_timer_error_test"
+    pipeline = Pipeline("timer-errors")
+    timed = pipeline.source(KafkaSource("in")).key_by().process(Timed(), name="timed")
+    timed.sink(KafkaSink("t"))
+    timed.map(_explode, name="explode").sink(KafkaSink("x"))
+    timed.map(lambda v: {**v, "same": True}, name="same").sink(KafkaSink("s"))
+    processor = keyed_processor(_importable(name, pipeline))
+    handle = _Handle()
+    processor.init(handle)
+    handle.key = "a"
+    tagged = tag_key("a", b"a")
+    rows = [_ts_row("a", 0, 1000), _ts_row("a", 1, 1001)]
+    assert list(processor.handleInputRows((tagged,), iter(rows), _Watermark(0))) == []
+    assert handle.timers == {("a", 1010), ("a", 1011)}
+
+    def fire(ts: int) -> list[tuple[int, Any]]:
+        out = processor.handleExpiredTimer((tagged,), _Watermark(2000), _Expired(ts))
+        return [(r.sink, r.reason or pickle.loads(r.value)) for r in out]
+
+    assert fire(1010) == [
+        (-1, "timer 1010: explode raised ValueError('no')"),
+        (0, {"fired": 1010}),
+        (2, {"fired": 1010, "same": True}),
+    ]
+    # The output made before on_timer raised goes on, as in a service task.
+    assert fire(1011) == [
+        (-1, "timer 1011: timed.on_timer(1011) raised RuntimeError('timer 1011')"),
+        (-1, "timer 1011: explode raised ValueError('no')"),
+        (0, {"fired": 1011}),
+        (2, {"fired": 1011, "same": True}),
+    ]

@@ -479,7 +479,10 @@ def keyed_processor(spec: str) -> Any:
             step = self.plan.keyed[index]
             ctx = self.ctx
             ctx.timestamp, ctx.topic, ctx.partition, ctx.offset = ts, "", -1, -1
+            #: Steps that raised (user code): dead letters of the timer, as in a service task.
+            failed: list[tuple[int, Exception]] = []
             try:
+                values: list[Any] = []
                 if step.kind == "window":
                     assert self.window is not None
                     op, collected = self.window
@@ -496,8 +499,12 @@ def keyed_processor(spec: str) -> Any:
                     collected.clear()
                 else:
                     ctx.time_domain = "event"
-                    values = list(self.fns[index].on_timer(ts, ctx) or ())
-                    ctx.time_domain = None
+                    try:
+                        values.extend(self.fns[index].on_timer(ts, ctx) or ())
+                    except Exception as exc:
+                        _step_failed(failed)(index, exc)
+                    finally:
+                        ctx.time_domain = None
                 outs: list[tuple[int, Any]] = []
                 after = (index + 1,) if step.next is None else step.next
                 for value in values:
@@ -506,12 +513,26 @@ def keyed_processor(spec: str) -> Any:
                     for start in after:
                         if start < len(self.plan.keyed):
                             run_chain(
-                                self.plan.keyed, self.fns, value, ctx, _adder(outs), start=start
+                                self.plan.keyed,
+                                self.fns,
+                                value,
+                                ctx,
+                                _adder(outs),
+                                start=start,
+                                on_error=_step_failed(failed),
                             )
                 self.backend.flush()
             finally:
                 self.scope.prefix = None
             timer = _TimerRow(ts, self.keys["bytes"])
+            where = f"timer {ts}"
+            for i, error in failed:
+                what = f"{self.names[i]}.on_timer({ts})" if i == index else self.names[i]
+                reason = _dead(f"{where}: {what} raised {error!r}", self.fail, where)
+                yield _out(Row, timer, -1, 0, tagged, None, reason)
+            for reason in self.window_task.dead:  # the window's own (its function raised)
+                yield _out(Row, timer, -1, 0, tagged, None, reason)
+            self.window_task.dead.clear()
             for n, (sink, v) in enumerate(outs):
                 yield _out(Row, timer, sink, n, tagged, pickle.dumps(v), None)
 
