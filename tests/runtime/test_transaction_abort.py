@@ -202,3 +202,20 @@ def test_at_least_once_reports_a_failed_delivery_at_flush_without_a_callback_per
     output.direct_producer(3).produce("out", b"w", b"k")  # type: ignore[union-attr]
     with pytest.raises(transaction.CheckpointError, match="records failed delivery"):
         output.flush(10)
+
+
+def test_new_record_size_limits_replace_the_producer_at_the_abort_without_calling_it_fatal(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    output = TransactionalOutput({"bootstrap.servers": "127.0.0.1:1"}, transactional_id="t")
+    monkeypatch.setattr(output, "init", lambda: None)  # init_transactions: no broker here
+    limits = {"message.max.bytes": 60_000, "batch.size": 50_000}
+    assert output.resize(limits) is True
+    assert output.resize(limits) is False  # the same limits again: nothing to do
+    old = output.producer
+    with caplog.at_level("INFO", logger=transaction.__name__):
+        output.abort()  # no open transaction: the replacement alone
+    assert output.producer is not old and output.replaced == 1
+    assert output.max_message_bytes == 60_000 and output._conf["batch.size"] == 50_000
+    assert output._fatal is None and output._resized is None
+    assert "new record size limits" in caplog.text and "cannot go on" not in caplog.text

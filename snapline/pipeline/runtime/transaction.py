@@ -127,6 +127,9 @@ class TransactionalOutput:
         self.producer = Producer(conf)
         #: Why the producer failed fatally; it is replaced before its next transaction.
         self._fatal: str | None = None
+        #: New record size limits (``resize``) the producer takes by being replaced, as a
+        #: fatal failure's is (exactly-once: at the next begin or abort).
+        self._resized: dict[str, int] | None = None
         self.replaced = 0
         self.open_epoch: int | None = None
         #: An abort that could not reach the broker; completed before the next begin.
@@ -201,7 +204,7 @@ class TransactionalOutput:
     def begin(self, epoch: int) -> None:
         """Open the transaction of ``epoch`` and send the records held for it."""
         if self.exactly_once:
-            if self._fatal is not None:
+            if self._fatal is not None or self._resized is not None:
                 self._replace_producer()
             if self._abort_pending:
                 self._finish_abort(PENDING_ABORT_BOUND, replace_if_stuck=True)
@@ -421,7 +424,7 @@ class TransactionalOutput:
         timed the transaction out during an outage) raises FencedError."""
         self._buffer = []
         self._delivery_errors = []
-        if self.exactly_once and self._fatal is not None:
+        if self.exactly_once and (self._fatal is not None or self._resized is not None):
             self._replace_producer()  # its init_transactions aborts the open transaction
         if self.exactly_once and (self.open_epoch is not None or self._abort_pending):
             self.open_epoch = None
@@ -439,14 +442,15 @@ class TransactionalOutput:
             return False
         self._conf.update(limits)
         self.max_message_bytes = int(self._conf.get("message.max.bytes", 1_000_000))
-        self._fatal = self._fatal or f"record size limits changed to {limits}"
+        self._resized = limits
         if not self.exactly_once:
             self._replace_producer()
         return True
 
     def _replace_producer(self) -> None:
         """A fresh producer with the same transactional id instead of one that failed fatally
-        (or is stuck in a commit_transaction that timed out).
+        (or is stuck in a commit_transaction that timed out, or has outdated record size
+        limits: ``resize``).
 
         Its init_transactions bumps the epoch, aborting the transaction the old one left open,
         so nothing of the failed epoch becomes visible; a commit the coordinator had already
@@ -454,13 +458,17 @@ class TransactionalOutput:
         another live incarnation of this worker own the id, it is fenced in turn; its consumer
         (same static group.instance.id) is fenced by the group coordinator and that worker
         exits."""
-        log.warning("producer cannot go on (%s); replacing it", self._fatal)
+        if self._fatal is not None:
+            log.warning("producer cannot go on (%s); replacing it", self._fatal)
+        else:
+            log.info("replacing the producer for new record size limits %s", self._resized)
         old = self.producer
         self.producer = Producer(self._conf)
         self._call = BoundedCall("producer", self._liveness)
         self.open_epoch = None
         self._abort_pending = False
         self._fatal = None
+        self._resized = None
         self._delivery_errors = []  # the old producer's; its transaction is aborted
         self.replaced += 1
         holder: list[object] = [old]
