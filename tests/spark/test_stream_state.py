@@ -176,12 +176,17 @@ def _batch(processor: Any, handle: _Handle, key: str, rows: list[Row]) -> list[d
     return [pickle.loads(r.value) for r in out]
 
 
-@pytest.fixture
-def processor_and_handle() -> tuple[Any, _Handle]:
-    processor = keyed_processor(_module())
+def _opened(spec: str) -> tuple[Any, _Handle]:
+    """The keyed processor of the pipeline ``spec``, initialised on an in-memory handle."""
+    processor = keyed_processor(spec)
     handle = _Handle()
     processor.init(handle)
     return processor, handle
+
+
+@pytest.fixture
+def processor_and_handle() -> tuple[Any, _Handle]:
+    return _opened(_module())
 
 
 def test_each_state_type_maps_onto_a_spark_state_variable(
@@ -277,9 +282,7 @@ def _ts_row(key: str, offset: int, ts: int) -> Row:
 
 
 def test_a_window_registers_spark_timers_and_emits_when_they_fire() -> None:
-    processor = keyed_processor(_windows_module())
-    handle = _Handle()
-    processor.init(handle)
+    processor, handle = _opened(_windows_module())
     handle.key = "a"
     tagged = tag_key("a", b"a")
     rows = [_ts_row("a", 0, 100), _ts_row("a", 1, 900), _ts_row("a", 2, 1500)]
@@ -319,9 +322,7 @@ def test_on_timer_runs_from_spark_expired_timers_with_the_keys_state() -> None:
     name = "_snapline_stream_timer_test"
     pipeline = Pipeline("timer-map")
     pipeline.source(KafkaSource("in")).key_by().process(Reminder()).sink(KafkaSink("out"))
-    processor = keyed_processor(_importable(name, pipeline))
-    handle = _Handle()
-    processor.init(handle)
+    processor, handle = _opened(_importable(name, pipeline))
     handle.key = "b"
     tagged = tag_key("b", b"b")
     rows = [_ts_row("b", 0, 1000), _ts_row("b", 1, 1050)]
@@ -347,9 +348,7 @@ def test_a_processing_time_timer_fails_the_query_with_a_message() -> None:
     name = "_snapline_stream_ptimer_test"
     pipeline = Pipeline("ptimer")
     pipeline.source(KafkaSource("in")).key_by().process(ProcessingTimer()).sink(KafkaSink("o"))
-    processor = keyed_processor(_importable(name, pipeline))
-    handle = _Handle()
-    processor.init(handle)
+    processor, handle = _opened(_importable(name, pipeline))
     handle.key = "c"
     rows = iter([_ts_row("c", 0, 10)])
     with pytest.raises(UnmappedTimerError, match="processing-time timers are not mapped"):
@@ -375,9 +374,7 @@ def test_a_rolling_aggregate_keeps_its_accumulator_in_a_spark_value_state() -> N
     pipeline = Pipeline("rolling")
     keyed = pipeline.source(KafkaSource("in")).key_by()
     keyed.aggregate(AmountSum(), ttl=10.0, uid="sum").sink(KafkaSink("out"))
-    processor = keyed_processor(_importable(name, pipeline))
-    handle = _Handle()
-    processor.init(handle)
+    processor, handle = _opened(_importable(name, pipeline))
     assert handle.created == {spark_state_name("sum", "acc"): "value"}
 
     first = _batch(processor, handle, "a", [_row("a", 2, 5, "y"), _row("a", 1, 3, "x")])
@@ -402,9 +399,7 @@ def test_branches_after_key_by_share_the_key_and_keep_their_own_state() -> None:
     keyed.aggregate(AmountSum(), uid="sum").sink(KafkaSink("sums"))
     keyed.count(uid="n").sink(KafkaSink("counts"))
     keyed.window(tumbling(1000)).count().sink(KafkaSink("windows"))
-    processor = keyed_processor(_importable(name, pipeline))
-    handle = _Handle()
-    processor.init(handle)
+    processor, handle = _opened(_importable(name, pipeline))
     assert set(handle.created) >= {spark_state_name("sum", "acc"), spark_state_name("n", "acc")}
     handle.key = "a"
     tagged = tag_key("a", b"a")
@@ -446,9 +441,7 @@ def test_a_branch_that_raises_is_a_dead_letter_of_its_own_and_the_others_go_on()
     keyed = pipeline.source(KafkaSource("in")).key_by()
     keyed.process(FailsOnOdd(), name="fussy").sink(KafkaSink("fussy"))
     keyed.count(uid="n").sink(KafkaSink("counts"))
-    processor = keyed_processor(_importable(name, pipeline))
-    handle = _Handle()
-    processor.init(handle)
+    processor, handle = _opened(_importable(name, pipeline))
     handle.key = "a"
     tagged = tag_key("a", b"a")
     rows = [_row("a", 0, 2, "x"), _row("a", 1, 3, "x"), _row("a", 2, 4, "x")]
@@ -491,9 +484,7 @@ def test_a_timer_whose_function_or_branch_raises_leaves_dead_letters_and_the_res
     timed.sink(KafkaSink("t"))
     timed.map(_explode, name="explode").sink(KafkaSink("x"))
     timed.map(lambda v: {**v, "same": True}, name="same").sink(KafkaSink("s"))
-    processor = keyed_processor(_importable(name, pipeline))
-    handle = _Handle()
-    processor.init(handle)
+    processor, handle = _opened(_importable(name, pipeline))
     handle.key = "a"
     tagged = tag_key("a", b"a")
     rows = [_ts_row("a", 0, 1000), _ts_row("a", 1, 1001)]
