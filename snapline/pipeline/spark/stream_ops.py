@@ -450,17 +450,23 @@ def keyed_processor(spec: str) -> Any:
                     ctx.partition, ctx.offset = r.partition, r.offset
                     outs: list[tuple[int, Any]] = []
                     failed: list[tuple[int, Exception]] = []
+                    where = f"{r.topic}[{r.partition}]@{r.offset}"
+                    try:
+                        value = pickle.loads(r.value)
+                    except Exception as exc:  # the value made it here pickled: a class gone?
+                        reason = _dead(f"{where}: cannot unpickle: {exc!r}", self.fail, where)
+                        yield _out(Row, r, -1, 0, tagged, r.raw, reason)
+                        continue
                     run_chain(
                         self.plan.keyed,
                         self.fns,
-                        pickle.loads(r.value),
+                        value,
                         ctx,
                         _adder(outs),
                         on_error=_step_failed(failed),
                     )
-                    where = f"{r.topic}[{r.partition}]@{r.offset}"
-                    for step, exc in failed:  # that step's output is lost; other branches ran
-                        reason = f"{where}: {self.names[step]} raised {exc!r}"
+                    for step, error in failed:  # the other branches (and its earlier outputs) went on
+                        reason = f"{where}: {self.names[step]} raised {error!r}"
                         reason = _dead(reason, self.fail, where)
                         yield _out(Row, r, -1, 0, tagged, r.raw, reason)
                     for reason in self.window_task.dead:
