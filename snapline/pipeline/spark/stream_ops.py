@@ -465,7 +465,7 @@ def keyed_processor(spec: str) -> Any:
                         _adder(outs),
                         on_error=_step_failed(failed),
                     )
-                    for step, error in failed:  # the other branches (and its earlier outputs) went on
+                    for step, error in failed:  # its earlier outputs and other branches went on
                         reason = f"{where}: {self.names[step]} raised {error!r}"
                         reason = _dead(reason, self.fail, where)
                         yield _out(Row, r, -1, 0, tagged, r.raw, reason)
