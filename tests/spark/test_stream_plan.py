@@ -231,3 +231,55 @@ def test_trigger_parses(text: str, expected: Trigger) -> None:
 def test_bad_trigger_names_the_forms(text: str) -> None:
     with pytest.raises(ConfigurationError, match="available-now"):
         Trigger.parse(text)
+
+
+def _first_rows(p: Pipeline, raw: bytes, key: bytes = b"k") -> list[dict[str, Any]]:
+    from snapline.pipeline.spark.stream_ops import _FirstPart
+
+    part = _FirstPart(p, plan_stream(p))
+    return part.rows("in", 0, 7, key, raw, 1_000, 2_000)
+
+
+def _explode_on_two(v: Any) -> Any:
+    if v == 2:
+        raise ValueError("two")
+    return str(v)
+
+
+def test_before_key_by_a_value_whose_key_raises_is_a_dead_letter_and_the_others_go_on() -> None:
+    import pickle
+
+    p = _pipeline()
+    p.source(KafkaSource("in", value_format="json")).flat_map(lambda v: [v, v + 1, v + 2]).key_by(
+        _explode_on_two, name="by-thing"
+    ).process(Total()).sink(KafkaSink("o"))
+    rows = _first_rows(p, b"1")
+    assert [pickle.loads(r["value"]) for r in rows if "value" in r] == [1, 3]
+    assert [r["key"] for r in rows if "value" in r] == [b"s1", b"s3"]
+    (dead,) = [r for r in rows if "reason" in r]
+    assert dead["reason"] == "in[0]@7: by-thing raised ValueError('two')" and dead["raw"] == b"1"
+    assert sorted(r["seq"] for r in rows) == [0, 1, 2]
+    (bad,) = _first_rows(p, b"{not json")
+    assert "in[0]@7: JSONDecodeError" in bad["reason"]
+
+
+def test_without_key_by_an_operator_that_raises_loses_only_its_own_outputs() -> None:
+    import pickle
+
+    p = _pipeline()
+    first = p.source(KafkaSource("in", value_format="json")).map(lambda v: v * 10, name="tens")
+    first.sink(KafkaSink("tens"))
+    first.map(_explode_on_two, name="fussy").sink(KafkaSink("fussy"))
+    tens, fussy = _first_rows(p, b"2")  # 20 is not 2: both operators succeed
+    assert (tens["sink"], pickle.loads(tens["value"])) == (0, 20)
+    assert (fussy["sink"], pickle.loads(fussy["value"])) == (1, "20")
+    p = _pipeline()
+    first = p.source(KafkaSource("in", value_format="json")).map(lambda v: v, name="same")
+    first.sink(KafkaSink("same"))
+    first.map(_explode_on_two, name="fussy").sink(KafkaSink("fussy"))
+    rows = _first_rows(p, b"2")
+    assert [(r["sink"], r.get("reason") or pickle.loads(r["value"])) for r in rows] == [
+        (0, 2),
+        (-1, "in[0]@7: fussy raised ValueError('two')"),
+    ]
+    assert [r["n"] for r in rows] == [0, 1] and rows[1]["value"] == b"2"

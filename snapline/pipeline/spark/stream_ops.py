@@ -199,6 +199,8 @@ class _FirstPart:
         self.decode_value = decoder(plan.source.value_format)
         self.decode_key = decoder(plan.source.key_format)
         self.fail = pipeline.on_error == "fail"
+        self.names = [by_id[s.node_id].name for s in plan.pre]
+        self.key_name = "key_by" if plan.key_by is None else by_id[plan.key_by].name
 
     def rows(
         self,
@@ -213,53 +215,69 @@ class _FirstPart:
         where = f"{topic}[{partition}]@{offset}"
         position = {"topic": topic, "partition": partition, "offset": offset, "raw_key": raw_key}
         results: list[tuple[Any, Any, Any]] = []
+        #: Operators that raised for this record: each a dead letter, as in a service task
+        #: (their earlier outputs and the other values go on).
+        failures: list[str] = []
+        ts = kafka_ts
+
+        def on_error(step: int, exc: Exception) -> None:
+            failures.append(_dead(f"{where}: {self.names[step]} raised {exc!r}", self.fail, where))
+
         try:
             value, key = self.decode_value(raw), self.decode_key(raw_key)
-            ts = kafka_ts
             timestamp = self.plan.source.timestamp
             if timestamp is not None:
                 ts = timestamp_ms(timestamp(value))
+        except Exception as exc:  # the record itself is bad: nothing of it runs
+            failures.append(_dead(f"{where}: {exc!r}", self.fail, where))
+        else:
             if self.keyed:
 
                 def to_key(v: Any) -> None:
-                    k = key if self.key_fn is None else self.key_fn(v)
-                    kb = encode_key(k)
-                    if kb is None:
-                        raise ValueError("key_by returned None as the key")
-                    results.append((tag_key(k, kb), v, None))
+                    try:
+                        k = key if self.key_fn is None else self.key_fn(v)
+                        kb = encode_key(k)
+                        if kb is None:
+                            raise ValueError("key_by returned None as the key")
+                        results.append((tag_key(k, kb), pickle.dumps(v), None))
+                    except Exception as exc:
+                        failures.append(
+                            _dead(f"{where}: {self.key_name} raised {exc!r}", self.fail, where)
+                        )
 
-                run_chain(self.plan.pre, self.fns, value, None, lambda s, v: None, to_key)
+                run_chain(
+                    self.plan.pre, self.fns, value, None, lambda s, v: None, to_key, 0, on_error
+                )
             else:
                 kb = encode_key(key)
                 tagged = None if kb is None else tag_key(key, kb)
-                run_chain(
-                    self.plan.pre,
-                    self.fns,
-                    value,
-                    None,
-                    lambda s, v: results.append((tagged, v, s)),
-                )
-        except Exception as exc:
-            reason = _dead(f"{where}: {exc!r}", self.fail, where)
-            if self.keyed:
-                return [
-                    {**position, "key": DEAD_KEY, "seq": 0, "ts": kafka_ts, "raw": raw}
-                    | {"reason": reason, "now": now}
-                ]
-            return [
-                {**position, "sink": -1, "seq": 0, "n": 0, "ts": kafka_ts, "value": raw}
-                | {"reason": reason}
-            ]
+
+                def to_sink(sink: int, v: Any) -> None:
+                    try:
+                        results.append((tagged, pickle.dumps(v), sink))
+                    except Exception as exc:
+                        failures.append(_dead(f"{where}: cannot pickle {exc!r}", self.fail, where))
+
+                run_chain(self.plan.pre, self.fns, value, None, to_sink, on_error=on_error)
+        rows: list[dict[str, Any]]
         if self.keyed:
-            return [
-                {**position, "key": k, "seq": seq, "ts": ts, "value": pickle.dumps(v)}
-                | {"raw": raw, "now": now}
+            rows = [
+                {**position, "key": k, "seq": seq, "ts": ts, "value": v} | {"raw": raw, "now": now}
                 for seq, (k, v, _) in enumerate(results)
             ]
-        return [
-            {**position, "sink": sink, "seq": 0, "n": n, "ts": ts, "key": k}
-            | {"value": pickle.dumps(v)}
+            return rows + [
+                {**position, "key": DEAD_KEY, "seq": len(rows) + n, "ts": kafka_ts, "raw": raw}
+                | {"reason": reason, "now": now}
+                for n, reason in enumerate(failures)
+            ]
+        rows = [
+            {**position, "sink": sink, "seq": 0, "n": n, "ts": ts, "key": k} | {"value": v}
             for n, (k, v, sink) in enumerate(results)
+        ]
+        return rows + [
+            {**position, "sink": -1, "seq": 0, "n": len(rows) + n, "ts": kafka_ts, "value": raw}
+            | {"reason": reason}
+            for n, reason in enumerate(failures)
         ]
 
 
