@@ -453,6 +453,25 @@ def keyed_processor(spec: str) -> Any:
             self.ctx.watermark = self.timers.watermark = self.window_task.watermark = watermark
             return tagged, k
 
+        def _run(
+            self,
+            value: Any,
+            outs: list[tuple[int, Any]],
+            failed: list[tuple[int, Exception]],
+            start: int = 0,
+        ) -> None:
+            """``value`` through the keyed part from step ``start``: outputs into ``outs``,
+            the steps that raised into ``failed``."""
+            run_chain(
+                self.plan.keyed,
+                self.fns,
+                value,
+                self.ctx,
+                _adder(outs),
+                start=start,
+                on_error=_step_failed(failed),
+            )
+
         def handleInputRows(self, key: Any, rows: Iterator[Any], timerValues: Any) -> Any:
             ordered = sorted(rows, key=lambda r: (r.topic, r.partition, r.offset, r.seq))
             if bytes(key[0]) == DEAD_KEY:
@@ -475,14 +494,7 @@ def keyed_processor(spec: str) -> Any:
                         reason = _dead(f"{where}: cannot unpickle: {exc!r}", self.fail, where)
                         yield _out(Row, r, -1, 0, tagged, r.raw, reason)
                         continue
-                    run_chain(
-                        self.plan.keyed,
-                        self.fns,
-                        value,
-                        ctx,
-                        _adder(outs),
-                        on_error=_step_failed(failed),
-                    )
+                    self._run(value, outs, failed)
                     for step, error in failed:  # its earlier outputs and other branches went on
                         reason = f"{where}: {self.names[step]} raised {error!r}"
                         reason = _dead(reason, self.fail, where)
@@ -536,15 +548,7 @@ def keyed_processor(spec: str) -> Any:
                         outs.append((sink, value))
                     for start in after:
                         if start < len(self.plan.keyed):
-                            run_chain(
-                                self.plan.keyed,
-                                self.fns,
-                                value,
-                                ctx,
-                                _adder(outs),
-                                start=start,
-                                on_error=_step_failed(failed),
-                            )
+                            self._run(value, outs, failed, start)
                 self.backend.flush()
             finally:
                 self.scope.prefix = None
