@@ -322,3 +322,48 @@ def test_window_boundaries_match_the_reference(lateness: int, ooo: int) -> None:
             lateness,
             [6],
         )
+
+
+class FailsOnTwo(AggregateFunction[dict[str, int], int, int]):
+    """Counts; the result of a window of exactly two records raises (user code's bug)."""
+
+    def create_accumulator(self) -> int:
+        return 0
+
+    def add(self, value: dict[str, int], accumulator: int) -> int:
+        return accumulator + 1
+
+    def get_result(self, accumulator: int) -> int:
+        if accumulator == 2:
+            raise ValueError("two")
+        return accumulator
+
+    def merge(self, a: int, b: int) -> int:
+        return a + b
+
+
+@pytest.mark.parametrize("windows", ["tumbling", "sliding", "session"])
+def test_a_window_whose_result_raises_is_a_dead_letter_and_the_others_still_fire(
+    windows: str,
+) -> None:
+    """Before, the error left the operator when the window fired: every retry of the epoch
+    failed the same way and the job could not go on."""
+    assigner = {"tumbling": tumbling(1000), "sliding": sliding(1000), "session": session(500)}
+    pipeline = Pipeline("window-errors")
+    (
+        pipeline.source(KafkaSource("in", value_format="json", timestamp=lambda v: v["t"]))
+        .key_by()
+        .window(assigner[windows])
+        .aggregate(FailsOnTwo())
+        .sink(KafkaSink("out", value_format="json"))
+    )
+    events = [("a", 10), ("a", 20), ("b", 30), ("a", 5000)]
+    run = run_pipeline(
+        pipeline, {"in": [Message({"t": t}, key=k) for k, t in events]}, crash_after=(3,)
+    )
+    outputs = run.outputs["out"]
+    assert all(o["value"] != 2 for o in outputs)
+    assert {(o["key"], o["value"]) for o in outputs} >= {("b", 1), ("a", 1)}
+    # Key a's window of two records, once (through the crash): no input bytes, the reason.
+    [(value, reason)] = run.dead_letters
+    assert value is None and "window [" in reason and "raised ValueError('two')" in reason

@@ -244,18 +244,43 @@ class WindowOperator(Operator):
         assert isinstance(self._assigner, SlidingWindows)
         size = self._assigner.size
         agg = self._agg
-        acc = agg.create()
-        for _, values in sorted((b, v) for b, v in buckets.items() if t - size < b <= t):
-            for value in values:
-                acc = agg.add(acc, value)
+        try:
+            acc = agg.create()
+            for _, values in sorted((b, v) for b, v in buckets.items() if t - size < b <= t):
+                for value in values:
+                    acc = agg.add(acc, value)
+        except Exception as exc:
+            self._window_failed(key, key_bytes, group, t - size + 1, t + 1, exc)
+            return
         self._emit(key, key_bytes, group, t - size + 1, t + 1, acc)
 
     # ------------------------------------------------------------------ output
     def _emit(
         self, key: Any, key_bytes: bytes | None, group: int, start: int, end: int, acc: Any
     ) -> None:
-        value = {"key": key, "start": start, "end": end, "value": self._agg.result(acc)}
+        try:
+            result = self._agg.result(acc)
+        except Exception as exc:
+            self._window_failed(key, key_bytes, group, start, end, exc)
+            return
+        value = {"key": key, "start": start, "end": end, "value": result}
         self._out.append(Record(value, end - 1, "", -1, -1, key, key_bytes, group))
+
+    def _window_failed(
+        self,
+        key: Any,
+        key_bytes: bytes | None,
+        group: int,
+        start: int,
+        end: int,
+        exc: Exception,
+    ) -> None:
+        """User code raised while a window fired (its result, or a sliding window's folding):
+        the window's dead letter, keyed by the key, instead of an error that would fail every
+        retry of the epoch. The window is purged as if it had fired."""
+        where = Record(None, end - 1, f"window:{self.name}", -1, -1, key, key_bytes, group)
+        where.raw_key = key_bytes
+        self.task.dead_letter(where, f"{self.name}: window [{start}, {end}) raised {exc!r}")
 
     def _flush(self) -> None:
         out, self._out = self._out, []
