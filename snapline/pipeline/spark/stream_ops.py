@@ -246,7 +246,13 @@ class _FirstPart:
                         )
 
                 run_chain(
-                    self.plan.pre, self.fns, value, None, lambda s, v: None, to_key, 0, on_error
+                    self.plan.pre,
+                    self.fns,
+                    value,
+                    None,
+                    lambda s, v: None,
+                    to_key,
+                    on_error=on_error,
                 )
             else:
                 kb = encode_key(key)
