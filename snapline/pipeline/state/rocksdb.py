@@ -235,6 +235,8 @@ class RocksDBStateBackend(KeyedStateBackend):
         #: first; a key written by many records between two checkpoints reaches RocksDB once,
         #: at the snapshot (or when the buffer is full), in one write batch or SST file.
         self._pending: dict[bytes, bytes | None] = {}
+        #: A delete is among the buffered writes (None values in ``_pending``).
+        self._deleted = False
         #: Values equal to the database's (None: absent), for reads: READ_CACHE_ENTRIES.
         #: Emptied by anything that writes to the database other than ``flush_writes``.
         self._cache: dict[bytes, bytes | None] = {}
@@ -279,6 +281,7 @@ class RocksDBStateBackend(KeyedStateBackend):
         """Close the database. Local files stay for local recovery unless ``delete``.
         Buffered writes are dropped: they belong to an epoch no checkpoint holds."""
         self._pending.clear()
+        self._deleted = False
         self._cache.clear()
         if not isinstance(self._db, _ClosedDB):
             self._db.close()
@@ -314,6 +317,7 @@ class RocksDBStateBackend(KeyedStateBackend):
     def delete(self, key: bytes) -> None:
         pending = self._pending
         pending[key] = None
+        self._deleted = True
         if len(pending) >= WRITE_BUFFER_ENTRIES:
             self.flush_writes()
 
@@ -324,25 +328,37 @@ class RocksDBStateBackend(KeyedStateBackend):
         pending = self._pending
         if not pending:
             return
-        # Many writes: the puts go in as one SST file in key order (``_ingest_sorted``), the
-        # deletes through the write batch (an SST file of ours holds no tombstones). Keys are
-        # distinct, so the order between the two does not matter.
-        ingest = len(pending) >= SST_FLUSH_ENTRIES
-        puts: list[tuple[bytes, bytes]] = []
-        batch = rocksdict.WriteBatch(raw_mode=True)
-        for key, value in pending.items():
-            if value is None:
-                batch.delete(key)
-            elif ingest:
-                puts.append((key, value))
-            else:
-                batch.put(key, value)
-        if not batch.is_empty():
+        if len(pending) < SST_FLUSH_ENTRIES:
+            batch = rocksdict.WriteBatch(raw_mode=True)
+            for key, value in pending.items():
+                if value is None:
+                    batch.delete(key)
+                else:
+                    batch.put(key, value)
             self._db.write(batch, self._write_options)
-        if puts:
-            puts.sort()
-            keys, values = zip(*puts, strict=True)
-            self._ingest_sorted(self._db, "flush", keys, values)
+        else:
+            # Many writes: the puts go in as one SST file in key order (``_ingest_sorted``),
+            # the deletes through a write batch (an SST file of ours holds no tombstones).
+            # Keys are distinct, so the order between the two does not matter. Only the keys
+            # are sorted, and the values are looked up as the file is written: no list of
+            # pairs to build, sort and unzip (a snapshot's flush is most of its pause).
+            puts: dict[bytes, bytes]
+            if self._deleted:
+                batch = rocksdict.WriteBatch(raw_mode=True)
+                puts = {}
+                for key, value in pending.items():
+                    if value is None:
+                        batch.delete(key)
+                    else:
+                        puts[key] = value
+                if not batch.is_empty():
+                    self._db.write(batch, self._write_options)
+            else:
+                puts = cast(dict[bytes, bytes], pending)  # no None among the values
+            if puts:
+                keys = sorted(puts)
+                self._ingest_sorted(self._db, "flush", keys, map(puts.__getitem__, keys))
+        self._deleted = False
         # What was written is what the next reads find. When the cache would overflow, it
         # starts over with just that: the written dict becomes the cache (no copy).
         cache = self._cache
