@@ -367,3 +367,30 @@ def test_a_window_whose_result_raises_is_a_dead_letter_and_the_others_still_fire
     # Key a's window of two records, once (through the crash): no input bytes, the reason.
     [(value, reason)] = run.dead_letters
     assert value is None and "window [" in reason and "raised ValueError('two')" in reason
+
+
+def test_a_late_record_whose_window_raises_again_is_counted_and_the_window_dead_lettered() -> None:
+    """Within the allowed lateness a late record makes its window fire again at once. When
+    that firing raises, the window is the dead letter (no input bytes), not the record: the
+    record stays in the window's state, so the next firing counts it."""
+    pipeline = Pipeline("late-window-errors")
+    (
+        pipeline.source(
+            KafkaSource("in", value_format="json", timestamp=lambda v: v["t"], idle_timeout=None)
+        )
+        .key_by()
+        .window(tumbling(1000), allowed_lateness=10_000)
+        .aggregate(FailsOnTwo())
+        .sink(KafkaSink("out", value_format="json"))
+    )
+    # a@10 fires [0, 1000) with 1 once a@5000 moves the watermark; a@20 (late, allowed) makes
+    # it 2, whose result raises; a@30 makes it 3.
+    events = [10, 5000, 20, 30]
+    run = run_pipeline(
+        pipeline, {"in": [Message({"t": t}, key="a") for t in events]}, crash_after=(3,)
+    )
+    first = [o["value"] for o in run.outputs["out"] if o["start"] == 0]
+    assert first == [1, 3], "the late records are in the window's state, its firings in order"
+    [(value, reason)] = run.dead_letters
+    assert value is None, "the dead letter is the window, not the late record's bytes"
+    assert "window [0, 1000)" in reason and "raised ValueError('two')" in reason
