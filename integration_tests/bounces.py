@@ -28,6 +28,7 @@ from confluent_kafka import Consumer, TopicPartition
 from examples.orders import Verification, produce_orders, read_committed, verify_totals
 from examples.workers import WorkerProcess, read_events
 from integration_tests.warehouse_job import WarehouseJob
+from snapline.connectors.local.broker import LocalKafkaBroker
 from snapline.pipeline.runtime.kafka_calls import EX_TEMPFAIL
 
 PARTITIONS = 4
@@ -53,10 +54,56 @@ class Outage:
     exits_before: int = 0
 
 
+class SingleBroker:
+    """A test's own broker: kept data dir, same port across restarts."""
+
+    def __init__(self, data_dir: Path) -> None:
+        # A crashed KRaft node cannot register again until the controller timed out its
+        # previous session (broker.session.timeout.ms, 9 s by default): 3 s keeps restarts
+        # after a SIGKILL short, so the test fits CI. It changes nothing for the workers.
+        self.broker = LocalKafkaBroker(
+            data_dir=data_dir,
+            server_overrides={
+                "broker.session.timeout.ms": "3000",
+                "broker.heartbeat.interval.ms": "1000",
+            },
+        )
+        self.start_seconds: list[float] = []
+        self.bootstrap = self.broker.start()
+
+    def crash(self) -> None:
+        pid = self.broker.pid
+        assert pid is not None and self.broker.running
+        os.kill(pid, signal.SIGKILL)
+        assert self.broker.wait(30) is not None, "the broker JVM survived SIGKILL"
+
+    def stop(self) -> None:
+        self.broker.stop()
+
+    def start(self) -> float:
+        started = time.monotonic()
+        assert self.broker.start() == self.bootstrap, "the broker came back on another port"
+        self.start_seconds.append(time.monotonic() - started)
+        return time.time()
+
+    @property
+    def log_dirs(self) -> Path:
+        return self.broker.data_dir / "kraft-logs"
+
+
 class BounceJob(WarehouseJob):
     """The warehouse job with input flowing through outages, and the supervisor's part."""
 
-    def __init__(self, bootstrap: str, name: str, workdir: Path, dsn: str) -> None:
+    def __init__(
+        self,
+        bootstrap: str,
+        name: str,
+        workdir: Path,
+        dsn: str,
+        *,
+        workers: int = 2,
+        backend: str = "memory",
+    ) -> None:
         super().__init__(
             bootstrap,
             name,
@@ -64,6 +111,8 @@ class BounceJob(WarehouseJob):
             dsn,
             partitions=PARTITIONS,
             customers=CUSTOMERS,
+            workers=workers,
+            backend=backend,
             extra_env={
                 "SNAPLINE_EXAMPLE_TXN_TIMEOUT_MS": str(TRANSACTION_TIMEOUT_S * 1000),
                 "SNAPLINE_LIVENESS_TIMEOUT": str(LIVENESS_TIMEOUT_S),

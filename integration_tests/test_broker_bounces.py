@@ -12,8 +12,6 @@ broker-back to each surviving worker's first commit (p50, max).
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -23,10 +21,11 @@ from integration_tests.bounces import (
     TRANSACTION_TIMEOUT_S,
     BounceJob,
     BounceRun,
+    SingleBroker,
     failure,
     verdict,
 )
-from snapline.connectors.local.broker import LocalKafkaBroker, transaction_marker_defect
+from snapline.connectors.local.broker import transaction_marker_defect
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres, pytest.mark.slow]
 
@@ -49,47 +48,10 @@ SCHEDULE = [
 ]
 
 
-class Cluster:
-    """The test's own broker: kept data dir, same port across restarts."""
-
-    def __init__(self, data_dir: Path) -> None:
-        # A crashed KRaft node cannot register again until the controller timed out its
-        # previous session (broker.session.timeout.ms, 9 s by default): 3 s keeps restarts
-        # after a SIGKILL short, so the test fits CI. It changes nothing for the workers.
-        self.broker = LocalKafkaBroker(
-            data_dir=data_dir,
-            server_overrides={
-                "broker.session.timeout.ms": "3000",
-                "broker.heartbeat.interval.ms": "1000",
-            },
-        )
-        self.start_seconds: list[float] = []
-        self.bootstrap = self.broker.start()
-
-    def crash(self) -> None:
-        pid = self.broker.pid
-        assert pid is not None and self.broker.running
-        os.kill(pid, signal.SIGKILL)
-        assert self.broker.wait(30) is not None, "the broker JVM survived SIGKILL"
-
-    def stop(self) -> None:
-        self.broker.stop()
-
-    def start(self) -> float:
-        started = time.monotonic()
-        assert self.broker.start() == self.bootstrap, "the broker came back on another port"
-        self.start_seconds.append(time.monotonic() - started)
-        return time.time()
-
-    @property
-    def log_dirs(self) -> Path:
-        return self.broker.data_dir / "kraft-logs"
-
-
 def test_workers_ride_out_broker_bounces(
     postgres_dsn: str, tmp_path: Path, unique_name: str
 ) -> None:
-    cluster = Cluster(tmp_path / "kafka")
+    cluster = SingleBroker(tmp_path / "kafka")
     try:
         job = BounceJob(cluster.bootstrap, unique_name, tmp_path, postgres_dsn)
         run = BounceRun(job, seed=9)

@@ -1,0 +1,106 @@
+"""Mixed faults in a random order while input flows: a worker SIGKILLed, every worker
+SIGKILLed at once, a worker frozen (SIGSTOP) past its session timeout and woken as a zombie
+(sometimes with another worker SIGKILLed while it is frozen), and the broker SIGKILLed and
+restarted. Three workers of the warehouse pipeline (Kafka + Parquet + PostgreSQL sinks,
+rocksdb state) on the test's own broker. Independent readers (a read_committed consumer,
+pyarrow on the table, SQL on the database) must then find every input's effect exactly once.
+
+Each kind of fault has its own focused test (test_exactly_once_kill.py, test_broker_bounces.py);
+this one mixes them, as an outside black-box test would. The default run has 6 rounds, each
+kind at least once; ``-m long`` runs 40 (about 15 minutes).
+
+The test plays the supervisor, as the bounce tests do: a worker that exits by itself is
+restarted, and only exit code 75 (EX_TEMPFAIL) is accepted.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from integration_tests.bounces import BounceJob, BounceRun, SingleBroker, failure, verdict
+from snapline.connectors.local.broker import transaction_marker_defect
+
+pytestmark = [pytest.mark.integration, pytest.mark.postgres, pytest.mark.slow]
+
+SHORT, LONG = 6, 40
+#: Kinds of round; a schedule repeats this list (each kind once per 6 rounds), shuffled.
+KINDS = ["kill", "kill", "kill-all", "zombie", "zombie+kill", "broker"]
+#: Frozen longer than the workers' session timeout (10 s): the others take its partitions.
+FROZEN_S = (12.0, 15.0)
+
+
+@pytest.mark.parametrize(
+    "rounds", [SHORT, pytest.param(LONG, marks=pytest.mark.long)], ids=["6-rounds", "40-rounds"]
+)
+def test_mixed_faults_lose_and_duplicate_nothing(
+    postgres_dsn: str, tmp_path: Path, unique_name: str, rounds: int
+) -> None:
+    broker = SingleBroker(tmp_path / "kafka")
+    rng = random.Random(rounds)
+    schedule = [KINDS[i % len(KINDS)] for i in range(rounds)]
+    rng.shuffle(schedule)
+    done: Counter[str] = Counter()
+    try:
+        job = BounceJob(
+            broker.bootstrap, unique_name, tmp_path, postgres_dsn, workers=3, backend="rocksdb"
+        )
+        run = BounceRun(job, seed=rounds)
+        try:
+            run.start()
+            for kind in schedule:
+                job.supervise()
+                if kind == "kill":
+                    victim = rng.choice(job.workers)
+                    victim.kill()
+                    run.test_kills += 1
+                    victim.start()
+                elif kind == "kill-all":
+                    for worker in job.workers:
+                        worker.kill()
+                        run.test_kills += 1
+                    for worker in job.workers:
+                        worker.start()
+                elif kind.startswith("zombie"):
+                    frozen, *others = rng.sample(job.workers, len(job.workers))
+                    frozen.signal(signal.SIGSTOP)
+                    time.sleep(rng.uniform(*FROZEN_S) / 2)
+                    if kind == "zombie+kill":
+                        # Its partitions move while another worker is gone too.
+                        others[0].kill()
+                        run.test_kills += 1
+                        others[0].start()
+                    time.sleep(rng.uniform(*FROZEN_S) / 2)
+                    frozen.signal(signal.SIGCONT)
+                else:
+                    outage = run.begin("kill")
+                    broker.crash()
+                    time.sleep(rng.uniform(1.0, 3.0))
+                    back_at = broker.start()
+                    run.end(outage, back_at, None, f"broker start {broker.start_seconds[-1]:.1f}s")
+                done[kind] += 1
+                time.sleep(rng.uniform(1.0, 4.0))
+            outputs = run.finish()
+        finally:
+            run.abandon()
+
+        check = run.report(outputs, f"chaos {dict(done)}")
+        assert sum(done.values()) == rounds and set(done) == set(KINDS)
+        exact, known = verdict(
+            run,
+            check,
+            lambda p: [broker.log_dirs / f"{job.totals_topic}-{p}"],
+            [broker.broker.log_path],
+        )
+        if not exact:
+            # The known faults are KAFKA-20734's; a version without it must be exact.
+            if known is None or transaction_marker_defect(broker.broker.version) is None:
+                pytest.fail(failure(run, check, known))
+            pytest.xfail("KNOWN RESIDUAL RISK: " + known)
+    finally:
+        broker.stop()
