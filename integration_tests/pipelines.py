@@ -111,3 +111,27 @@ def stalls() -> Pipeline:
         KafkaSink(f"{PREFIX}out")
     )
     return pipeline
+
+
+#: late_records: the window's size and allowed lateness (ms).
+LATE_WINDOW_MS, LATE_ALLOWED_MS = 1000, 5000
+
+
+def late_records() -> Pipeline:
+    """Event time from the value's ``t``; per key a tumbling count with allowed lateness and,
+    beside it, a rolling count of every record (the Spark streaming late-record test)."""
+    from snapline import tumbling
+
+    pipeline = Pipeline(f"{PREFIX}late", checkpoint_interval=0.3)
+    keyed = pipeline.source(
+        KafkaSource(
+            f"{PREFIX}late-in",
+            value_format="json",
+            timestamp=lambda v: v["t"],
+            max_out_of_orderness=0,
+        )
+    ).key_by()
+    windows = keyed.window(tumbling(LATE_WINDOW_MS), allowed_lateness=LATE_ALLOWED_MS).count()
+    windows.sink(KafkaSink(f"{PREFIX}late-windows", value_format="json"))
+    keyed.count().sink(KafkaSink(f"{PREFIX}late-counts", value_format="json"))
+    return pipeline

@@ -7,7 +7,7 @@ pyarrow on the table, SQL on the database) must then find every input's effect e
 
 Each kind of fault has its own focused test (test_exactly_once_kill.py, test_broker_bounces.py);
 this one mixes them, as an outside black-box test would. The default run has 6 rounds, each
-kind at least once; ``-m long`` runs 40 (about 15 minutes).
+kind at least once; ``-m long`` runs 40 (about 7 minutes).
 
 The test plays the supervisor, as the bounce tests do: a worker that exits by itself is
 restarted, and only exit code 75 (EX_TEMPFAIL) is accepted.

@@ -283,3 +283,49 @@ def test_without_key_by_an_operator_that_raises_loses_only_its_own_outputs() -> 
         (-1, "in[0]@7: fussy raised ValueError('two')"),
     ]
     assert [r["n"] for r in rows] == [0, 1] and rows[1]["value"] == b"2"
+
+
+def clock_pipeline() -> Pipeline:
+    """Event time from ``t``; a filter before key_by; a timer function after it."""
+    p = _pipeline()
+    p.source(KafkaSource("in", value_format="json", timestamp=lambda v: v["t"])).filter(
+        lambda v: v["t"] < 500
+    ).key_by().process(WithTimer()).sink(KafkaSink("o"))
+    return p
+
+
+def test_with_timers_only_a_clock_row_per_batch_carries_the_watermark_column() -> None:
+    """Spark drops a stateful operator's input rows that are behind its watermark, so no
+    record row may carry the watermark column: one clock row per Arrow batch, with the largest
+    event time of its decodable records (a filtered one too), moves the watermark."""
+    import pyarrow as pa
+
+    from snapline.pipeline.spark.stream_ops import CLOCK_KEY, CLOCK_SEQ, first_part
+
+    def batch(*values: bytes) -> pa.RecordBatch:
+        n = len(values)
+        return pa.RecordBatch.from_pydict(
+            {
+                "topic": ["in"] * n,
+                "partition": [0] * n,
+                "offset": list(range(n)),
+                "key": [b"k"] * n,
+                "value": list(values),
+                "ts": [1] * n,
+                "now": [2] * n,
+            }
+        )
+
+    out = list(
+        first_part("tests.spark.test_stream_plan:clock_pipeline")(
+            iter([batch(b'{"t": 300}', b'{"t": 900}', b"{bad"), batch(b"{bad")])
+        )
+    )
+    first = out[0].to_pylist()
+    clocks = [r for r in first if r["seq"] == CLOCK_SEQ]
+    assert [(r["key"], r["ts"]) for r in clocks] == [(CLOCK_KEY, 900)], "900 was filtered out"
+    records = [r for r in first if r["seq"] != CLOCK_SEQ]
+    assert [r["ts"] for r in records] == [300, 1]  # the record kept, the dead letter
+    assert all(r["key"] != CLOCK_KEY for r in records)
+    # A batch without a decodable record moves no clock.
+    assert all(r["seq"] != CLOCK_SEQ for r in out[1].to_pylist())

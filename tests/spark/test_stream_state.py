@@ -101,6 +101,9 @@ class _Handle:
     def deleteTimer(self, ts: int) -> None:
         self.timers.discard((self.key, ts))
 
+    def listTimers(self) -> Any:
+        return iter(sorted(ts for key, ts in self.timers if key == self.key))
+
     def getValueState(self, name: str, schema: str) -> Any:
         self.created[name] = "value"
         return _Value(self, name)
@@ -261,6 +264,14 @@ class _Expired:
         return self.ts
 
 
+def _fire(processor: Any, handle: _Handle, tagged: bytes, watermark: int, ts: int) -> list[Any]:
+    """Spark firing the current key's timer ``ts`` at ``watermark``: its outputs; the timer is
+    gone after it."""
+    out = list(processor.handleExpiredTimer((tagged,), _Watermark(watermark), _Expired(ts)))
+    handle.timers.discard((handle.key, ts))
+    return out
+
+
 def _windows_module() -> str:
     from snapline import tumbling
 
@@ -288,12 +299,34 @@ def test_a_window_registers_spark_timers_and_emits_when_they_fire() -> None:
     rows = [_ts_row("a", 0, 100), _ts_row("a", 1, 900), _ts_row("a", 2, 1500)]
     assert list(processor.handleInputRows((tagged,), iter(rows), _Watermark(0))) == []
     assert handle.timers == {("a", 999), ("a", 1999)}  # each window's last millisecond
-    out = list(processor.handleExpiredTimer((tagged,), _Watermark(1200), _Expired(999)))
+    out = list(_fire(processor, handle, tagged, 1200, 999))
     assert [pickle.loads(r.value) for r in out] == [{"key": "a", "start": 0, "n": 2}]
     assert out[0].topic == "~timer" and out[0].offset == 999  # after the batch's records
     # A record for a window the watermark passed is late: a dead letter with the reason.
     late = list(
         processor.handleInputRows((tagged,), iter([_ts_row("a", 3, 500)]), _Watermark(1200))
+    )
+    assert [r.sink for r in late] == [-1] and "late record" in late[0].reason
+
+
+def test_records_before_the_batch_fires_a_window_join_it_and_it_fires_once() -> None:
+    """Spark hands a batch's records over before it fires the timers its watermark passed: a
+    window whose timer is due but has not fired has not fired. Its record joins it (as in a
+    service task, where the watermark would have fired it only after this record had it) and
+    the window is emitted once, by its timer; once fired, a record for it is late."""
+    processor, handle = _opened(_windows_module())
+    handle.key = "a"
+    tagged = tag_key("a", b"a")
+    assert (
+        list(processor.handleInputRows((tagged,), iter([_ts_row("a", 0, 100)]), _Watermark(0)))
+        == []
+    )
+    joined = processor.handleInputRows((tagged,), iter([_ts_row("a", 1, 200)]), _Watermark(1200))
+    assert list(joined) == [], "the window was emitted before its timer fired"
+    out = _fire(processor, handle, tagged, 1200, 999)
+    assert [pickle.loads(r.value) for r in out] == [{"key": "a", "start": 0, "n": 2}]
+    late = list(
+        processor.handleInputRows((tagged,), iter([_ts_row("a", 2, 300)]), _Watermark(1200))
     )
     assert [r.sink for r in late] == [-1] and "late record" in late[0].reason
 
@@ -328,7 +361,7 @@ def test_on_timer_runs_from_spark_expired_timers_with_the_keys_state() -> None:
     rows = [_ts_row("b", 0, 1000), _ts_row("b", 1, 1050)]
     assert list(processor.handleInputRows((tagged,), iter(rows), _Watermark(0))) == []
     assert handle.timers == {("b", 1100), ("b", 1150)}
-    (out,) = processor.handleExpiredTimer((tagged,), _Watermark(1120), _Expired(1100))
+    (out,) = _fire(processor, handle, tagged, 1120, 1100)
     assert pickle.loads(out.value) == {"key": "b", "at": 1100, "last": 1, "domain": "event"}
 
 
@@ -412,7 +445,7 @@ def test_branches_after_key_by_share_the_key_and_keep_their_own_state() -> None:
         (1, 1, 1, {"key": "a", "value": 2}),
     ]
     assert handle.timers == {("a", 999)}
-    fired = list(processor.handleExpiredTimer((tagged,), _Watermark(1200), _Expired(999)))
+    fired = list(_fire(processor, handle, tagged, 1200, 999))
     assert [(r.sink, pickle.loads(r.value)["value"]) for r in fired] == [(2, 2)]
     again = list(processor.handleInputRows((tagged,), iter([_ts_row("a", 2, 1500)]), None))
     assert [(r.sink, pickle.loads(r.value)["value"]) for r in again] == [(0, 3), (1, 3)]
@@ -492,7 +525,7 @@ def test_a_timer_whose_function_or_branch_raises_leaves_dead_letters_and_the_res
     assert handle.timers == {("a", 1010), ("a", 1011)}
 
     def fire(ts: int) -> list[tuple[int, Any]]:
-        out = processor.handleExpiredTimer((tagged,), _Watermark(2000), _Expired(ts))
+        out = _fire(processor, handle, tagged, 2000, ts)
         return [(r.sink, r.reason or pickle.loads(r.value)) for r in out]
 
     assert fire(1010) == [

@@ -145,7 +145,7 @@ def run_stream(
                 # Event time for windows and timers: Spark's watermark trails the largest event
                 # time seen by the source's max_out_of_orderness.
                 delay = cast(int, source.max_out_of_orderness)
-                keyed = keyed.withColumn("event_time", F.timestamp_millis("ts")).withWatermark(
+                keyed = keyed.withColumn("event_time", event_time_column()).withWatermark(
                     "event_time", f"{delay} milliseconds"
                 )
                 time_mode = "EventTime"
@@ -171,3 +171,14 @@ def run_stream(
     finally:
         committer.close()
         spark.stop()
+
+
+def event_time_column() -> Any:
+    """The watermark column of the keyed part's input: the event time of the clock rows
+    (``stream_ops.CLOCK_KEY``), null for every other row. Spark's watermark follows the clock
+    rows; the records, without a value, are never dropped as late before the processor."""
+    from pyspark.sql import functions as F
+
+    from snapline.pipeline.spark.stream_ops import CLOCK_SEQ
+
+    return F.when(F.col("seq") == F.lit(CLOCK_SEQ), F.timestamp_millis("ts"))

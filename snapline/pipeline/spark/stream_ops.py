@@ -54,6 +54,15 @@ OUT_SCHEMA = (
 )
 OUT_FIELDS = tuple(f.split()[0] for f in OUT_SCHEMA.split(", "))
 DEAD_KEY = b"!dead-letters"
+#: The event-time clock of a query with timers: each Arrow batch of the first part adds one row
+#: (key CLOCK_KEY, seq CLOCK_SEQ) whose ``ts`` is the largest event time of its records, and
+#: only these rows carry the watermark column (``stream.event_time_column``). Spark drops any
+#: input row of a stateful operator whose watermark column is behind the watermark, before the
+#: processor sees it; the other rows have none (null), so no record is dropped: late records
+#: reach the keyed part, which decides about them as a service task does (a window's allowed
+#: lateness and late-record dead letters, a process function sees every record).
+CLOCK_KEY = b"!clock"
+CLOCK_SEQ = -1
 
 
 def spark_state_name(uid: str, name: str) -> str:
@@ -166,7 +175,9 @@ def first_part(spec: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
         schema = pa.schema(
             [(f.split()[0], arrow_types.get(f.split()[1], pa.int64())) for f in ddl.split(", ")]
         )
+        clock = part.keyed and part.plan.timed is not None
         for batch in batches:
+            part.max_ts = None
             cols = batch.to_pydict()
             out: dict[str, list[Any]] = {name: [] for name in schema.names}
             for record in zip(
@@ -182,6 +193,10 @@ def first_part(spec: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
                 for row in part.rows(*record):
                     for name in schema.names:
                         out[name].append(row.get(name))
+            if clock and part.max_ts is not None:
+                tick = {"key": CLOCK_KEY, "seq": CLOCK_SEQ, "ts": part.max_ts}
+                for name in schema.names:
+                    out[name].append(tick.get(name))
             yield pa.RecordBatch.from_pydict(out, schema=schema)
 
     return run
@@ -201,6 +216,9 @@ class _FirstPart:
         self.fail = pipeline.on_error == "fail"
         self.names = [by_id[s.node_id].name for s in plan.pre]
         self.key_name = "key_by" if plan.key_by is None else by_id[plan.key_by].name
+        #: The largest event time of the decodable records since the caller reset it (what
+        #: moves the watermark, as in a service task: filtered records too).
+        self.max_ts: int | None = None
 
     def rows(
         self,
@@ -231,6 +249,8 @@ class _FirstPart:
         except Exception as exc:  # the record itself is bad: nothing of it runs
             failures.append(_dead(f"{where}: {exc!r}", self.fail, where))
         else:
+            if self.max_ts is None or ts > self.max_ts:
+                self.max_ts = ts
             if self.keyed:
 
                 def to_key(v: Any) -> None:
@@ -413,6 +433,7 @@ def keyed_processor(spec: str) -> Any:
             self.backend = SparkKeyedState(values, maps)
             self.scope = KeyScope()
             self.ctx = Context(f"spark-stream-{pipeline.name}")
+            self.handle = handle
             self.timers = SparkTimers(handle)
             self.window_task = _WindowTask(self.ctx.task_id, self.fail)
             self.keys: dict[str, Any] = {"bytes": b"", "group": 0}
@@ -447,7 +468,7 @@ def keyed_processor(spec: str) -> Any:
                 self.fns.append(fn)
             self.ctx.timers = self.timers  # type: ignore[assignment]
 
-        def _enter(self, key: Any, timer_values: Any) -> tuple[bytes, Any]:
+        def _enter(self, key: Any, timer_values: Any, records: bool) -> tuple[bytes, Any]:
             tagged = bytes(key[0])
             k, kb = untag_key(tagged)
             self.scope.prefix = b""
@@ -456,6 +477,14 @@ def keyed_processor(spec: str) -> Any:
             watermark = -(1 << 63)
             if timer_values is not None and self.plan.timed is not None:
                 watermark = timer_values.getCurrentWatermarkInMs()
+                if records:
+                    # Spark fires the timers up to this watermark after the batch's records:
+                    # the records see the time just before the key's first of them, as in a
+                    # service task, where a watermark fires its timers at once (a window
+                    # whose timer has not fired yet has not fired: the record joins it).
+                    due = [t for t in self.handle.listTimers() if t <= watermark]
+                    if due:
+                        watermark = min(due) - 1
             self.ctx.watermark = self.timers.watermark = self.window_task.watermark = watermark
             return tagged, k
 
@@ -479,12 +508,15 @@ def keyed_processor(spec: str) -> Any:
             )
 
         def handleInputRows(self, key: Any, rows: Iterator[Any], timerValues: Any) -> Any:
+            group = bytes(key[0])
+            if group == CLOCK_KEY:  # only moved the watermark
+                return
             ordered = sorted(rows, key=lambda r: (r.topic, r.partition, r.offset, r.seq))
-            if bytes(key[0]) == DEAD_KEY:
+            if group == DEAD_KEY:
                 for r in ordered:
                     yield _out(Row, r, -1, 0, None, r.raw, r.reason)
                 return
-            tagged, _ = self._enter(key, timerValues)
+            tagged, _ = self._enter(key, timerValues, records=True)
             scope, ctx = self.scope, self.ctx
             try:
                 for r in ordered:
@@ -516,7 +548,7 @@ def keyed_processor(spec: str) -> Any:
 
         def handleExpiredTimer(self, key: Any, timerValues: Any, expiredTimerInfo: Any) -> Any:
             ts = expiredTimerInfo.getExpiryTimeInMs()
-            tagged, k = self._enter(key, timerValues)
+            tagged, k = self._enter(key, timerValues, records=False)
             index = next(i for i, s in enumerate(self.plan.keyed) if s.node_id == self.plan.timed)
             step = self.plan.keyed[index]
             ctx = self.ctx
