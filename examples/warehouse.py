@@ -107,6 +107,8 @@ def build() -> Pipeline:
         ),
     )
     orders = pipeline.source(KafkaSource(f"{prefix}orders", value_format="json"))
+    if env("SNAPLINE_EXAMPLE_RAW"):  # a sink before key_by: every order as it came in
+        orders.sink(KafkaSink(f"{prefix}orders-raw", value_format="json"))
     stages = env("SNAPLINE_EXAMPLE_STAGES", "1")
     partitions = int(env("SNAPLINE_EXAMPLE_PARTITIONS", "0")) or None
     if stages == "1":  # orders keyed by customer in Kafka: no repartition topic

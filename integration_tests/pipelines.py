@@ -135,3 +135,16 @@ def late_records() -> Pipeline:
     windows.sink(KafkaSink(f"{PREFIX}late-windows", value_format="json"))
     keyed.count().sink(KafkaSink(f"{PREFIX}late-counts", value_format="json"))
     return pipeline
+
+
+def before_key_by() -> Pipeline:
+    """Sinks and a branch before ``key_by`` beside a keyed count (the Spark streaming
+    pass-through test): every record raw, the even ones mapped, and per key a rolling count."""
+    pipeline = Pipeline(f"{PREFIX}before", checkpoint_interval=0.3)
+    source = pipeline.source(KafkaSource(f"{PREFIX}before-in", value_format="json"))
+    source.sink(KafkaSink(f"{PREFIX}before-raw", value_format="json"))
+    source.filter(lambda v: v["n"] % 2 == 0).map(lambda v: {"even": v["n"]}).sink(
+        KafkaSink(f"{PREFIX}before-even", value_format="json")
+    )
+    source.key_by().count().sink(KafkaSink(f"{PREFIX}before-counts", value_format="json"))
+    return pipeline

@@ -6,7 +6,7 @@ Kafka commit point, and restarted from its checkpoint location. Independent read
 (read_committed consumer, pyarrow, SQL) find every order exactly once and the per-customer
 totals equal the ones computed by the producer. Beside the running total, the same keyed
 stream feeds a rolling count (a branch): its outputs count each customer's orders 1..n, each
-once.
+once; and before key_by every order goes to a raw sink, where each appears once.
 
 Each test runs twice: with 2 kills (one of each kind: the default run and CI) and with 5
 (marked ``long``, left out by default: ``bash scripts/test -m long``). A kill costs a driver
@@ -167,10 +167,12 @@ def test_streaming_running_total_exactly_once_across_driver_sigkills(
         partitions=2,
         customers=50,
         workers=0,
-        extra_env={"SNAPLINE_EXAMPLE_COUNTS": "1"},  # key_by() also feeds a rolling count
+        # key_by() also feeds a rolling count; before it, every order goes to a raw sink
+        extra_env={"SNAPLINE_EXAMPLE_COUNTS": "1", "SNAPLINE_EXAMPLE_RAW": "1"},
     )
     counts_topic = f"{job.prefix}order-counts"
-    create_topics(kafka_bootstrap, {counts_topic: 2})
+    raw_topic = f"{job.prefix}orders-raw"
+    create_topics(kafka_bootstrap, {counts_topic: 2, raw_topic: 2})
     driver = StreamDriver(job, tmp_path / "spark-checkpoint")
     job.logs = driver.tail  # type: ignore[method-assign]  # failure messages show the driver
     rng = random.Random(14)
@@ -196,6 +198,12 @@ def test_streaming_running_total_exactly_once_across_driver_sigkills(
         assert {c: sorted(v) for c, v in seen.items()} == {
             c: list(range(1, n + 1)) for c, n in orders.items()
         }, f"order counts: {len(counts)} outputs for {job.produced} orders\n{driver.tail()}"
+        # The sink before key_by: every order once.
+        raw_orders = read_committed(kafka_bootstrap, raw_topic, job.produced)
+        raw = Counter(r["order_id"] for r in raw_orders)
+        assert raw == Counter(range(job.produced)), (
+            f"raw orders: {sum(raw.values())} outputs for {job.produced} orders\n{driver.tail()}"
+        )
         # The batches committed to Kafka just before a kill were re-run by Spark and skipped.
         log = driver.log.read_text(errors="replace")
         assert log.count("committed before a restart") >= kills.count("after-commit"), driver.tail()
@@ -329,6 +337,76 @@ def test_streaming_window_exactly_once_across_driver_sigkills(
             driver.kill()
 
 
+def _spark_stream(spec: str, tmp_path: Path, bootstrap: str, prefix: str, *args: str) -> None:
+    """``snapline spark stream SPEC --trigger available-now``, to its end (bounded: a few small
+    batches of input that is all there at start)."""
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snapline.pipeline.cli",
+            "spark",
+            "stream",
+            spec,
+            "--checkpoint-location",
+            str(tmp_path / "spark-checkpoint"),
+            "--trigger",
+            "available-now",
+            "--master",
+            "local[2]",
+            "--state-partitions",
+            "2",
+            *args,
+        ],
+        cwd=tmp_path,
+        env={
+            **os.environ,
+            "SNAPLINE_TEST_PREFIX": prefix,
+            "PYTHONPATH": str(REPO),
+            "SNAPLINE_BOOTSTRAP_SERVERS": bootstrap,
+            "SNAPLINE_CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
+        },
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def test_sinks_and_branches_before_key_by_get_every_record_once(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """The part before key_by may feed sinks and branches of its own: every record goes raw to
+    one sink, the even ones mapped to another, and the keyed count beside them counts each
+    key's records 1..n, each output once."""
+    prefix = f"{unique_name}-"
+    create_topics(kafka_bootstrap, {f"{prefix}before-in": 4})
+    producer = Producer({"bootstrap.servers": kafka_bootstrap, "enable.idempotence": True})
+    n = 300
+    for i in range(n):
+        producer.produce(f"{prefix}before-in", orjson.dumps({"n": i}), f"k{i % 7}".encode())
+    assert producer.flush(30) == 0
+    _spark_stream(
+        "integration_tests.pipelines:before_key_by",
+        tmp_path,
+        kafka_bootstrap,
+        prefix,
+        "--max-records-per-batch",
+        "100",
+    )
+    raw = read_committed(kafka_bootstrap, f"{prefix}before-raw", n, timeout=60)
+    assert sorted(r["n"] for r in raw) == list(range(n)), "raw: a record lost or twice"
+    even = read_committed(kafka_bootstrap, f"{prefix}before-even", n // 2, timeout=60)
+    assert sorted(r["even"] for r in even) == list(range(0, n, 2))
+    counts = read_committed(kafka_bootstrap, f"{prefix}before-counts", n, timeout=60)
+    per_key: dict[str, list[int]] = {}
+    for c in counts:
+        per_key.setdefault(c["key"], []).append(c["value"])
+    assert {k: sorted(v) for k, v in per_key.items()} == {
+        f"k{k}": list(range(1, len(range(k, n, 7)) + 1)) for k in range(7)
+    }
+
+
 def test_late_records_reach_the_keyed_part(
     kafka_bootstrap: str, tmp_path: Path, unique_name: str
 ) -> None:
@@ -343,7 +421,6 @@ def test_late_records_reach_the_keyed_part(
     sees the time just before the key's first due timer: that of the last batch, for a key
     whose window is due (docs/spark.md)."""
     prefix = f"{unique_name}-"
-    env = {**os.environ, "SNAPLINE_TEST_PREFIX": prefix, "PYTHONPATH": str(REPO)}
     create_topics(kafka_bootstrap, {f"{prefix}late-in": 1})
     # Event times of key "a", one per batch:
     # - 100 opens [0, 1000); 3000 opens [3000, 4000) and makes the next batch's watermark 3000;
@@ -357,36 +434,14 @@ def test_late_records_reach_the_keyed_part(
     for t in times:
         producer.produce(f"{prefix}late-in", orjson.dumps({"t": t}), b"a")
     assert producer.flush(30) == 0
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snapline.pipeline.cli",
-            "spark",
-            "stream",
-            "integration_tests.pipelines:late_records",
-            "--checkpoint-location",
-            str(tmp_path / "spark-checkpoint"),
-            "--trigger",
-            "available-now",
-            "--max-records-per-batch",
-            "1",
-            "--master",
-            "local[2]",
-            "--state-partitions",
-            "2",
-        ],
-        cwd=tmp_path,
-        env={
-            **env,
-            "SNAPLINE_BOOTSTRAP_SERVERS": kafka_bootstrap,
-            "SNAPLINE_CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
-        },
-        capture_output=True,
-        text=True,
-        timeout=600,
+    _spark_stream(
+        "integration_tests.pipelines:late_records",
+        tmp_path,
+        kafka_bootstrap,
+        prefix,
+        "--max-records-per-batch",
+        "1",
     )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     counts = read_committed(kafka_bootstrap, f"{prefix}late-counts", len(times), timeout=60)
     assert sorted(o["value"] for o in counts) == list(range(1, len(times) + 1)), (
         f"the rolling count missed late records: {counts}"

@@ -113,18 +113,8 @@ def test_stateless_pipeline_has_no_keyed_part() -> None:
             ),
             "2 sources",
         ),
-        (
-            lambda p: (
-                p.source(KafkaSource("a"))
-                .sink(KafkaSink("raw"))
-                .key_by()
-                .process(Total())
-                .sink(KafkaSink("o"))
-            ),
-            "sink before key_by",
-        ),
     ],
-    ids=["two-timed", "two-stages", "union", "sink-before-key_by"],
+    ids=["two-timed", "two-stages", "union"],
 )
 def test_what_cannot_map_is_refused_at_start(build: Any, message: str) -> None:
     p = _pipeline()
@@ -161,12 +151,12 @@ def test_a_branch_may_hold_the_one_timed_operator_but_not_two() -> None:
         plan_stream(p)
 
 
-def test_branching_before_key_by_or_a_second_key_by_in_a_branch_is_refused() -> None:
+def test_a_second_key_by_in_a_branch_before_or_after_the_first_is_refused() -> None:
     p = _pipeline()
     source = p.source(KafkaSource("a"))
     source.key_by().process(Total()).sink(KafkaSink("o"))
     source.map(lambda v: v).key_by().process(Total(), uid="other").sink(KafkaSink("o2"))
-    with pytest.raises(ConfigurationError, match="branching graph before key_by"):
+    with pytest.raises(ConfigurationError, match="second key_by"):
         plan_stream(p)
     p = _pipeline()
     keyed = p.source(KafkaSource("a")).key_by(lambda v: v["x"])
@@ -174,6 +164,45 @@ def test_branching_before_key_by_or_a_second_key_by_in_a_branch_is_refused() -> 
     keyed.map(lambda v: v).key_by(lambda v: v["y"]).process(Total(), uid="y").sink(KafkaSink("o2"))
     with pytest.raises(ConfigurationError, match="second key_by"):
         plan_stream(p)
+
+
+def test_branches_and_sinks_before_key_by_form_a_tree_with_one_way_to_the_key_by() -> None:
+    p = _pipeline()
+    source = p.source(KafkaSource("a"))
+    source.sink(KafkaSink("raw"))
+    big = source.filter(lambda v: v > 10)
+    big.sink(KafkaSink("big"))
+    big.map(lambda v: -v).sink(KafkaSink("negated"))
+    source.map(lambda v: v * 2).key_by().process(Total()).sink(KafkaSink("o"))
+    plan = plan_stream(p)
+    assert [s.kind for s in plan.pre] == ["pass", "filter", "map", "map"]
+    assert [s.next for s in plan.pre] == [(1, 3), (2,), (), (4,)]  # 4: the end, the key_by
+    assert [s.sinks for s in plan.pre] == [(0,), (1,), (2,), ()]
+    assert [sink.name for sink in plan.sinks] == [
+        "kafka:raw",
+        "kafka:big",
+        "kafka:negated",
+        "kafka:o",
+    ]
+    fns = [None, lambda v: v > 10, lambda v: -v, lambda v: v * 2]
+    sunk: list[tuple[int, Any]] = []
+    keyed: list[Any] = []
+    for value in (5, 20):
+        run_chain(plan.pre, fns, value, None, lambda s, v: sunk.append((s, v)), keyed.append)
+    assert sunk == [(0, 5), (0, 20), (1, 20), (2, -20)]
+    assert keyed == [10, 40]
+
+
+def test_a_chain_before_key_by_keeps_the_chain_form() -> None:
+    p = _pipeline()
+    p.source(KafkaSource("a")).sink(KafkaSink("raw")).map(lambda v: v).key_by().process(
+        Total()
+    ).sink(KafkaSink("o"))
+    plan = plan_stream(p)
+    assert [(s.kind, s.sinks, s.next) for s in plan.pre] == [
+        ("pass", (0,), None),
+        ("map", (), None),
+    ]
 
 
 def test_at_least_once_is_refused() -> None:
@@ -261,6 +290,23 @@ def test_before_key_by_a_value_whose_key_raises_is_a_dead_letter_and_the_others_
     assert sorted(r["seq"] for r in rows) == [0, 1, 2]
     (bad,) = _first_rows(p, b"{not json")
     assert "in[0]@7: JSONDecodeError" in bad["reason"]
+
+
+def test_with_key_by_the_outputs_to_sinks_before_it_pass_through_by_input_partition() -> None:
+    import pickle
+
+    from snapline.pipeline.spark.stream_ops import PASS_PREFIX
+
+    p = _pipeline()
+    source = p.source(KafkaSource("in", value_format="json"))
+    source.sink(KafkaSink("raw"))
+    source.key_by(lambda v: v["c"]).process(Total()).sink(KafkaSink("o"))
+    keyed, passed = _first_rows(p, b'{"c": "x", "amount": 1}', key=b"kafka-key")
+    assert keyed["key"] == b"sx" and "sink" not in keyed
+    assert passed["key"] == PASS_PREFIX + b"0" and passed["sink"] == 0
+    assert pickle.loads(passed["value"]) == {"c": "x", "amount": 1}
+    assert passed["out_key"] == b"skafka-key", "the record's own key, as in a service task"
+    assert (keyed["seq"], passed["seq"]) == (0, 1)
 
 
 def test_without_key_by_an_operator_that_raises_loses_only_its_own_outputs() -> None:

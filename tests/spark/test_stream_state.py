@@ -248,6 +248,25 @@ def test_user_code_error_becomes_a_dead_letter_row(
     assert out.sink == -1 and "KeyError" in out.reason and out.value == b"{}"
 
 
+def test_outputs_of_the_part_before_key_by_pass_through_untouched(
+    processor_and_handle: tuple[Any, _Handle],
+) -> None:
+    from snapline.pipeline.spark.stream_ops import PASS_PREFIX
+
+    processor, handle = processor_and_handle
+    rows = [
+        Row(**{**_row("a", o, 1, "x").asDict(), "seq": 1, "sink": 3, "out_key": b"sk" + bytes([o])})
+        for o in (2, 1)
+    ]
+    out = list(processor.handleInputRows((PASS_PREFIX + b"0",), iter(rows), None))
+    assert [(r.offset, r.sink, r.key, r.reason) for r in out] == [
+        (1, 3, b"sk\x01", None),
+        (2, 3, b"sk\x02", None),
+    ]
+    assert [r.value for r in out] == [r.value for r in reversed(rows)]
+    assert handle.calls == 0 and not handle.data, "no state is touched for them"
+
+
 class _Watermark:
     def __init__(self, watermark: int) -> None:
         self.watermark = watermark

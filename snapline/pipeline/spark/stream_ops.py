@@ -41,10 +41,11 @@ from snapline.pipeline.state.timers import TimerState
 from snapline.pipeline.time import timestamp_ms
 
 #: Rows into the keyed part (grouped by ``key``, a tagged key; dead letters of the first part
-#: are grouped under DEAD_KEY and only passed through).
+#: are grouped under DEAD_KEY, and its outputs to sinks (``sink``, with the record's own
+#: tagged key in ``out_key``) under PASS_PREFIX + the input partition: both only pass through).
 KEYED_SCHEMA = (
     "key binary, topic string, partition int, offset long, seq int, ts long, value binary, "
-    "raw binary, raw_key binary, reason string, now long"
+    "raw binary, raw_key binary, reason string, now long, sink int, out_key binary"
 )
 #: Rows to the sinks: ``sink`` indexes StreamPlan.sinks, -1 is a dead letter (``value`` then
 #: holds the bytes to send and ``reason`` why).
@@ -54,6 +55,9 @@ OUT_SCHEMA = (
 )
 OUT_FIELDS = tuple(f.split()[0] for f in OUT_SCHEMA.split(", "))
 DEAD_KEY = b"!dead-letters"
+#: Groups of the first part's sink outputs, one per input partition (spread over the state
+#: partitions; no state is kept for them).
+PASS_PREFIX = b"!pass:"
 #: The event-time clock of a query with timers: each Arrow batch of the first part adds one row
 #: (key CLOCK_KEY, seq CLOCK_SEQ) whose ``ts`` is the largest event time of its records, and
 #: only these rows carry the watermark column (``stream.event_time_column``). Spark drops any
@@ -233,6 +237,8 @@ class _FirstPart:
         where = f"{topic}[{partition}]@{offset}"
         position = {"topic": topic, "partition": partition, "offset": offset, "raw_key": raw_key}
         results: list[tuple[Any, Any, Any]] = []
+        #: With key_by: the outputs to sinks before it (pickled value, sink, tagged key).
+        passed: list[tuple[bytes, int, bytes | None]] = []
         #: Operators that raised for this record: each a dead letter, as in a service task
         #: (their earlier outputs and the other values go on).
         failures: list[str] = []
@@ -253,6 +259,14 @@ class _FirstPart:
                 self.max_ts = ts
             if self.keyed:
 
+                def to_pass(sink: int, v: Any) -> None:
+                    try:
+                        kb = encode_key(key)  # the record's own key, as in a service task
+                        tagged = None if kb is None else tag_key(key, kb)
+                        passed.append((pickle.dumps(v), sink, tagged))
+                    except Exception as exc:
+                        failures.append(_dead(f"{where}: cannot pickle {exc!r}", self.fail, where))
+
                 def to_key(v: Any) -> None:
                     try:
                         k = key if self.key_fn is None else self.key_fn(v)
@@ -266,13 +280,7 @@ class _FirstPart:
                         )
 
                 run_chain(
-                    self.plan.pre,
-                    self.fns,
-                    value,
-                    None,
-                    lambda s, v: None,
-                    to_key,
-                    on_error=on_error,
+                    self.plan.pre, self.fns, value, None, to_pass, to_key, on_error=on_error
                 )
             else:
                 kb = encode_key(key)
@@ -290,6 +298,12 @@ class _FirstPart:
             rows = [
                 {**position, "key": k, "seq": seq, "ts": ts, "value": v} | {"raw": raw, "now": now}
                 for seq, (k, v, _) in enumerate(results)
+            ]
+            group = PASS_PREFIX + b"%d" % partition
+            rows += [
+                {**position, "key": group, "seq": len(rows) + n, "ts": ts, "value": v}
+                | {"sink": sink, "out_key": out_key, "now": now}
+                for n, (v, sink, out_key) in enumerate(passed)
             ]
             return rows + [
                 {**position, "key": DEAD_KEY, "seq": len(rows) + n, "ts": kafka_ts, "raw": raw}
@@ -515,6 +529,10 @@ def keyed_processor(spec: str) -> Any:
             if group == DEAD_KEY:
                 for r in ordered:
                     yield _out(Row, r, -1, 0, None, r.raw, r.reason)
+                return
+            if group.startswith(PASS_PREFIX):  # outputs of the part before key_by
+                for r in ordered:
+                    yield _out(Row, r, r.sink, 0, r.out_key, r.value, None)
                 return
             tagged, _ = self._enter(key, timerValues, records=True)
             scope, ctx = self.scope, self.ctx

@@ -1,19 +1,21 @@
 """What ``snapline spark stream`` runs: the declared graph checked and cut into the two parts
 of a Structured Streaming query, or a ConfigurationError at start naming what cannot map.
 
-A supported pipeline is one Kafka source, a chain of stateless operators, at most one
-``key_by`` and after it a tree of keyed process functions and stateless operators (any operator
-may feed several), with sinks hanging off any operator after ``key_by`` (or of the only chain,
-without ``key_by``):
+A supported pipeline is one Kafka source, a tree of stateless operators, at most one ``key_by``
+and after it a tree of keyed process functions and stateless operators (any operator may feed
+several), with sinks hanging off any operator:
 
     source → (map | filter | flat_map)* → key_by → (process | window | map | filter | flat_map)*
-                                                  ↘ (process | ...)*   (branches, same key)
+           ↘ (map | filter | flat_map)*           ↘ (process | ...)*   (branches, same key)
+             (branches without key_by: sinks only)
 
 The part before ``key_by`` runs per micro-batch on the executors; the part after it runs per
 key through ``transformWithState``: every branch sees the key's records in the same order, in
-one state store, as the operators of a service task do. At most one operator of it may use
-event-time timers (a window, or a process function implementing ``on_timer``): Spark keeps one
-set of timers per key. ``run_chain`` pushes one value through a part.
+one state store, as the operators of a service task do. Outputs of the part before ``key_by``
+that go to sinks pass through the keyed part's grouping unchanged (``stream_ops.PASS_PREFIX``).
+At most one operator of the keyed part may use event-time timers (a window, or a process
+function implementing ``on_timer``): Spark keeps one set of timers per key. ``run_chain``
+pushes one value through a part.
 """
 
 from __future__ import annotations
@@ -87,31 +89,13 @@ def plan_stream(pipeline: Pipeline) -> StreamPlan:
     sinks: list[Sink] = []
     pre: list[Step] = []
     keyed: list[Step] = []
+    found: list[Node] = []  # the key_by
+    _pre_tree(pipeline, sources[0], "pass", sinks, pre, found)
+    pre = _as_chain(pre, keyed=bool(found))
     key_by: int | None = None
-    node: Node = sources[0]
-    kind = "pass"
-    while True:  # the chain before key_by
-        rest = _step(pipeline, node, kind, sinks, pre)
-        if not rest:
-            break
-        if len(rest) > 1:
-            raise _refuse(
-                f"a branching graph before key_by ({node.name!r} feeds {[n.name for n in rest]})",
-                "branch after key_by (every branch then runs per key), give each branch its "
-                "own pipeline, or run it as services",
-            )
-        node = rest[0]
-        kind = node.kind
-        if kind == "key_by":
-            key_by = node.id
-            _keyed_tree(pipeline, node, "pass", sinks, keyed)
-            break
-        _check_kind(node)
-    if key_by is not None and any(s.sinks for s in pre):
-        raise _refuse(
-            "a sink before key_by",
-            "sinks may only follow the keyed part; put the sink after key_by(...)",
-        )
+    if found:
+        key_by = found[0].id
+        _keyed_tree(pipeline, found[0], "pass", sinks, keyed)
     by_id = {n.id: n for n in pipeline.nodes}
     timed = [s for s in keyed if s.kind == "window" or _has_timers(by_id[s.node_id].fn)]
     if len(timed) > 1:
@@ -140,6 +124,54 @@ def _step(
     sinks.extend(n.fn for n in sink_nodes)
     steps.append(Step(kind, node.id, indexes))
     return [n for n in below if n.kind != "sink"]
+
+
+#: In ``_pre_tree``'s steps until ``_as_chain``: "on to the key_by" (the end of the part).
+_TO_KEY_BY = -1
+
+
+def _pre_tree(
+    pipeline: Pipeline,
+    node: Node,
+    kind: str,
+    sinks: list[Sink],
+    steps: list[Step],
+    found: list[Node],
+) -> int:
+    """Append the part before ``key_by`` from ``node`` on, depth first; the key_by node goes
+    into ``found`` (a second one is refused) and its feeder's ``next`` names _TO_KEY_BY."""
+    index = len(steps)
+    children = []
+    for child in _step(pipeline, node, kind, sinks, steps):
+        if child.kind == "key_by":
+            if found:
+                raise _refuse(
+                    f"a second key_by ({child.name!r} beside {found[0].name!r})",
+                    "one key_by per pipeline on Spark streaming: key every branch the same "
+                    "way after one key_by, give each its own pipeline, or run it as services",
+                )
+            found.append(child)
+            children.append(_TO_KEY_BY)
+            continue
+        _check_kind(child)
+        children.append(_pre_tree(pipeline, child, child.kind, sinks, steps, found))
+    step = steps[index]
+    steps[index] = Step(step.kind, step.node_id, step.sinks, tuple(children))
+    return index
+
+
+def _as_chain(steps: list[Step], keyed: bool) -> list[Step]:
+    """The part before ``key_by`` with _TO_KEY_BY resolved to the part's end; a chain (each
+    step feeding only the next, the last the key_by or nothing) in chain form (``next``
+    None)."""
+    end = len(steps)
+    last = (_TO_KEY_BY,) if keyed else ()
+    if all(s.next == (i + 1,) for i, s in enumerate(steps[:-1])) and steps[-1].next == last:
+        return [Step(s.kind, s.node_id, s.sinks) for s in steps]
+    return [
+        Step(s.kind, s.node_id, s.sinks, tuple(end if j == _TO_KEY_BY else j for j in s.next or ()))
+        for s in steps
+    ]
 
 
 def _keyed_tree(
@@ -225,7 +257,7 @@ def run_chain(
             if on_error is None:
                 raise
             on_error(i, exc)
-        after = (i + 1,) if step.next is None else step.next or (end,)
+        after = (i + 1,) if step.next is None else step.next
         for out in outs:
             for sink in step.sinks:
                 emit_sink(sink, out)
