@@ -22,10 +22,8 @@ from integration_tests.bounces import (
     BounceJob,
     BounceRun,
     SingleBroker,
-    failure,
-    verdict,
+    judge_on_single_broker,
 )
-from snapline.connectors.local.broker import transaction_marker_defect
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres, pytest.mark.slow]
 
@@ -78,16 +76,6 @@ def test_workers_ride_out_broker_bounces(
 
         check = run.report(outputs, "broker bounces")
         assert len(run.outages) >= 10 and run.test_kills >= 2
-        exact, known = verdict(
-            run,
-            check,
-            lambda p: [cluster.log_dirs / f"{job.totals_topic}-{p}"],
-            [cluster.broker.log_path],
-        )
-        if not exact:
-            # The known faults are KAFKA-20734's; a version without it must be exact.
-            if known is None or transaction_marker_defect(cluster.broker.version) is None:
-                pytest.fail(failure(run, check, known))
-            pytest.xfail("KNOWN RESIDUAL RISK: " + known)
+        judge_on_single_broker(run, check, cluster)
     finally:
         cluster.stop()

@@ -2,12 +2,13 @@
 SIGKILLed at once, a worker frozen (SIGSTOP) past its session timeout and woken as a zombie
 (sometimes with another worker SIGKILLed while it is frozen), and the broker SIGKILLed and
 restarted. Three workers of the warehouse pipeline (Kafka + Parquet + PostgreSQL sinks,
-rocksdb state) on the test's own broker. Independent readers (a read_committed consumer,
+rocksdb state; in a long variant, memory state and a re-keying stage through a repartition
+topic) on the test's own broker. Independent readers (a read_committed consumer,
 pyarrow on the table, SQL on the database) must then find every input's effect exactly once.
 
 Each kind of fault has its own focused test (test_exactly_once_kill.py, test_broker_bounces.py);
 this one mixes them, as an outside black-box test would. The default run has 6 rounds, each
-kind at least once; ``-m long`` runs 40 (about 7 minutes).
+kind at least once; ``-m long`` runs 40 with each configuration (about 7 minutes each).
 
 The test plays the supervisor, as the bounce tests do: a worker that exits by itself is
 restarted, and only exit code 75 (EX_TEMPFAIL) is accepted.
@@ -23,8 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from integration_tests.bounces import BounceJob, BounceRun, SingleBroker, failure, verdict
-from snapline.connectors.local.broker import transaction_marker_defect
+from integration_tests.bounces import BounceJob, BounceRun, SingleBroker, judge_on_single_broker
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres, pytest.mark.slow]
 
@@ -36,10 +36,16 @@ FROZEN_S = (12.0, 15.0)
 
 
 @pytest.mark.parametrize(
-    "rounds", [SHORT, pytest.param(LONG, marks=pytest.mark.long)], ids=["6-rounds", "40-rounds"]
+    ("rounds", "backend", "stages"),
+    [
+        (SHORT, "rocksdb", 1),
+        pytest.param(LONG, "rocksdb", 1, marks=pytest.mark.long),
+        pytest.param(LONG, "memory", 2, marks=pytest.mark.long),
+    ],
+    ids=["6-rounds", "40-rounds", "40-rounds-2-stages"],
 )
 def test_mixed_faults_lose_and_duplicate_nothing(
-    postgres_dsn: str, tmp_path: Path, unique_name: str, rounds: int
+    postgres_dsn: str, tmp_path: Path, unique_name: str, rounds: int, backend: str, stages: int
 ) -> None:
     broker = SingleBroker(tmp_path / "kafka")
     rng = random.Random(rounds)
@@ -48,7 +54,13 @@ def test_mixed_faults_lose_and_duplicate_nothing(
     done: Counter[str] = Counter()
     try:
         job = BounceJob(
-            broker.bootstrap, unique_name, tmp_path, postgres_dsn, workers=3, backend="rocksdb"
+            broker.bootstrap,
+            unique_name,
+            tmp_path,
+            postgres_dsn,
+            workers=3,
+            backend=backend,
+            stages=stages,
         )
         run = BounceRun(job, seed=rounds)
         try:
@@ -91,16 +103,6 @@ def test_mixed_faults_lose_and_duplicate_nothing(
 
         check = run.report(outputs, f"chaos {dict(done)}")
         assert sum(done.values()) == rounds and set(done) == set(KINDS)
-        exact, known = verdict(
-            run,
-            check,
-            lambda p: [broker.log_dirs / f"{job.totals_topic}-{p}"],
-            [broker.broker.log_path],
-        )
-        if not exact:
-            # The known faults are KAFKA-20734's; a version without it must be exact.
-            if known is None or transaction_marker_defect(broker.broker.version) is None:
-                pytest.fail(failure(run, check, known))
-            pytest.xfail("KNOWN RESIDUAL RISK: " + known)
+        judge_on_single_broker(run, check, broker)
     finally:
         broker.stop()
