@@ -356,3 +356,28 @@ def test_an_upgraded_pipeline_restores_and_an_incompatible_one_is_refused(
     job.produce(5_000)
     job.verify()  # totals continue from the savepoint's state through the added operator
     job.stop_all()
+
+
+def test_a_request_sent_as_soon_as_a_worker_listens_reaches_it(
+    kafka_bootstrap: str, unique_name: str
+) -> None:
+    """A worker's control channel starts at the end offset the broker gives it at once. At
+    OFFSET_END it started where its first fetch found the end, which could be after a request
+    sent right after the worker joined its group: the request was never read, and `snapline
+    savepoint create` waited its whole timeout (seen in CI)."""
+    from snapline.pipeline.savepoint import control
+
+    config = {"bootstrap.servers": kafka_bootstrap}
+    control.ensure_control_topic(config, unique_name)
+    control.send(config, unique_name, "resume", "before")  # older than the worker: not for it
+    channel = control.ControlChannel(config, unique_name)
+    try:
+        control.send(config, unique_name, "savepoint", "now")
+        got: list[control.Request] = []
+        deadline = time.monotonic() + 20
+        while not got and time.monotonic() < deadline:
+            got = channel.poll(every=0)
+            time.sleep(0.1)
+        assert [r.id for r in got] == ["now"]
+    finally:
+        channel.close()

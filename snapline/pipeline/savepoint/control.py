@@ -2,9 +2,10 @@
 
 Requests are JSON records on the job's control topic ``<job>.control`` (one partition, created
 when missing): ``{"id", "action": "savepoint", "stop"}`` and ``{"id", "action": "resume"}``.
-Every worker reads it from the end it finds at start. On a savepoint request a worker commits
-a checkpoint of everything read so far, then pauses reading (or, with ``stop``, exits) and
-acknowledges by writing ``<job>/savepoints/_requests/<id>/<worker>.json`` to checkpoint storage;
+Every worker reads it from the end it finds at start (asked of the broker before the worker
+joins its group, so no request sent to a member is missed). On a savepoint request a worker
+commits a checkpoint of everything read so far, then pauses reading (or, with ``stop``, exits)
+and acknowledges by writing ``<job>/savepoints/_requests/<id>/<worker>.json`` to checkpoint storage;
 the CLI writes the savepoint from the committed checkpoints once every member has
 acknowledged, then sends ``resume``. A paused worker resumes by itself after
 ``PAUSE_LIMIT`` seconds, so a CLI that died never stalls a job for long.
@@ -93,8 +94,30 @@ class ControlChannel:
                 "isolation.level": "read_committed",
             }
         )
-        self._consumer.assign([TopicPartition(control_topic(job), 0, OFFSET_END)])
+        self._consumer.assign([TopicPartition(control_topic(job), 0, self._end(job))])
         self._last_poll = 0.0
+
+    def _end(self, job: str) -> int:
+        """The control topic's end offset, asked of the broker now. Assigned at ``OFFSET_END``
+        the consumer would resolve the end only when it first fetches, which can come after a
+        request sent right after this worker joined its group (measured: a request produced
+        just after ``assign`` was never read); the CLI then waited its whole timeout for an
+        acknowledgement that could not come."""
+        tp = TopicPartition(control_topic(job), 0)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                return int(self._consumer.get_watermark_offsets(tp, timeout=10, cached=False)[1])
+            except KafkaException as exc:
+                if time.monotonic() > deadline:
+                    log.warning(
+                        "control topic %s: end offset unknown (%s); reading from the end "
+                        "found at the first fetch",
+                        tp.topic,
+                        exc,
+                    )
+                    return OFFSET_END
+                time.sleep(0.5)
 
     def poll(self, every: float = 0.2) -> list[Request]:
         now = time.monotonic()
