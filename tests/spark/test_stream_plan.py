@@ -193,16 +193,22 @@ def test_branches_and_sinks_before_key_by_form_a_tree_with_one_way_to_the_key_by
     assert keyed == [10, 40]
 
 
-def test_a_chain_before_key_by_keeps_the_chain_form() -> None:
+def test_a_chain_before_key_by_ends_at_the_key_by() -> None:
     p = _pipeline()
-    p.source(KafkaSource("a")).sink(KafkaSink("raw")).map(lambda v: v).key_by().process(
+    p.source(KafkaSource("a")).sink(KafkaSink("raw")).map(lambda v: v + 1).key_by().process(
         Total()
     ).sink(KafkaSink("o"))
     plan = plan_stream(p)
     assert [(s.kind, s.sinks, s.next) for s in plan.pre] == [
-        ("pass", (0,), None),
-        ("map", (), None),
+        ("pass", (0,), (1,)),
+        ("map", (), (2,)),
     ]
+    sunk: list[tuple[int, Any]] = []
+    keyed: list[Any] = []
+    run_chain(
+        plan.pre, [None, lambda v: v + 1], 1, None, lambda s, v: sunk.append((s, v)), keyed.append
+    )
+    assert (sunk, keyed) == ([(0, 1)], [2])
 
 
 def test_at_least_once_is_refused() -> None:

@@ -220,6 +220,8 @@ class _FirstPart:
         self.fail = pipeline.on_error == "fail"
         self.names = [by_id[s.node_id].name for s in plan.pre]
         self.key_name = "key_by" if plan.key_by is None else by_id[plan.key_by].name
+        #: The record's own key is encoded for these only (without key_by, every sink is one).
+        self.sinks_before_key_by = any(s.sinks for s in plan.pre)
         #: The largest event time of the decodable records since the caller reset it (what
         #: moves the watermark, as in a service task: filtered records too).
         self.max_ts: int | None = None
@@ -236,9 +238,11 @@ class _FirstPart:
     ) -> list[dict[str, Any]]:
         where = f"{topic}[{partition}]@{offset}"
         position = {"topic": topic, "partition": partition, "offset": offset, "raw_key": raw_key}
-        results: list[tuple[Any, Any, Any]] = []
-        #: With key_by: the outputs to sinks before it (pickled value, sink, tagged key).
-        passed: list[tuple[bytes, int, bytes | None]] = []
+        #: With key_by: what goes on to it (tagged key, pickled value).
+        keyed: list[tuple[bytes, bytes]] = []
+        #: Outputs to sinks of the part before key_by (pickled value, sink, the record's own
+        #: tagged key, as in a service task).
+        sunk: list[tuple[bytes, int, bytes | None]] = []
         #: Operators that raised for this record: each a dead letter, as in a service task
         #: (their earlier outputs and the other values go on).
         failures: list[str] = []
@@ -257,53 +261,49 @@ class _FirstPart:
         else:
             if self.max_ts is None or ts > self.max_ts:
                 self.max_ts = ts
-            if self.keyed:
-
-                def to_pass(sink: int, v: Any) -> None:
-                    try:
-                        kb = encode_key(key)  # the record's own key, as in a service task
-                        tagged = None if kb is None else tag_key(key, kb)
-                        passed.append((pickle.dumps(v), sink, tagged))
-                    except Exception as exc:
-                        failures.append(_dead(f"{where}: cannot pickle {exc!r}", self.fail, where))
-
-                def to_key(v: Any) -> None:
-                    try:
-                        k = key if self.key_fn is None else self.key_fn(v)
-                        kb = encode_key(k)
-                        if kb is None:
-                            raise ValueError("key_by returned None as the key")
-                        results.append((tag_key(k, kb), pickle.dumps(v), None))
-                    except Exception as exc:
-                        failures.append(
-                            _dead(f"{where}: {self.key_name} raised {exc!r}", self.fail, where)
-                        )
-
-                run_chain(
-                    self.plan.pre, self.fns, value, None, to_pass, to_key, on_error=on_error
-                )
-            else:
+            tagged = None
+            if self.sinks_before_key_by:
                 kb = encode_key(key)
                 tagged = None if kb is None else tag_key(key, kb)
 
-                def to_sink(sink: int, v: Any) -> None:
-                    try:
-                        results.append((tagged, pickle.dumps(v), sink))
-                    except Exception as exc:
-                        failures.append(_dead(f"{where}: cannot pickle {exc!r}", self.fail, where))
+            def to_sink(sink: int, v: Any) -> None:
+                try:
+                    sunk.append((pickle.dumps(v), sink, tagged))
+                except Exception as exc:
+                    failures.append(_dead(f"{where}: cannot pickle {exc!r}", self.fail, where))
 
-                run_chain(self.plan.pre, self.fns, value, None, to_sink, on_error=on_error)
+            def to_key(v: Any) -> None:
+                try:
+                    k = key if self.key_fn is None else self.key_fn(v)
+                    kb = encode_key(k)
+                    if kb is None:
+                        raise ValueError("key_by returned None as the key")
+                    keyed.append((tag_key(k, kb), pickle.dumps(v)))
+                except Exception as exc:
+                    failures.append(
+                        _dead(f"{where}: {self.key_name} raised {exc!r}", self.fail, where)
+                    )
+
+            run_chain(
+                self.plan.pre,
+                self.fns,
+                value,
+                None,
+                to_sink,
+                to_key if self.keyed else None,
+                on_error=on_error,
+            )
         rows: list[dict[str, Any]]
         if self.keyed:
             rows = [
                 {**position, "key": k, "seq": seq, "ts": ts, "value": v} | {"raw": raw, "now": now}
-                for seq, (k, v, _) in enumerate(results)
+                for seq, (k, v) in enumerate(keyed)
             ]
             group = PASS_PREFIX + b"%d" % partition
             rows += [
                 {**position, "key": group, "seq": len(rows) + n, "ts": ts, "value": v}
                 | {"sink": sink, "out_key": out_key, "now": now}
-                for n, (v, sink, out_key) in enumerate(passed)
+                for n, (v, sink, out_key) in enumerate(sunk)
             ]
             return rows + [
                 {**position, "key": DEAD_KEY, "seq": len(rows) + n, "ts": kafka_ts, "raw": raw}
@@ -312,7 +312,7 @@ class _FirstPart:
             ]
         rows = [
             {**position, "sink": sink, "seq": 0, "n": n, "ts": ts, "key": k} | {"value": v}
-            for n, (k, v, sink) in enumerate(results)
+            for n, (v, sink, k) in enumerate(sunk)
         ]
         return rows + [
             {**position, "sink": -1, "seq": 0, "n": len(rows) + n, "ts": kafka_ts, "value": raw}

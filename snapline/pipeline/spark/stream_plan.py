@@ -91,7 +91,7 @@ def plan_stream(pipeline: Pipeline) -> StreamPlan:
     keyed: list[Step] = []
     found: list[Node] = []  # the key_by
     _pre_tree(pipeline, sources[0], "pass", sinks, pre, found)
-    pre = _as_chain(pre, keyed=bool(found))
+    pre = _resolved(pre)
     key_by: int | None = None
     if found:
         key_by = found[0].id
@@ -126,7 +126,7 @@ def _step(
     return [n for n in below if n.kind != "sink"]
 
 
-#: In ``_pre_tree``'s steps until ``_as_chain``: "on to the key_by" (the end of the part).
+#: In ``_pre_tree``'s steps until ``_resolved``: "on to the key_by" (the end of the part).
 _TO_KEY_BY = -1
 
 
@@ -160,14 +160,10 @@ def _pre_tree(
     return index
 
 
-def _as_chain(steps: list[Step], keyed: bool) -> list[Step]:
-    """The part before ``key_by`` with _TO_KEY_BY resolved to the part's end; a chain (each
-    step feeding only the next, the last the key_by or nothing) in chain form (``next``
-    None)."""
+def _resolved(steps: list[Step]) -> list[Step]:
+    """The part before ``key_by`` with _TO_KEY_BY resolved to the part's end (where
+    ``run_chain`` hands a value to ``emit_end``, the key_by)."""
     end = len(steps)
-    last = (_TO_KEY_BY,) if keyed else ()
-    if all(s.next == (i + 1,) for i, s in enumerate(steps[:-1])) and steps[-1].next == last:
-        return [Step(s.kind, s.node_id, s.sinks) for s in steps]
     return [
         Step(s.kind, s.node_id, s.sinks, tuple(end if j == _TO_KEY_BY else j for j in s.next or ()))
         for s in steps
