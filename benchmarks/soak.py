@@ -188,7 +188,7 @@ def _start_worker(
     config: SoakConfig, bootstrap: str, backend: str, index: int, env: ChildEnv, base: Path
 ) -> Worker:
     worker_id = f"w{index}"
-    local_dir = base / backend / "local" / worker_id
+    local_root = base / backend / "local"  # the worker keeps its files in local_root/<id>
     metrics_file = base / backend / f"metrics-{worker_id}.jsonl"
     argv = [
         sys.executable,
@@ -203,7 +203,7 @@ def _start_worker(
         "--checkpoint-dir",
         env.state_dir,
         "--local-dir",
-        str(local_dir),
+        str(local_root),
         "--log-level",
         "WARNING",
     ]
@@ -212,7 +212,7 @@ def _start_worker(
         {**env.to_environ(), METRICS_ENV: str(metrics_file)},
         base / backend / f"{worker_id}.log",
     )
-    return Worker(backend, worker_id, child, local_dir, metrics_file)
+    return Worker(backend, worker_id, child, local_root / worker_id, metrics_file)
 
 
 def run_soak(config: SoakConfig, bootstrap: str, console: Console, command: str) -> dict[str, Any]:

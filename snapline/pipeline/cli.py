@@ -104,7 +104,8 @@ def main() -> None:
     show_envvar=True,
     default=None,
     show_default="beside a local checkpoint dir, or ~/.cache/snapline/local for a remote one",
-    help="Scratch directory for local state (RocksDB) and local recovery.",
+    help="Directory for local state (RocksDB) and local recovery; each worker uses its own "
+    "<DIR>/<worker id>, locked while it runs.",
 )
 @click.option(
     "--restore-latest",

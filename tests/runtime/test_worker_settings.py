@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from snapline.pipeline.errors import ConfigurationError
 from snapline.pipeline.runtime.worker import WorkerSettings
 
 
@@ -24,6 +25,19 @@ def test_local_dir_for_an_object_store_is_under_the_cache(
     assert settings.resolved_local_dir() == tmp_path / "cache" / "snapline" / "local" / "w2"
 
 
-def test_explicit_local_dir_wins(tmp_path: Path) -> None:
-    settings = WorkerSettings("k:9092", "w3", "s3://bucket/c", str(tmp_path / "scratch"))
-    assert settings.resolved_local_dir() == tmp_path / "scratch"
+def test_an_explicit_local_dir_holds_one_directory_per_worker(tmp_path: Path) -> None:
+    """Workers given one --local-dir (``--workers 2 --local-dir D``, or one environment
+    for every service on a host) must not share files: each deletes what it does not own."""
+    w3 = WorkerSettings("k:9092", "w3", "s3://bucket/c", str(tmp_path / "scratch"))
+    w4 = WorkerSettings("k:9092", "w4", "s3://bucket/c", str(tmp_path / "scratch"))
+    assert w3.resolved_local_dir() == tmp_path / "scratch" / "w3"
+    assert w4.resolved_local_dir() == tmp_path / "scratch" / "w4"
+
+
+@pytest.mark.parametrize("worker_id", ["", ".", "..", "a/b"])
+def test_a_worker_id_that_cannot_name_a_directory_is_refused(
+    tmp_path: Path, worker_id: str
+) -> None:
+    settings = WorkerSettings("k:9092", worker_id, str(tmp_path / "c"), str(tmp_path / "l"))
+    with pytest.raises(ConfigurationError, match="cannot name a directory"):
+        settings.resolved_local_dir()

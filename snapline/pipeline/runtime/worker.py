@@ -96,6 +96,7 @@ from snapline.pipeline.runtime.kafka_calls import (
 )
 from snapline.pipeline.runtime.liveness import DEFAULT_TIMEOUT as DEFAULT_LIVENESS_TIMEOUT
 from snapline.pipeline.runtime.liveness import Liveness, Watchdog
+from snapline.pipeline.runtime.local_lock import lock_local_dir
 from snapline.pipeline.runtime.metrics import WorkerMetrics
 from snapline.pipeline.runtime.task import Task, TaskSnapshot
 from snapline.pipeline.runtime.transaction import (
@@ -151,10 +152,17 @@ class WorkerSettings:
     liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT
 
     def resolved_local_dir(self) -> Path:
-        """Where tasks keep local state: ``local_dir``, else beside a local checkpoint
-        directory, else (checkpoints in an object store) under the user's cache directory."""
+        """This worker's own directory for local state: ``<local_dir>/<worker id>``, else
+        beside a local checkpoint directory, else (checkpoints in an object store) under the
+        user's cache directory. Per worker id, so that workers given one ``--local-dir`` never
+        share files (``local_lock``)."""
+        if self.worker_id in ("", ".", "..") or os.sep in self.worker_id:
+            raise ConfigurationError(
+                f"worker id {self.worker_id!r} cannot name a directory (it is part of the "
+                "worker's local state path): use letters, digits, '.', '_' or '-'"
+            )
         if self.local_dir:
-            return Path(self.local_dir)
+            return Path(self.local_dir) / self.worker_id
         scheme, sep, rest = self.checkpoint_dir.partition("://")
         if not sep or scheme == "file":
             base = Path(rest if sep else self.checkpoint_dir).absolute().parent
@@ -178,6 +186,8 @@ class Worker:
         self.faults = FaultInjector()
         self.storage = CheckpointStorage(settings.checkpoint_dir)
         self.local_dir = settings.resolved_local_dir()
+        #: Held for the process's lifetime: nothing else deletes or writes under local_dir.
+        self._local_lock = lock_local_dir(self.local_dir, pipeline.name, settings.worker_id)
         kafka_config = {"bootstrap.servers": settings.bootstrap_servers, **pipeline.kafka_config}
         self._kafka_config = kafka_config
         log.info(

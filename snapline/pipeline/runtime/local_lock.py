@@ -1,0 +1,84 @@
+"""One live process per worker's local directory.
+
+A worker deletes local files it can prove dead: the task directories of tasks that moved to
+another worker (``Worker._remove_moved_task_dirs``) and the files of its earlier incarnations
+(``RocksDBBackend``). That proof is "nobody else writes here", and this lock makes it true:
+each worker keeps its files under ``<local dir>/<worker id>/<job>/`` and holds
+``<local dir>/<worker id>/<job>.lock`` while it lives.
+
+A second process with the same worker id on the same host (two services left at the default
+id, the hostname) waits ``LOCK_WAIT`` seconds for the first to exit, then fails at start with
+the fix instead of deleting the first one's live RocksDB files and fencing it in Kafka.
+
+POSIX record locks (``lockf``), not ``flock``: the kernel drops them when the process dies,
+SIGKILL included, and a child the worker forked does not inherit them, so a dead worker's
+child cannot keep its successor out. The lock file stays on disk; only the lock matters.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+from snapline.pipeline.errors import ConfigurationError
+
+log = logging.getLogger(__name__)
+
+#: Seconds a new worker waits for a process with its id to exit: orchestrators start a
+#: restarted worker once the old process is gone, so this covers a stop still in progress.
+LOCK_WAIT = 10.0
+_POLL = 0.2
+
+
+def lock_local_dir(root: Path, job: str, worker_id: str, wait: float = LOCK_WAIT) -> int:
+    """Take ``root/<job>.lock`` for this process; returns the descriptor to keep open for the
+    process's lifetime (closing it releases the lock). ConfigurationError when another live
+    process still holds it after ``wait`` seconds."""
+    path = root / f"{job}.lock"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise ConfigurationError(
+            f"cannot use {root} for worker {worker_id!r}'s local state: {exc}. Point "
+            "--local-dir (SNAPLINE_LOCAL_DIR) at a writable local directory"
+        ) from exc
+    deadline = time.monotonic() + wait
+    warned = False
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                os.close(fd)
+                raise
+        # Read through our own descriptor: opening and closing another one on this file would
+        # drop a POSIX lock this process holds (none yet, but keep the rule simple).
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+        if time.monotonic() >= deadline:
+            os.close(fd)
+            raise ConfigurationError(
+                f"worker {worker_id!r} of job {job!r} is already running on this host "
+                f"({holder}): its local directory {root} is locked (waited {wait:.0f} s). "
+                "Each worker needs its own --worker-id (the id is also its Kafka "
+                "transactional id and group member id: two processes with one id fence each "
+                "other). Stop the other process, or start this one with another --worker-id"
+            )
+        if not warned:
+            log.warning(
+                "local directory %s is locked by %s; waiting up to %.0f s for it to exit",
+                root,
+                holder,
+                wait,
+            )
+            warned = True
+        time.sleep(_POLL)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    return fd
