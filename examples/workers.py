@@ -118,6 +118,16 @@ class WorkerProcess:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def process_gone(pid: int) -> bool:
+    """The process has exited (a zombie its parent has not reaped yet counts as gone; an
+    orphan's new parent may never reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
 def read_events(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []

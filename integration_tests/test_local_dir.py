@@ -21,8 +21,8 @@ from snapline.pipeline.supervisor import EX_CONFIG
 
 pytestmark = pytest.mark.integration
 
-#: A refused duplicate: its start-up (imports, pipeline) and the lock's wait (LOCK_WAIT, 10 s).
-REFUSAL_BOUND = 60.0
+#: A refused duplicate: its start-up (imports, pipeline) and the lock's wait (LOCK_WAIT, 35 s).
+REFUSAL_BOUND = 90.0
 
 
 def test_workers_given_one_local_dir_keep_their_own_state_and_a_duplicate_id_is_refused(

@@ -1,16 +1,22 @@
-"""The supervisor on a real broker (issue 9, item 6): a configuration error at start is not
-retried; the job exits at once with EX_CONFIG and the message, printed once."""
+"""The supervisor on a real broker: a configuration error at start is not retried (the job
+exits at once with EX_CONFIG and the message, printed once; issue 9, item 6), and a killed
+supervisor leaves no worker behind."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from examples.workers import process_gone, read_events
+from integration_tests.warehouse_job import SPEC, WarehouseJob, wait_for
+from snapline.pipeline.runtime.worker import STOP_BOUND
 from snapline.pipeline.supervisor import EX_CONFIG
 
 pytestmark = pytest.mark.integration
@@ -61,3 +67,88 @@ def test_configuration_error_stops_the_job_at_once(
     error_lines = [line for line in output.splitlines() if line.startswith("Error: ")]
     assert len(error_lines) == 1 and missing in error_lines[0], output[-3000:]
     assert "create_partitions" in error_lines[0]
+
+
+def test_a_killed_supervisor_leaves_no_worker_behind_and_its_successor_runs_the_job(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str, postgres_dsn: str, jobs: list[Any]
+) -> None:
+    """SIGKILL of the supervisor (the OOM killer, a service manager's last resort) used to
+    leave its workers running as orphans; the next supervisor's workers of the same ids then
+    met them: fenced by them in Kafka, their local directories locked. Now each worker gets
+    SIGTERM when its supervisor dies, takes its final checkpoint and exits."""
+    job = WarehouseJob(
+        kafka_bootstrap,
+        unique_name,
+        tmp_path,
+        postgres_dsn,
+        partitions=4,
+        workers=0,
+        backend="rocksdb",
+    )
+    jobs.append(job)
+    metrics = tmp_path / "metrics.jsonl"
+
+    def supervisor(run: int) -> subprocess.Popen[bytes]:
+        with open(tmp_path / f"supervisor-{run}.log", "wb") as log:
+            return subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "snapline.pipeline.cli",
+                    "run",
+                    SPEC,
+                    "--workers",
+                    "2",
+                    "--worker-id",
+                    "sup",
+                    "--bootstrap-servers",
+                    kafka_bootstrap,
+                    "--checkpoint-dir",
+                    str(job.checkpoint_dir),
+                ],
+                cwd=tmp_path,
+                env={
+                    **os.environ,
+                    **job.env,
+                    "PYTHONPATH": str(REPO),
+                    "SNAPLINE_METRICS_FILE": str(metrics),
+                },
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def logs() -> str:
+        return "\n".join(
+            p.read_text(errors="replace")[-3000:] for p in sorted(tmp_path.glob("supervisor-*.log"))
+        )
+
+    first = supervisor(1)
+    pids: dict[str, int] = {}
+    try:
+        job.produce(400)
+        job.wait_until_caught_up()
+        pids = {e["worker"]: e["pid"] for e in read_events(metrics) if e["event"] == "started"}
+        assert set(pids) == {"sup-0", "sup-1"}, logs()
+        first.kill()
+        first.wait(30)
+        wait_for(
+            "the orphaned workers exiting",
+            lambda: all(process_gone(pid) for pid in pids.values()),
+            STOP_BOUND + 15,
+            logs,
+        )
+    finally:
+        first.kill()
+        for pid in pids.values():  # orphans, if the test failed: not left running
+            if not process_gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    second = supervisor(2)
+    try:
+        job.produce(400)
+        job.wait_until_caught_up()
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(STOP_BOUND + 15) == 0, logs()
+    finally:
+        second.kill()
+    job.verify()
+    assert "is already running on this host" not in logs()

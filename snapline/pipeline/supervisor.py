@@ -2,7 +2,8 @@
 
 Each child is ``snapline run <spec> --worker-id <base>-<i>`` (a stable id, so a restarted
 worker fences its previous incarnation). SIGTERM/SIGINT are forwarded; the children take a
-final checkpoint and exit.
+final checkpoint and exit. They get SIGTERM too when the supervisor dies by any means, SIGKILL
+included (Linux: ``PR_SET_PDEATHSIG``): no orphan outlives it.
 
 What a worker's exit code means (``decide`` is the whole policy, unit-tested alone):
 
@@ -25,6 +26,7 @@ SIGTERM).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -32,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -49,6 +51,34 @@ MESSAGE_FILE_ENV = "SNAPLINE_SUPERVISOR_MESSAGE_FILE"
 POLL_INTERVAL = 0.2
 #: The supervisor tells a worker how often it restarted it (its snapline_worker_restarts).
 RESTARTS_ENV = "SNAPLINE_WORKER_RESTARTS"
+
+
+#: prctl(2): the signal a process gets when its parent dies.
+PR_SET_PDEATHSIG = 1
+
+
+def _stop_with_parent(parent: int) -> Callable[[], None]:
+    """Run in a child between fork and exec (Linux): SIGTERM it when the supervisor dies.
+
+    Without it a supervisor killed with SIGKILL (the OOM killer, an impatient service
+    manager) leaves its workers running as orphans; the next supervisor's workers of the same
+    ids then find them holding their local directories (``runtime.local_lock``) and fenced
+    by them in Kafka. SIGTERM, not SIGKILL: the orphan takes its final checkpoint and exits
+    within the worker's STOP_BOUND, which the successor's lock wait covers."""
+
+    try:  # looked up here, in the parent: the child between fork and exec only calls it
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: children outlive a killed supervisor
+        prctl = None
+
+    def preexec() -> None:
+        if prctl is None:
+            return
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the supervisor died before prctl took effect
+            os._exit(EX_TEMPFAIL)
+
+    return preexec
 
 
 @dataclass(frozen=True)
@@ -173,7 +203,9 @@ class Supervisor:
             MESSAGE_FILE_ENV: str(self._message_file(worker_id)),
             RESTARTS_ENV: str(self.restarts[worker_id]),
         }
-        self.children[worker_id] = subprocess.Popen(self._command(worker_id), env=env)
+        self.children[worker_id] = subprocess.Popen(
+            self._command(worker_id), env=env, preexec_fn=_stop_with_parent(os.getpid())
+        )
         self.started_at[worker_id] = time.monotonic()
         log.info("started worker %s (pid %d)", worker_id, self.children[worker_id].pid)
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from snapline.pipeline.errors import ConfigurationError
-from snapline.pipeline.runtime.local_lock import lock_local_dir
+from snapline.pipeline.runtime.local_lock import LOCK_WAIT, lock_local_dir
+from snapline.pipeline.runtime.worker import STOP_BOUND
 
 #: The holder prints "locked" (and its child's pid) once it holds the lock, then sleeps.
 HOLDER = textwrap.dedent(
@@ -109,3 +110,9 @@ def test_a_local_dir_that_cannot_be_created_fails_with_the_fix(tmp_path: Path) -
     blocker.write_text("not a directory")
     with pytest.raises(ConfigurationError, match="--local-dir"):
         lock_local_dir(blocker / "w0", "job", "w0", wait=0)
+
+
+def test_the_wait_covers_a_stopping_workers_final_checkpoint() -> None:
+    """A predecessor told to stop (SIGTERM, or its supervisor's death) may hold the lock for
+    up to STOP_BOUND while it takes its final checkpoint: its successor must outwait that."""
+    assert LOCK_WAIT >= STOP_BOUND

@@ -5,14 +5,18 @@ given up on."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from examples.workers import process_gone
 from snapline.pipeline.supervisor import (
     EX_CONFIG,
     EX_TEMPFAIL,
@@ -136,3 +140,47 @@ def test_crashing_worker_is_restarted_with_backoff_then_given_up(tmp_path: Path)
     for gap, delay in zip(gaps, (0.2, 0.4, 0.8), strict=True):
         assert delay <= gap < delay + 2.0, gaps
     assert len(sup.starts["w1"]) == 1
+
+
+def test_a_child_gets_sigterm_when_its_supervisor_is_killed(tmp_path: Path) -> None:
+    """A real parent starts a child the supervisor's way, then dies by SIGKILL: the child
+    is told to stop (SIGTERM) instead of living on as an orphan."""
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                """
+                import os, subprocess, sys, time
+                from snapline.pipeline.supervisor import _stop_with_parent
+                child = subprocess.Popen(
+                    [sys.executable, "-c",
+                     "import signal, sys, time\\n"
+                     "signal.signal(signal.SIGTERM, lambda *a: sys.exit(42))\\n"
+                     "print('ready', flush=True)\\n"
+                     "time.sleep(60)\\n"],
+                    preexec_fn=_stop_with_parent(os.getpid()), stdout=subprocess.PIPE,
+                )
+                child.stdout.readline()
+                print(child.pid, flush=True)
+                time.sleep(60)
+                """
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    child = 0
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while not process_gone(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert process_gone(child), "the child outlived its killed supervisor"
+    finally:
+        parent.kill()
+        if child and not process_gone(child):
+            os.kill(child, signal.SIGKILL)

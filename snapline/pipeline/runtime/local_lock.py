@@ -7,7 +7,8 @@ each worker keeps its files under ``<local dir>/<worker id>/<job>/`` and holds
 ``<local dir>/<worker id>/<job>.lock`` while it lives.
 
 A second process with the same worker id on the same host (two services left at the default
-id, the hostname) waits ``LOCK_WAIT`` seconds for the first to exit, then fails at start with
+id, the hostname; a worker orphaned by a killed supervisor) waits ``LOCK_WAIT`` seconds for the
+first to exit, then fails at start with
 the fix instead of deleting the first one's live RocksDB files and fencing it in Kafka.
 
 POSIX record locks (``lockf``), not ``flock``: the kernel drops them when the process dies,
@@ -29,9 +30,11 @@ from snapline.pipeline.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
 
-#: Seconds a new worker waits for a process with its id to exit: orchestrators start a
-#: restarted worker once the old process is gone, so this covers a stop still in progress.
-LOCK_WAIT = 10.0
+#: Seconds a new worker waits for a process with its id to exit: at least the worker's
+#: STOP_BOUND (30 s), the longest a worker told to stop (SIGTERM, or its supervisor's death)
+#: takes for its final checkpoint. Orchestrators start a restarted worker once the old
+#: process is gone; this covers a stop still in progress.
+LOCK_WAIT = 35.0
 _POLL = 0.2
 
 
