@@ -8,8 +8,8 @@ each worker keeps its files under ``<local dir>/<worker id>/<job>/`` and holds
 
 A second process with the same worker id on the same host (two services left at the default
 id, the hostname; a worker orphaned by a killed supervisor) waits ``LOCK_WAIT`` seconds for the
-first to exit, then fails at start with
-the fix instead of deleting the first one's live RocksDB files and fencing it in Kafka.
+first to exit, then fails at start with the fix, instead of deleting the first one's live
+RocksDB files and fencing it in Kafka.
 
 POSIX record locks (``lockf``), not ``flock``: the kernel drops them when the process dies,
 SIGKILL included, and a child the worker forked does not inherit them, so a dead worker's
