@@ -65,6 +65,10 @@ class RunResult:
     records: int = 0
     outputs: int = 0
     records_per_s: float | None = None
+    #: Records/s over the span of the outputs' produce times (``verifier.produce_span_rate``):
+    #: without the wait for the last commit, which ``records_per_s`` includes. None for a
+    #: system whose outputs carry its input's timestamps (Quix Streams).
+    steady_records_per_s: float | None = None
     elapsed_s: float | None = None
     startup_s: float | None = None
     wall_s: float | None = None
@@ -233,10 +237,12 @@ class Bench:
                     result.elapsed_s = round(seen - started, 3)
                     result.wall_s = round(seen - child.started_at, 3)
                     result.records_per_s = round(n / max(seen - started, 1e-6), 1)
+                    steady = verifier.steady_records_per_s(n, started, seen)
+                    result.steady_records_per_s = None if steady is None else round(steady, 1)
         finally:
             self._finish(child, verifier, result, env, system, expected)
         if result.status != "ok":
-            result.records_per_s = None
+            result.records_per_s = result.steady_records_per_s = None
         return result
 
     def latency(self, system: System) -> RunResult:

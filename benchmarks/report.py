@@ -78,6 +78,7 @@ def summarize_systems(systems: list[System], results: list[RunResult]) -> list[d
         failed = [r for r in runs if r.status == "FAILED"]
         skipped = runs and all(r.status == "SKIPPED" for r in runs)
         rates = [r.records_per_s for r in ok if r.records_per_s]
+        steady = [r.steady_records_per_s for r in ok if r.steady_records_per_s]
         commit_p50 = [r.commit_s["p50"] for r in ok if r.commit_s.get("p50") is not None]
         commit_p99 = [r.commit_s["p99"] for r in ok if r.commit_s.get("p99") is not None]
         chk_p50 = [r.checkpoint_s["p50"] for r in ok if r.checkpoint_s.get("p50") is not None]
@@ -96,6 +97,9 @@ def summarize_systems(systems: list[System], results: list[RunResult]) -> list[d
             "repetitions": len(runs),
             "records_per_s": None if failed else median(rates),
             "records_per_s_all": rates,
+            # Without the start-up and the wait for the last commit (verifier.produce_span_rate).
+            "steady_records_per_s": None if failed else median(steady),
+            "steady_records_per_s_all": steady,
             "latency_p50_s": latency.latency_s.get("p50") if latency and latency.status == "ok"
             else None,
             "latency_p99_s": latency.latency_s.get("p99") if latency and latency.status == "ok"
@@ -129,10 +133,17 @@ def summarize_systems(systems: list[System], results: list[RunResult]) -> list[d
         })
     base = next((r["records_per_s"] for r in rows if r["system"] == "baseline-a"), None)
     peer = next((r["records_per_s"] for r in rows if r["role"] == "peer"), None)
+    steady_base = next(
+        (r["steady_records_per_s"] for r in rows if r["system"] == "baseline-a"), None
+    )
     for row in rows:
         rate = row["records_per_s"]
         row["vs_baseline_a"] = round(rate / base, 3) if rate and base else None
         row["vs_peer"] = round(rate / peer, 3) if rate and peer else None
+        steady = row["steady_records_per_s"]
+        row["steady_vs_baseline_a"] = (
+            round(steady / steady_base, 3) if steady and steady_base else None
+        )
     return rows
 
 
@@ -159,8 +170,9 @@ def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value * 1000:,.0f} ms"
 
 
-COLUMNS = ("system", "guarantee", "records/s", "× baseline A", "× Quix", "latency p50",
-           "latency p99", "commit p50", "commit p99", "checkpoint p99", "peak RSS")
+COLUMNS = ("system", "guarantee", "records/s", "× baseline A", "× Quix", "steady records/s",
+           "steady × A", "latency p50", "latency p99", "commit p50", "commit p99",
+           "checkpoint p99", "peak RSS")
 
 
 def table_rows(rows: list[dict[str, Any]]) -> list[tuple[str, ...]]:
@@ -170,6 +182,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[tuple[str, ...]]:
         out.append((
             row["system"], row["guarantee"], rate,
             _fmt(row["vs_baseline_a"], ".2f"), _fmt(row["vs_peer"], ".2f"),
+            _fmt(row["steady_records_per_s"]), _fmt(row["steady_vs_baseline_a"], ".2f"),
             _ms(row["latency_p50_s"]), _ms(row["latency_p99_s"]),
             _ms(row["commit_p50_s"]), _ms(row["commit_p99_s"]), _ms(row["checkpoint_p99_s"]),
             _fmt(row["peak_rss_mb"], ",.0f", " MB"),

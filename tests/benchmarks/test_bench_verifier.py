@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-from benchmarks.verifier import Tally, check
+from benchmarks.verifier import Tally, check, produce_span_rate
 from benchmarks.workload import Expected, LatencyLedger
 
 INPUTS = [("a", 3), ("b", 5), ("a", 4), ("c", 1), ("b", 2)]
@@ -154,3 +154,15 @@ def test_unordered_squares_catch_a_lost_step_with_right_final_total() -> None:
     bad = [orjson.dumps({"customer": "a", "total": t}) for t in (2, 7, 12)]
     assert check(tally_of(good), exp, exactly_once=True) == []
     assert any("squared steps" in p for p in check(tally_of(bad), exp, exactly_once=True))
+
+
+def test_the_produce_span_rate_leaves_out_the_start_and_the_wait_for_the_last_commit() -> None:
+    """1,001 outputs produced from 10.5 s to 14.5 s (wall clock), the run timed from 10.0 s
+    (first input) to 15.4 s (last output visible after the last commit)."""
+    assert produce_span_rate(1001, 10_500, 14_500, started=10.0, seen=15.4) == 250.0
+    assert 1001 / (15.4 - 10.0) < 190  # what N / (last output seen - start) says
+    # Stamps that cannot be the system's produce times: its input's, copied (Quix Streams).
+    assert produce_span_rate(1001, 2_000, 6_000, started=10.0, seen=15.4) is None
+    assert produce_span_rate(1001, 10_500, 19_000, started=10.0, seen=15.4) is None
+    assert produce_span_rate(1001, None, None, started=10.0, seen=15.4) is None
+    assert produce_span_rate(1, 10_500, 10_500, started=10.0, seen=15.4) is None
