@@ -26,27 +26,35 @@ REPO = Path(__file__).resolve().parent.parent
 EXIT_BOUND = 45.0
 
 
+def _two_workers(spec: str, bootstrap: str, checkpoint_dir: Path) -> list[str]:
+    """``snapline run`` of ``spec`` as a supervisor of workers sup-0 and sup-1."""
+    return [
+        sys.executable,
+        "-m",
+        "snapline.pipeline.cli",
+        "run",
+        spec,
+        "--workers",
+        "2",
+        "--worker-id",
+        "sup",
+        "--bootstrap-servers",
+        bootstrap,
+        "--checkpoint-dir",
+        str(checkpoint_dir),
+    ]
+
+
 def test_configuration_error_stops_the_job_at_once(
     kafka_bootstrap: str, tmp_path: Path, unique_name: str
 ) -> None:
     prefix = f"{unique_name}-"
     started = time.monotonic()
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snapline.pipeline.cli",
-            "run",
-            "integration_tests.pipelines:missing_topic",  # its source topic does not exist
-            "--workers",
-            "2",
-            "--worker-id",
-            "sup",
-            "--bootstrap-servers",
-            kafka_bootstrap,
-            "--checkpoint-dir",
-            str(tmp_path / "chk"),
-        ],
+        # its source topic does not exist
+        _two_workers(
+            "integration_tests.pipelines:missing_topic", kafka_bootstrap, tmp_path / "chk"
+        ),
         capture_output=True,
         text=True,
         timeout=120,
@@ -91,21 +99,7 @@ def test_a_killed_supervisor_leaves_no_worker_behind_and_its_successor_runs_the_
     def supervisor(run: int) -> subprocess.Popen[bytes]:
         with open(tmp_path / f"supervisor-{run}.log", "wb") as log:
             return subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "snapline.pipeline.cli",
-                    "run",
-                    SPEC,
-                    "--workers",
-                    "2",
-                    "--worker-id",
-                    "sup",
-                    "--bootstrap-servers",
-                    kafka_bootstrap,
-                    "--checkpoint-dir",
-                    str(job.checkpoint_dir),
-                ],
+                _two_workers(SPEC, kafka_bootstrap, job.checkpoint_dir),
                 cwd=tmp_path,
                 env={
                     **os.environ,
