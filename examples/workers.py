@@ -118,14 +118,20 @@ class WorkerProcess:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def process_gone(pid: int) -> bool:
-    """The process has exited (a zombie its parent has not reaped yet counts as gone; an
-    orphan's new parent may never reap it)."""
+def process_state(pid: int) -> str | None:
+    """The one-letter state of /proc/<pid>/stat (T = stopped, Z = zombie); None: no such
+    process."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def process_gone(pid: int) -> bool:
+    """The process has exited (a zombie its parent has not reaped yet counts as gone; an
+    orphan's new parent may never reap it)."""
+    return process_state(pid) in (None, "Z", "X")
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

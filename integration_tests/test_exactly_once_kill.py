@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from examples.orders import create_topics, produce_orders, read_committed, verify_totals
-from examples.workers import WorkerProcess, fault_hits, read_events
+from examples.workers import WorkerProcess, fault_hits, process_state, read_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -281,12 +281,6 @@ def test_zombie_worker_commits_nothing(job_factory) -> None:
     assert not zombie_commits, f"zombie committed {zombie_commits}\n{job.logs()}"
 
 
-def _process_state(pid: int) -> str:
-    """The one-letter state of /proc/<pid>/stat (T = stopped)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat.rsplit(")", 1)[1].split()[0]
-
-
 @pytest.mark.parametrize("point", ["after_metadata_write", "after_offsets_sent"])
 def test_zombie_woken_inside_the_commit_protocol(job_factory, point: str) -> None:
     """Worker a freezes itself (SIGSTOP) inside the commit protocol, b takes its partitions,
@@ -312,7 +306,7 @@ def test_zombie_woken_inside_the_commit_protocol(job_factory, point: str) -> Non
     assert fault_hits(a.fault_log).get(point), f"a never reached {point}\n" + job.logs()
     assert a.proc is not None
     time.sleep(0.5)
-    assert _process_state(a.proc.pid) == "T", "a did not freeze itself"
+    assert process_state(a.proc.pid) == "T", "a did not freeze itself"
     frozen_at = time.time()
     time.sleep(20)  # > session.timeout.ms (10 s), < transaction.timeout.ms (60 s)
     a.signal(signal.SIGCONT)

@@ -22,7 +22,7 @@ from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from examples.orders import produce_orders
-from examples.workers import WorkerProcess, read_events
+from examples.workers import WorkerProcess, process_state, read_events
 from integration_tests.warehouse_job import SPEC, WarehouseJob, wait_for
 from snapline import LocalKafkaBroker
 from snapline.pipeline.checkpoint.metadata import (
@@ -33,11 +33,6 @@ from snapline.pipeline.checkpoint.metadata import (
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]
-
-
-def _process_state(pid: int) -> str:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat.rsplit(")", 1)[1].split()[0]
 
 
 def _listing(root: Path) -> list[str]:
@@ -108,7 +103,7 @@ def test_zombie_recovery_on_stale_offsets_destroys_nothing(
             if worker.fault_log.exists()
             else False
         )
-        return hit and _process_state(worker.proc.pid) == "T"
+        return hit and process_state(worker.proc.pid) == "T"
 
     with Feeder(job):
         # The zombie joins, gets a partition, reads its committed offsets and freezes right

@@ -123,6 +123,7 @@ def test_a_killed_supervisor_leaves_no_worker_behind_and_its_successor_runs_the_
         job.wait_until_caught_up()
         pids = {e["worker"]: e["pid"] for e in read_events(metrics) if e["event"] == "started"}
         assert set(pids) == {"sup-0", "sup-1"}, logs()
+        assert not any(process_gone(pid) for pid in pids.values()), logs()  # alive until now
         first.kill()
         first.wait(30)
         wait_for(
