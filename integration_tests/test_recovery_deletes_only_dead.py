@@ -278,6 +278,100 @@ def test_vanished_offsets_stop_the_job_until_the_user_chooses(
     assert old and not (old & now), "--reset-state kept the old checkpoints"
 
 
+def _marked(job: WarehouseJob) -> set[str]:
+    """The checkpoint directories (task/chk-...) marked committed."""
+    storage = CheckpointStorage(str(job.checkpoint_dir))
+    return {
+        f"p{p}/{ref.directory(job.name, f'p{p}').rsplit('/', 1)[1]}"
+        for p in range(job.partitions)
+        for ref in list_checkpoints(storage, job.name, f"p{p}")
+        if is_marked_committed(storage, job.name, f"p{p}", ref)
+    }
+
+
+def test_a_zombie_with_reset_state_deletes_nothing_of_the_live_owner(
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list
+) -> None:
+    """The job's offsets vanished and both workers run with --reset-state. One read 'no
+    committed offsets', then froze past its session timeout; the other took every partition,
+    reset it and committed new checkpoints. The woken zombie must not take its stale read for
+    a reason to delete: the owner's committed checkpoints stay, and a later restore finds the
+    files of the checkpoint Kafka's offsets name. (Before: it deleted every stored checkpoint
+    of its tasks, the owner's committed ones included.)"""
+    job = WarehouseJob(
+        kafka_bootstrap, unique_name, tmp_path, postgres_dsn, interval=0.3, retained=1000
+    )
+    jobs.append(job)
+    owner, zombie = job.workers
+    owner.start()
+    job.produce(2000)
+    job.wait_until_caught_up()
+    assert owner.stop() == 0
+    _delete_group(kafka_bootstrap, job.name)  # as if offsets.retention.minutes had passed
+
+    with Feeder(job):
+        zombie.start({"SNAPLINE_FAULT": "after_offsets_read:1:stop"}, ["--reset-state"])
+        wait_for(
+            "zombie frozen after reading no offsets",
+            lambda: (
+                zombie.fault_log.exists()
+                and zombie.proc is not None
+                and process_state(zombie.proc.pid) == "T"
+            ),
+            90,
+            job.logs,
+        )
+        owner.start(extra_args=["--reset-state"])
+        # Past the zombie's session timeout (10 s) the owner has every partition, resets it
+        # and commits new checkpoints.
+        wait_for(
+            "the owner committing new checkpoints of every partition",
+            lambda: None not in job.committed_checkpoints().values(),
+            120,
+            job.logs,
+        )
+        owners = _marked(job)
+        named = job.committed_checkpoints()
+        zombie.signal(signal.SIGCONT)
+        woke = time.time()
+        wait_for(
+            "the zombie finishing its recovery",
+            lambda: any(
+                e["event"] == "restored" and e["time"] > woke and e.get("worker") == "w1"
+                for e in read_events(zombie.metrics_path)
+            ),
+            60,
+            job.logs,
+        )
+        left = _marked(job)
+        assert owners <= left, f"the zombie deleted the owner's checkpoints {owners - left}"
+        assert "they were stale" in zombie.tail(200), zombie.tail()
+        # Whoever restores next must find the files of the checkpoint Kafka's offsets name.
+        zombie.kill()
+        owner.kill()
+        restarted = time.time()
+        owner.start()
+        wait_for(
+            "the owner's restore after the kill",
+            lambda: any(
+                e["event"] == "restored" and e["time"] > restarted and e.get("worker") == "w0"
+                for e in read_events(owner.metrics_path)
+            ),
+            60,
+            job.logs,
+        )
+    restored = [
+        e
+        for e in read_events(owner.metrics_path)
+        if e["event"] == "restored" and e["time"] > restarted and e.get("worker") == "w0"
+    ][-1]
+    for task, checkpoint in restored["checkpoints"].items():
+        assert checkpoint is not None and checkpoint >= (named[int(task[1:])] or 0), restored
+    job.wait_until_caught_up()
+    logs = "\n".join(w.log_path.read_text(errors="replace") for w in job.workers)
+    assert "is missing" not in logs and "is gone" not in logs, job.logs()
+
+
 def test_offsets_behind_an_acknowledged_checkpoint_are_reported(
     kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list
 ) -> None:

@@ -117,7 +117,8 @@ def main() -> None:
     "--reset-state",
     is_flag=True,
     help="Only when the job's committed offsets are gone while committed checkpoints are "
-    "stored: delete those checkpoints and start with empty state at the starting position.",
+    "stored: delete the checkpoints marked committed and start with empty state at the "
+    "starting position.",
 )
 @click.option(
     "--from-savepoint",

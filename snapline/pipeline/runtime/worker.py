@@ -560,7 +560,7 @@ class Worker:
             ref = fresh
         stored = list_checkpoints(self.storage, self.pipeline.name, task_id)
         if ref is None and stored:
-            ref = self._missing_offsets(task_id, stored)
+            ref = self._missing_offsets(task_id, stored, committed)
         elif ref is not None:
             ref = self._check_lost_commit(task_id, ref, stored, committed)
         backend = create_backend(
@@ -720,15 +720,35 @@ class Worker:
         )
         return fresh or ref
 
-    def _missing_offsets(self, task_id: str, stored: list[CheckpointRef]) -> CheckpointRef | None:
+    def _missing_offsets(
+        self, task_id: str, stored: list[CheckpointRef], offsets: list[TopicPartition]
+    ) -> CheckpointRef | None:
         """The task has no committed offsets but stored checkpoints: if one of them is known
         to have committed, the offsets vanished (expired while the job was stopped, a topic
-        recreated, another cluster's group of the same name): never guess silently."""
+        recreated, another cluster's group of the same name): never guess silently.
+
+        The offsets are read again first, after ``stored`` was listed: the first read may be
+        stale (this worker froze after it, and the task's new owner has committed since), and
+        then the checkpoints marked committed are that owner's, the fresh offsets name one,
+        and it is restored as usual; nothing is deleted on the stale read."""
         committed = [
             r for r in stored if is_marked_committed(self.storage, self.pipeline.name, task_id, r)
         ]
         if not committed:
             return None  # only checkpoints that never committed: a fresh start is right
+        fresh = self._named_checkpoint(
+            task_id,
+            self._committed_offsets([TopicPartition(c.topic, c.partition) for c in offsets]),
+        )
+        if fresh is not None:
+            log.warning(
+                "task %s: the committed offsets read had none, but checkpoint %d is marked "
+                "committed: they were stale; now they name %d",
+                task_id,
+                committed[-1].checkpoint_id,
+                fresh.checkpoint_id,
+            )
+            return fresh
         latest = committed[-1]
         choice = self.settings.on_missing_offsets
         where = self.storage.full_path(f"{self.pipeline.name}/tasks/{task_id}")
@@ -742,13 +762,19 @@ class Worker:
             )
             return latest
         if choice == "reset-state":
+            # Only checkpoints marked committed are deleted: they were listed before the
+            # fresh read found no offsets, and a mark is written only after Kafka acknowledged
+            # the commit, so none of them is the one a live owner's offsets name. One not
+            # marked may be a checkpoint in flight on the task's owner (this worker may be a
+            # zombie): retention deletes it once a checkpoint with a higher id commits.
             log.warning(
                 "task %s: no committed offsets; --reset-state deletes its %d stored "
-                "checkpoints and starts with empty state at the source's starting position",
+                "checkpoints marked committed and starts with empty state at the source's "
+                "starting position",
                 task_id,
-                len(stored),
+                len(committed),
             )
-            for ref in stored:
+            for ref in committed:
                 self.storage.delete_dir(ref.directory(self.pipeline.name, task_id))
             return None
         raise CheckpointError(
