@@ -622,17 +622,21 @@ class RollingAggregateOperator(Operator):
         self._dumps = desc.serde.dumps
         self._cacheable = type(desc.serde) in EXACT_SERDES
         self._function = function
-        #: Key bytes -> [stored key, decoded accumulator] (plain values only).
+        #: Key bytes -> [stored key, decoded accumulator, generation] (plain values only).
         self._values: dict[bytes, list[Any]] = {}
-        #: The entries of ``_values`` updated since the last flush, by key bytes.
-        self._dirty: dict[bytes, list[Any]] = {}
+        #: The entries updated since the last flush, each once: an entry is in it when its
+        #: generation is ``_generation``, so a record of a key already dirty adds no entry
+        #: and stores nothing in a dict (an entry written through gets generation -1).
+        self._dirty: list[list[Any]] = []
+        self._generation = 0
 
     def process(self, records: list[Record]) -> None:
         if len(self._values) > ROLLING_CACHE_ENTRIES:
             self.flush_state()
             self._values.clear()
         values = self._values
-        dirty = self._dirty
+        mark_dirty = self._dirty.append
+        generation = self._generation
         cacheable = self._cacheable
         function = self._function
         create, add, value_first, result = (
@@ -656,7 +660,7 @@ class RollingAggregateOperator(Operator):
                 if entry is None:
                     stored = pack_prefix(r.key_group, len(key_bytes)) + key_bytes + sid
                     raw = get(stored)
-                    entry = [stored, None if raw is None else loads(raw)]
+                    entry = [stored, None if raw is None else loads(raw), -1]
                 acc = entry[1]
                 if acc is None:
                     if create is None:
@@ -673,9 +677,12 @@ class RollingAggregateOperator(Operator):
                     PLAIN_INT_MIN <= acc <= PLAIN_INT_MAX if type(acc) is int else is_plain(acc)
                 ):
                     entry[1] = acc
-                    values[key_bytes] = dirty[key_bytes] = entry
+                    if entry[2] != generation:
+                        entry[2] = generation
+                        mark_dirty(entry)
+                        values[key_bytes] = entry
                 else:
-                    self._write_through(key_bytes, entry[0], acc)
+                    self._write_through(key_bytes, entry, acc)
             except Exception as exc:
                 self.task.dead_letter(r, f"{self.name} raised {exc!r}")
                 continue
@@ -686,21 +693,23 @@ class RollingAggregateOperator(Operator):
                 append(r.with_value(out_value))
         self.emit(out)
 
-    def _write_through(self, key_bytes: bytes, stored: bytes, acc: Any) -> None:
+    def _write_through(self, key_bytes: bytes, entry: list[Any], acc: Any) -> None:
         encoded = self._dumps(acc)  # first: if it raises, the cached value stays
         self._values.pop(key_bytes, None)
-        self._dirty.pop(key_bytes, None)
-        self._put(stored, encoded)
+        entry[2] = -1  # the flush must not write its older cached value over this one
+        self._put(entry[0], encoded)
 
     def on_barrier(self, barrier: Barrier) -> None:
         self.task.snapshot_state(barrier.checkpoint_id)
 
     def flush_state(self) -> None:
         # The serde's dumps, not orjson.dumps: state must hold exact-size bytes (json_bytes).
-        put, dumps = self._put, self._dumps
-        for stored, acc in self._dirty.values():
-            put(stored, dumps(acc))
+        put, dumps, generation = self._put, self._dumps, self._generation
+        for stored, acc, written in self._dirty:
+            if written == generation:
+                put(stored, dumps(acc))
         self._dirty.clear()
+        self._generation = generation + 1
 
 
 class CoProcessOperator(ProcessOperator):
