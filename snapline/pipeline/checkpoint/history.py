@@ -166,10 +166,12 @@ class HistoryWriter:
             )
             self._written += 1
             if self._written % PRUNE_EVERY == 0:
+                # The whole name after the stamp: a suffix match would take worker "1" for
+                # "w-1" and prune that worker's entries.
                 mine = [
                     n
                     for n in self._storage.list_dir(directory)
-                    if n.endswith(f"-{self._worker}.json")
+                    if (m := _NAME.match(n)) is not None and m.group(2) == self._worker
                 ]
                 for name in mine[:-KEEP]:
                     self._storage.delete_file(f"{directory}/{name}")
