@@ -55,7 +55,7 @@ def test_backfill_on_spark_then_services_continue_exactly_once(
     assert "injected failure of" in spark_log, "the Spark task failure was not injected"
     assert f"{ORDERS} source records" in spark_log
     job.verify()  # the backfill alone: every order once in Kafka, Parquet and PostgreSQL
-    attempts = list((job.checkpoint_dir / job.name / "spark").glob("*/*s1-p1.json"))
+    attempts = list((job.checkpoint_dir / job.name / "spark").glob("*/*s1-p1-*.json"))
     assert attempts, "the failing task's pre-commit record is missing"
 
     start_from_savepoint(job, savepoint, 4)

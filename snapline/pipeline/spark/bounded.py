@@ -9,10 +9,11 @@ upstream-task order for shuffled records), and each Spark task runs a real Snapl
 then takes one checkpoint, with the services' commit protocol:
 
 1. the sinks pre-commit (Parquet stages files, PostgreSQL stages rows); their pre-commit
-   results are written to ``<checkpoint dir>/<job>/spark/<run>/<task>.json``;
+   results are written to ``<checkpoint dir>/<job>/spark/<run>/<task>-<attempt>.json``;
 2. the Kafka output goes in one transaction (``transactional.id`` per run and task, so a retry
    fences an earlier attempt) that also commits an offset for the **ledger** group
-   ``snapline-spark-<run>-<task>``: the commit point;
+   ``snapline-spark-<run>-<task>``, with the attempt's token as its metadata: the commit
+   point;
 3. the other sinks commit (publish), as after a services checkpoint.
 
 Every attempt fences the earlier ones (``init_transactions``) before it reads the ledger; a
@@ -137,7 +138,15 @@ def run_stage_task(
     plan = pipeline.stages()
     task_id = f"spark-{config.run_id}-{task_id_for(stage, partition)}"
     storage = CheckpointStorage(config.checkpoint_dir)
-    precommit_path = f"{pipeline.name}/spark/{config.run_id}/{task_id}.json"
+    # This attempt's pre-commit record: its token is also the metadata of the ledger offset it
+    # commits, so a retry reads the record of the attempt that committed, never one that an
+    # older attempt (fenced, still running: speculation, a lost executor) wrote after it.
+    token = uuid.uuid4().hex[:12]
+
+    def precommit_path(attempt: str) -> str:
+        suffix = f"-{attempt}" if attempt else ""  # none: a record of a version before tokens
+        return f"{pipeline.name}/spark/{config.run_id}/{task_id}{suffix}.json"
+
     control = TopicPartition(control_topic(pipeline.name), 0)
     ledger = Consumer(
         {
@@ -157,7 +166,8 @@ def run_stage_task(
         # is final.
         assert kafka is not None
         kafka.init()
-        committed = ledger.committed([control], timeout=30)[0].offset >= 1
+        (ledger_offset,) = ledger.committed([control], timeout=30)
+        committed = ledger_offset.offset >= 1
         if committed:
             kafka.close()
             kafka = None
@@ -235,14 +245,18 @@ def run_stage_task(
             if result:
                 sinks[name] = result
         if committed:  # an earlier attempt passed the commit point: publish what it staged
-            previous = orjson.loads(storage.read_bytes(precommit_path))["sinks"]
+            record = precommit_path(ledger_offset.metadata or "")
+            previous = orjson.loads(storage.read_bytes(record))["sinks"]
             for name, sink_op in task.sink_writers.items():
                 sink_op.writer.abort(1)
                 sink_op.writer.recover(1, previous.get(name))
         else:
-            storage.write_bytes(precommit_path, orjson.dumps({"sinks": sinks}))
+            storage.write_bytes(precommit_path(token), orjson.dumps({"sinks": sinks}))
             assert kafka is not None
-            kafka.commit([TopicPartition(control.topic, 0, 1)], ledger.consumer_group_metadata())
+            kafka.commit(
+                [TopicPartition(control.topic, 0, 1, metadata=token)],
+                ledger.consumer_group_metadata(),
+            )
             _inject_fault(task_id)
             task.notify_committed(1)
         # The task's state, for the savepoint the run ends with.

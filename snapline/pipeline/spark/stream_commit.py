@@ -9,14 +9,19 @@ after a restart, so a batch may reach ``foreachBatch`` twice, with the same rows
 
 1. every sink writer gets the batch's rows; the sinks pre-commit (Parquet stages files,
    PostgreSQL stages rows) and their results go to ``<checkpoint dir>/<job>/spark-stream/
-   <query>/<e>.json``;
+   <query>/<e>-<driver>.json``, the pre-commit record (``<driver>``: a token this driver drew
+   at start);
 2. one Kafka transaction carries the batch's Kafka output and the offset ``e`` of the ledger
-   group ``snapline-spark-stream-<job>-<query>`` on the job's control topic: the commit point;
+   group ``snapline-spark-stream-<job>-<query>`` on the job's control topic, with the driver's
+   token as the offset's metadata: the commit point;
 3. Parquet publishes and PostgreSQL applies its upsert fenced by ``e``.
 
 At start the driver calls ``init_transactions`` with the query's ``transactional.id``, which
 fences every earlier driver of the query (its open transaction is aborted, it can never commit),
-then reads the ledger: epoch ``L`` is the last committed one. The sinks recover ``L``
+then reads the ledger: epoch ``L`` is the last committed one, and its metadata names the driver
+whose pre-commit record is the committed one. A fenced driver may still write a record of an
+epoch after it was fenced (it froze between its pre-commit and that write); the token keeps it
+from replacing the record of the driver that committed the epoch. The sinks recover ``L``
 (re-publish what its pre-commit record lists; discard staged data that ``L`` proves dead), and
 a batch with ``e <= L`` writes nothing (it is the re-run of a batch committed before the
 crash). ``<query>`` is Spark's query id (the checkpoint location's ``metadata``), so a new query
@@ -92,13 +97,21 @@ class BatchCommitter:
         self.task_id = f"spark-stream-{self.query}"
         self.ledger_group = f"snapline-spark-stream-{pipeline.name}-{self.query}"
         self.committed = 0
+        #: This driver's token: its pre-commit records and its ledger commits carry it.
+        self.token = uuid.uuid4().hex[:12]
         self.writers: list[SinkWriter] = []
         self._output: Any = None
         self._ledger: Any = None
         self.history: list[BatchResult] = []
 
-    def _record_path(self, epoch: int) -> str:
-        return f"{self.pipeline.name}/spark-stream/{self.query}/{epoch:010d}.json"
+    def _record_dir(self) -> str:
+        return f"{self.pipeline.name}/spark-stream/{self.query}"
+
+    def _record_path(self, epoch: int, token: str) -> str:
+        """The pre-commit record of ``epoch`` by the driver of ``token`` (empty: a record of a
+        version before tokens, which the ledger names with no metadata)."""
+        suffix = f"-{token}" if token else ""
+        return f"{self._record_dir()}/{epoch:010d}{suffix}.json"
 
     def open(self) -> int:
         """Fence earlier drivers, read the ledger, recover the sinks; returns the last
@@ -127,11 +140,13 @@ class BatchCommitter:
                 "isolation.level": "read_committed",
             }
         )
-        offset = _committed_offset(self._ledger, self._control)
+        offset, committer = _committed_offset(self._ledger, self._control)
         self.committed = max(offset, 0)
         metadata: dict[str, Any] = {}
-        if self.committed and self._storage.exists(self._record_path(self.committed)):
-            metadata = orjson.loads(self._storage.read_bytes(self._record_path(self.committed)))
+        record = self._record_path(self.committed, committer)
+        if self.committed and self._storage.exists(record):
+            metadata = orjson.loads(self._storage.read_bytes(record))
+        self._discard_dead_records()
         self.writers = [
             sink.open(
                 SinkContext(
@@ -206,20 +221,35 @@ class BatchCommitter:
                 pre = pre.result(timeout=600)
             if pre:
                 sinks[sink.name] = pre
-        self._storage.write_bytes(self._record_path(epoch), orjson.dumps({"sinks": sinks}))
+        self._storage.write_bytes(
+            self._record_path(epoch, self.token), orjson.dumps({"sinks": sinks})
+        )
         self._output.commit(
-            [_tp(self._control.topic, epoch)], self._ledger.consumer_group_metadata()
+            [_tp(self._control.topic, epoch, self.token)],
+            self._ledger.consumer_group_metadata(),
         )
         self.committed = epoch
         _inject_kill(epoch)
         for writer in self.writers:
             writer.commit(epoch)
-        if epoch > 2 and self._storage.exists(self._record_path(epoch - 2)):
-            self._storage.delete_file(self._record_path(epoch - 2))
+        if epoch > 2:
+            # Two commits later nobody reads it: recovery reads the last committed epoch's.
+            self._storage.delete_file(self._record_path(epoch - 2, self.token))
         result = BatchResult(batch_id, epoch, len(tuples), True, time.monotonic() - started)
         self.history.append(result)
         log.info("batch %d: %d rows committed as epoch %d", batch_id, len(tuples), epoch)
         return result
+
+    def _discard_dead_records(self) -> None:
+        """Delete the pre-commit records of epochs two or more below the last committed one,
+        whoever wrote them. Dead: recovery reads only the committed epoch's record, the ledger
+        never goes back, and a driver that starts after this one reads a ledger at least as
+        high, so it writes records of higher epochs only; a fenced driver's record of an older
+        epoch can never commit."""
+        for name in self._storage.list_dir(self._record_dir()):
+            epoch = name.split("-", 1)[0].removesuffix(".json")
+            if name.endswith(".json") and epoch.isdigit() and int(epoch) <= self.committed - 2:
+                self._storage.delete_file(f"{self._record_dir()}/{name}")
 
     def _produce_dead_letter(
         self, epoch: int, row: tuple[Any, ...], t: int, p: int, o: int, v: int, rk: int, why: int
@@ -257,15 +287,17 @@ def _inject_kill(epoch: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _committed_offset(consumer: Any, tp: Any, timeout: float = 60.0) -> int:
-    """The ledger's committed offset, retried while the group coordinator is loading or
-    moving (a fresh broker answers NOT_COORDINATOR for a while); raises after ``timeout``."""
+def _committed_offset(consumer: Any, tp: Any, timeout: float = 60.0) -> tuple[int, str]:
+    """The ledger's committed offset and its metadata (the token of the driver that committed
+    it), retried while the group coordinator is loading or moving (a fresh broker answers
+    NOT_COORDINATOR for a while); raises after ``timeout``."""
     from confluent_kafka import KafkaException
 
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return int(consumer.committed([tp], timeout=30)[0].offset)
+            (committed,) = consumer.committed([tp], timeout=30)
+            return int(committed.offset), committed.metadata or ""
         except KafkaException as exc:
             if time.monotonic() > deadline or exc.args[0].code() not in _COORDINATOR_ERRORS:
                 raise
@@ -273,7 +305,7 @@ def _committed_offset(consumer: Any, tp: Any, timeout: float = 60.0) -> int:
             time.sleep(0.5)
 
 
-def _tp(topic: str, offset: int) -> Any:
+def _tp(topic: str, offset: int, token: str) -> Any:
     from confluent_kafka import TopicPartition
 
-    return TopicPartition(topic, 0, offset)
+    return TopicPartition(topic, 0, offset, metadata=token)

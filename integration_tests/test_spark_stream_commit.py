@@ -1,0 +1,199 @@
+"""The Spark runners' commit protocol against a fenced driver or attempt, on a real broker.
+
+``snapline spark stream``: a driver that froze in the middle of a batch and woke after a newer
+driver had fenced it and committed the same epoch must not change what the next driver
+recovers: its pre-commit record of that epoch may not replace the committing driver's, so the
+table holds every committed row once and the next driver opens. ``snapline spark run``: the
+same for an older attempt of a Spark task (speculation, a lost executor) against the attempt
+that committed and a retry after it.
+
+The drivers are ``BatchCommitter`` objects (what ``foreachBatch`` calls) and the attempts are
+``run_stage_task`` calls (what each Spark task runs), with real Kafka transactions, real
+checkpoint storage and a real Parquet sink; Spark's scheduling plays no part in this protocol
+and is left out.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow.dataset as ds
+import pytest
+
+from snapline import Pipeline
+from snapline.connectors import KafkaSource
+from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.savepoint.control import ensure_control_topic
+from snapline.pipeline.spark.bounded import RunConfig, run_stage_task
+from snapline.pipeline.spark.stream_commit import BatchCommitter
+from snapline.pipeline.stages import SOURCE_STAGE
+from snapline.sinks import ParquetSink
+
+pytestmark = pytest.mark.integration
+
+
+def _rows(batch: int) -> list[tuple[Any, ...]]:
+    """Three sink rows (OUT_SCHEMA) of micro-batch ``batch``: ids batch * 10 + 0..2."""
+    return [
+        (0, "orders", 0, batch * 10 + i, 0, 0, 0, None, pickle.dumps({"id": batch * 10 + i}))
+        + (None, None)
+        for i in range(3)
+    ]
+
+
+def _ids(table: Path) -> Counter[int]:
+    """The ids in the table's published files (pyarrow skips ``_staging``)."""
+    if not table.exists():
+        return Counter()
+    return Counter(ds.dataset(table, format="parquet").to_table(columns=["id"])["id"].to_pylist())
+
+
+@pytest.mark.parametrize("frozen_at", ["before its record", "before staging"])
+def test_a_fenced_driver_cannot_replace_the_record_of_a_committed_epoch(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str, frozen_at: str
+) -> None:
+    table = tmp_path / "table"
+    pipeline = Pipeline(unique_name)
+    sink = ParquetSink(str(table), name="table")
+
+    def driver() -> BatchCommitter:
+        committer = BatchCommitter(
+            pipeline,
+            (sink,),
+            {"bootstrap.servers": kafka_bootstrap},
+            str(tmp_path / "checkpoints"),
+            str(tmp_path / "spark-location"),
+        )
+        committer.open()
+        return committer
+
+    d1 = driver()
+    d1.commit_batch(_rows(0), 0)  # epoch 1
+    # D1 runs batch 1 (epoch 2) and freezes: before writing its pre-commit record, or before
+    # its sink stages anything.
+    gate, frozen = threading.Event(), threading.Event()
+
+    def freeze() -> None:
+        frozen.set()
+        assert gate.wait(60), "the test never woke the frozen driver"
+
+    if frozen_at == "before its record":
+        write = d1._storage.write_bytes
+
+        def write_bytes(path: str, data: Any) -> None:
+            if "/spark-stream/" in path:
+                freeze()
+            write(path, data)
+
+        d1._storage.write_bytes = write_bytes  # type: ignore[method-assign]
+    else:
+        pre_commit = d1.writers[0].pre_commit
+
+        def frozen_pre_commit(epoch: int) -> Any:
+            freeze()
+            return pre_commit(epoch)
+
+        d1.writers[0].pre_commit = frozen_pre_commit  # type: ignore[method-assign,assignment]
+    failures: list[BaseException] = []
+
+    def run_d1() -> None:
+        try:
+            d1.commit_batch(_rows(1), 1)
+        except BaseException as exc:  # the fenced commit
+            failures.append(exc)
+
+    thread = threading.Thread(target=run_d1, daemon=True)
+    thread.start()
+    assert frozen.wait(60), "D1 did not reach its freeze point"
+
+    # D2 starts: init_transactions fences D1; it commits epoch 2 and publishes it.
+    d2 = driver()
+    assert d2.committed == 1
+    d2.commit_batch(_rows(1), 1)
+    assert _ids(table) == Counter(range(3)) + Counter(range(10, 13))
+
+    gate.set()  # D1 wakes: it writes its record of epoch 2 and cannot commit
+    thread.join(120)
+    assert not thread.is_alive()
+    assert failures, "the fenced driver committed epoch 2 a second time"
+    d1.close()
+    # D2 dies before committing epoch 3; D3 recovers epoch 2.
+    d3 = driver()
+    assert d3.committed == 2
+    d3.commit_batch(_rows(2), 2)  # epoch 3
+    assert _ids(table) == Counter(range(3)) + Counter(range(10, 13)) + Counter(range(20, 23))
+    d2.close()
+    d3.close()
+
+
+def bounded_pipeline() -> Pipeline:
+    """The bounded test's job: the input topic's JSON values into a Parquet table."""
+    pipeline = Pipeline(os.environ["SNAPLINE_TEST_JOB"])
+    source = KafkaSource(os.environ["SNAPLINE_TEST_TOPIC"], value_format="json")
+    pipeline.source(source).sink(ParquetSink(os.environ["SNAPLINE_TEST_TABLE"], name="table"))
+    return pipeline
+
+
+def test_a_fenced_spark_task_attempt_cannot_replace_the_committed_attempts_record(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attempt 1 froze after staging, before writing its pre-commit record; attempt 2 fenced
+    it, committed and published; attempt 1 woke, wrote its record and failed to commit; a
+    retry (attempt 3: the task failed after its commit point) must publish attempt 2's
+    output, once."""
+    table = tmp_path / "table"
+    monkeypatch.setenv("SNAPLINE_TEST_JOB", unique_name)
+    monkeypatch.setenv("SNAPLINE_TEST_TOPIC", f"{unique_name}-in")
+    monkeypatch.setenv("SNAPLINE_TEST_TABLE", str(table))
+    kafka_config = {"bootstrap.servers": kafka_bootstrap}
+    ensure_control_topic(kafka_config, unique_name)
+    config = RunConfig(
+        spec=f"{__name__}:bounded_pipeline",
+        run_id="r1",
+        kafka_config=kafka_config,
+        checkpoint_dir=str(tmp_path / "checkpoints"),
+        savepoint_out=str(tmp_path / "savepoint"),
+        savepoint_in=None,
+        stage_partitions={SOURCE_STAGE: 1},
+    )
+    rows = [(f"{unique_name}-in", i, None, orjson.dumps({"id": i}), 0) for i in range(5)]
+
+    def attempt() -> None:
+        for _ in run_stage_task(config, SOURCE_STAGE, 0, rows):
+            pass
+
+    gate, frozen = threading.Event(), threading.Event()
+    write = CheckpointStorage.write_bytes
+
+    def write_bytes(self: CheckpointStorage, path: str, data: Any) -> None:
+        if threading.current_thread().name == "attempt-1" and f"/spark/{config.run_id}/" in path:
+            frozen.set()
+            assert gate.wait(60), "the test never woke attempt 1"
+        write(self, path, data)
+
+    monkeypatch.setattr(CheckpointStorage, "write_bytes", write_bytes)
+    failures: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            attempt()
+        except BaseException as exc:  # the fenced commit
+            failures.append(exc)
+
+    thread = threading.Thread(target=first, name="attempt-1", daemon=True)
+    thread.start()
+    assert frozen.wait(120), "attempt 1 did not reach its pre-commit record"
+    attempt()  # attempt 2: fences attempt 1, commits, publishes
+    assert _ids(table) == Counter(range(5))
+    gate.set()
+    thread.join(120)
+    assert not thread.is_alive()
+    assert failures, "the fenced attempt committed"
+    attempt()  # attempt 3 finds the ledger committed and publishes what the committer staged
+    assert _ids(table) == Counter(range(5))
