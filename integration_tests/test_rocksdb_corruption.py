@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from snapline.pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint
+from snapline.pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint, mark_committed
 from snapline.pipeline.checkpoint.restore import restore_committed
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.errors import CorruptCheckpointError
@@ -48,7 +48,8 @@ def open_backend(made: list[RocksDBStateBackend], path: Path) -> RocksDBStateBac
 def checkpoint(
     backend: RocksDBStateBackend, storage: CheckpointStorage, checkpoint_id: int, offset: int
 ) -> TaskCheckpoint:
-    """What the coordinator does: synchronous part, materialize, release, write metadata."""
+    """What the coordinator does: synchronous part, materialize, release, write metadata;
+    then, as after the Kafka commit, the committed mark (a rewind restores only those)."""
     ref = CheckpointRef(checkpoint_id, ATTEMPT)
     snapshot = backend.snapshot(checkpoint_id)
     try:
@@ -64,6 +65,7 @@ def checkpoint(
         state=handle,
     )
     meta.write(storage)
+    mark_committed(storage, JOB, TASK, ref)
     return meta
 
 
@@ -165,7 +167,7 @@ def test_a_corrupt_shared_file_breaks_every_checkpoint_that_references_it(
     flip_bytes(storage, shared[0])
 
     worker_b = open_backend(backends, tmp_path / "worker-b")
-    with pytest.raises(CorruptCheckpointError, match="no earlier readable checkpoint is retained"):
+    with pytest.raises(CorruptCheckpointError, match="no earlier readable checkpoint marked"):
         recover(worker_b, storage, c2.ref, policy="rewind")
 
 

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import logging
 
-from snapline.pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint, list_checkpoints
+from snapline.pipeline.checkpoint.metadata import (
+    CheckpointRef,
+    TaskCheckpoint,
+    is_marked_committed,
+    list_checkpoints,
+)
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.errors import CheckpointError, CorruptCheckpointError
 from snapline.pipeline.state.backend import KeyedStateBackend
@@ -29,8 +34,12 @@ def restore_committed(
 
     The Kafka offsets of ``committed`` are committed, so only its state is consistent with the
     output already written. If it is corrupt: ``on_corrupt="fail"`` raises an error saying so;
-    ``"rewind"`` restores the newest readable earlier checkpoint instead, whose positions the
-    caller must seek to (the records in between are processed again: at-least-once there).
+    ``"rewind"`` restores the newest readable earlier checkpoint marked committed instead,
+    whose positions the caller must seek to (the records in between are processed again:
+    at-least-once there). Only a committed one: the sinks then recover with its metadata,
+    which names output that was published; a checkpoint that never committed names staged
+    output that was aborted (published by the rewind, it would be output twice) or swept
+    (the rewind would fail at every restart for want of it).
     """
     try:
         return _restore(storage, job, task_id, committed, backend)
@@ -45,7 +54,9 @@ def restore_committed(
             ) from exc
         cause = exc
     for ref in reversed(list_checkpoints(storage, job, task_id)):
-        if ref.checkpoint_id >= committed.checkpoint_id:
+        if ref.checkpoint_id >= committed.checkpoint_id or not is_marked_committed(
+            storage, job, task_id, ref
+        ):
             continue
         try:
             meta = _restore(storage, job, task_id, ref, backend)
@@ -62,7 +73,7 @@ def restore_committed(
         return meta
     raise CorruptCheckpointError(
         f"task {task_id}: checkpoint {committed.checkpoint_id} is corrupt ({cause}) and no "
-        "earlier readable checkpoint is retained"
+        "earlier readable checkpoint marked committed is retained"
     ) from cause
 
 
