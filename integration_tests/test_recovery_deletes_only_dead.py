@@ -372,6 +372,47 @@ def test_a_zombie_with_reset_state_deletes_nothing_of_the_live_owner(
     assert "is missing" not in logs and "is gone" not in logs, job.logs()
 
 
+def test_after_reset_state_postgres_takes_the_new_output(
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list
+) -> None:
+    """--reset-state deletes the job's committed checkpoints; if the job then stops before it
+    stores a new one, the next start finds no checkpoint at all. Checkpoint ids must still go
+    on above the deleted ones: the PostgreSQL sink keeps a key's row of the higher id, so
+    ids starting again at 1 had every key the old output wrote refuse the new output, and the
+    table silently kept the old totals."""
+    job = WarehouseJob(kafka_bootstrap, unique_name, tmp_path, postgres_dsn, workers=1)
+    jobs.append(job)
+    (worker,) = job.workers
+    with Feeder(job):
+        worker.start()
+        wait_for(
+            "10 checkpoints",
+            lambda: sum(e["event"] == "checkpoint" for e in read_events(worker.metrics_path)) >= 10,
+            90,
+            worker.tail,
+        )
+    job.wait_until_caught_up()
+    assert worker.stop() == 0
+    _delete_group(kafka_bootstrap, job.name)  # as if offsets.retention.minutes had passed
+    # The reset runs, and the worker dies at its first new checkpoint, before storing it.
+    worker.start({"SNAPLINE_FAULT": "sync_snapshot:1"}, ["--reset-state"])
+    assert worker.wait_exit(90) != 0
+    assert "--reset-state deletes" in worker.tail(200), worker.tail()
+    storage = CheckpointStorage(str(job.checkpoint_dir))
+    assert not any(list_checkpoints(storage, job.name, f"p{p}") for p in range(job.partitions)), (
+        "a checkpoint was stored after the reset: the case under test did not happen"
+    )
+    worker.start()  # no offsets and no checkpoints: a fresh start over all the input
+    job.produce(500)
+    job.wait_until_caught_up()
+
+    def totals() -> dict[str, int]:
+        return {c: t for c, (t, _) in job.database().items()}
+
+    wait_for("PostgreSQL holding every order's total", lambda: totals() == job.expected, 30)
+    assert worker.stop() == 0
+
+
 def test_offsets_behind_an_acknowledged_checkpoint_are_reported(
     kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list
 ) -> None:

@@ -59,6 +59,35 @@ class CheckpointRef:
         return None if match is None else CheckpointRef(int(match.group(1)), match.group(2))
 
 
+#: ``<job>/checkpoint-id-floor.json``: the highest checkpoint id of the job's tasks when
+#: ``--reset-state`` deleted their checkpoints. New ids continue above it, as they continue
+#: above every stored id: sinks that fence by checkpoint id (PostgreSQL's upsert keeps a row
+#: of a higher id) would otherwise refuse the new output of every key the old one wrote.
+ID_FLOOR_FILE = "checkpoint-id-floor.json"
+
+
+def read_id_floor(storage: CheckpointStorage, job: str) -> int | None:
+    """The id the job's checkpoint ids must stay above (None: no reset recorded one)."""
+    path = f"{job}/{ID_FLOOR_FILE}"
+    if not storage.exists(path):
+        return None
+    try:
+        return int(orjson.loads(storage.read_bytes(path))["checkpoint_id"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(
+            f"{storage.full_path(path)} is unreadable ({exc!r}); it must hold "
+            '{"checkpoint_id": N}, N at least the highest checkpoint id the job used'
+        ) from exc
+
+
+def raise_id_floor(storage: CheckpointStorage, job: str, checkpoint_id: int) -> None:
+    """Keep the job's checkpoint ids above ``checkpoint_id`` from now on."""
+    if checkpoint_id > (read_id_floor(storage, job) or 0):
+        storage.write_bytes(
+            f"{job}/{ID_FLOOR_FILE}", orjson.dumps({"checkpoint_id": checkpoint_id})
+        )
+
+
 def task_directory(job: str, task_id: str) -> str:
     return f"{job}/tasks/{task_id}"
 

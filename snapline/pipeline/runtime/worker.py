@@ -71,6 +71,8 @@ from snapline.pipeline.checkpoint.metadata import (
     is_marked_committed,
     list_checkpoints,
     mark_committed,
+    raise_id_floor,
+    read_id_floor,
 )
 from snapline.pipeline.checkpoint.restore import restore_committed
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
@@ -592,6 +594,7 @@ class Worker:
         # once a checkpoint with a higher id commits.
         if stored:
             self.coordinator.observe_restored(stored[-1].checkpoint_id)
+        self.coordinator.observe_restored(read_id_floor(self.storage, self.pipeline.name))
         positions: dict[tuple[str, int], int] = {}
         start = {
             t: (OFFSET_END if s.starting_position == "latest" else OFFSET_BEGINNING)
@@ -774,6 +777,9 @@ class Worker:
                 task_id,
                 len(committed),
             )
+            # Ids go on above the deleted ones, even if the job stops before its next
+            # checkpoint is stored: the PostgreSQL sink's rows carry them (ID_FLOOR_FILE).
+            raise_id_floor(self.storage, self.pipeline.name, stored[-1].checkpoint_id)
             for ref in committed:
                 self.storage.delete_dir(ref.directory(self.pipeline.name, task_id))
             return None

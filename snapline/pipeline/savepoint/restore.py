@@ -46,6 +46,7 @@ from snapline.pipeline.checkpoint.metadata import (
     TaskCheckpoint,
     list_checkpoints,
     mark_committed,
+    read_id_floor,
 )
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.errors import CheckpointError, ConfigurationError
@@ -244,7 +245,7 @@ def seed_from_savepoint(
         for task_id in storage.list_dir(task_root)
         for ref in list_checkpoints(storage, pipeline.name, task_id)
     ]
-    checkpoint_id = max(stored, default=0) + 1
+    checkpoint_id = max([*stored, read_id_floor(storage, pipeline.name) or 0], default=0) + 1
     ref = CheckpointRef(checkpoint_id, uuid.uuid4().hex[:8])
     uids = pipeline.operator_uids()
     stage_of_node = {node_id: stage.index for stage in plan.stages for node_id in stage.node_ids}
