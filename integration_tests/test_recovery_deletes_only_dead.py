@@ -186,8 +186,7 @@ def test_zombie_recovery_on_stale_offsets_destroys_nothing(
     job.wait_until_caught_up()
     job.verify()
     job.stop_all()
-    logs = "\n".join(w.log_path.read_text(errors="replace") for w in job.workers)
-    assert "is missing" not in logs and "is gone" not in logs, job.logs()
+    _assert_no_restore_missed_files(job)
 
 
 def test_a_job_pointed_at_another_cluster_is_refused(
@@ -289,6 +288,38 @@ def _marked(job: WarehouseJob) -> set[str]:
     }
 
 
+def _run_until_checkpoints(job: WarehouseJob, worker: WorkerProcess, count: int) -> None:
+    """Run the worker with orders trickling in until it took ``count`` checkpoints, then stop
+    it once it caught up."""
+    with Feeder(job):
+        worker.start()
+        wait_for(
+            f"{count} checkpoints",
+            lambda: (
+                sum(e["event"] == "checkpoint" for e in read_events(worker.metrics_path)) >= count
+            ),
+            90,
+            worker.tail,
+        )
+    job.wait_until_caught_up()
+    assert worker.stop() == 0
+
+
+def _assert_no_restore_missed_files(job: WarehouseJob) -> None:
+    """No worker's restore found a committed checkpoint's files (or staged files) gone."""
+    logs = "\n".join(w.log_path.read_text(errors="replace") for w in job.workers)
+    assert "is missing" not in logs and "is gone" not in logs, job.logs()
+
+
+def _restores(worker: WorkerProcess, since: float) -> list[dict]:
+    """The worker's restores of an assignment after ``since`` (metrics events)."""
+    return [
+        e
+        for e in read_events(worker.metrics_path)
+        if e["event"] == "restored" and e["time"] > since and e.get("worker") == worker.worker_id
+    ]
+
+
 def test_a_zombie_with_reset_state_deletes_nothing_of_the_live_owner(
     kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list
 ) -> None:
@@ -334,15 +365,7 @@ def test_a_zombie_with_reset_state_deletes_nothing_of_the_live_owner(
         named = job.committed_checkpoints()
         zombie.signal(signal.SIGCONT)
         woke = time.time()
-        wait_for(
-            "the zombie finishing its recovery",
-            lambda: any(
-                e["event"] == "restored" and e["time"] > woke and e.get("worker") == "w1"
-                for e in read_events(zombie.metrics_path)
-            ),
-            60,
-            job.logs,
-        )
+        wait_for("the zombie finishing its recovery", lambda: _restores(zombie, woke), 60, job.logs)
         left = _marked(job)
         assert owners <= left, f"the zombie deleted the owner's checkpoints {owners - left}"
         assert "they were stale" in zombie.tail(200), zombie.tail()
@@ -351,25 +374,12 @@ def test_a_zombie_with_reset_state_deletes_nothing_of_the_live_owner(
         owner.kill()
         restarted = time.time()
         owner.start()
-        wait_for(
-            "the owner's restore after the kill",
-            lambda: any(
-                e["event"] == "restored" and e["time"] > restarted and e.get("worker") == "w0"
-                for e in read_events(owner.metrics_path)
-            ),
-            60,
-            job.logs,
-        )
-    restored = [
-        e
-        for e in read_events(owner.metrics_path)
-        if e["event"] == "restored" and e["time"] > restarted and e.get("worker") == "w0"
-    ][-1]
+        wait_for("the owner's restore after the kill", lambda: _restores(owner, restarted), 60)
+    restored = _restores(owner, restarted)[-1]
     for task, checkpoint in restored["checkpoints"].items():
         assert checkpoint is not None and checkpoint >= (named[int(task[1:])] or 0), restored
     job.wait_until_caught_up()
-    logs = "\n".join(w.log_path.read_text(errors="replace") for w in job.workers)
-    assert "is missing" not in logs and "is gone" not in logs, job.logs()
+    _assert_no_restore_missed_files(job)
 
 
 def test_after_reset_state_postgres_takes_the_new_output(
@@ -383,16 +393,7 @@ def test_after_reset_state_postgres_takes_the_new_output(
     job = WarehouseJob(kafka_bootstrap, unique_name, tmp_path, postgres_dsn, workers=1)
     jobs.append(job)
     (worker,) = job.workers
-    with Feeder(job):
-        worker.start()
-        wait_for(
-            "10 checkpoints",
-            lambda: sum(e["event"] == "checkpoint" for e in read_events(worker.metrics_path)) >= 10,
-            90,
-            worker.tail,
-        )
-    job.wait_until_caught_up()
-    assert worker.stop() == 0
+    _run_until_checkpoints(job, worker, 10)
     _delete_group(kafka_bootstrap, job.name)  # as if offsets.retention.minutes had passed
     # The reset runs, and the worker dies at its first new checkpoint, before storing it.
     worker.start({"SNAPLINE_FAULT": "sync_snapshot:1"}, ["--reset-state"])
@@ -425,16 +426,7 @@ def test_offsets_behind_an_acknowledged_checkpoint_are_reported(
     job = WarehouseJob(kafka_bootstrap, unique_name, tmp_path, postgres_dsn, workers=1)
     jobs.append(job)
     (worker,) = job.workers
-    with Feeder(job):  # several checkpoints, so an older committed one is retained
-        worker.start()
-        wait_for(
-            "4 checkpoints",
-            lambda: sum(e["event"] == "checkpoint" for e in read_events(worker.metrics_path)) >= 4,
-            60,
-            worker.tail,
-        )
-    job.wait_until_caught_up()
-    assert worker.stop() == 0
+    _run_until_checkpoints(job, worker, 4)  # so an older committed checkpoint is retained
     storage = CheckpointStorage(str(job.checkpoint_dir))
     refs = {
         task: [
