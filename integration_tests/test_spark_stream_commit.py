@@ -29,6 +29,7 @@ import pytest
 from snapline import Pipeline
 from snapline.connectors import KafkaSource
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.errors import SinkError
 from snapline.pipeline.savepoint.control import ensure_control_topic
 from snapline.pipeline.spark.bounded import RunConfig, run_stage_task
 from snapline.pipeline.spark.stream_commit import BatchCommitter
@@ -130,6 +131,33 @@ def test_a_fenced_driver_cannot_replace_the_record_of_a_committed_epoch(
     assert _ids(table) == Counter(range(3)) + Counter(range(10, 13)) + Counter(range(20, 23))
     d2.close()
     d3.close()
+
+
+def test_a_missing_record_of_the_committed_epoch_stops_the_next_driver(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """Without the committed epoch's pre-commit record the sinks cannot tell its staged output
+    from dead leftovers: the driver must refuse to start, not discard that output."""
+    pipeline = Pipeline(unique_name)
+    sink = ParquetSink(str(tmp_path / "table"), name="table")
+
+    def driver() -> BatchCommitter:
+        return BatchCommitter(
+            pipeline,
+            (sink,),
+            {"bootstrap.servers": kafka_bootstrap},
+            str(tmp_path / "checkpoints"),
+            str(tmp_path / "spark-location"),
+        )
+
+    d1 = driver()
+    d1.open()
+    d1.commit_batch(_rows(0), 0)
+    d1.close()
+    (record,) = (tmp_path / "checkpoints").rglob("0000000001-*.json")
+    record.unlink()
+    with pytest.raises(SinkError, match="pre-commit record .* is missing"):
+        driver().open()
 
 
 def bounded_pipeline() -> Pipeline:

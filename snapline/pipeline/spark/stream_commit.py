@@ -144,7 +144,18 @@ class BatchCommitter:
         self.committed = max(offset, 0)
         metadata: dict[str, Any] = {}
         record = self._record_path(self.committed, committer)
-        if self.committed and self._storage.exists(record):
+        if self.committed:
+            if not self._storage.exists(record):
+                # Recovering without it would take the epoch's staged output for dead and
+                # discard it: output Kafka's ledger says is committed.
+                raise SinkError(
+                    f"query {self.query}: epoch {self.committed} is committed in Kafka (ledger "
+                    f"{self.ledger_group}), but its pre-commit record "
+                    f"{self._storage.full_path(record)} is missing, so its Parquet and "
+                    "PostgreSQL output cannot be published; was the checkpoint directory "
+                    "changed or emptied? Restore it, or start the query on a new checkpoint "
+                    "location"
+                )
             metadata = orjson.loads(self._storage.read_bytes(record))
         self._discard_dead_records()
         self.writers = [
