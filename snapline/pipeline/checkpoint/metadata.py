@@ -66,25 +66,47 @@ class CheckpointRef:
 ID_FLOOR_FILE = "checkpoint-id-floor.json"
 
 
+def encode_checked(body: Any) -> bytes:
+    """``{"body": body, "checksum": crc32 of the body}``: a small JSON file whose corruption
+    ``decode_checked`` detects (metadata files use the same layout)."""
+    raw = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+    return orjson.dumps({"body": orjson.Fragment(raw), "checksum": crc32_checksum(raw)})
+
+
+def decode_checked(data: bytes, what: str, legacy_key: str | None = None) -> Any:
+    """The body of an ``encode_checked`` file; CorruptCheckpointError if it fails its
+    checksum. ``legacy_key``: a file written before checksums (a JSON object with that key
+    and no ``body``) is returned whole."""
+    try:
+        outer = orjson.loads(data)
+        if legacy_key is not None and legacy_key in outer and "body" not in outer:
+            return outer
+        body, checksum = outer["body"], outer["checksum"]
+        raw = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(f"{what} is not valid: {exc!r}") from exc
+    if crc32_checksum(raw) != checksum:
+        raise CorruptCheckpointError(f"{what} failed its checksum ({checksum})")
+    return body
+
+
 def read_id_floor(storage: CheckpointStorage, job: str) -> int | None:
     """The id the job's checkpoint ids must stay above (None: no reset recorded one)."""
     path = f"{job}/{ID_FLOOR_FILE}"
     if not storage.exists(path):
         return None
+    body = decode_checked(storage.read_bytes(path), storage.full_path(path))
     try:
-        return int(orjson.loads(storage.read_bytes(path))["checkpoint_id"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptCheckpointError(
-            f"{storage.full_path(path)} is unreadable ({exc!r}); it must hold "
-            '{"checkpoint_id": N}, N at least the highest checkpoint id the job used'
-        ) from exc
+        return int(body["checkpoint_id"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{storage.full_path(path)} is not valid: {exc!r}") from exc
 
 
 def raise_id_floor(storage: CheckpointStorage, job: str, checkpoint_id: int) -> None:
     """Keep the job's checkpoint ids above ``checkpoint_id`` from now on."""
     if checkpoint_id > (read_id_floor(storage, job) or 0):
         storage.write_bytes(
-            f"{job}/{ID_FLOOR_FILE}", orjson.dumps({"checkpoint_id": checkpoint_id})
+            f"{job}/{ID_FLOOR_FILE}", encode_checked({"checkpoint_id": checkpoint_id})
         )
 
 

@@ -119,7 +119,12 @@ def run_stage_task(
 
     from confluent_kafka import Consumer, TopicPartition
 
-    from snapline.pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint
+    from snapline.pipeline.checkpoint.metadata import (
+        CheckpointRef,
+        TaskCheckpoint,
+        decode_checked,
+        encode_checked,
+    )
     from snapline.pipeline.checkpoint.storage import CheckpointStorage
     from snapline.pipeline.graph import load_pipeline
     from snapline.pipeline.keygroups import key_group_range
@@ -246,12 +251,12 @@ def run_stage_task(
                 sinks[name] = result
         if committed:  # an earlier attempt passed the commit point: publish what it staged
             record = precommit_path(ledger_offset.metadata or "")
-            previous = orjson.loads(storage.read_bytes(record))["sinks"]
+            previous = decode_checked(storage.read_bytes(record), record, "sinks")["sinks"]
             for name, sink_op in task.sink_writers.items():
                 sink_op.writer.abort(1)
                 sink_op.writer.recover(1, previous.get(name))
         else:
-            storage.write_bytes(precommit_path(token), orjson.dumps({"sinks": sinks}))
+            storage.write_bytes(precommit_path(token), encode_checked({"sinks": sinks}))
             assert kafka is not None
             kafka.commit(
                 [TopicPartition(control.topic, 0, 1, metadata=token)],

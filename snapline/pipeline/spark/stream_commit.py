@@ -43,6 +43,7 @@ from typing import Any
 
 import orjson
 
+from snapline.pipeline.checkpoint.metadata import decode_checked, encode_checked
 from snapline.pipeline.errors import SinkError
 from snapline.pipeline.formats import untag_key
 from snapline.pipeline.record import Record, dead_letter_headers
@@ -156,7 +157,9 @@ class BatchCommitter:
                     "changed or emptied? Restore it, or start the query on a new checkpoint "
                     "location"
                 )
-            metadata = orjson.loads(self._storage.read_bytes(record))
+            metadata = decode_checked(
+                self._storage.read_bytes(record), self._storage.full_path(record), "sinks"
+            )
         self._discard_dead_records()
         self.writers = [
             sink.open(
@@ -233,7 +236,7 @@ class BatchCommitter:
             if pre:
                 sinks[sink.name] = pre
         self._storage.write_bytes(
-            self._record_path(epoch, self.token), orjson.dumps({"sinks": sinks})
+            self._record_path(epoch, self.token), encode_checked({"sinks": sinks})
         )
         self._output.commit(
             [_tp(self._control.topic, epoch, self.token)],
