@@ -45,6 +45,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from snapline.pipeline.checkpoint.identity import IDENTITY_FILE, JobIdentity
+from snapline.pipeline.checkpoint.storage import crc32_checksum
 from snapline.pipeline.errors import ConfigurationError, SinkError
 from snapline.pipeline.record import Record
 from snapline.pipeline.sink import Sink, SinkContext
@@ -402,13 +403,38 @@ class _StageJob:
     compression: str
 
 
+def _commit_entry_bytes(body: dict[str, Any]) -> bytes:
+    """A commit-log entry: its fields plus ``checksum``, the CRC-32 of the other fields as
+    sorted-key JSON (readers that ignore unknown keys read it as before)."""
+    checksum = crc32_checksum(orjson.dumps(body, option=orjson.OPT_SORT_KEYS))
+    return orjson.dumps({**body, "checksum": checksum}, option=orjson.OPT_INDENT_2)
+
+
+def read_commit_entry(path: Path) -> dict[str, Any]:
+    """A commit-log entry without its checksum; SinkError if it is not valid or fails its
+    checksum (an entry written before checksums has none and is taken as it is). A changed
+    byte in the file list would otherwise publish the wrong files and discard the others."""
+    try:
+        body = orjson.loads(path.read_bytes())
+        checksum = body.pop("checksum", None)
+    except (orjson.JSONDecodeError, AttributeError) as exc:
+        raise SinkError(f"commit-log entry {path} is not valid: {exc!r}") from exc
+    if checksum is not None and checksum != crc32_checksum(
+        orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+    ):
+        raise SinkError(
+            f"commit-log entry {path} failed its checksum ({checksum}): it is corrupt; restore "
+            "it from a backup (it names the staged files of a committed checkpoint)"
+        )
+    return body
+
+
 def read_commit_log(table: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Every commit-log entry of a table (job, sink, task, checkpoint, files, rows), in order."""
     root = Path(table) / COMMITS_DIR
     entries = []
     for path in sorted(root.glob("*/*/*/*.json")):
-        body = orjson.loads(path.read_bytes())
-        entries.append(body)
+        entries.append(read_commit_entry(path))
     entries.sort(key=lambda e: (e["job"], e["sink"], e["task"], e["checkpoint"]))
     return entries
 
@@ -678,7 +704,7 @@ class ParquetSinkWriter(StagingSinkWriter[_StageJob, StagedCheckpoint]):
         for name in self._staged_names():
             intent = self._intent_path(name)
             if intent.exists():
-                self._publish(StagedCheckpoint.from_json(orjson.loads(intent.read_bytes())))
+                self._publish(StagedCheckpoint.from_json(read_commit_entry(intent)))
             elif name in listed:
                 self._publish(listed[name])
             elif committed is not None and _staged_id(name) <= committed:
@@ -720,7 +746,7 @@ class ParquetSinkWriter(StagingSinkWriter[_StageJob, StagedCheckpoint]):
             self._leftovers.discard(name)
             intent = self._intent_path(name)
             if intent.exists():  # published by its own writer after our recovery looked
-                self._publish(StagedCheckpoint.from_json(orjson.loads(intent.read_bytes())))
+                self._publish(StagedCheckpoint.from_json(read_commit_entry(intent)))
             else:
                 self._discard_dead(name, committed)
 
@@ -740,7 +766,7 @@ class ParquetSinkWriter(StagingSinkWriter[_StageJob, StagedCheckpoint]):
                 "committed_at": datetime.now(UTC).isoformat(),
                 **staged.to_json(),
             }
-            _write_atomic(intent, orjson.dumps(body, option=orjson.OPT_INDENT_2))
+            _write_atomic(intent, _commit_entry_bytes(body))
         staged_dir = self.staging_root / staged.name
         touched: set[Path] = set()
         for relative in staged.files:

@@ -9,6 +9,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
@@ -362,6 +363,29 @@ def test_commit_log_intent_alone_finishes_a_publish(
     successor, _ = make_writer(sink)
     successor.recover(1, None)
     assert len(visible(table)) == 10
+
+
+def test_a_corrupt_commit_log_intent_is_detected_not_half_published(
+    table: Path, sink: ParquetSink, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One changed byte in the intent's file list would publish the wrong files and discard
+    # the others as dead (rows lost, no error): recovery must refuse and touch nothing.
+    crashed, _ = make_writer(sink)
+    crashed.write_batch(records(rows_for(1, day="a") + rows_for(1, day="b")), 1)
+    meta = metadata(crashed.pre_commit(1))
+    monkeypatch.setattr(parquet_module.os, "rename", _raise_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        crashed.commit(1)
+    monkeypatch.undo()
+    (intent,) = (table / "_commits").rglob("0000000001-*.json")
+    entry = orjson.loads(intent.read_bytes())
+    entry["files"][1] = entry["files"][0]  # as if bytes of the second name had changed
+    intent.write_bytes(orjson.dumps(entry))
+    staged = staged_files(table)
+    successor, _ = make_writer(sink)
+    with pytest.raises(SinkError, match="failed its checksum"):
+        successor.recover(1, meta)
+    assert staged_files(table) == staged and visible(table) == []
 
 
 def _raise_interrupt(*_: Any) -> None:
