@@ -51,7 +51,7 @@ from snapline.pipeline.checkpoint.metadata import (
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.errors import CheckpointError, ConfigurationError
 from snapline.pipeline.graph import Pipeline
-from snapline.pipeline.keygroups import key_group_range
+from snapline.pipeline.keygroups import key_group_range, operator_index_for_key_group
 from snapline.pipeline.runtime import departed
 from snapline.pipeline.runtime.topics import INTERNAL_TOPIC_CONFIG, TopicManager, pipeline_topics
 from snapline.pipeline.savepoint.export import JobTask, job_tasks, wait_until_stopped
@@ -310,6 +310,8 @@ def seed_from_savepoint(
             if progress is not None:
                 progress("restoring savepoint state", done, total)
 
+        saved_counts = _saved_task_counts(savepoint, plan)
+        stage_counts = {rep.downstream: partitions[rep.topic] for rep in plan.repartitions.values()}
         tell(0, len(jobs))
         rows = sum(f.rows for op in savepoint.operators for f in op.files)
         loaded = run_jobs(load_task, jobs, pool_size(len(jobs), rows=rows), tell)
@@ -323,7 +325,12 @@ def seed_from_savepoint(
                 state=handle,
                 states=states_meta,
                 created_at=time.time(),
-                time=_clock(savepoint, task.task_id, task.stage),
+                time=_clock(
+                    savepoint,
+                    task.task_id,
+                    task.stage,
+                    _rescaled(saved_counts, stage_counts, task.stage, task.partition),
+                ),
             ).write(storage)
             mark_committed(storage, pipeline.name, task.task_id, ref)
             offsets += [
@@ -367,19 +374,58 @@ def seed_from_savepoint(
     return checkpoint_id
 
 
-def _clock(savepoint: SavepointMetadata, task_id: str, stage: int) -> dict[str, Any] | None:
-    """The task's clock: its own from the savepoint when the task existed there, else (a
-    rescaled stage) the smallest watermark of that stage's saved tasks, so event time never
-    moves back past what every task had reached."""
-    if task_id in savepoint.clocks:
-        return savepoint.clocks[task_id]
+def _clock(
+    savepoint: SavepointMetadata,
+    task_id: str,
+    stage: int,
+    rescaled: tuple[int, int, int] | None = None,
+) -> dict[str, Any] | None:
+    """The task's clock: its own from the savepoint when the task existed there with the same
+    key-groups. ``rescaled``: (old task count, new task count, partition) of a keyed stage
+    whose task count changed: task ids then name other key-groups, and the task's clock is
+    the smallest watermark of the old tasks whose key-groups it takes (their records in
+    flight are replayed to it, so a larger watermark would make them late). Otherwise (a
+    task the savepoint has no clock for) the smallest watermark of the stage's saved tasks,
+    so event time never moves back past what every task had reached."""
     prefix = "p" if stage == SOURCE_STAGE else f"s{stage}-p"
+    if rescaled is not None and stage != SOURCE_STAGE and rescaled[0] != rescaled[1]:
+        old, new, partition = rescaled
+        sources = {
+            f"{prefix}{operator_index_for_key_group(group, old, savepoint.max_parallelism)}"
+            for group in key_group_range(partition, new, savepoint.max_parallelism)
+        }
+        marks = [
+            int(savepoint.clocks[s].get("watermark", 0)) for s in sources if s in savepoint.clocks
+        ]
+        if marks:
+            return {"watermark": min(marks), "channels": []}
+    elif task_id in savepoint.clocks:
+        return savepoint.clocks[task_id]
     marks = [
         int(clock.get("watermark", 0))
         for saved, clock in savepoint.clocks.items()
         if saved.startswith(prefix) and (stage != SOURCE_STAGE or saved[1:].isdigit())
     ]
     return {"watermark": min(marks), "channels": []} if marks else None
+
+
+def _rescaled(
+    saved: dict[int, int], now: dict[int, int], stage: int, partition: int
+) -> tuple[int, int, int] | None:
+    if stage not in saved or stage not in now:
+        return None
+    return saved[stage], now[stage], partition
+
+
+def _saved_task_counts(savepoint: SavepointMetadata, plan: Any) -> dict[int, int]:
+    """Each keyed stage's task count when the savepoint was taken: the partitions its
+    repartition topic had then."""
+    by_topic = {f.topic: f.partitions for f in savepoint.in_flight}
+    return {
+        rep.downstream: by_topic[rep.topic]
+        for rep in plan.repartitions.values()
+        if rep.topic in by_topic
+    }
 
 
 @dataclass(frozen=True)
