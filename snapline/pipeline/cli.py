@@ -16,6 +16,7 @@ from typing import NoReturn
 
 import click
 
+from snapline.connectors.config import install_redaction
 from snapline.pipeline.cli_help import FullSummaryGroup
 from snapline.pipeline.errors import ConfigurationError, SnaplineError
 from snapline.pipeline.runtime.liveness import DEFAULT_TIMEOUT as DEFAULT_LIVENESS_TIMEOUT
@@ -30,6 +31,7 @@ def _setup_logging(level: str) -> None:
         level=getattr(logging, level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s",
     )
+    install_redaction()  # credentials in a checkpoint URI or a DSN never reach the log
 
 
 def _configuration_error(exc: ConfigurationError) -> NoReturn:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 import uuid
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +35,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
+from snapline.connectors.config import redact_text
 from snapline.pipeline.checkpoint.identity import JobIdentity
 from snapline.pipeline.errors import ConfigurationError, SinkError
 from snapline.pipeline.record import Record
@@ -62,6 +64,23 @@ class _Misfit(Exception):
 
 
 # --------------------------------------------------------------------------- the table
+
+
+def _without_secrets(text: str, sink: PostgresSink) -> str:
+    """``text`` (a libpq error can quote the DSN, or a piece of a malformed one) without the
+    sink's password, wherever it appears, nor credentials in URIs or settings."""
+    secrets = [str(sink.connect_kwargs.get("password") or "")]
+    match = _DSN_PASSWORD.search(sink.dsn)
+    if match is not None:
+        secrets.append(match.group(1) or match.group(2) or "")
+    for secret in secrets:
+        if len(secret) >= 3:
+            text = text.replace(secret, "***")
+    return redact_text(text)
+
+
+#: The password of a URI DSN (``://user:password@``) or of a ``password=`` setting.
+_DSN_PASSWORD = re.compile(r"://[^:/@\s]*:([^@\s]+)@|password\s*=\s*'?([^'\s]+)")
 
 
 @dataclass(frozen=True)
@@ -412,13 +431,13 @@ class PostgresSink(Sink):
     ``connect_kwargs``: passed to ``psycopg.connect`` (e.g. ``options="-c statement_timeout=60s"``).
     """
 
-    dsn: str
+    dsn: str = field(repr=False)  # may hold a password
     table: str
     key_columns: Sequence[str]
     columns: Sequence[str] | None = None
     name: str = ""
     connect_timeout: float = 10.0
-    connect_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    connect_kwargs: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.key_columns, str):
@@ -597,8 +616,8 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
             self._disconnect()
         return SinkError(
             f"{self._sink.name}: could not {what} {self._where()} table {self._sink.table!r}: "
-            f"{str(exc).strip() or type(exc).__name__} (the checkpoint fails and is retried; "
-            "staged rows are kept)"
+            f"{_without_secrets(str(exc).strip(), self._sink) or type(exc).__name__} (the "
+            "checkpoint fails and is retried; staged rows are kept)"
         )
 
     def _conn(self) -> psycopg.Connection[Any]:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from snapline.connectors.config import redact_text
 from snapline.pipeline.errors import CheckpointError, CorruptCheckpointError
 
 if TYPE_CHECKING:
@@ -54,7 +55,8 @@ class CheckpointStorage:
                 self._fs, root = pafs.FileSystem.from_uri(uri)
             except Exception as exc:  # pyarrow raises several types here
                 raise CheckpointError(
-                    f"cannot open checkpoint storage {uri!r}: {exc}. Use a local directory or a "
+                    f"cannot open checkpoint storage {redact_text(repr(uri))}: "
+                    f"{redact_text(str(exc))}. Use a local directory or a "
                     "URI pyarrow.fs understands (file://, s3://, gs://, hdfs://)."
                 ) from exc
             self._local = isinstance(self._fs, pafs.LocalFileSystem)

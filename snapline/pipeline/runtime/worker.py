@@ -61,7 +61,7 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
-from snapline.connectors.config import redact
+from snapline.connectors.config import redact, redact_text
 from snapline.pipeline.background import SHUTDOWN_BOUND
 from snapline.pipeline.checkpoint.identity import JobIdentity, check_storage_identity
 from snapline.pipeline.checkpoint.metadata import (
@@ -938,7 +938,9 @@ class Worker:
 
     def _event(self, entry: dict[str, Any]) -> None:
         """Append a metrics event (JSON line) when SNAPLINE_METRICS_FILE is set; feed the
-        Prometheus metrics and the checkpoint history."""
+        Prometheus metrics and the checkpoint history. Text in it (a failure's reason can
+        quote a checkpoint URI) is redacted: the history is written to checkpoint storage."""
+        entry = {k: redact_text(v) if isinstance(v, str) else v for k, v in entry.items()}
         self.metrics.on_event(entry, self.coordinator.pending)
         if self._metrics_path:
             entry = {

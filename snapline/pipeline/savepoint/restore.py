@@ -41,6 +41,7 @@ import pyarrow.compute as pc
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from snapline.connectors.config import redact_text
 from snapline.pipeline.checkpoint.metadata import (
     CheckpointRef,
     TaskCheckpoint,
@@ -191,7 +192,8 @@ def seed_from_savepoint(
     marker = f"{pipeline.name}/{RESTORED_FROM}"
     if storage.exists(marker):
         previous = orjson.loads(storage.read_bytes(marker))
-        if previous.get("savepoint") == savepoint_uri and (
+        # Written redacted (earlier versions: as given, credentials included).
+        if previous.get("savepoint") in (savepoint_uri, redact_text(savepoint_uri)) and (
             previous.get("created_at") == savepoint.created_at
         ):
             log.info(
@@ -357,7 +359,7 @@ def seed_from_savepoint(
         marker,
         orjson.dumps(
             {
-                "savepoint": savepoint_uri,
+                "savepoint": redact_text(savepoint_uri),  # no credentials in storage
                 "created_at": savepoint.created_at,
                 "checkpoint": checkpoint_id,
                 "restored_at": time.time(),

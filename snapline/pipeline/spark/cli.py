@@ -143,6 +143,9 @@ def stream(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("py4j").setLevel(logging.WARNING)
+    from snapline.connectors.config import install_redaction
+
+    install_redaction()
 
     try:
         pipeline = load_pipeline(spec)

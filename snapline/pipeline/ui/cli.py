@@ -59,6 +59,9 @@ def ui(
     sync/alignment/async times, restores and savepoints). Built from checkpoint storage,
     Kafka and the workers' metrics; /api/job.json has the same data as JSON."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    from snapline.connectors.config import install_redaction
+
+    install_redaction()
     sys.path.insert(0, os.getcwd())
     from snapline.pipeline.checkpoint.storage import CheckpointStorage
     from snapline.pipeline.graph import load_pipeline

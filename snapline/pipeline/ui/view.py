@@ -15,6 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from snapline.connectors.config import redact_text
 from snapline.pipeline.checkpoint.history import HistoryEntry, read_history
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.graph import Pipeline
@@ -118,7 +119,7 @@ class ViewSource:
         errors += [f"metrics {s.url}: {s.error}" for s in samples if not s.ok]
         return JobView(
             job=self.pipeline.name,
-            storage=self.storage.uri,
+            storage=redact_text(self.storage.uri),
             kafka=str(self.kafka_config.get("bootstrap.servers", "")) if self.kafka_config else "",
             generated_at=time.time(),
             tasks=tasks,
