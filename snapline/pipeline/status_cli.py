@@ -14,6 +14,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from snapline.connectors.config import redact_text
 from snapline.pipeline.errors import SnaplineError
 
 _checkpoint_dir = click.option(
@@ -73,7 +74,7 @@ def checkpoints(spec: str, checkpoint_dir: str | None) -> None:
     from snapline.pipeline.status import stored_checkpoints, stored_task_ids
 
     pipeline, storage = _load(spec, checkpoint_dir)
-    table = Table(title=f"checkpoints of job {pipeline.name} in {storage.uri}")
+    table = Table(title=f"checkpoints of job {pipeline.name} in {redact_text(storage.uri)}")
     for name in ("task", "id", "attempt", "state", "size", "sync ms", "align ms", "async ms"):
         table.add_column(name, justify="right" if name.endswith(("ms", "size", "id")) else "left")
     table.add_column("positions")
@@ -101,7 +102,7 @@ def checkpoints(spec: str, checkpoint_dir: str | None) -> None:
             )
     console = Console()
     if count == 0:
-        console.print(f"no checkpoints of job {pipeline.name} in {storage.uri}")
+        console.print(f"no checkpoints of job {pipeline.name} in {redact_text(storage.uri)}")
         return
     console.print(table)
 
@@ -144,7 +145,8 @@ def status(spec: str, bootstrap_servers: str | None, checkpoint_dir: str | None)
         tasks = job_status(pipeline, config, storage)
     except Exception as exc:
         raise click.ClickException(f"cannot read the job's offsets from Kafka: {exc}") from exc
-    table = Table(title=f"job {pipeline.name}: Kafka {bootstrap_servers}, storage {storage.uri}")
+    where = f"Kafka {bootstrap_servers}, storage {redact_text(storage.uri)}"
+    table = Table(title=f"job {pipeline.name}: {where}")
     for name in ("task", "partition", "committed", "end", "lag", "checkpoint", "taken"):
         table.add_column(name, justify="right" if name in ("committed", "end", "lag") else "left")
     total_lag = 0
