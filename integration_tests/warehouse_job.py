@@ -15,7 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import orjson
 import psycopg
 import pyarrow.dataset as ds
 from confluent_kafka import (
@@ -28,6 +27,7 @@ from confluent_kafka.admin import AdminClient
 
 from examples.orders import create_topics, produce_orders, read_committed, verify_totals
 from examples.workers import REPO, WorkerProcess, read_events
+from snapline.pipeline.checkpoint.metadata import decode_checked
 
 SPEC = "examples.warehouse:pipeline"
 
@@ -303,7 +303,9 @@ def start_from_savepoint(job: WarehouseJob, path: str, partitions: int) -> None:
     marker = job.checkpoint_dir / job.name / "restored-from-savepoint.json"
     wait_for(
         "the job seeded from the savepoint",
-        lambda: marker.exists() and orjson.loads(marker.read_bytes())["savepoint"] == path,
+        lambda: (
+            marker.exists() and decode_checked(marker.read_bytes(), "marker")["savepoint"] == path
+        ),
         120,
         job.logs,
     )

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
@@ -45,6 +44,8 @@ from snapline.connectors.config import redact_text
 from snapline.pipeline.checkpoint.metadata import (
     CheckpointRef,
     TaskCheckpoint,
+    decode_checked,
+    encode_checked,
     list_checkpoints,
     mark_committed,
     read_id_floor,
@@ -191,7 +192,10 @@ def seed_from_savepoint(
     storage = CheckpointStorage(checkpoint_dir)
     marker = f"{pipeline.name}/{RESTORED_FROM}"
     if storage.exists(marker):
-        previous = orjson.loads(storage.read_bytes(marker))
+        # With a checksum: a changed byte must not make the job look not yet restored (it
+        # would be seeded again, its offsets reset to the savepoint's).
+        what = storage.full_path(marker)
+        previous = decode_checked(storage.read_bytes(marker), what, "savepoint")
         # Written redacted (earlier versions: as given, credentials included).
         if previous.get("savepoint") in (savepoint_uri, redact_text(savepoint_uri)) and (
             previous.get("created_at") == savepoint.created_at
@@ -357,7 +361,7 @@ def seed_from_savepoint(
         consumer.close()
     storage.write_bytes(
         marker,
-        orjson.dumps(
+        encode_checked(
             {
                 "savepoint": redact_text(savepoint_uri),  # no credentials in storage
                 "created_at": savepoint.created_at,
