@@ -361,8 +361,9 @@ def test_a_zombie_with_reset_state_deletes_nothing_of_the_live_owner(
             120,
             job.logs,
         )
-        owners = _marked(job)
         named = job.committed_checkpoints()
+        wait_for("the owner's checkpoints marked committed", lambda: bool(_marked(job)), 30)
+        owners = _marked(job)
         zombie.signal(signal.SIGCONT)
         woke = time.time()
         wait_for("the zombie finishing its recovery", lambda: _restores(zombie, woke), 60, job.logs)

@@ -16,7 +16,7 @@ def _savepoint(watermarks: dict[str, int]) -> SavepointMetadata:
 def _watermarks(savepoint: SavepointMetadata, old: int, new: int) -> list[int]:
     out = []
     for p in range(new):
-        clock = _clock(savepoint, f"s1-p{p}", 1, (old, new, p))
+        clock = _clock(savepoint, f"s1-p{p}", 1, (old, new), p)
         assert clock is not None
         out.append(clock["watermark"])
     return out
@@ -36,5 +36,5 @@ def test_merged_tasks_take_the_smallest_watermark_of_their_sources() -> None:
 
 def test_an_unchanged_task_keeps_its_own_clock() -> None:
     savepoint = _savepoint({"s1-p0": 5_000, "s1-p1": 10_000})
-    assert _clock(savepoint, "s1-p1", 1, (2, 2, 1)) == savepoint.clocks["s1-p1"]
+    assert _clock(savepoint, "s1-p1", 1, (2, 2), 1) == savepoint.clocks["s1-p1"]
     assert _clock(savepoint, "s1-p1", 1) == savepoint.clocks["s1-p1"]

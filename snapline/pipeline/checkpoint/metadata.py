@@ -160,20 +160,11 @@ class TaskCheckpoint:
         }
 
     def encode(self) -> bytes:
-        body = orjson.dumps(self._body(), option=orjson.OPT_SORT_KEYS)
-        return orjson.dumps({"body": orjson.Fragment(body), "checksum": crc32_checksum(body)})
+        return encode_checked(self._body())
 
     @staticmethod
     def decode(data: bytes, what: str) -> TaskCheckpoint:
-        try:
-            outer = orjson.loads(data)
-            body_bytes = orjson.dumps(outer["body"], option=orjson.OPT_SORT_KEYS)
-            checksum = outer["checksum"]
-        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CorruptCheckpointError(f"{what} is not valid checkpoint metadata: {exc}") from exc
-        if crc32_checksum(body_bytes) != checksum:
-            raise CorruptCheckpointError(f"{what} failed its checksum ({checksum})")
-        body = outer["body"]
+        body = decode_checked(data, what)
         if body.get("format") != FORMAT_VERSION:
             raise CheckpointError(
                 f"{what} has format {body.get('format')}; this Snapline reads {FORMAT_VERSION}"

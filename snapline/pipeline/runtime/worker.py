@@ -483,6 +483,8 @@ class Worker:
         self._restored_from = {}
         self._restored_bytes = {}
         self._previous_owners = set()
+        if by_task:  # ids stay above those a --reset-state deleted (ID_FLOOR_FILE)
+            self.coordinator.observe_restored(read_id_floor(self.storage, self.pipeline.name))
         for task_id, tps in sorted(by_task.items()):
             self.liveness.beat()  # one task's files restored per beat
             positions, ref = self._restore_task(
@@ -594,7 +596,6 @@ class Worker:
         # once a checkpoint with a higher id commits.
         if stored:
             self.coordinator.observe_restored(stored[-1].checkpoint_id)
-        self.coordinator.observe_restored(read_id_floor(self.storage, self.pipeline.name))
         positions: dict[tuple[str, int], int] = {}
         start = {
             t: (OFFSET_END if s.starting_position == "latest" else OFFSET_BEGINNING)

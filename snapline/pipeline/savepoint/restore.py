@@ -316,8 +316,7 @@ def seed_from_savepoint(
             if progress is not None:
                 progress("restoring savepoint state", done, total)
 
-        saved_counts = _saved_task_counts(savepoint, plan)
-        stage_counts = {rep.downstream: partitions[rep.topic] for rep in plan.repartitions.values()}
+        counts = _task_counts(savepoint, plan, partitions)
         tell(0, len(jobs))
         rows = sum(f.rows for op in savepoint.operators for f in op.files)
         loaded = run_jobs(load_task, jobs, pool_size(len(jobs), rows=rows), tell)
@@ -332,10 +331,7 @@ def seed_from_savepoint(
                 states=states_meta,
                 created_at=time.time(),
                 time=_clock(
-                    savepoint,
-                    task.task_id,
-                    task.stage,
-                    _rescaled(saved_counts, stage_counts, task.stage, task.partition),
+                    savepoint, task.task_id, task.stage, counts.get(task.stage), task.partition
                 ),
             ).write(storage)
             mark_committed(storage, pipeline.name, task.task_id, ref)
@@ -384,18 +380,19 @@ def _clock(
     savepoint: SavepointMetadata,
     task_id: str,
     stage: int,
-    rescaled: tuple[int, int, int] | None = None,
+    counts: tuple[int, int] | None = None,
+    partition: int = 0,
 ) -> dict[str, Any] | None:
     """The task's clock: its own from the savepoint when the task existed there with the same
-    key-groups. ``rescaled``: (old task count, new task count, partition) of a keyed stage
-    whose task count changed: task ids then name other key-groups, and the task's clock is
+    key-groups. ``counts``: (task count in the savepoint, task count now) of a keyed stage;
+    when they differ, task ids name other key-groups, and the task (``partition``)'s clock is
     the smallest watermark of the old tasks whose key-groups it takes (their records in
     flight are replayed to it, so a larger watermark would make them late). Otherwise (a
     task the savepoint has no clock for) the smallest watermark of the stage's saved tasks,
     so event time never moves back past what every task had reached."""
     prefix = "p" if stage == SOURCE_STAGE else f"s{stage}-p"
-    if rescaled is not None and stage != SOURCE_STAGE and rescaled[0] != rescaled[1]:
-        old, new, partition = rescaled
+    if counts is not None and stage != SOURCE_STAGE and counts[0] != counts[1]:
+        old, new = counts
         sources = {
             f"{prefix}{operator_index_for_key_group(group, old, savepoint.max_parallelism)}"
             for group in key_group_range(partition, new, savepoint.max_parallelism)
@@ -415,22 +412,16 @@ def _clock(
     return {"watermark": min(marks), "channels": []} if marks else None
 
 
-def _rescaled(
-    saved: dict[int, int], now: dict[int, int], stage: int, partition: int
-) -> tuple[int, int, int] | None:
-    if stage not in saved or stage not in now:
-        return None
-    return saved[stage], now[stage], partition
-
-
-def _saved_task_counts(savepoint: SavepointMetadata, plan: Any) -> dict[int, int]:
-    """Each keyed stage's task count when the savepoint was taken: the partitions its
-    repartition topic had then."""
-    by_topic = {f.topic: f.partitions for f in savepoint.in_flight}
+def _task_counts(
+    savepoint: SavepointMetadata, plan: Any, partitions: dict[str, int]
+) -> dict[int, tuple[int, int]]:
+    """Each keyed stage's (task count when the savepoint was taken, task count now): the
+    partitions its repartition topic had then and has now."""
+    then = {f.topic: f.partitions for f in savepoint.in_flight}
     return {
-        rep.downstream: by_topic[rep.topic]
+        rep.downstream: (then[rep.topic], partitions[rep.topic])
         for rep in plan.repartitions.values()
-        if rep.topic in by_topic
+        if rep.topic in then
     }
 
 
