@@ -26,6 +26,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from examples.orders import create_topics
 from examples.workers import WorkerProcess, fault_hits
+from snapline.pipeline.savepoint import control
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -201,7 +202,9 @@ def wait_for_windows(
 ) -> dict[Window, Any]:
     deadline = time.monotonic() + timeout
     while True:
-        got, twice = results_by_window(read_results(job.bootstrap, topic, deadline))
+        # At least a few seconds of reading: the last read after the deadline is not empty.
+        until = max(deadline, time.monotonic() + 5)
+        got, twice = results_by_window(read_results(job.bootstrap, topic, until))
         assert not twice, f"{topic}: windows emitted twice: {twice[:5]}"
         got = {w: v for w, v in got.items() if w[0] != "~end"}
         if set(got) >= set(expected) or time.monotonic() > deadline:
@@ -304,3 +307,88 @@ def test_a_quiet_partition_does_not_stall_the_windows(
     finally:
         for worker in job.workers:
             worker.kill()
+
+
+def test_a_backlog_waiting_through_a_savepoint_pause_is_not_late(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """Partition 1 holds orders a minute ahead in event time and then goes quiet (idle after
+    2 s: partition 0 alone holds the watermark back); partition 0 keeps receiving orders. A
+    savepoint request pauses the worker for 3 idle timeouts while partition 0's backlog grows
+    in Kafka. Partition 0 must not count as idle then: if it did, every input would be idle,
+    the watermark would jump to partition 1's, the windows would fire without the backlog and
+    its orders would be late. Every window must come out with every order, and none late."""
+    job = WindowJob(kafka_bootstrap, unique_name, tmp_path, workers=1, idle=2.0)
+    worker = job.workers[0]
+    config = {"bootstrap.servers": kafka_bootstrap}
+    lock = threading.Lock()
+
+    def order(ts: int, partition: int, producer: Producer) -> None:
+        with lock:
+            event = {"order_id": len(job.events), "customer": f"c{len(job.events) % 4}"}
+            event |= {"amount": 1 + len(job.events) % 7, "ts": ts}
+            job.events.append(event)
+        producer.produce(
+            job.orders, orjson.dumps(event), str(event["order_id"]).encode(), partition=partition
+        )
+
+    stop = threading.Event()
+
+    def trickle() -> None:  # partition 0: event time as fast as real time, from the base on
+        producer = Producer({"bootstrap.servers": kafka_bootstrap, "linger.ms": 5})
+        ts = job.base
+        while not stop.is_set():
+            ts += 20
+            order(ts, 0, producer)
+            producer.poll(0)
+            time.sleep(0.02)
+        producer.flush(30)
+
+    ahead = Producer({"bootstrap.servers": kafka_bootstrap})
+    request = control.new_request_id()
+    ack = tmp_path / "checkpoints" / unique_name / "savepoints" / "_requests" / request / "w0.json"
+    try:
+        worker.start()
+        for i in range(100):
+            order(job.base + 60_000 + 10 * i, 1, ahead)
+        ahead.flush(30)
+        thread = threading.Thread(target=trickle, daemon=True)
+        thread.start()
+        try:
+            # Partition 0's first window closes by its own watermark: the worker runs, and
+            # partition 1 (idle) no longer holds it back.
+            first = {w for w in expected_windows(job.events)[0] if w[2] <= job.base + 1_000}
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # the output never goes quiet: short reads
+                got, _ = results_by_window(
+                    read_results(kafka_bootstrap, job.per_minute, time.monotonic() + 1)
+                )
+                if set(got) >= first:
+                    break
+            assert set(got) >= first, f"no window of partition 0 came out\n{job.logs()}"
+            control.send(config, unique_name, "savepoint", request)
+            deadline = time.monotonic() + 60
+            while not ack.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert ack.exists(), f"the worker did not acknowledge the savepoint\n{job.logs()}"
+            assert orjson.loads(ack.read_bytes())["status"] == "paused"
+            time.sleep(6.0)  # paused for 3 idle timeouts while partition 0's backlog grows
+            control.send(config, unique_name, "resume", request)
+            time.sleep(3.0)
+        finally:
+            stop.set()
+            thread.join(30)
+        job.clock = job.base + 120_000
+        job.flush_windows()
+        tumbling, _ = expected_windows(job.events)
+        got = wait_for_windows(job, job.per_minute, tumbling, 60)
+        wrong = {w: (got.get(w), v) for w, v in tumbling.items() if got.get(w) != v}
+        assert not wrong, (
+            f"{len(wrong)} of {len(tumbling)} windows wrong (got, expected), e.g. "
+            f"{sorted(wrong.items())[:3]}\n{job.logs()}"
+        )
+        late = read_results(kafka_bootstrap, f"{unique_name}.dead-letter", time.monotonic() + 5)
+        assert not late, f"{len(late)} orders were late: the watermark jumped past them"
+        print(f"\nsavepoint pause: {len(job.events)} orders, {len(tumbling)} windows, none late")
+    finally:
+        worker.kill()

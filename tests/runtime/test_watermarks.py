@@ -55,6 +55,58 @@ def test_when_every_channel_is_idle_the_watermark_moves_to_the_largest() -> None
     assert clock.advance(2.0, {}) and clock.watermark == 49 and clock.idle
 
 
+class Ends:
+    """What Kafka says of each partition's end, as runtime/source_ends.py answers: True (read
+    to its end), False (records wait, or unknown), None (asked, no answer yet)."""
+
+    def __init__(self, **answers: bool | None) -> None:
+        self.answers = {A: answers.get("a"), B: answers.get("b")}
+        self.asked: list[tuple[str, int]] = []
+
+    def __call__(self, tp: tuple[str, int]) -> bool | None:
+        self.asked.append(tp)
+        return self.answers[tp]
+
+
+def test_a_quiet_partition_with_records_waiting_in_kafka_is_not_idle() -> None:
+    """A paused consumer (a savepoint being written) reads nothing, locally every channel is
+    quiet; B's backlog in Kafka keeps B holding the watermark back, so the records it then
+    reads are not late. Before, both went idle and the watermark jumped to A's."""
+    ends = Ends(a=True, b=False)
+    clock = TaskClock(
+        {A: SourceChannelClock(0, 2.0, 0.0, A), B: SourceChannelClock(0, 2.0, 0.0, B)}
+    )
+    clock.observe(A, 500, 1.0)
+    clock.observe(B, 10, 1.0)
+    assert clock.advance(1.5, {}, ends) and clock.watermark == 9
+    assert not clock.advance(5.0, {}, ends) and clock.watermark == 9 and not clock.idle
+    assert ends.asked == [A, B]  # asked only once the timeout passed
+    # B's answer restarts its timeout: not asked again before another 2 s of quiet.
+    assert not clock.advance(6.0, {}, ends) and ends.asked == [A, B]
+    assert not clock.advance(7.5, {}, ends) and ends.asked == [A, B, B]
+    # A is idle for good until a record comes: not asked again.
+    assert ends.asked.count(A) == 1
+    # B's backlog read to the end: B idle too, and then the largest watermark.
+    ends.answers[B] = True
+    clock.observe(B, 40, 8.0)
+    assert clock.advance(8.5, {}, ends) and clock.watermark == 39
+    assert clock.advance(10.5, {}, ends) and clock.watermark == 499 and clock.idle
+
+
+def test_a_partition_is_not_idle_while_kafka_has_not_answered() -> None:
+    ends = Ends(a=None, b=None)
+    clock = TaskClock({A: SourceChannelClock(0, 1.0, 0.0, A)})
+    clock.observe(A, 50, 0.0)
+    assert clock.advance(0.5, {}, ends)
+    assert not clock.advance(5.0, {}, ends) and not clock.idle
+    ends.answers[A] = True
+    assert not clock.advance(5.1, {}, ends) and clock.idle
+    clock.observe(A, 60, 6.0)  # a record: no longer known to be at its end
+    assert clock.advance(6.0, {}, ends) and not clock.idle
+    ends.answers[A] = False
+    assert not clock.advance(7.5, {}, ends) and not clock.idle
+
+
 def test_upstream_watermark_is_the_minimum_over_every_writer() -> None:
     channel = UpstreamChannelClock(frozenset({"p0", "p1"}))
     channel.update(WatermarkRecord("p0", 100, False))

@@ -51,6 +51,7 @@ from snapline.pipeline.runtime.operators import (
 from snapline.pipeline.runtime.timers import processing_time_ms
 from snapline.pipeline.runtime.transaction import TransactionalOutput, record_size
 from snapline.pipeline.runtime.watermarks import (
+    AtEnd,
     ChannelClock,
     SourceChannelClock,
     TaskClock,
@@ -120,6 +121,7 @@ class Task:
         time_state: dict[str, Any] | None = None,
         clock: Callable[[], int] = processing_time_ms,
         ttl_sweep_interval: float = 60.0,
+        source_ends: AtEnd = None,
     ) -> None:
         self.task_id = task_id
         self.pipeline = pipeline
@@ -155,6 +157,9 @@ class Task:
         }
         self._ttl_sweep_interval = ttl_sweep_interval
         self._last_ttl_sweep = time.monotonic()
+        #: Asks Kafka whether a source partition is read to its end before its channel is
+        #: called idle (runtime/source_ends.py); None: no Kafka, local silence decides.
+        self.source_ends = source_ends
         self.clock = TaskClock(self._channel_clocks())
         self.clock.restore(time_state)
         #: The task's event-time watermark (never decreasing) and whether all inputs are idle.
@@ -175,7 +180,7 @@ class Task:
                 assert isinstance(ooo, int)
                 idle = source.idle_timeout
                 assert idle is None or isinstance(idle, float)
-                clocks[tp] = SourceChannelClock(ooo, idle, now)
+                clocks[tp] = SourceChannelClock(ooo, idle, now, tp)
             else:
                 clocks[tp] = UpstreamChannelClock(self._upstream_writers(tp[0]))
         return clocks
@@ -364,7 +369,7 @@ class Task:
     def _advance_time(self, now: float) -> None:
         backlog = {c.tp: bool(c.items) for c in self._channel_list}
         idle = self.clock.idle
-        if self.clock.advance(now, backlog):
+        if self.clock.advance(now, backlog, self.source_ends):
             self._set_watermark(self.clock.watermark)
         elif idle != self.clock.idle:
             self._time_moved = True

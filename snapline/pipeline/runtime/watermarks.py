@@ -4,7 +4,8 @@ watermark records that carry a task's watermark across a repartition topic (DESI
 A watermark W says "no more records with event time <= W are expected". A source channel's is
 ``max timestamp seen - max_out_of_orderness - 1``; a repartition channel's is the minimum over
 the upstream tasks that write to it (each sends ``WatermarkRecord``s inside its transaction).
-A channel with nothing to read for ``idle_timeout`` seconds is idle and does not hold the
+A source channel with nothing to read for ``idle_timeout`` seconds, whose partition Kafka
+says is read to its end (``AtEnd``: runtime/source_ends.py), is idle and does not hold the
 task back; an upstream task whose inputs are all idle says so in its watermark record. The
 task's watermark is the minimum over its active channels and never goes backwards, across
 restores too: ``TaskClock.snapshot`` travels in the task's checkpoint metadata. When every
@@ -16,7 +17,7 @@ Pure logic; the task thread owns a clock (``now`` is ``time.monotonic()``, passe
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,10 @@ MAX_WATERMARK = (1 << 63) - 1
 WATERMARK_KEY_TAG = b"w"
 
 TopicPartitionKey = tuple[str, int]
+#: Whether a source partition is read to its end in Kafka: True, False (records wait, or it
+#: cannot tell), None (the answer is on its way). None as a whole: no Kafka (the testing
+#: harness), nothing local means nothing to read.
+AtEnd = Callable[[TopicPartitionKey], bool | None] | None
 
 
 @dataclass(frozen=True)
@@ -59,14 +64,24 @@ class WatermarkRecord:
 class SourceChannelClock:
     """Bounded out-of-orderness over one source partition's record timestamps."""
 
-    def __init__(self, out_of_orderness: int, idle_timeout: float | None, now: float) -> None:
+    def __init__(
+        self,
+        out_of_orderness: int,
+        idle_timeout: float | None,
+        now: float,
+        tp: TopicPartitionKey = ("", -1),
+    ) -> None:
         self.out_of_orderness = out_of_orderness
         self.idle_timeout = idle_timeout
+        self.tp = tp
         self.max_timestamp = MIN_WATERMARK
         self.last_active = now
+        #: Kafka said the partition was read to its end since the last record.
+        self.at_end = False
 
     def observe(self, max_timestamp: int | None, now: float) -> None:
         self.last_active = now
+        self.at_end = False
         if max_timestamp is not None and max_timestamp > self.max_timestamp:
             self.max_timestamp = max_timestamp
 
@@ -75,9 +90,24 @@ class SourceChannelClock:
             return MIN_WATERMARK
         return self.max_timestamp - self.out_of_orderness - 1
 
-    def idle(self, now: float, backlog: bool) -> bool:
+    def idle(self, now: float, backlog: bool, at_end: AtEnd = None) -> bool:
+        """Nothing to process for ``idle_timeout`` seconds and, when ``at_end`` can ask
+        Kafka, nothing waiting there either. Records waiting (or no way to tell) restart the
+        timeout: a partition the consumer is not reading (paused for a savepoint, restoring,
+        cut off from the broker) is not idle while its backlog waits."""
         timeout = self.idle_timeout
-        return timeout is not None and not backlog and now - self.last_active >= timeout
+        if timeout is None or backlog or now - self.last_active < timeout:
+            return False
+        if self.at_end or at_end is None:
+            return True
+        answer = at_end(self.tp)
+        if answer is None:
+            return False
+        if answer:
+            self.at_end = True
+            return True
+        self.last_active = now
+        return False
 
     def snapshot(self) -> dict[str, Any]:
         return {"max": self.max_timestamp}
@@ -108,7 +138,7 @@ class UpstreamChannelClock:
         active = [w for w, idle in self.latest.values() if not idle]
         return min(active) if active else max(w for w, _ in self.latest.values())
 
-    def idle(self, now: float, backlog: bool) -> bool:
+    def idle(self, now: float, backlog: bool, at_end: AtEnd = None) -> bool:
         return (
             not backlog
             and len(self.latest) >= len(self.writers)
@@ -147,12 +177,14 @@ class TaskClock:
         if isinstance(clock, UpstreamChannelClock):
             clock.update(record)
 
-    def advance(self, now: float, backlog: Mapping[TopicPartitionKey, bool]) -> bool:
+    def advance(
+        self, now: float, backlog: Mapping[TopicPartitionKey, bool], at_end: AtEnd = None
+    ) -> bool:
         """Recompute; True if the watermark moved forward."""
         active = [
             clock.watermark()
             for tp, clock in self.channels.items()
-            if not clock.idle(now, backlog.get(tp, False))
+            if not clock.idle(now, backlog.get(tp, False), at_end)
         ]
         self.idle = not active
         if active:

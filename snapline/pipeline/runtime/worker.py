@@ -100,6 +100,7 @@ from snapline.pipeline.runtime.liveness import DEFAULT_TIMEOUT as DEFAULT_LIVENE
 from snapline.pipeline.runtime.liveness import Liveness, Watchdog
 from snapline.pipeline.runtime.local_lock import lock_local_dir
 from snapline.pipeline.runtime.metrics import WorkerMetrics
+from snapline.pipeline.runtime.source_ends import SourceEnds
 from snapline.pipeline.runtime.task import Task, TaskSnapshot
 from snapline.pipeline.runtime.transaction import (
     FencedError,
@@ -294,6 +295,9 @@ class Worker:
         self._watch = ConsumerWatch(
             float(os.environ.get("SNAPLINE_TEST_CONSUMER_LIMIT") or max(WATCH_LIMIT, 3 * session_s))
         )
+        #: Before a source partition is called idle, Kafka is asked whether it is read to
+        #: its end (a paused or lagging consumer's backlog is not idleness).
+        self._source_ends = SourceEnds(self._background_admin, self._read_position)
         self.faults.hooks = {
             "leave": lambda: self.consumer.unsubscribe(),
             "stall": lambda: self.consumer.pause(self._task_partitions()),
@@ -461,6 +465,7 @@ class Worker:
         for task in self.tasks.values():
             task.close()
         self.tasks = {}
+        self._source_ends.forget()
 
     def _remove_moved_task_dirs(self) -> None:
         """Local state of tasks that moved to another worker is deleted (kept ones are reused
@@ -628,6 +633,7 @@ class Worker:
             plan=self.plan,
             topic_partitions=self._topic_partitions,
             time_state=meta.time if meta is not None else None,
+            source_ends=self._source_ends,
         )
         task.recover_sinks(ref.checkpoint_id if ref else None, meta.sinks if meta else {})
         self.tasks[task_id] = task
@@ -889,15 +895,34 @@ class Worker:
                 below += [TopicPartition(t, p, o) for (t, p), o in history[0].items() if o > 0]
         if not below:
             return
-        if self._admin is None:
-            self._admin = AdminClient(self._kafka_config)
         try:
-            futures = self._admin.delete_records(below, request_timeout=10, operation_timeout=0)
+            futures = self._background_admin().delete_records(
+                below, request_timeout=10, operation_timeout=0
+            )
         except (KafkaException, ValueError) as exc:
             log.warning("deleting consumed repartition records: %s", exc)
             return
         for tp, future in futures.items():
             future.add_done_callback(_log_delete_failure(tp))
+
+    def _background_admin(self) -> AdminClient:
+        """The worker's long-lived admin client, for requests answered in the background."""
+        if self._admin is None:
+            self._admin = AdminClient(self._kafka_config)
+        return self._admin
+
+    def _read_position(self, tp: tuple[str, int]) -> int:
+        """The consumer's position in ``tp`` (past transaction markers), or, before it has
+        fetched anything there, the offset the partition's task starts from (-1: unknown)."""
+        try:
+            found = self.consumer.position([TopicPartition(tp[0], tp[1])])[0].offset
+        except KafkaException:
+            found = -1
+        if found >= 0:
+            return found
+        task = self.tasks.get(task_id_for(self._stage_of_topic[tp[0]], tp[1]))
+        channel = task.channels.get(tp) if task is not None else None
+        return channel.next_offset if channel is not None else -1
 
     def _offsets_sent(self) -> None:
         self.faults.point("after_offsets_sent")
@@ -1536,6 +1561,7 @@ class Worker:
         for task in self.tasks.values():
             task.close()
         self.tasks = {}
+        self._source_ends.forget()
         self.liveness.allow(2 * SHUTDOWN_BOUND)  # each of the two waits below is bounded
         self.hung_jobs = self.coordinator.shutdown()
         self.hung_jobs += self.metrics.close()
