@@ -58,6 +58,12 @@ log = logging.getLogger(__name__)
 STAGING_DIR = "_staging"
 COMMITS_DIR = "_commits"
 SCHEMA_FILE = "_schema.arrow"
+#: The schema file's metadata key holding its checksum (not part of the table's schema).
+SCHEMA_CHECKSUM_KEY = b"snapline.checksum"
+_SCHEMA_FIX = (
+    "restore it from a backup, or delete it to have the next writer record its schema again "
+    "(the schema the sink is given, or the one inferred from its first rows)"
+)
 HIVE_DEFAULT_PARTITION = "__HIVE_DEFAULT_PARTITION__"
 DEFAULT_TARGET_FILE_SIZE = 128 * 1024 * 1024
 #: Rows converted to Arrow at once; larger chunks amortise the conversion better.
@@ -321,12 +327,35 @@ class RowConverter:
             )
 
 
+def _checked_schema_bytes(schema: pa.Schema) -> bytes:
+    """``schema`` as an Arrow IPC message whose metadata carries the CRC-32 of the message
+    without it, so that a changed byte of ``_schema.arrow`` (a column renamed or retyped,
+    whose values would then be written as nulls or refused) is detected at open."""
+    raw = schema.serialize().to_pybytes()
+    metadata = {**(schema.metadata or {}), SCHEMA_CHECKSUM_KEY: crc32_checksum(raw).encode()}
+    return bytes(schema.with_metadata(metadata).serialize().to_pybytes())
+
+
 def _read_table_schema(table: Path) -> pa.Schema | None:
+    path = table / SCHEMA_FILE
     try:
-        data = (table / SCHEMA_FILE).read_bytes()
+        data = path.read_bytes()
     except FileNotFoundError:
         return None
-    return pa.ipc.read_schema(pa.py_buffer(data))
+    try:
+        schema = pa.ipc.read_schema(pa.py_buffer(data))
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise SinkError(
+            f"ParquetSink: {path} is not an Arrow schema ({exc}); {_SCHEMA_FIX}"
+        ) from exc
+    metadata = dict(schema.metadata or {})
+    checksum = metadata.pop(SCHEMA_CHECKSUM_KEY, None)
+    schema = schema.with_metadata(metadata) if metadata else schema.remove_metadata()
+    if checksum is None:  # written before checksums
+        return schema
+    if crc32_checksum(schema.serialize().to_pybytes()).encode() != checksum:
+        raise SinkError(f"ParquetSink: {path} failed its checksum; {_SCHEMA_FIX}")
+    return schema
 
 
 def _store_table_schema(table: Path, schema: pa.Schema) -> tuple[pa.Schema, bool]:
@@ -336,7 +365,7 @@ def _store_table_schema(table: Path, schema: pa.Schema) -> tuple[pa.Schema, bool
     final = table / SCHEMA_FILE
     tmp = table / f".{SCHEMA_FILE}.{uuid.uuid4().hex}.tmp"
     with open(tmp, "wb") as handle:
-        handle.write(schema.serialize().to_pybytes())
+        handle.write(_checked_schema_bytes(schema))
         handle.flush()
         os.fsync(handle.fileno())
     created = False

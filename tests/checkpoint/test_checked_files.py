@@ -1,4 +1,5 @@
-"""Small JSON files with a checksum (the id floor, the Spark runners' pre-commit records)."""
+"""Small JSON files with a checksum (the id floor, the Spark runners' pre-commit records, the
+job identity)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ from pathlib import Path
 import orjson
 import pytest
 
+from snapline.pipeline.checkpoint.identity import (
+    IDENTITY_FILE,
+    JobIdentity,
+    check_storage_identity,
+)
 from snapline.pipeline.checkpoint.metadata import (
     ID_FLOOR_FILE,
     decode_checked,
@@ -15,7 +21,7 @@ from snapline.pipeline.checkpoint.metadata import (
     read_id_floor,
 )
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
-from snapline.pipeline.errors import CorruptCheckpointError
+from snapline.pipeline.errors import ConfigurationError, CorruptCheckpointError
 
 
 def test_a_checked_file_round_trips_and_a_changed_byte_is_detected() -> None:
@@ -46,3 +52,20 @@ def test_the_id_floor_only_rises_and_its_corruption_is_detected(tmp_path: Path) 
     path.write_bytes(path.read_bytes().replace(b"17", b"12"))
     with pytest.raises(CorruptCheckpointError, match="failed its checksum"):
         read_id_floor(storage, "job")
+
+
+def test_a_changed_job_identity_is_corruption_not_another_cluster(tmp_path: Path) -> None:
+    """One changed byte of the recorded cluster id was reported as "the job ran on another
+    cluster" (and the fix offered: a new checkpoint directory); now it fails its checksum."""
+    storage = CheckpointStorage(str(tmp_path))
+    identity = JobIdentity("orders", "cluster-AAAA")
+    check_storage_identity(storage, identity, "kafka:9092")
+    check_storage_identity(storage, identity, "kafka:9092")  # recorded, then verified
+    path = tmp_path / "orders" / IDENTITY_FILE
+    path.write_bytes(path.read_bytes().replace(b"AAAA", b"AAAB"))
+    with pytest.raises(CorruptCheckpointError, match="failed its checksum"):
+        check_storage_identity(storage, identity, "kafka:9092")
+    path.write_bytes(orjson.dumps({"job": "orders", "cluster_id": "cluster-AAAA"}))
+    check_storage_identity(storage, identity, "kafka:9092")  # written before checksums
+    with pytest.raises(ConfigurationError, match="is cluster other"):
+        check_storage_identity(storage, JobIdentity("orders", "other"), "kafka:9092")

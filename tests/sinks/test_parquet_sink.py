@@ -501,6 +501,30 @@ def test_schema_is_inferred_once_and_shared_by_tasks(table: Path) -> None:
     assert [v["id"] for v, _, _ in dead] == ["c"]
 
 
+def test_a_changed_byte_of_the_table_schema_is_detected_at_open(table: Path) -> None:
+    """A renamed column in _schema.arrow made the next writers drop that column's values (a
+    warning per job); now the file fails its checksum when a writer opens. A schema file
+    written before checksums is still read."""
+    sink = ParquetSink(table)
+    first, _ = make_writer(sink, task="t-0")
+    first.write_batch(records(rows_for(1)), 1)
+    metadata(first.pre_commit(1))
+    first.commit(1)
+    path = table / parquet_module.SCHEMA_FILE
+    good = path.read_bytes()
+    assert good.count(b"amount") == 1
+    path.write_bytes(good.replace(b"amount", b"amounu"))
+    with pytest.raises(SinkError, match="_schema.arrow failed its checksum; restore it"):
+        make_writer(sink, task="t-1")
+    legacy = pa.ipc.read_schema(pa.py_buffer(good)).remove_metadata()
+    path.write_bytes(legacy.serialize().to_pybytes())
+    second, _ = make_writer(sink, task="t-1")
+    second.write_batch(records(rows_for(2)), 2)
+    metadata(second.pre_commit(2))
+    second.commit(2)
+    assert sorted(r["amount"] for r in visible(table)) == sorted([float(i) for i in range(5)] * 2)
+
+
 def test_infer_schema_takes_every_key_and_widens_numbers() -> None:
     schema = infer_schema([{"a": 1}, {"a": 2.5, "b": "x"}, {"c": None}])
     assert schema == pa.schema([("a", pa.float64()), ("b", pa.string()), ("c", pa.string())])

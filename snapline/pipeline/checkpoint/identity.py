@@ -4,8 +4,9 @@ log belongs to, so a job pointed at another cluster is refused instead of mixing
 Committed Kafka offsets name the checkpoint to restore; on another cluster (a fresh embedded
 broker, a failover cluster, a recreated one) the same group has no such offsets, and a worker
 that trusted the absence would start from scratch beside the old checkpoints and append a
-second history to the sinks. The first worker of a job records ``{"job", "cluster_id"}``; every
-later start compares and stops on a mismatch with a message saying what differs.
+second history to the sinks. The first worker of a job records ``{"job", "cluster_id"}``
+(checksummed: a changed byte is reported as corruption, not as "another cluster"); every later
+start compares and stops on a mismatch with a message saying what differs.
 
 Threads: the task thread, at start and when a task (and its sink writers) opens.
 """
@@ -15,8 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
+from snapline.pipeline.checkpoint.metadata import decode_checked, encode_checked
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.errors import CheckpointError, ConfigurationError
 
@@ -31,14 +31,16 @@ class JobIdentity:
     cluster_id: str
 
     def to_json(self) -> bytes:
-        return orjson.dumps({"job": self.job, "cluster_id": self.cluster_id})
+        return encode_checked({"job": self.job, "cluster_id": self.cluster_id})
 
     @staticmethod
     def from_json(data: bytes, where: str) -> JobIdentity:
+        """The recorded identity; CorruptCheckpointError if the file fails its checksum (one
+        written before checksums, a bare ``{"job", "cluster_id"}``, is still read)."""
+        body: Any = decode_checked(data, where, legacy_key="cluster_id")
         try:
-            body: dict[str, Any] = orjson.loads(data)
             return JobIdentity(str(body["job"]), str(body["cluster_id"]))
-        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        except (KeyError, TypeError) as exc:
             raise CheckpointError(f"{where} is not a Snapline job identity file: {exc}") from exc
 
     def check(
