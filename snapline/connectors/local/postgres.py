@@ -374,7 +374,10 @@ def stop_recorded_server(directory: str | os.PathLike[str], timeout: float = 30.
         state = json.loads(state_path.read_text("utf-8"))
     except (OSError, ValueError):
         return False
-    pid = int(state["pid"])
+    pid = _recorded_pid(state)
+    if pid is None:  # not running, or its pid now belongs to another process: never signal it
+        state_path.unlink(missing_ok=True)
+        return False
     try:
         os.kill(pid, signal.SIGINT)
     except ProcessLookupError:
@@ -393,12 +396,29 @@ def stop_recorded_server(directory: str | os.PathLike[str], timeout: float = 30.
     return True
 
 
+def _recorded_pid(state: dict[str, Any]) -> int | None:
+    """The recorded server's pid if that server still runs: PostgreSQL's own
+    ``postmaster.pid`` in the recorded data directory names the same pid. A state file left
+    by a server that died (a reboot, a SIGKILL) names a pid the system may have given to any
+    other process since."""
+    try:
+        pid = int(state["pid"])
+        lines = (Path(state["data_dir"]) / "postmaster.pid").read_text("utf-8").splitlines()
+        if not lines or int(lines[0]) != pid:
+            return None
+        os.kill(pid, 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return pid
+
+
 def _recorded_running(directory: str) -> str | None:
     """The DSN of the server recorded in ``directory`` if it still runs."""
     try:
         state = json.loads((Path(directory) / STATE_FILE).read_text("utf-8"))
-        os.kill(int(state["pid"]), 0)
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict) or _recorded_pid(state) is None:
         return None
     return str(state["dsn"])
 
