@@ -16,11 +16,13 @@ from snapline import (
     KafkaSource,
     KeyedProcessFunction,
     ListState,
+    MapState,
     Pipeline,
     ValueState,
 )
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.errors import CorruptCheckpointError
+from snapline.pipeline.savepoint.export import _state_description
 from snapline.pipeline.savepoint.format import (
     ENTRY_SCHEMA,
     OperatorState,
@@ -70,13 +72,20 @@ def pipeline(*functions: tuple[KeyedProcessFunction, str | None]) -> Pipeline:
     return p
 
 
-def savepoint_of(p: Pipeline) -> SavepointMetadata:
+def savepoint_of(p: Pipeline, legacy: bool = True) -> SavepointMetadata:
+    """``legacy``: states described as savepoints did before TTLs and map key serdes were
+    recorded (name, kind, serde); else as the export writes them now."""
     uids = p.operator_uids()
     operators = [
         OperatorState(
             uids[node_id],
             "keyed",
-            [{k: d.describe()[k] for k in ("name", "kind", "serde")} for _, d in entries],
+            [
+                {k: d.describe()[k] for k in ("name", "kind", "serde")}
+                if legacy
+                else _state_description(d.describe())
+                for _, d in entries
+            ],
             [],
         )
         for node_id, entries in p.state_ids().items()
@@ -103,6 +112,47 @@ def test_a_kind_change_is_refused_naming_the_state() -> None:
     old = savepoint_of(pipeline((Total(), "total")))
     with pytest.raises(ConfigurationError, match="state 'total' of operator 'total' is a value"):
         match_states(pipeline((TotalAsList(), "total")), old, allow_non_restored=False)
+
+
+def Expiring(ttl: float | None, key_serde: str = "json") -> KeyedProcessFunction:  # noqa: N802
+    """A function whose states are declared with ``ttl`` and map ``key_serde``."""
+
+    class Function(KeyedProcessFunction):
+        total = ValueState("total", default=0, ttl=ttl)
+        seen = MapState("seen", key_serde=key_serde)
+
+        def process(self, value: Any, ctx: Context) -> None:
+            self.total.update(self.total.value() + 1)
+
+    return Function()
+
+
+def test_adding_or_removing_a_ttl_is_refused_changing_it_is_not() -> None:
+    """A value of a state with a TTL is stored behind its expiry: restored into the same
+    state without one, every read failed; restored with one added, every count read as
+    expired in 1970 and was gone (an audit's repro). Savepoints did not record the TTL."""
+    with_ttl = savepoint_of(pipeline((Expiring(3600), "total")), legacy=False)
+    without = savepoint_of(pipeline((Expiring(None), "total")), legacy=False)
+    with pytest.raises(ConfigurationError, match="has ttl=3600000 ms in the savepoint but no"):
+        match_states(pipeline((Expiring(None), "total")), with_ttl, allow_non_restored=False)
+    with pytest.raises(ConfigurationError, match="has no TTL in the savepoint but ttl=60000"):
+        match_states(pipeline((Expiring(60), "total")), without, allow_non_restored=False)
+    assert ("total", "total") in match_states(
+        pipeline((Expiring(60), "total")), with_ttl, allow_non_restored=False
+    )
+    # A savepoint written before the TTL was recorded is not checked for it.
+    legacy = savepoint_of(pipeline((Expiring(None), "total")))
+    assert ("total", "total") in match_states(
+        pipeline((Expiring(60), "total")), legacy, allow_non_restored=False
+    )
+
+
+def test_a_map_key_serde_change_is_refused() -> None:
+    old = savepoint_of(pipeline((Expiring(None), "total")), legacy=False)
+    with pytest.raises(ConfigurationError, match="map keys with serde 'json' in the savepoint"):
+        match_states(
+            pipeline((Expiring(None, key_serde="string"), "total")), old, allow_non_restored=False
+        )
 
 
 def test_state_without_a_place_is_refused_unless_allowed() -> None:

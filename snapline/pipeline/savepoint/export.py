@@ -324,6 +324,16 @@ def _state_progress(files: dict[str, list[SavepointFile]]) -> str:
     return f"state ({rows:,} rows, {size / 1e6:.1f} MB)"
 
 
+def _state_description(described: dict[str, Any]) -> dict[str, Any]:
+    """What a restore must match of a state: name, kind, serde, TTL (None: none; stored
+    values carry an expiry stamp only with one) and a map's key serde (its keys' bytes)."""
+    out = {k: described[k] for k in ("name", "kind", "serde")}
+    out["ttl_ms"] = described.get("ttl_ms")
+    if "key_serde" in described:
+        out["key_serde"] = described["key_serde"]
+    return out
+
+
 def default_savepoint_uri(checkpoint_dir: str, job: str) -> str:
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     return f"{checkpoint_dir.rstrip('/')}/{job}/savepoints/sp-{stamp}-{uuid.uuid4().hex[:6]}"
@@ -497,7 +507,7 @@ def export_savepoint(
                 files[uid].append(entry)
                 partitioning[uid] = "source" if entry.key_groups is None else "keyed"
                 states[uid] = [
-                    {k: d[k] for k in ("name", "kind", "serde")}
+                    _state_description(d)
                     for d in meta.states
                     if (d.get("uid") or pipeline.operator_uids().get(int(d["operator"]))) == uid
                 ]

@@ -117,6 +117,24 @@ def match_states(
                     "code; keep its kind and serde, or rename the state to start it empty"
                 )
                 continue
+            # Savepoints written before these were recorded cannot be checked for them.
+            if "ttl_ms" in state and (state["ttl_ms"] is None) != (now.get("ttl_ms") is None):
+                had = "no TTL" if state["ttl_ms"] is None else f"ttl={state['ttl_ms']} ms"
+                has = "no TTL" if now.get("ttl_ms") is None else f"ttl={now['ttl_ms']} ms"
+                problems.append(
+                    f"{where} has {had} in the savepoint but {has} in the code; values of a "
+                    "state with a TTL are stored with their expiry, so a TTL can be changed "
+                    "but not added or removed: keep it as it was, or rename the state to "
+                    "start it empty"
+                )
+                continue
+            if "key_serde" in state and state["key_serde"] != now.get("key_serde"):
+                problems.append(
+                    f"{where} has map keys with serde {state['key_serde']!r} in the savepoint "
+                    f"but {now.get('key_serde')!r} in the code; keep the key serde, or rename "
+                    "the state to start it empty"
+                )
+                continue
             mapping[(op.uid, state["name"])] = StateMapping(op.uid, state["name"], node_id, sid)
     if problems:
         raise ConfigurationError("cannot restore the savepoint: " + "; ".join(problems))
