@@ -17,14 +17,15 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
-from confluent_kafka import Consumer, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient
+from confluent_kafka import Consumer, IsolationLevel, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from snapline.pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint
 from snapline.pipeline.checkpoint.restore import restore_committed
@@ -270,7 +271,26 @@ def read_in_flight(
     topic: str,
     starts: dict[int, int],
 ) -> pa.Table:
-    """Committed records of ``topic`` from ``starts`` (partition -> offset) to its end."""
+    """Committed records of ``topic`` from ``starts`` (partition -> offset) to its end.
+
+    The end is the high watermark, not the last stable offset a read_committed reader is told:
+    a transaction left open (a worker killed in its epoch) hides the records other tasks
+    committed behind it until it is aborted, at the latest ``transaction.timeout.ms`` after
+    it began. Each partition is finished when the consumer's position (past transaction
+    markers and aborted records) reaches its end; one not finished within
+    ``IN_FLIGHT_TIMEOUT`` is an error, never a savepoint that silently lacks records."""
+    if not starts:
+        return IN_FLIGHT_SCHEMA.empty_table()
+    admin = AdminClient(kafka_config)
+    try:
+        found = admin.list_offsets(
+            {TopicPartition(topic, p): OffsetSpec.latest() for p in starts},
+            isolation_level=IsolationLevel.READ_UNCOMMITTED,
+            request_timeout=30,
+        )
+        ends = {tp.partition: f.result(timeout=35).offset for tp, f in found.items()}
+    except (KafkaException, FutureTimeout) as exc:
+        raise CheckpointError(f"cannot read the end offsets of {topic}: {exc}") from exc
     consumer = Consumer(
         {
             **kafka_config,
@@ -282,29 +302,29 @@ def read_in_flight(
     )
     columns: dict[str, list[Any]] = {name: [] for name in IN_FLIGHT_SCHEMA.names}
     try:
-        ends = {
-            p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1]
-            for p in starts
-        }
         todo = {p for p in starts if starts[p] < ends[p]}
         if todo:
             consumer.assign([TopicPartition(topic, p, starts[p]) for p in sorted(todo)])
         deadline = time.monotonic() + IN_FLIGHT_TIMEOUT
-        quiet = 0
-        while todo and quiet < 4:
+        while todo:
             if time.monotonic() > deadline:
+                positions = consumer.position([TopicPartition(topic, p) for p in sorted(todo)])
+                where = {
+                    p.partition: f"at {max(p.offset, starts[p.partition])} of {ends[p.partition]}"
+                    for p in positions
+                }
                 raise CheckpointError(
                     f"reading the records in flight in {topic} took over "
-                    f"{IN_FLIGHT_TIMEOUT:.0f}s; partitions not finished: {sorted(todo)}"
+                    f"{IN_FLIGHT_TIMEOUT:.0f}s; partitions not finished: {where}. A "
+                    "transaction left open (a worker killed in its epoch) holds readers back "
+                    "until it is aborted (transaction.timeout.ms after it began, or when that "
+                    "worker starts again); try again after that"
                 )
             batch = consumer.consume(5000, 0.5)
-            quiet = 0 if batch else quiet + 1
             for msg in batch:
                 if msg.error() is not None:
                     continue
                 p = msg.partition()
-                if msg.offset() >= ends[p] - 2:  # the last record (a commit marker may follow)
-                    todo.discard(p)
                 if (msg.key() or b"")[:1] == WATERMARK_KEY_TAG:
                     continue  # upstream watermarks: control, resent by upstream after a restore
                 columns["partition"].append(p)
@@ -312,6 +332,9 @@ def read_in_flight(
                 columns["key"].append(msg.key())
                 columns["value"].append(msg.value())
                 columns["timestamp"].append(msg.timestamp()[1])
+            for tp in consumer.position([TopicPartition(topic, p) for p in sorted(todo)]):
+                if tp.offset >= ends[tp.partition]:
+                    todo.discard(tp.partition)
     finally:
         consumer.close()
     return pa.table(columns, schema=IN_FLIGHT_SCHEMA)

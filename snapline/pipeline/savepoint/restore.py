@@ -64,7 +64,7 @@ from snapline.pipeline.savepoint.format import (
     read_table,
 )
 from snapline.pipeline.savepoint.pool import pool_size, run_jobs, scratch_options
-from snapline.pipeline.stages import SOURCE_STAGE, repartition_partition
+from snapline.pipeline.stages import SOURCE_STAGE, Repartition, repartition_partition
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.backend import StateHandle
 from snapline.pipeline.state.columns import build_stored_keys
@@ -259,8 +259,10 @@ def seed_from_savepoint(
     partitions = {t: topic_plan.partitions[t] for t in pipeline.source_topics()}
     for rep in plan.repartitions.values():
         partitions[rep.topic] = rep.partitions or default
-        _recreate_topic(admin, rep.topic, partitions[rep.topic], INTERNAL_TOPIC_CONFIG)
-    _produce_in_flight(pipeline, kafka_config, sp_storage, savepoint, partitions)
+    # Every check (names, checksums, state placement and loading) comes before the first
+    # change to Kafka: a refused restore must leave the job's repartition topics, which its
+    # committed checkpoints read from, as they were.
+    flights = _read_in_flight(pipeline, sp_storage, savepoint)
 
     # Checkpoint id: above every stored one of any task of the job.
     task_root = f"{pipeline.name}/tasks"
@@ -338,6 +340,9 @@ def seed_from_savepoint(
         tell(0, len(jobs))
         rows = sum(f.rows for op in savepoint.operators for f in op.files)
         loaded = run_jobs(load_task, jobs, pool_size(len(jobs), rows=rows), tell)
+        for rep in plan.repartitions.values():
+            _recreate_topic(admin, rep.topic, partitions[rep.topic], INTERNAL_TOPIC_CONFIG)
+        _produce_in_flight(pipeline, kafka_config, flights, partitions)
         for (task, positions), (handle, _) in zip(chosen, loaded, strict=True):
             TaskCheckpoint(
                 job=pipeline.name,
@@ -547,50 +552,63 @@ def _load_operator(
     return loaded
 
 
+def _read_in_flight(
+    pipeline: Pipeline, sp_storage: CheckpointStorage, savepoint: SavepointMetadata
+) -> list[tuple[Repartition, pa.Table]]:
+    """The savepoint's records in flight with the repartition each goes back into, read (and
+    checksummed) before anything is changed. Records in flight in a repartition the pipeline
+    no longer has are refused; an empty one is nothing to place."""
+    by_name = {rep.name: rep for rep in pipeline.stages().repartitions.values()}
+    flights = []
+    for flight in savepoint.in_flight:
+        rep = by_name.get(flight.name)
+        rows = sum(entry.rows for entry in flight.files)
+        if rep is None:
+            if rows == 0:
+                continue
+            raise ConfigurationError(
+                f"the savepoint has {rows} records in flight in repartition {flight.name!r}, "
+                "which the pipeline no longer has; keep key_by(name="
+                f"{flight.name!r}) for this restore, or take the savepoint again once nothing "
+                "is in flight (stop the sources' producers, let the job drain, then "
+                "snapline savepoint create --stop)"
+            )
+        for entry in flight.files:
+            flights.append((rep, read_table(sp_storage, entry)))
+    return flights
+
+
 def _produce_in_flight(
     pipeline: Pipeline,
     kafka_config: dict[str, Any],
-    sp_storage: CheckpointStorage,
-    savepoint: SavepointMetadata,
+    flights: list[tuple[Repartition, pa.Table]],
     partitions: dict[str, int],
 ) -> None:
     """The savepoint's in-flight records into the recreated repartition topics, each to the
     partition of its key-group (old partitions in order: per-key order is kept)."""
-    by_name = {rep.name: rep for rep in pipeline.stages().repartitions.values()}
     producer = Producer({**kafka_config, "enable.idempotence": True, "linger.ms": 20})
     maxp = pipeline.max_parallelism
     sent = 0
-    for flight in savepoint.in_flight:
-        rep = by_name.get(flight.name)
-        if rep is None:
-            raise ConfigurationError(
-                f"the savepoint has records in flight in repartition {flight.name!r}, which the "
-                "pipeline no longer has; take the savepoint with --stop after draining, or keep "
-                f"key_by(name={flight.name!r})"
-            )
+    for rep, table in flights:
         count = partitions[rep.topic]
-        for entry in flight.files:
-            rows = read_table(sp_storage, entry).sort_by(
-                [("partition", "ascending"), ("offset", "ascending")]
-            )
-            cols = rows.to_pydict()
-            for key, value, timestamp in zip(
-                cols["key"], cols["value"], cols["timestamp"], strict=True
-            ):
-                group = zlib.crc32(key[1:]) % maxp  # the key's first byte tags its type
-                while True:
-                    try:
-                        producer.produce(
-                            rep.topic,
-                            value,
-                            key,
-                            partition=repartition_partition(group, count, maxp),
-                            timestamp=timestamp,
-                        )
-                        break
-                    except BufferError:
-                        producer.poll(0.1)
-                sent += 1
+        cols = table.sort_by([("partition", "ascending"), ("offset", "ascending")]).to_pydict()
+        for key, value, timestamp in zip(
+            cols["key"], cols["value"], cols["timestamp"], strict=True
+        ):
+            group = zlib.crc32(key[1:]) % maxp  # the key's first byte tags its type
+            while True:
+                try:
+                    producer.produce(
+                        rep.topic,
+                        value,
+                        key,
+                        partition=repartition_partition(group, count, maxp),
+                        timestamp=timestamp,
+                    )
+                    break
+                except BufferError:
+                    producer.poll(0.1)
+            sent += 1
     if producer.flush(60):
         raise CheckpointError("records in flight could not be written back within 60 s")
     log.info("restored %d records in flight to the repartition topics", sent)

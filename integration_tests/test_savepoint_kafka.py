@@ -1,0 +1,130 @@
+"""Savepoints against a real broker, without workers: the records in flight are read to the
+end of each repartition partition even behind a transaction left open, and a restore that is
+refused changes nothing in Kafka."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from integration_tests.conftest import create_topic
+from snapline import ConfigurationError, KafkaSink, KafkaSource, Pipeline
+from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.errors import CheckpointError
+from snapline.pipeline.savepoint import export
+from snapline.pipeline.savepoint.format import (
+    IN_FLIGHT_SCHEMA,
+    METADATA_FILE,
+    InFlight,
+    SavepointMetadata,
+    write_table,
+)
+from snapline.pipeline.savepoint.restore import seed_from_savepoint
+
+pytestmark = [pytest.mark.integration]
+
+
+def test_records_in_flight_behind_an_open_transaction_are_waited_for_not_skipped(
+    kafka_bootstrap: str, admin: AdminClient, unique_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker killed in its epoch leaves its transaction open; records other tasks commit
+    behind it are invisible to read_committed readers until it is aborted. The reader used the
+    end a read_committed consumer is told (the last stable offset) and an idle poll as its
+    stop, so `savepoint create`/`from-checkpoint` wrote a savepoint without them, no error:
+    0 of 5 records in the audit's repro."""
+    topic = create_topic(admin, f"{unique_name}.rep")
+    config = {"bootstrap.servers": kafka_bootstrap}
+    zombie = Producer({**config, "transactional.id": f"{unique_name}-zombie"})
+    zombie.init_transactions(30)
+    zombie.begin_transaction()
+    zombie.produce(topic, b"{}", b"szombie", partition=0)
+    zombie.flush(10)
+    live = Producer({**config, "transactional.id": f"{unique_name}-live"})
+    live.init_transactions(30)
+    live.begin_transaction()
+    for i in range(5):
+        live.produce(topic, b"{}", b"sk%d" % i, partition=0)
+    live.commit_transaction(30)
+    # Never aborted within the limit: an error naming the partition, not a short savepoint.
+    monkeypatch.setattr(export, "IN_FLIGHT_TIMEOUT", 3.0)
+    with pytest.raises(CheckpointError, match=r"partitions not finished: \{0: 'at 0 of \d+'\}"):
+        export.read_in_flight(config, topic, {0: 0})
+    # Aborted while the reader waits: every committed record is read, the aborted one not.
+    monkeypatch.setattr(export, "IN_FLIGHT_TIMEOUT", 60.0)
+    abort = threading.Timer(2.0, lambda: zombie.abort_transaction(30))
+    abort.start()
+    try:
+        table = export.read_in_flight(config, topic, {0: 0})
+    finally:
+        abort.join(35)
+    assert sorted(table.column("key").to_pylist()) == [b"sk%d" % i for i in range(5)]
+
+
+def _count(bootstrap: str, topic: str) -> int:
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "count"})
+    try:
+        low, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)
+        return int(high - low)
+    finally:
+        consumer.close()
+
+
+def test_a_refused_restore_leaves_the_repartition_topics_as_they_were(
+    kafka_bootstrap: str, admin: AdminClient, unique_name: str, tmp_path: Path
+) -> None:
+    """The restore deleted and recreated the job's repartition topics, then found the savepoint
+    unusable (records in flight in a repartition the code renamed; a corrupt file): the job's
+    committed checkpoints read from those topics, so a plain restart lost what was in flight.
+    Now every check comes first. An empty repartition that the code renamed is nothing to
+    place and no longer refused."""
+    job = unique_name
+    config = {"bootstrap.servers": kafka_bootstrap}
+    pipeline = Pipeline(job)
+    source = create_topic(admin, f"{job}-in")
+    create_topic(admin, f"{job}-out")
+    (
+        pipeline.source(KafkaSource(source, value_format="json"))
+        .key_by(lambda v: v["k"], name="renamed")
+        .count(uid="counts")
+        .sink(KafkaSink(f"{job}-out"))
+    )
+    repartition = create_topic(admin, f"{job}.renamed.repartition")
+    producer = Producer(config)
+    for i in range(20):
+        producer.produce(repartition, b"{}", b"sk%d" % i, partition=0)
+    producer.flush(10)
+    assert _count(kafka_bootstrap, repartition) == 20
+
+    def savepoint(rows: int) -> str:
+        path = tmp_path / f"sp-{rows}"
+        storage = CheckpointStorage(str(path))
+        table = pa.table(
+            {
+                "partition": [0] * rows,
+                "offset": list(range(rows)),
+                "key": [b"sk"] * rows,
+                "value": [b"{}"] * rows,
+                "timestamp": [1] * rows,
+            },
+            schema=IN_FLIGHT_SCHEMA,
+        )
+        entry = write_table(storage, "in-flight/key_by-1.parquet", table)
+        flight = InFlight("key_by-1", f"{job}.key_by-1.repartition", 1, [entry])
+        meta = SavepointMetadata(job, "0.1.0", 128, {source: {0: 0}}, {source: 1}, [], [flight])
+        storage.write_bytes(METADATA_FILE, meta.encode())
+        return str(path)
+
+    checkpoints = str(tmp_path / "checkpoints")
+    with pytest.raises(ConfigurationError, match="records in flight in repartition 'key_by-1'"):
+        seed_from_savepoint(pipeline, config, checkpoints, savepoint(1))
+    assert _count(kafka_bootstrap, repartition) == 20, "the refused restore emptied the topic"
+    deadline = time.monotonic() + 60
+    restored = seed_from_savepoint(pipeline, config, checkpoints, savepoint(0))
+    assert restored is not None and time.monotonic() < deadline
+    assert _count(kafka_bootstrap, repartition) == 0  # recreated for the restored job
