@@ -385,6 +385,11 @@ class Pipeline:
         self.on_error = on_error
         self.dead_letter_topic = dead_letter_topic or f"{name}.dead-letter"
         self.on_corrupt_checkpoint = on_corrupt_checkpoint
+        if kafka_config is not None and not isinstance(kafka_config, dict):
+            raise ConfigurationError(
+                f"kafka_config={kafka_config!r} must be a dict of librdkafka settings, e.g. "
+                '{"bootstrap.servers": "kafka:9092"}'
+            )
         self.kafka_config = dict(kafka_config or {})
         self.state_backend_options = dict(state_backend_options or {})
         self.nodes: list[Node] = []
@@ -398,7 +403,11 @@ class Pipeline:
                 "'.', '_' or '-' (it names the consumer group and the checkpoint directory)"
             )
         interval = self.checkpoint_interval
-        if not isinstance(interval, int | float) or not 0.05 <= interval <= 3600:
+        if (
+            not isinstance(interval, int | float)
+            or isinstance(interval, bool)
+            or not 0.05 <= interval <= 3600
+        ):
             raise ConfigurationError(
                 f"checkpoint_interval={interval!r} must be seconds between 0.05 and 3600 "
                 "(1.0 is a good default)"
@@ -422,7 +431,12 @@ class Pipeline:
             raise ConfigurationError(
                 f"retained_checkpoints={self.retained_checkpoints!r} must be an int >= 1"
             )
-        if not 1 <= self.checkpoint_timeout <= 600:
+        timeout = self.checkpoint_timeout
+        if (
+            not isinstance(timeout, int | float)
+            or isinstance(timeout, bool)
+            or not 1 <= timeout <= 600
+        ):
             raise ConfigurationError(
                 f"checkpoint_timeout={self.checkpoint_timeout!r} must be 1..600 seconds"
             )

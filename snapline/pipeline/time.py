@@ -7,6 +7,7 @@ idle-partition timeout) are seconds, like ``checkpoint_interval``.
 
 from __future__ import annotations
 
+import math
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -39,15 +40,23 @@ def seconds(value: Any, what: str) -> float | None:
     return float(value)
 
 
+#: Kafka record timestamps are signed 64-bit milliseconds.
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
 def timestamp_ms(value: Any) -> int:
-    """An event timestamp returned by a user's ``timestamp=`` function, as int milliseconds."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, float):
-        return int(value)
-    if isinstance(value, datetime):
-        return int(value.timestamp() * 1000)
-    raise TypeError(
-        f"timestamp function returned {value!r}; return int milliseconds since the epoch "
-        "(or a timezone-aware datetime)"
-    )
+    """An event timestamp returned by a user's ``timestamp=`` function, as int milliseconds
+    (a record with any other answer goes to the dead letters). Values outside 64 bits cannot
+    be a Kafka timestamp: they failed every checkpoint at the barrier instead."""
+    if isinstance(value, float) and math.isfinite(value):
+        value = int(value)
+    elif isinstance(value, datetime):
+        value = int(value.timestamp() * 1000)
+    elif not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(
+            f"timestamp function returned {value!r}; return int milliseconds since the epoch "
+            "(or a timezone-aware datetime)"
+        )
+    if not _INT64[0] <= value <= _INT64[1]:
+        raise ValueError(f"timestamp function returned {value}, outside 64-bit milliseconds")
+    return int(value)

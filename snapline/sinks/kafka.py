@@ -34,6 +34,13 @@ class KafkaSink(Sink):
     def __post_init__(self) -> None:
         if not isinstance(self.topic, str) or not self.topic:
             raise ConfigurationError(f"KafkaSink needs a topic name, got {self.topic!r}")
+        if self.key is not None and not callable(self.key):
+            raise ConfigurationError(
+                f"KafkaSink key={self.key!r} is not a function: give a function of the output "
+                f"value, e.g. key=lambda v: v[{self.key!r}]"
+                if isinstance(self.key, str)
+                else f"KafkaSink key={self.key!r} is not a function of the output value"
+            )
         if self.value_format not in VALUE_FORMATS:
             raise ConfigurationError(
                 f"KafkaSink value_format {self.value_format!r} is unknown; use one of "

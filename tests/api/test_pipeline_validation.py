@@ -50,6 +50,11 @@ def test_valid_pipeline() -> None:
         ({"max_parallelism": 0}, "max_parallelism"),
         ({"kafka_config": {"group.id": "x"}}, "manages"),
         ({"on_corrupt_checkpoint": "ignore"}, "on_corrupt_checkpoint"),
+        # A TypeError traceback, or accepted, before (an audit's list):
+        ({"checkpoint_timeout": "5"}, "checkpoint_timeout"),
+        ({"checkpoint_timeout": None}, "checkpoint_timeout"),
+        ({"checkpoint_interval": True}, "checkpoint_interval"),
+        ({"kafka_config": "bootstrap.servers=x"}, "must be a dict"),
     ],
 )
 def test_bad_settings(kwargs: dict, message: str) -> None:
@@ -128,3 +133,10 @@ def test_secrets_are_redacted() -> None:
 def test_checkpoint_settings_are_checked(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigurationError, match=message):
         Pipeline("job", **kwargs)
+
+
+def test_a_sink_key_that_is_not_a_function_fails_at_declaration() -> None:
+    """KafkaSink(key="customer") was accepted; every output then went to the dead letters
+    with "'str' object is not callable"."""
+    with pytest.raises(ConfigurationError, match=r"key=lambda v: v\['customer'\]"):
+        KafkaSink("out", key="customer")  # type: ignore[arg-type]

@@ -8,6 +8,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -394,3 +395,25 @@ def test_a_late_record_whose_window_raises_again_is_counted_and_the_window_dead_
     [(value, reason)] = run.dead_letters
     assert value is None, "the dead letter is the window, not the late record's bytes"
     assert "window [0, 1000)" in reason and "raised ValueError('two')" in reason
+
+
+def test_an_event_time_beyond_64_bits_is_a_dead_letter_not_a_failed_checkpoint() -> None:
+    """2**70 was taken as an event time: the watermark record could not be encoded at the next
+    barrier (orjson: Integer exceeds 64-bit range), every checkpoint failed and every restart
+    read the record again. Now the record is a dead letter naming it; the others go on."""
+    pipeline = Pipeline("huge-time")
+    (
+        pipeline.source(
+            KafkaSource("in", value_format="json", timestamp=lambda v: v["t"] * v.get("x", 1))
+        )
+        .key_by()
+        .window(tumbling(1000))
+        .count()
+        .sink(KafkaSink("out", value_format="json"))
+    )
+    values = [{"t": 10}, {"t": 2**40, "x": 2**30}, {"t": 20}, {"t": 5000}]
+    run = run_pipeline(pipeline, {"in": [Message(v, key="a") for v in values]})
+    assert {(o["key"], o["value"]) for o in run.outputs["out"]} >= {("a", 2)}
+    [(value, reason)] = run.dead_letters
+    assert orjson.loads(value) == {"t": 2**40, "x": 2**30}
+    assert "outside 64-bit milliseconds" in reason
