@@ -148,3 +148,22 @@ def before_key_by() -> Pipeline:
     )
     source.key_by().count().sink(KafkaSink(f"{PREFIX}before-counts", value_format="json"))
     return pipeline
+
+
+class _Stamp(KeyedProcessFunction):
+    """The event time the keyed stage sees beside the one the source read."""
+
+    def process(self, value: dict[str, Any], ctx: Context) -> Iterator[dict[str, Any]]:
+        yield {"k": value["k"], "sent": value["t"], "seen": ctx.timestamp}
+
+
+def event_times() -> Pipeline:
+    """Event time from the value's ``t`` across a re-keying key_by (a repartition topic)."""
+    pipeline = Pipeline(f"{PREFIX}times", checkpoint_interval=0.3)
+    (
+        pipeline.source(KafkaSource(f"{PREFIX}times-in", timestamp=lambda v: v["t"]))
+        .key_by(lambda v: v["k"])
+        .process(_Stamp())
+        .sink(KafkaSink(f"{PREFIX}times-out"))
+    )
+    return pipeline

@@ -417,3 +417,32 @@ def test_a_dead_workers_open_transaction_is_aborted_by_the_worker_taking_its_tas
     assert seen_after < 45, f"every output seen only {seen_after:.1f}s after the kill"
     fenced = [e for e in events if e["event"] == "fenced_departed"]
     assert fenced and fenced[0]["departed"] == "b" and fenced[0]["worker"] == "a", events[-20:]
+
+
+def test_every_event_time_crosses_a_repartition_topic_unchanged(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """A Kafka producer reads timestamp 0 as "now": an event time of 0 (a missing field's
+    default) reached the keyed stage as the wall clock, and its windows and timers with it.
+    Event times <= 0 now travel one lower and are restored on reading."""
+    prefix = f"{unique_name}-"
+    create_topics(kafka_bootstrap, {f"{prefix}times-in": 1, f"{prefix}times-out": 1})
+    sent = [0, -1, -5, 1, 5, 1_700_000_000_000]
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    for i, t in enumerate(sent):
+        producer.produce(f"{prefix}times-in", orjson.dumps({"k": f"k{i}", "t": t}))
+    producer.flush(30)
+    worker = WorkerProcess(
+        "integration_tests.pipelines:event_times",
+        "w0",
+        kafka_bootstrap,
+        tmp_path / "chk",
+        tmp_path,
+        {"SNAPLINE_TEST_PREFIX": prefix},
+    )
+    worker.start()
+    try:
+        outputs = read_committed(kafka_bootstrap, f"{prefix}times-out", len(sent), timeout=60)
+    finally:
+        worker.stop()
+    assert sorted((o["sent"], o["seen"]) for o in outputs) == sorted((t, t) for t in sent)

@@ -530,14 +530,16 @@ class Pipeline:
                 continue
             uid = node.options.get("uid")
             if not uid:
-                base = re.sub(r"[^A-Za-z0-9._-]+", "-", node.name).strip("-.")[:90] or "operator"
+                base = re.sub(r"[^A-Za-z0-9._-]+", "-", node.name).strip("-.").lstrip("_")[:90]
+                base = base or "operator"  # a private class, _Stamp, is named Stamp
                 uid, n = base, 1
                 while uid in taken:
                     n += 1
                     uid = f"{base}-{n}"
             if not isinstance(uid, str) or not _NAME.match(uid):
                 raise ConfigurationError(
-                    f"operator uid {uid!r} must be 1-100 letters, digits, '.', '_' or '-'"
+                    f"operator uid {uid!r} must be 1-100 letters, digits, '.', '_' or '-', "
+                    "starting with a letter or digit"
                 )
             taken.add(uid)
             uids[node.id] = uid

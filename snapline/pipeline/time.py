@@ -40,8 +40,9 @@ def seconds(value: Any, what: str) -> float | None:
     return float(value)
 
 
-#: Kafka record timestamps are signed 64-bit milliseconds.
-_INT64 = (-(1 << 63), (1 << 63) - 1)
+#: Kafka record timestamps are signed 64-bit milliseconds (the lowest event time is one above
+#: the lowest of them: a repartition topic carries event times <= 0 one lower).
+_INT64 = (-(1 << 63) + 1, (1 << 63) - 1)
 
 
 def timestamp_ms(value: Any) -> int:

@@ -140,3 +140,16 @@ def test_a_sink_key_that_is_not_a_function_fails_at_declaration() -> None:
     with "'str' object is not callable"."""
     with pytest.raises(ConfigurationError, match=r"key=lambda v: v\['customer'\]"):
         KafkaSink("out", key="customer")  # type: ignore[arg-type]
+
+
+def test_a_private_class_gets_a_default_uid() -> None:
+    """A process function named _Stamp was refused at start: its default uid '_Stamp' does
+    not start with a letter or digit."""
+
+    class _Stamp(KeyedProcessFunction):
+        def process(self, value, ctx):
+            yield value
+
+    p = Pipeline("job")
+    p.source(KafkaSource("in")).key_by(lambda v: v["k"]).process(_Stamp()).sink(KafkaSink("out"))
+    assert list(p.operator_uids().values()) == ["Stamp"]

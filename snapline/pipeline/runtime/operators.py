@@ -149,7 +149,7 @@ class SourceOperator(Operator):
             except Exception as exc:
                 record = Record(
                     None,
-                    msg.timestamp()[1],
+                    from_wire_timestamp(msg.timestamp()[1]),
                     topic,
                     partition,
                     msg.offset(),
@@ -361,17 +361,18 @@ class RepartitionWriter(KeyByOperator):
             # The partition is repartition_partition(group, partitions, maxp), inlined.
             partition = group * partitions // maxp
             tagged = _tagged_key(key, key_bytes)
+            ts = r.timestamp
+            if ts <= 0:  # to_wire_timestamp, inlined
+                ts -= 1
             if producer is not None:
                 try:
-                    producer.produce(
-                        topic, value, tagged, partition=partition, timestamp=r.timestamp
-                    )
+                    producer.produce(topic, value, tagged, partition=partition, timestamp=ts)
                     sent += 1
                     continue
                 except (BufferError, KafkaException):
                     pass  # the output waits for room, or says why the producer cannot go on
             try:
-                produce(topic, value, tagged, partition, r.timestamp)
+                produce(topic, value, tagged, partition, ts)
             except KafkaException as exc:
                 error = kafka_error(exc)
                 if error is None or error.code() != KafkaError.MSG_SIZE_TOO_LARGE:
@@ -396,6 +397,17 @@ class RepartitionWriter(KeyByOperator):
             self._sent = current
         # The epoch's records are handed to the producer; the commit has not happened yet.
         self.task.fault_point("after_repartition_produce")
+
+
+def to_wire_timestamp(event_time: int) -> int:
+    """The Kafka timestamp that carries ``event_time`` across a repartition topic. A producer
+    reads timestamp 0 as "now", so event times <= 0 are sent one lower (0 as -1, -1 as -2, ...)
+    and ``from_wire_timestamp`` adds it back: every event time arrives as it was sent."""
+    return event_time if event_time > 0 else event_time - 1
+
+
+def from_wire_timestamp(timestamp: int) -> int:
+    return timestamp if timestamp >= 0 else timestamp + 1
 
 
 class RepartitionSource(Operator):
@@ -437,7 +449,7 @@ class RepartitionSource(Operator):
             except Exception as exc:
                 record = Record(
                     None,
-                    msg.timestamp()[1],
+                    from_wire_timestamp(msg.timestamp()[1]),
                     topic,
                     partition,
                     msg.offset(),
@@ -446,10 +458,13 @@ class RepartitionSource(Operator):
                 )
                 self.task.dead_letter(record, f"{self.name}: cannot decode: {exc!r}")
                 continue
+            ts = msg.timestamp()[1]
+            if ts < 0:  # from_wire_timestamp, inlined
+                ts += 1
             append(
                 Record(
                     value,
-                    msg.timestamp()[1],
+                    ts,
                     topic,
                     partition,
                     msg.offset(),
