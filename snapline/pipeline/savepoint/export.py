@@ -541,7 +541,11 @@ def export_savepoint(
             if progress is not None:
                 progress(f"in flight: {rep.topic}", 0, 1)
             starts = {
-                p: positions.get((rep.topic, p), _low(admin, kafka_config, rep.topic, p))
+                p: (
+                    positions[(rep.topic, p)]
+                    if (rep.topic, p) in positions
+                    else _low(admin, kafka_config, rep.topic, p)  # a client each: only if needed
+                )
                 for p in range(partitions[rep.topic])
             }
             table = read_in_flight(kafka_config, rep.topic, starts)
