@@ -12,9 +12,12 @@ from typing import Any
 import orjson
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from examples.orders import create_topics, produce_orders, read_committed, verify_totals
 from examples.workers import WorkerProcess, read_events
+from integration_tests.conftest import create_topic
+from snapline.pipeline.runtime.topics import INTERNAL_TOPIC_CONFIG, without_event_time_config
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parent.parent
@@ -419,15 +422,24 @@ def test_a_dead_workers_open_transaction_is_aborted_by_the_worker_taking_its_tas
     assert fenced and fenced[0]["departed"] == "b" and fenced[0]["worker"] == "a", events[-20:]
 
 
+@pytest.mark.parametrize("repartition", ["created", "existing"])
 def test_every_event_time_crosses_a_repartition_topic_unchanged(
-    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str, repartition: str
 ) -> None:
     """A Kafka producer reads timestamp 0 as "now": an event time of 0 (a missing field's
     default) reached the keyed stage as the wall clock, and its windows and timers with it.
-    Event times <= 0 now travel one lower and are restored on reading."""
+    Event times <= 0 now travel one lower and are restored on reading. An event time two days
+    ahead (Kafka 4 refuses timestamps over an hour ahead by default) failed every checkpoint
+    until the worker gave up; repartition topics now accept any timestamp, whether the worker
+    creates them or finds them created by an earlier version ("existing")."""
     prefix = f"{unique_name}-"
     create_topics(kafka_bootstrap, {f"{prefix}times-in": 1, f"{prefix}times-out": 1})
-    sent = [0, -1, -5, 1, 5, 1_700_000_000_000]
+    if repartition == "existing":
+        legacy = without_event_time_config(INTERNAL_TOPIC_CONFIG)
+        admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+        create_topic(admin, f"{prefix}times.key_by-1.repartition", 1, legacy)
+    ahead = int(time.time() * 1000) + 2 * 86_400_000
+    sent = [0, -1, -5, 1, 5, 1_700_000_000_000, ahead]
     producer = Producer({"bootstrap.servers": kafka_bootstrap})
     for i, t in enumerate(sent):
         producer.produce(f"{prefix}times-in", orjson.dumps({"k": f"k{i}", "t": t}))

@@ -30,7 +30,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+from confluent_kafka.admin import (
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    NewTopic,
+    ResourceType,
+)
 
 from snapline.pipeline.errors import ConfigurationError, SnaplineError
 from snapline.pipeline.graph import Pipeline
@@ -45,12 +52,33 @@ DEAD_LETTER_PARTITIONS = 1
 #: Internal (repartition) topics keep records until the job's consumers are past them: no
 #: time-based retention (the worker deletes consumed records, DeleteRecords), and small
 #: segments so that deleted records free their disk space soon (as Kafka Streams does).
+#: Any event time crosses a repartition topic (its records carry the event time as their
+#: Kafka timestamp): Kafka 4 refuses timestamps more than an hour ahead of the broker's clock
+#: by default, and a single such record failed every checkpoint of the job that read it.
+#: Brokers before 3.6 do not know these settings; topics are then created without them.
+EVENT_TIME_CONFIG = {
+    "message.timestamp.before.max.ms": str((1 << 63) - 1),
+    "message.timestamp.after.max.ms": str((1 << 63) - 1),
+}
 INTERNAL_TOPIC_CONFIG = {
     "cleanup.policy": "delete",
     "retention.ms": "-1",
     "segment.bytes": str(64 * 1024 * 1024),
     "segment.ms": str(10 * 60 * 1000),
+    **EVENT_TIME_CONFIG,
 }
+
+
+def without_event_time_config(config: Mapping[str, str]) -> dict[str, str]:
+    """``config`` for a broker that refused EVENT_TIME_CONFIG (INVALID_CONFIG: before 3.6)."""
+    return {k: v for k, v in config.items() if k not in EVENT_TIME_CONFIG}
+
+
+def refused_config(exc: KafkaException) -> bool:
+    error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+    return error is not None and error.code() == KafkaError.INVALID_CONFIG
+
+
 #: How long a just-created topic may take to have a leader for every partition.
 LEADER_WAIT = 30.0
 #: librdkafka's defaults for ``message.max.bytes`` and ``batch.size``.
@@ -294,14 +322,71 @@ class TopicManager:
         futures = self._admin.create_topics(
             new, operation_timeout=self._timeout, request_timeout=self._timeout
         )
+        retry = []
         for name, future in futures.items():
             try:
                 future.result(timeout=self._timeout + 5)
                 log.info("created topic %s (%d partitions)", name, result.create[name])
             except KafkaException as exc:
+                if name in internal and refused_config(exc):
+                    retry.append(name)
+                    continue
                 self._raise_create_error(name, result.create[name], exc)
+        if retry:  # a broker before 3.6: the event-time settings do not exist there
+            log.info(
+                "the broker does not know %s: topics %s created without", EVENT_TIME_CONFIG, retry
+            )
+            futures = self._admin.create_topics(
+                [
+                    NewTopic(
+                        name,
+                        num_partitions=result.create[name],
+                        replication_factor=BROKER_DEFAULT,
+                        config=without_event_time_config(INTERNAL_TOPIC_CONFIG),
+                    )
+                    for name in retry
+                ],
+                operation_timeout=self._timeout,
+                request_timeout=self._timeout,
+            )
+            for name, future in futures.items():
+                try:
+                    future.result(timeout=self._timeout + 5)
+                except KafkaException as exc:
+                    self._raise_create_error(name, result.create[name], exc)
         self._wait_for_leaders(result.create)
         return result
+
+    def accept_any_event_time(self, specs: Iterable[TopicSpec]) -> None:
+        """Set EVENT_TIME_CONFIG on the job's internal topics that exist (created before it
+        was part of their config). Best effort: a broker or an ACL that refuses is logged."""
+        names = sorted({s.name for s in specs if s.role is Role.INTERNAL})
+        if not names:
+            return
+        resources = [
+            ConfigResource(
+                ResourceType.TOPIC,
+                name,
+                incremental_configs=[
+                    ConfigEntry(key, value, incremental_operation=AlterConfigOpType.SET)
+                    for key, value in EVENT_TIME_CONFIG.items()
+                ],
+            )
+            for name in names
+        ]
+        timeout = min(self._timeout, DESCRIBE_TIMEOUT)
+        try:
+            futures = self._admin.incremental_alter_configs(resources, request_timeout=timeout)
+            for future in futures.values():
+                future.result(timeout=timeout + 1)
+        except (KafkaException, TimeoutError) as exc:
+            log.warning(
+                "cannot set %s on the repartition topics (%s): records with event times more "
+                "than the broker's message.timestamp.after.max.ms ahead (1 h by default on "
+                "Kafka 4) would fail the job's checkpoints",
+                sorted(EVENT_TIME_CONFIG),
+                exc,
+            )
 
     def smallest_record_limit(self, specs: Iterable[TopicSpec]) -> tuple[str, int] | None:
         """The topic the job writes with the smallest ``max.message.bytes``, and that limit;

@@ -349,7 +349,9 @@ class Worker:
 
         manager = TopicManager(self._kafka_config, self.settings.bootstrap_servers)
         specs = pipeline_topics(self.pipeline)
-        partitions = dict(manager.ensure(specs).partitions)
+        ensured = manager.ensure(specs)
+        partitions = dict(ensured.partitions)
+        manager.accept_any_event_time([s for s in specs if s.name not in ensured.create])
         limits: dict[str, int] = {}
         found = self._record_limits(manager)
         if found is not None:

@@ -55,7 +55,13 @@ from snapline.pipeline.errors import CheckpointError, ConfigurationError
 from snapline.pipeline.graph import Pipeline
 from snapline.pipeline.keygroups import key_group_range, operator_index_for_key_group
 from snapline.pipeline.runtime import departed
-from snapline.pipeline.runtime.topics import INTERNAL_TOPIC_CONFIG, TopicManager, pipeline_topics
+from snapline.pipeline.runtime.topics import (
+    INTERNAL_TOPIC_CONFIG,
+    TopicManager,
+    pipeline_topics,
+    refused_config,
+    without_event_time_config,
+)
 from snapline.pipeline.savepoint.export import JobTask, job_tasks, wait_until_stopped
 from snapline.pipeline.savepoint.format import (
     OperatorState,
@@ -171,6 +177,9 @@ def _recreate_topic(
             )[topic].result(timeout=35)
             break
         except KafkaException as exc:
+            if refused_config(exc) and config != without_event_time_config(config):
+                config = without_event_time_config(config)  # a broker before 3.6
+                continue
             # The deletion completes asynchronously: "already exists" until it has.
             if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS or (
                 time.monotonic() > deadline
