@@ -166,3 +166,53 @@ def test_timers_in_a_keyed_co_process_function() -> None:
         run = run_pipeline(pipeline, {"orders": order_events, "payments": paid}, crash_after=crash)
         timed_out = sorted(r["order"] for r in run.outputs["timeouts"])
         assert timed_out == sorted(f"o{i}" for i in range(20) if i % 2 == 1)
+
+
+class YieldsThenRaises(KeyedProcessFunction):
+    """Yields a first half, then raises on odd values; its timer does the same."""
+
+    def process(self, value: Any, ctx: Context) -> Any:
+        yield {"half": 1, "v": value["v"]}
+        if value["v"] % 2:
+            raise ValueError("odd")
+        yield {"half": 2, "v": value["v"]}
+        ctx.timers.register_event_time(value["t"] + 10)
+
+    def on_timer(self, timestamp: int, ctx: Context) -> Any:
+        yield {"timer": timestamp, "half": 1}
+        if timestamp % 20:
+            raise ValueError("odd timer")
+        yield {"timer": timestamp, "half": 2}
+
+
+def test_a_record_that_raises_after_yielding_outputs_nothing_of_it() -> None:
+    """A generator that yielded, then raised, had its first outputs emitted and the record
+    dead-lettered as well: half a result downstream beside a dead letter saying it failed.
+    Now the dead letter is the record's only outcome (for a timer's firing too)."""
+    pipeline = Pipeline("half")
+    (
+        pipeline.source(KafkaSource("in", value_format="json", timestamp=lambda v: v["t"]))
+        .key_by(lambda v: v["k"])
+        .process(YieldsThenRaises())
+        .sink(KafkaSink("out", value_format="json"))
+    )
+    values = [{"k": "a", "v": v, "t": t} for v, t in [(2, 10), (3, 20), (4, 20), (6, 990)]]
+    run = run_pipeline(pipeline, {"in": [Message(v) for v in values]})
+    outputs = run.outputs["out"]
+    assert [o for o in outputs if "v" in o] == [
+        {"half": 1, "v": 2},
+        {"half": 2, "v": 2},
+        {"half": 1, "v": 4},
+        {"half": 2, "v": 4},
+        {"half": 1, "v": 6},
+        {"half": 2, "v": 6},
+    ]
+    # Timers at 20 and 1000 (even: both halves) and 30 (odd: a dead letter, no half).
+    assert [o for o in outputs if "timer" in o][:2] == [
+        {"timer": 20, "half": 1},
+        {"timer": 20, "half": 2},
+    ]
+    assert {"timer": 30, "half": 1} not in outputs
+    reasons = [reason for _, reason in run.dead_letters]
+    assert len(reasons) == 2 and "raised ValueError('odd')" in reasons[0]
+    assert "on_timer(30) raised ValueError('odd timer')" in reasons[1]

@@ -530,9 +530,11 @@ class ProcessOperator(Operator):
             ctx.topic = r.topic
             ctx.partition = r.partition
             ctx.offset = r.offset
+            mark = -1
             try:
                 produced = process(r.value, ctx)
                 if produced is not None:
+                    mark = len(out)
                     reuse = in_place
                     for value in produced:
                         if reuse:
@@ -542,6 +544,10 @@ class ProcessOperator(Operator):
                         else:
                             append(r.with_value(value))
             except Exception as exc:
+                # A generator that yielded, then raised: the record is a dead letter, and
+                # what it yielded before is not output too (it would be half of a result).
+                if mark >= 0:
+                    del out[mark:]
                 self.task.dead_letter(r, f"{self.name} raised {exc!r}")
         scope.prefix = None
         self.emit(out)
@@ -584,12 +590,14 @@ class ProcessOperator(Operator):
             scope.prefix = state_key_prefix(group, key_bytes)
             scope.key = ctx.key = key
             ctx.timestamp = ts
+            mark = len(out)
             try:
                 produced = on_timer(ts, ctx)
                 if produced is not None:
                     for value in produced:
                         out.append(Record(value, ts, "", -1, -1, key, key_bytes, group))
             except Exception as exc:
+                del out[mark:]  # none of a failed firing's outputs, as for process()
                 timer = Record(None, ts, f"timer:{self.name}", -1, -1, key, key_bytes, group)
                 self.task.dead_letter(timer, f"{self.name}.on_timer({ts}) raised {exc!r}")
         scope.prefix = None
