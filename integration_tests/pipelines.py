@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from snapline.connectors import KafkaSource
-from snapline.pipeline import Context, KeyedProcessFunction, Pipeline, ValueState
+from snapline.pipeline import AggregateFunction, Context, KeyedProcessFunction, Pipeline, ValueState
 from snapline.sinks import KafkaSink
 
 PREFIX = os.environ.get("SNAPLINE_TEST_PREFIX", "test-")
@@ -165,5 +165,39 @@ def event_times() -> Pipeline:
         .key_by(lambda v: v["k"])
         .process(_Stamp())
         .sink(KafkaSink(f"{PREFIX}times-out"))
+    )
+    return pipeline
+
+
+class _Concat(AggregateFunction[dict[str, Any], str, str]):
+    """Every record's ``pad`` joined: a window result as large as its records together."""
+
+    def create_accumulator(self) -> str:
+        return ""
+
+    def add(self, value: dict[str, Any], accumulator: str) -> str:
+        return accumulator + value["pad"]
+
+    def merge(self, a: str, b: str) -> str:
+        return a + b
+
+    def get_result(self, accumulator: str) -> str:
+        return accumulator
+
+
+def big_windows() -> Pipeline:
+    """Per key a tumbling window of 1 s whose result joins its records' pads (the test makes
+    one window's result larger than the output topic takes)."""
+    from snapline import tumbling
+
+    pipeline = Pipeline(f"{PREFIX}big", checkpoint_interval=0.3)
+    (
+        pipeline.source(
+            KafkaSource(f"{PREFIX}big-in", timestamp=lambda v: v["t"], max_out_of_orderness=0)
+        )
+        .key_by(lambda v: v["k"])
+        .window(tumbling(1000))
+        .aggregate(_Concat())
+        .sink(KafkaSink(f"{PREFIX}big-out"))
     )
     return pipeline

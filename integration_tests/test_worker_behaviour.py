@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 import time
@@ -458,3 +459,47 @@ def test_every_event_time_crosses_a_repartition_topic_unchanged(
     finally:
         worker.stop()
     assert sorted((o["sent"], o["seen"]) for o in outputs) == sorted((t, t) for t in sent)
+
+
+def test_a_window_result_too_large_for_kafka_is_a_dead_letter_with_its_start(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """A window's result larger than the output topic takes was dead-lettered with no value
+    (a window result has no input record to send instead, and its state is gone once it
+    fired), its reason saying the dead letter held the input record. Now the dead letter holds
+    the result's first bytes (its key and window) and says so; the other windows go on."""
+    prefix = f"{unique_name}-"
+    create_topics(
+        kafka_bootstrap,
+        {f"{prefix}big-in": 1, f"{prefix}big-out": 1},
+        {f"{prefix}big-out": {"max.message.bytes": "65536"}},
+    )
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    rng = random.Random(3)
+    # Key "big": three 30 KB pads of random hex (lz4 does not shrink it) in window [0, 1000).
+    events = [{"k": "big", "t": 100 * i, "pad": rng.randbytes(15_000).hex()} for i in range(3)]
+    events += [{"k": f"small{i}", "t": 100 * i, "pad": "x"} for i in range(3)]
+    events += [{"k": "end", "t": 5_000, "pad": ""}]  # the watermark passes the first window
+    for event in events:
+        producer.produce(f"{prefix}big-in", orjson.dumps(event))
+    producer.flush(30)
+    worker = WorkerProcess(
+        "integration_tests.pipelines:big_windows",
+        "w0",
+        kafka_bootstrap,
+        tmp_path / "chk",
+        tmp_path,
+        {"SNAPLINE_TEST_PREFIX": prefix},
+    )
+    worker.start()
+    try:
+        outputs = read_committed(kafka_bootstrap, f"{prefix}big-out", 3, timeout=60)
+        (letter,) = _dead_letters(kafka_bootstrap, f"{prefix}big.dead-letter", 1)
+        assert worker.alive, worker.tail()
+    finally:
+        worker.stop()
+    assert sorted(o["key"] for o in outputs) == ["small0", "small1", "small2"]
+    assert letter.value() is not None
+    assert letter.value().startswith(b'{"key":"big","start":0,"end":1000,"value":"')
+    reason = dict(letter.headers())["snapline.error"].decode()
+    assert "the dead letter holds its first" in reason and "holds the input record" not in reason

@@ -529,9 +529,19 @@ class Task:
         # The reason and source position headers make up most of a dead letter's headers.
         headers = dead_letter_headers(reason, record.topic, 0, 0, self.task_id)
         if not self._fits(row, record.raw_key, headers):
-            # dead_letter sends record.raw when given no value
-            reason += "; the dead letter holds the input record (the output is too large)"
-            self.dead_letter(record, reason)
+            if record.raw is not None:  # dead_letter sends record.raw when given no value
+                reason += "; the dead letter holds the input record (the output is too large)"
+                self.dead_letter(record, reason)
+                return
+            # A window's or timer's result has no input record to send instead (its state is
+            # gone once it fired): keep as much of the row as fits, its key and window first.
+            limit = getattr(self.output, "max_message_bytes", None) or len(row)
+            keep = max(0, limit // 2)
+            reason += (
+                f"; the output ({len(row)} bytes) is too large for the producer: the dead "
+                f"letter holds its first {keep} bytes"
+            )
+            self.dead_letter(record, reason, row[:keep])
             return
         self.dead_letter(record, reason, row)
 
