@@ -25,7 +25,9 @@ from typing import Any
 import orjson
 import pyarrow.dataset as ds
 import pytest
+from confluent_kafka import Consumer, TopicPartition
 
+from examples.orders import create_topics, read_committed
 from snapline import Pipeline
 from snapline.connectors import KafkaSource
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
@@ -34,7 +36,7 @@ from snapline.pipeline.savepoint.control import ensure_control_topic
 from snapline.pipeline.spark.bounded import RunConfig, run_stage_task
 from snapline.pipeline.spark.stream_commit import BatchCommitter
 from snapline.pipeline.stages import SOURCE_STAGE
-from snapline.sinks import ParquetSink
+from snapline.sinks import KafkaSink, ParquetSink
 
 pytestmark = pytest.mark.integration
 
@@ -160,6 +162,38 @@ def test_a_missing_record_of_the_committed_epoch_stops_the_next_driver(
         driver().open()
 
 
+def test_an_output_too_large_for_kafka_is_a_dead_letter_not_a_failed_batch(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """A KafkaSink row over the producer's message.max.bytes went to the committer's dead
+    letter as the same row, which was too large as well: the error escaped the micro-batch
+    and every retry failed the same way. Now the dead letter keeps the row's first half of
+    the limit and says so; the batch commits with the other rows."""
+    out, dead = f"{unique_name}-out", f"{unique_name}.dead-letter"
+    create_topics(kafka_bootstrap, {out: 1, dead: 1})
+    pipeline = Pipeline(unique_name)
+    committer = BatchCommitter(
+        pipeline,
+        (KafkaSink(out),),
+        {"bootstrap.servers": kafka_bootstrap},
+        str(tmp_path / "checkpoints"),
+        str(tmp_path / "spark-location"),
+    )
+    committer.open()
+    rows = _rows(0)
+    big = {"id": 99, "blob": "x" * 1_200_000}
+    rows[1] = rows[1][:8] + (pickle.dumps(big),) + rows[1][9:]
+    committer.commit_batch(rows, 0)
+    committer.close()
+    outputs = read_committed(kafka_bootstrap, out, 2, timeout=30, settle=1)
+    assert sorted(o["id"] for o in outputs) == [0, 2]
+    letters = read_raw(kafka_bootstrap, dead)
+    assert len(letters) == 1
+    headers = dict(letters[0].headers())
+    assert b"of 1200" in headers["snapline.value-truncated"]
+    assert letters[0].value().startswith(b'{"id":99,"blob":"xxx')
+
+
 def bounded_pipeline() -> Pipeline:
     """The bounded test's job: the input topic's JSON values into a Parquet table."""
     pipeline = Pipeline(os.environ["SNAPLINE_TEST_JOB"])
@@ -225,3 +259,21 @@ def test_a_fenced_spark_task_attempt_cannot_replace_the_committed_attempts_recor
     assert failures, "the fenced attempt committed"
     attempt()  # attempt 3 finds the ledger committed and publishes what the committer staged
     assert _ids(table) == Counter(range(5))
+
+
+def read_raw(bootstrap: str, topic: str) -> list[Any]:
+    """Every committed message of ``topic`` (one partition), until 2 s without one."""
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": "raw", "isolation.level": "read_committed"}
+    )
+    consumer.assign([TopicPartition(topic, 0, 0)])
+    found: list[Any] = []
+    try:
+        quiet = 0
+        while quiet < 4:
+            batch = [m for m in consumer.consume(100, 0.5) if m.error() is None]
+            quiet = 0 if batch else quiet + 1
+            found += batch
+    finally:
+        consumer.close()
+    return found

@@ -47,6 +47,7 @@ from snapline.pipeline.checkpoint.metadata import decode_checked, encode_checked
 from snapline.pipeline.errors import SinkError
 from snapline.pipeline.formats import untag_key
 from snapline.pipeline.record import Record, dead_letter_headers
+from snapline.pipeline.runtime.transaction import record_size
 from snapline.pipeline.sink import SinkContext, SinkWriter
 from snapline.pipeline.spark.stream_ops import OUT_FIELDS
 
@@ -285,6 +286,15 @@ class BatchCommitter:
         headers = dead_letter_headers(
             reason, record.topic, record.partition, record.offset, self.task_id
         )
+        # The sink refused the row because it is too large for a Kafka record: a dead letter
+        # of the same row would fail every retry of the micro-batch. Keep its first bytes.
+        limit = int(getattr(self._output, "max_message_bytes", 1_000_000))
+        if record_size(value, record.raw_key, headers) > limit:
+            keep = limit // 2
+            headers.append(
+                ("snapline.value-truncated", f"first {keep} of {len(value)} bytes".encode())
+            )
+            value = value[:keep]
         self._output.produce(epoch, self.pipeline.dead_letter_topic, value, record.raw_key, headers)
 
 
