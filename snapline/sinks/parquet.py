@@ -245,7 +245,10 @@ class RowConverter:
             rows = [rows[i] for i in good]
         if not rows:
             return None, rejected
-        self._warn_extra(rows[0])
+        names = self._names
+        for row in rows:  # every row (about 5 % of the conversion): any of them may add a key
+            if not names.issuperset(row):
+                self._warn_extra(row)
         batch = self._fast(rows)
         if batch is not None:
             return batch, rejected

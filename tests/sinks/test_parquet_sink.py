@@ -660,3 +660,21 @@ def test_the_table_schema_is_logged_once_per_job(
     assert sum("table schema" in r.getMessage() for r in caplog.records) == 1
     for writer in writers:
         writer.close()
+
+
+def test_a_column_not_in_the_schema_is_warned_about_in_any_row(
+    table: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only the first row of each batch was checked: a key a later row brought (a field
+    added upstream) was dropped with no word. Every row is checked now, each column warned
+    about once."""
+    writer, _ = make_writer(ParquetSink(table))
+    writer.write_batch(records(rows_for(1)), 1)  # the schema: id, customer, amount, day, chk
+    later = rows_for(2)
+    later[3] = {**later[3], "currency": "EUR"}
+    later[4] = {**later[4], "currency": "USD"}
+    with caplog.at_level("WARNING", logger="snapline.sinks.parquet"):
+        writer.write_batch(records(later), 2)
+        metadata(writer.pre_commit(2))
+    warned = [r.getMessage() for r in caplog.records if "not in the table schema" in r.getMessage()]
+    assert len(warned) == 1 and "['currency']" in warned[0]
