@@ -568,6 +568,17 @@ class ParquetSinkWriter(StagingSinkWriter[_StageJob, StagedCheckpoint]):
         self.staging_root = self.table / STAGING_DIR / owner
         self.commits_root = self.table / COMMITS_DIR / owner
         self._job, self._task = context.job, context.task_id
+        try:
+            _makedirs_durable(self.table)
+            if not self.table.is_dir():
+                raise NotADirectoryError(f"{self.table} is not a directory")
+            if not os.access(self.table, os.W_OK | os.X_OK):
+                raise PermissionError(f"no write permission on {self.table}")
+        except OSError as exc:
+            raise ConfigurationError(
+                f"{sink.name}: the Parquet table {self.table} cannot be written ({exc}); give "
+                "ParquetSink a directory this worker may create and write"
+            ) from exc
         if context.cluster_id:
             self._check_identity(JobIdentity(context.job, context.cluster_id))
         self._converter: RowConverter | None = self._open_schema()

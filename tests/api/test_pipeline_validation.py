@@ -153,3 +153,38 @@ def test_a_private_class_gets_a_default_uid() -> None:
     p = Pipeline("job")
     p.source(KafkaSource("in")).key_by(lambda v: v["k"]).process(_Stamp()).sink(KafkaSink("out"))
     assert list(p.operator_uids().values()) == ["Stamp"]
+
+
+def test_kafka_settings_librdkafka_refuses_are_a_configuration_error() -> None:
+    """acks=1 (idempotence needs all), enable.idempotence=False (transactions need it) or
+    max.poll.interval.ms below session.timeout.ms made the worker exit 1 with a KafkaException
+    traceback, which the supervisor restarted 5 times; now exit 78 with the fix."""
+    from snapline.pipeline.runtime.transaction import TransactionalOutput
+
+    for setting in ({"acks": 1}, {"enable.idempotence": False}):
+        with pytest.raises(ConfigurationError, match="invalid Kafka settings for the producer"):
+            TransactionalOutput(
+                {"bootstrap.servers": "127.0.0.1:1", **setting}, transactional_id="t"
+            )
+
+
+def test_a_checkpoint_directory_that_is_a_file_is_a_configuration_error(tmp_path) -> None:
+    from snapline.pipeline.checkpoint.storage import CheckpointStorage
+
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    with pytest.raises(ConfigurationError, match="checkpoint directory .* cannot be used"):
+        CheckpointStorage(str(afile / "checkpoints"))
+    with pytest.raises(ConfigurationError, match="checkpoint directory .* cannot be used"):
+        CheckpointStorage(str(afile))
+
+
+def test_a_parquet_table_that_is_a_file_is_a_configuration_error(tmp_path) -> None:
+    from snapline.pipeline.sink import SinkContext
+    from snapline.sinks import ParquetSink
+
+    afile = tmp_path / "table"
+    afile.write_text("x")
+    context = SinkContext("job", "t-0", "w", "parquet", None, lambda *a: None)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="cannot be written .* is not a directory"):
+        ParquetSink(str(afile)).open(context)

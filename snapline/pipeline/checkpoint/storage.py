@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from snapline.connectors.config import redact_text
-from snapline.pipeline.errors import CheckpointError, CorruptCheckpointError
+from snapline.pipeline.errors import CheckpointError, ConfigurationError, CorruptCheckpointError
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
@@ -73,7 +73,16 @@ class CheckpointStorage:
         self._fault_control = os.environ.get("SNAPLINE_TEST_STORAGE_FAULTS") or None
         self._writes = 0
         if self._local:
-            Path(self.root).mkdir(parents=True, exist_ok=True)
+            try:
+                Path(self.root).mkdir(parents=True, exist_ok=True)
+                if not os.access(self.root, os.W_OK | os.X_OK):
+                    raise PermissionError(f"no write permission on {self.root}")
+            except OSError as exc:
+                raise ConfigurationError(
+                    f"checkpoint directory {self.root} cannot be used ({exc}); give "
+                    "--checkpoint-dir (or the pipeline's checkpoint_dir) a directory this "
+                    "process may create and write"
+                ) from exc
 
     @property
     def fs(self) -> pafs.FileSystem:

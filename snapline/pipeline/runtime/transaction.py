@@ -23,7 +23,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
 from snapline.connectors.config import redact
-from snapline.pipeline.errors import CheckpointError
+from snapline.pipeline.errors import CheckpointError, ConfigurationError
 from snapline.pipeline.runtime.kafka_calls import (
     HANG_GRACE,
     BoundedCall,
@@ -124,7 +124,7 @@ class TransactionalOutput:
         self._stopping = stopping
         self._liveness = liveness
         self._call = BoundedCall("producer", liveness)
-        self.producer = Producer(conf)
+        self.producer = _new_producer(conf)
         #: Why the producer failed fatally; it is replaced before its next transaction.
         self._fatal: str | None = None
         #: New record size limits (``resize``) the producer takes by being replaced, as a
@@ -285,8 +285,7 @@ class TransactionalOutput:
                 raise KafkaException(
                     KafkaError(
                         KafkaError.MSG_SIZE_TOO_LARGE,
-                        f"Message size {size} exceeds message.max.bytes "
-                        f"{self.max_message_bytes}",
+                        f"Message size {size} exceeds message.max.bytes {self.max_message_bytes}",
                     )
                 )
             self._buffer.append((epoch, topic, held, key, headers, partition, timestamp))
@@ -517,3 +516,25 @@ class TransactionalOutput:
         except (KafkaClientError, KafkaException) as exc:
             log.warning("producer close: %s", exc)
         log.debug("producer closed in %.3fs", time.monotonic() - start)
+
+
+def _new_producer(conf: dict[str, Any]) -> Producer:
+    """A producer; librdkafka's refusal of the settings (``acks=1`` with idempotence, a bad
+    value) is a ConfigurationError naming the fix, not a traceback the supervisor restarts."""
+    try:
+        return Producer(conf)
+    except KafkaException as exc:
+        raise invalid_kafka_settings(exc, "producer") from exc
+
+
+def invalid_kafka_settings(exc: KafkaException, client: str) -> Exception:
+    """The ConfigurationError for a Kafka client librdkafka refused to create (invalid
+    settings); other errors as they were."""
+    error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+    if error is None or error.code() != KafkaError._INVALID_ARG:
+        return exc
+    return ConfigurationError(
+        f"invalid Kafka settings for the {client}: {error.str()}; fix it in the pipeline's "
+        "kafka_config (settings: librdkafka's CONFIGURATION.md; Snapline sets acks=all, "
+        "enable.idempotence and transactions itself)"
+    )

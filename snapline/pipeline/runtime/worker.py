@@ -106,6 +106,7 @@ from snapline.pipeline.runtime.transaction import (
     FencedError,
     TransactionalOutput,
     TransactionFailedError,
+    invalid_kafka_settings,
 )
 from snapline.pipeline.savepoint.control import PAUSE_LIMIT, ControlChannel, Request, write_ack
 from snapline.pipeline.stages import task_id_for
@@ -281,7 +282,10 @@ class Worker:
         self._consumer_fatal: str | None = None
         #: Savepoint requests (snapline savepoint create) arrive on the control channel; while
         #: a savepoint is written the worker is paused: (request id, since).
-        self._control = ControlChannel(kafka_config, pipeline.name)
+        try:
+            self._control = ControlChannel(kafka_config, pipeline.name)
+        except KafkaException as exc:  # its consumer is the first one the worker creates
+            raise invalid_kafka_settings(exc, "consumer") from exc
         self._paused: tuple[str, float] | None = None
         self._exit_after_savepoint = False
         #: A savepoint request waits until the worker has its assignment (it just started,
@@ -1233,7 +1237,10 @@ class Worker:
         release_in_background(holder)
 
     def _new_consumer(self) -> Consumer:
-        return Consumer({**self._consumer_config(), "error_cb": self._on_consumer_error})
+        try:
+            return Consumer({**self._consumer_config(), "error_cb": self._on_consumer_error})
+        except KafkaException as exc:
+            raise invalid_kafka_settings(exc, "consumer") from exc
 
     def _on_consumer_error(self, error: KafkaError) -> None:
         """librdkafka's error callback (runs inside consume on the task thread)."""
