@@ -74,9 +74,8 @@ class CheckpointStorage:
         self._writes = 0
         if self._local:
             try:
+                # (Not checked for write permission: savepoints are also read from here.)
                 Path(self.root).mkdir(parents=True, exist_ok=True)
-                if not os.access(self.root, os.W_OK | os.X_OK):
-                    raise PermissionError(f"no write permission on {self.root}")
             except OSError as exc:
                 raise ConfigurationError(
                     f"checkpoint directory {self.root} cannot be used ({exc}); give "
