@@ -32,6 +32,20 @@ def _committed(bootstrap: str, group: str, topic: str, partitions: int) -> list[
         consumer.close()
 
 
+def _start_worker(pipeline: str, bootstrap: str, tmp_path: Path, prefix: str) -> WorkerProcess:
+    """A worker running ``integration_tests.pipelines:<pipeline>`` on topics ``<prefix>...``."""
+    worker = WorkerProcess(
+        f"integration_tests.pipelines:{pipeline}",
+        "w0",
+        bootstrap,
+        tmp_path / "chk",
+        tmp_path,
+        {"SNAPLINE_TEST_PREFIX": prefix},
+    )
+    worker.start()
+    return worker
+
+
 def _dead_letters(bootstrap: str, topic: str, expected: int) -> list[Any]:
     """The committed messages of dead-letter ``topic`` (one partition): until ``expected``
     arrived, for at most 30 s."""
@@ -71,15 +85,7 @@ def test_bad_records_go_to_dead_letter_topic(
             bad.append(value)
         producer.produce(f"{prefix}orders", value, customer.encode())
     producer.flush(30)
-    worker = WorkerProcess(
-        "integration_tests.pipelines:dead_letters",
-        "w0",
-        kafka_bootstrap,
-        tmp_path / "chk",
-        tmp_path,
-        {"SNAPLINE_TEST_PREFIX": prefix},
-    )
-    worker.start()
+    worker = _start_worker("dead_letters", kafka_bootstrap, tmp_path, prefix)
     try:
         outputs = read_committed(kafka_bootstrap, f"{prefix}totals", good, timeout=60, settle=2)
         letters = _dead_letters(kafka_bootstrap, f"{prefix}job.dead-letter", len(bad))
@@ -445,15 +451,7 @@ def test_every_event_time_crosses_a_repartition_topic_unchanged(
     for i, t in enumerate(sent):
         producer.produce(f"{prefix}times-in", orjson.dumps({"k": f"k{i}", "t": t}))
     producer.flush(30)
-    worker = WorkerProcess(
-        "integration_tests.pipelines:event_times",
-        "w0",
-        kafka_bootstrap,
-        tmp_path / "chk",
-        tmp_path,
-        {"SNAPLINE_TEST_PREFIX": prefix},
-    )
-    worker.start()
+    worker = _start_worker("event_times", kafka_bootstrap, tmp_path, prefix)
     try:
         outputs = read_committed(kafka_bootstrap, f"{prefix}times-out", len(sent), timeout=60)
     finally:
@@ -483,15 +481,7 @@ def test_a_window_result_too_large_for_kafka_is_a_dead_letter_with_its_start(
     for event in events:
         producer.produce(f"{prefix}big-in", orjson.dumps(event))
     producer.flush(30)
-    worker = WorkerProcess(
-        "integration_tests.pipelines:big_windows",
-        "w0",
-        kafka_bootstrap,
-        tmp_path / "chk",
-        tmp_path,
-        {"SNAPLINE_TEST_PREFIX": prefix},
-    )
-    worker.start()
+    worker = _start_worker("big_windows", kafka_bootstrap, tmp_path, prefix)
     try:
         outputs = read_committed(kafka_bootstrap, f"{prefix}big-out", 3, timeout=60)
         (letter,) = _dead_letters(kafka_bootstrap, f"{prefix}big.dead-letter", 1)
