@@ -229,11 +229,17 @@ class Task:
                 continue
             for upstream in node.inputs:
                 by_node[upstream.id].downstream.append(op)
+        def exclusive(node: Node) -> bool:
+            """The records ``node`` emits reach one operator only. A filter or a union emits
+            the very records it was given: theirs are exclusive only if its inputs' were."""
+            if len(by_node[node.id].downstream) != 1:
+                return False
+            return node.kind not in ("filter", "union") or all(exclusive(u) for u in node.inputs)
+
         for node in wired:
             op = by_node[node.id]
-            op.owns_input = bool(node.inputs) and all(
-                len(by_node[u.id].downstream) == 1 for u in node.inputs
-            )
+            # An operator that owns its input may write its output into the input's Record.
+            op.owns_input = bool(node.inputs) and all(exclusive(u) for u in node.inputs)
 
     def _operator_for(self, node: Node, states: dict[int, Any], worker_id: str) -> Operator:
         kind = node.kind
