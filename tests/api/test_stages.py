@@ -183,3 +183,44 @@ def test_a_value_that_cannot_cross_a_repartition_topic_is_a_dead_letter() -> Non
     result = run_pipeline(p, {"in": ["ok", "bad", "fine"]})
     assert result.outputs["out"] == ["ok", "fine"]
     assert len(result.dead_letters) == 1 and "repartition topic" in result.dead_letters[0][1]
+
+
+@pytest.mark.parametrize("through", ["filter", "union"])
+def test_a_branch_never_sees_another_branchs_output(through: str) -> None:
+    """A map behind a filter or a union wrote its output into the Record objects the source
+    also handed to another branch (filters and unions pass records on as they are): that
+    branch's sink got {'mapped': 1} instead of 1."""
+    pipeline = Pipeline("branches")
+    source = pipeline.source(KafkaSource("in"))
+    other = pipeline.source(KafkaSource("in2"))
+    passed = source.filter(lambda v: True) if through == "filter" else source.union(other)
+    passed.map(lambda v: {"mapped": v}).sink(KafkaSink("mapped"))
+    source.sink(KafkaSink("raw"))
+    run = run_pipeline(pipeline, {"in": [1, 2], "in2": [3]})
+    assert run.outputs["raw"] == [1, 2]
+    assert sorted(o["mapped"] for o in run.outputs["mapped"]) == (
+        [1, 2] if through == "filter" else [1, 2, 3]
+    )
+
+
+def test_a_self_join_sees_each_input_as_it_was() -> None:
+    class SelfJoin(KeyedCoProcessFunction):
+        def process_left(self, value, ctx):
+            yield {"left": value}
+
+        def process_right(self, value, ctx):
+            yield {"right": value}
+
+    pipeline = Pipeline("self-join")
+    source = pipeline.source(KafkaSource("in"))
+    (
+        source.filter(lambda v: v["n"] % 2 == 0)
+        .key_by()
+        .connect(source.key_by())
+        .process(SelfJoin())
+        .sink(KafkaSink("out"))
+    )
+    run = run_pipeline(pipeline, {"in": [Message({"n": 0}, key="k"), Message({"n": 1}, key="k")]})
+    assert sorted(map(str, run.outputs["out"])) == sorted(
+        map(str, [{"left": {"n": 0}}, {"right": {"n": 0}}, {"right": {"n": 1}}])
+    )

@@ -149,7 +149,7 @@ class SourceOperator(Operator):
             except Exception as exc:
                 record = Record(
                     None,
-                    from_wire_timestamp(msg.timestamp()[1]),
+                    msg.timestamp()[1],
                     topic,
                     partition,
                     msg.offset(),
