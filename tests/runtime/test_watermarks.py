@@ -4,6 +4,8 @@ back, and watermark records never read as data."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from snapline.pipeline.runtime.watermarks import (
     MIN_WATERMARK,
     SourceChannelClock,
@@ -63,7 +65,7 @@ class Ends:
         self.answers = {A: answers.get("a"), B: answers.get("b")}
         self.asked: list[tuple[str, int]] = []
 
-    def __call__(self, tp: tuple[str, int]) -> bool | None:
+    def __call__(self, tp: tuple[str, int], since: float) -> bool | None:
         self.asked.append(tp)
         return self.answers[tp]
 
@@ -144,3 +146,37 @@ def test_watermark_records_are_told_apart_from_data_keys() -> None:
     assert WatermarkRecord.decode(record.key(), record.value()) == record
     for data_key in (b"sabc", b"b\x00", b'j{"a":1}', None):
         assert not WatermarkRecord.is_watermark_key(data_key)
+
+
+def test_an_answer_from_an_earlier_quiet_spell_is_not_used() -> None:
+    """The end was asked, a record came before the answer was read, and the answer (end 100)
+    stayed stored: at the next timeout, much later, it was compared with that day's position
+    (5,000, with 10,000 records waiting behind a paused consumer) and the partition was called
+    idle. An answer is now used only for the quiet spell it was asked in (a review's repro)."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from snapline.pipeline.runtime.source_ends import SourceEnds
+
+    end, position = {"at": 100}, {"at": 100}
+
+    class Admin:
+        def list_offsets(self, request: Any, **_: Any) -> Any:
+            answer: Future[Any] = Future()
+            answer.set_result(SimpleNamespace(offset=end["at"]))
+            return dict.fromkeys(request, answer)
+
+    ends = SourceEnds(Admin, lambda tp: position["at"])
+    clock = TaskClock(
+        {A: SourceChannelClock(0, 2.0, 0.0, A), B: SourceChannelClock(0, 2.0, 0.0, B)}
+    )
+    clock.observe(A, 1_000, 0.0)
+    clock.observe(B, 60_000, 0.0)
+    clock.advance(2.5, {}, ends)  # A and B asked; answers on their way
+    clock.observe(A, 2_000, 2.6)  # a record before A's answer was read
+    position["at"], end["at"] = 5_000, 15_000  # later: paused with 10,000 records waiting
+    clock.observe(A, 50_000, 600.0)
+    clock.observe(B, 60_000, 600.0)
+    clock.advance(603.0, {}, ends)
+    clock.advance(603.1, {}, ends)
+    assert not clock.channels[A].idle(603.1, False, ends) and clock.watermark == 49_999

@@ -53,11 +53,18 @@ class SourceEnds:
         self._admin = admin
         self._position = position
         self._timeout = timeout
-        self._pending: dict[TopicPartitionKey, tuple[Future[Any], float]] = {}
+        #: tp -> (the question's answer, when asked, the ``since`` it was asked for)
+        self._pending: dict[TopicPartitionKey, tuple[Future[Any], float, float]] = {}
 
-    def __call__(self, tp: TopicPartitionKey) -> bool | None:
+    def __call__(self, tp: TopicPartitionKey, since: float = 0.0) -> bool | None:
+        """``since``: when the partition last had a record, as its clock says. An answer to a
+        question asked in an earlier quiet spell (another ``since``) says nothing about now:
+        it is dropped and the question asked again."""
         now = time.monotonic()
         pending = self._pending.get(tp)
+        if pending is not None and pending[2] != since:
+            del self._pending[tp]
+            pending = None
         if pending is None:
             try:
                 futures = self._admin().list_offsets(
@@ -68,9 +75,9 @@ class SourceEnds:
             except (KafkaException, ValueError) as exc:
                 log.debug("end offset of %s not asked: %s", tp, exc)
                 return False
-            self._pending[tp] = (next(iter(futures.values())), now)
+            self._pending[tp] = (next(iter(futures.values())), now, since)
             return None
-        future, asked = pending
+        future, asked, _ = pending
         if not future.done():
             if now - asked <= self._timeout + 5.0:
                 return None

@@ -34,7 +34,9 @@ TopicPartitionKey = tuple[str, int]
 #: Whether a source partition is read to its end in Kafka: True, False (records wait, or it
 #: cannot tell), None (the answer is on its way). None as a whole: no Kafka (the testing
 #: harness), nothing local means nothing to read.
-AtEnd = Callable[[TopicPartitionKey], bool | None] | None
+#: The second argument: when the partition last had a record (an answer to a question asked
+#: before that is stale).
+AtEnd = Callable[[TopicPartitionKey, float], bool | None] | None
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,7 @@ class SourceChannelClock:
             return False
         if self.at_end or at_end is None:
             return True
-        answer = at_end(self.tp)
+        answer = at_end(self.tp, self.last_active)
         if answer is None:
             return False
         if answer:
