@@ -18,9 +18,12 @@ def test_a_stale_state_file_never_signals_the_process_that_now_has_its_pid(
     """The server died (a reboot, a SIGKILL) and its pid went to another process: stop sent
     that process SIGINT. Now the pid must match PostgreSQL's postmaster.pid in the recorded
     data directory, or the state is stale and only deleted."""
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    data_dir = tmp_path / "data"
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    other = subprocess.Popen(sleep)
+    # A stand-in for the server: a process whose command line names postgres and the data dir.
+    server = subprocess.Popen([*sleep, "postgres", "-D", str(data_dir)])
     try:
-        data_dir = tmp_path / "data"
         data_dir.mkdir()
         state = {"pid": other.pid, "port": 1, "dsn": "postgresql://x", "data_dir": str(data_dir)}
         (tmp_path / STATE_FILE).write_text(json.dumps(state))
@@ -33,15 +36,23 @@ def test_a_stale_state_file_never_signals_the_process_that_now_has_its_pid(
         (tmp_path / STATE_FILE).write_text(json.dumps(state))
         assert stop_recorded_server(tmp_path, timeout=2) is False
         assert other.poll() is None
-        # The recorded server's own postmaster.pid: it is the server, and it is stopped.
+        # A killed server leaves its postmaster.pid: the pid matches, the process is not it.
         (data_dir / "postmaster.pid").write_text(f"{other.pid}\n{data_dir}\n")
         (tmp_path / STATE_FILE).write_text(json.dumps(state))
+        assert _recorded_running(str(tmp_path)) is None
+        assert stop_recorded_server(tmp_path, timeout=2) is False
+        assert other.poll() is None, "an unrelated process was signalled"
+        # The recorded server itself: it is stopped.
+        (data_dir / "postmaster.pid").write_text(f"{server.pid}\n{data_dir}\n")
+        (tmp_path / STATE_FILE).write_text(json.dumps({**state, "pid": server.pid}))
         assert _recorded_running(str(tmp_path)) == "postgresql://x"
-        reaper = threading.Thread(target=other.wait)  # our child: reaped, so its pid goes
+        reaper = threading.Thread(target=server.wait)  # our child: reaped, so its pid goes
         reaper.start()
         assert stop_recorded_server(tmp_path, timeout=10) is True
         reaper.join(10)
-        assert other.returncode not in (None, 0)
+        assert server.returncode not in (None, 0)
+        assert other.poll() is None
     finally:
-        other.kill()
-        other.wait()
+        for process in (other, server):
+            process.kill()
+            process.wait()

@@ -403,11 +403,20 @@ def _recorded_pid(state: dict[str, Any]) -> int | None:
     other process since."""
     try:
         pid = int(state["pid"])
-        lines = (Path(state["data_dir"]) / "postmaster.pid").read_text("utf-8").splitlines()
+        data_dir = str(state["data_dir"])
+        lines = (Path(data_dir) / "postmaster.pid").read_text("utf-8").splitlines()
         if not lines or int(lines[0]) != pid:
             return None
         os.kill(pid, 0)
     except (OSError, ValueError, KeyError, TypeError):
+        return None
+    # postmaster.pid outlives a server that was killed: the process must be that server, a
+    # postgres started on this data directory (its command line, where /proc shows it).
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return pid if not Path("/proc/self").exists() else None
+    if not any(b"postgres" in arg for arg in argv) or data_dir.encode() not in argv:
         return None
     return pid
 
