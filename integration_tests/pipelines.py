@@ -201,3 +201,26 @@ def big_windows() -> Pipeline:
         .sink(KafkaSink(f"{PREFIX}big-out"))
     )
     return pipeline
+
+
+class _Count(KeyedProcessFunction):
+    """A count per key, its state declared with ``$SNAPLINE_TEST_TTL`` seconds of TTL (unset:
+    none)."""
+
+    ttl = os.environ.get("SNAPLINE_TEST_TTL")
+    n = ValueState("n", default=0, ttl=float(ttl) if ttl else None)
+
+    def process(self, value: Any, ctx: Context) -> Iterator[dict[str, Any]]:
+        self.n.update(self.n.value() + 1)
+        yield {"key": ctx.key, "n": self.n.value()}
+
+
+def ttl_counts() -> Pipeline:
+    pipeline = Pipeline(f"{PREFIX}ttl", checkpoint_interval=0.3)
+    (
+        pipeline.source(KafkaSource(f"{PREFIX}ttl-in"))
+        .key_by(lambda v: v["k"])
+        .process(_Count(), uid="count")
+        .sink(KafkaSink(f"{PREFIX}ttl-out"))
+    )
+    return pipeline

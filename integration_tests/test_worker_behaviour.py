@@ -493,3 +493,29 @@ def test_a_window_result_too_large_for_kafka_is_a_dead_letter_with_its_start(
     assert letter.value().startswith(b'{"key":"big","start":0,"end":1000,"value":"')
     reason = dict(letter.headers())["snapline.error"].decode()
     assert "the dead letter holds its first" in reason and "holds the input record" not in reason
+
+
+def test_a_state_whose_ttl_was_added_since_the_checkpoint_is_refused_at_start(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """A value of a state with a TTL is stored behind its expiry: restarted from its own
+    checkpoints after a TTL was added in the code, a job read every count as expired in 1970
+    (the counts started over, silently). Now the worker stops at start (exit 78), naming the
+    state and the fix."""
+    prefix = f"{unique_name}-"
+    create_topics(kafka_bootstrap, {f"{prefix}ttl-in": 1, f"{prefix}ttl-out": 1})
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    for _ in range(3):
+        producer.produce(f"{prefix}ttl-in", orjson.dumps({"k": "a"}))
+    producer.flush(30)
+    worker = _start_worker("ttl_counts", kafka_bootstrap, tmp_path, prefix)
+    try:
+        outputs = read_committed(kafka_bootstrap, f"{prefix}ttl-out", 3, timeout=60, settle=0)
+        assert max(o["n"] for o in outputs) == 3
+    finally:
+        assert worker.stop() == 0
+    worker.start({"SNAPLINE_TEST_TTL": "3600"})
+    assert worker.wait_exit(60) == 78, worker.tail()
+    log = worker.log_path.read_text(errors="replace")
+    assert "state 'n' of operator 'count' has no TTL in checkpoint" in log, worker.tail()
+    assert "but ttl=3600000 ms in the code" in log

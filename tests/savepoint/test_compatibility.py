@@ -22,7 +22,6 @@ from snapline import (
 )
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.errors import CorruptCheckpointError
-from snapline.pipeline.savepoint.export import _state_description
 from snapline.pipeline.savepoint.format import (
     ENTRY_SCHEMA,
     OperatorState,
@@ -32,6 +31,7 @@ from snapline.pipeline.savepoint.format import (
     write_table,
 )
 from snapline.pipeline.savepoint.restore import match_states
+from snapline.pipeline.state.compat import state_description
 
 
 class Total(KeyedProcessFunction):
@@ -83,7 +83,7 @@ def savepoint_of(p: Pipeline, legacy: bool = True) -> SavepointMetadata:
             [
                 {k: d.describe()[k] for k in ("name", "kind", "serde")}
                 if legacy
-                else _state_description(d.describe())
+                else state_description(d.describe())
                 for _, d in entries
             ],
             [],

@@ -229,6 +229,7 @@ class Task:
                 continue
             for upstream in node.inputs:
                 by_node[upstream.id].downstream.append(op)
+
         def exclusive(node: Node) -> bool:
             """The records ``node`` emits reach one operator only. A filter or a union emits
             the very records it was given: theirs are exclusive only if its inputs' were."""

@@ -111,6 +111,7 @@ from snapline.pipeline.runtime.transaction import (
 from snapline.pipeline.savepoint.control import PAUSE_LIMIT, ControlChannel, Request, write_ack
 from snapline.pipeline.stages import task_id_for
 from snapline.pipeline.state import create_backend
+from snapline.pipeline.state.compat import incompatibility
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +208,9 @@ class Worker:
             for node_id, entries in pipeline.state_ids().items()
             for sid, desc in entries
         ]
+        #: (operator uid, state name) -> the code's description, checked against a restored
+        #: checkpoint's (state/compat.py).
+        self._declared_states = {(d["uid"], d.get("name") or ""): d for d in states}
         #: Background jobs still running when the worker closed (see ``_close``).
         self.hung_jobs: list[str] = []
         self.coordinator = CheckpointCoordinator(
@@ -593,6 +597,7 @@ class Worker:
                 backend,
                 on_corrupt=self.pipeline.on_corrupt_checkpoint,
             )
+            self._check_states(task_id, meta)
             self._previous_owners.add(meta.worker_id)
             if meta.state is not None:
                 self._restored_bytes[task_id] = sum(f.size for f in meta.state.files)
@@ -650,6 +655,26 @@ class Worker:
             positions,
         )
         return positions, ref
+
+    def _check_states(self, task_id: str, meta: TaskCheckpoint) -> None:
+        """Refuse to go on from a checkpoint whose state the code would read wrong (a state's
+        kind, serde, TTL or map key serde changed since: state/compat.py)."""
+        problems = []
+        for stored in meta.states:
+            now = self._declared_states.get((stored.get("uid"), stored.get("name") or ""))
+            if now is None or "kind" not in stored:
+                continue
+            # A checkpoint's description names the TTL whenever there is one.
+            stored = {**stored, "ttl_ms": stored.get("ttl_ms")}
+            where = f"state {stored.get('name')!r} of operator {stored.get('uid')!r}"
+            problem = incompatibility(stored, now, where, f"checkpoint {meta.ref.checkpoint_id}")
+            if problem is not None:
+                problems.append(problem)
+        if problems:
+            raise ConfigurationError(
+                f"task {task_id} cannot continue from its checkpoint with this code: "
+                + "; ".join(problems)
+            )
 
     @staticmethod
     def _named_checkpoint(task_id: str, committed: list[TopicPartition]) -> CheckpointRef | None:

@@ -50,6 +50,7 @@ from snapline.pipeline.savepoint.pool import pool_size, run_jobs, scratch_option
 from snapline.pipeline.stages import SOURCE_STAGE, StagePlan, task_id_for
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.columns import StoredKeys, split_stored_keys
+from snapline.pipeline.state.compat import state_description
 
 log = logging.getLogger(__name__)
 
@@ -347,16 +348,6 @@ def _state_progress(files: dict[str, list[SavepointFile]]) -> str:
     return f"state ({rows:,} rows, {size / 1e6:.1f} MB)"
 
 
-def _state_description(described: dict[str, Any]) -> dict[str, Any]:
-    """What a restore must match of a state: name, kind, serde, TTL (None: none; stored
-    values carry an expiry stamp only with one) and a map's key serde (its keys' bytes)."""
-    out = {k: described[k] for k in ("name", "kind", "serde")}
-    out["ttl_ms"] = described.get("ttl_ms")
-    if "key_serde" in described:
-        out["key_serde"] = described["key_serde"]
-    return out
-
-
 def default_savepoint_uri(checkpoint_dir: str, job: str) -> str:
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     return f"{checkpoint_dir.rstrip('/')}/{job}/savepoints/sp-{stamp}-{uuid.uuid4().hex[:6]}"
@@ -530,7 +521,7 @@ def export_savepoint(
                 files[uid].append(entry)
                 partitioning[uid] = "source" if entry.key_groups is None else "keyed"
                 states[uid] = [
-                    _state_description(d)
+                    state_description(d)
                     for d in meta.states
                     if (d.get("uid") or pipeline.operator_uids().get(int(d["operator"]))) == uid
                 ]

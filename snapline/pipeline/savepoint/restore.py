@@ -74,6 +74,7 @@ from snapline.pipeline.stages import SOURCE_STAGE, Repartition, repartition_part
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.backend import StateHandle
 from snapline.pipeline.state.columns import build_stored_keys
+from snapline.pipeline.state.compat import incompatibility
 from snapline.pipeline.state.descriptors import StateDescriptor
 
 log = logging.getLogger(__name__)
@@ -115,31 +116,9 @@ def match_states(
                 dropped.append(where)
                 continue
             sid, desc = declared[node_id][state["name"]]
-            now = desc.describe()
-            if (now["kind"], now["serde"]) != (state["kind"], state["serde"]):
-                problems.append(
-                    f"{where} is a {state['kind']} state with serde {state['serde']!r} in the "
-                    f"savepoint but a {now['kind']} state with serde {now['serde']!r} in the "
-                    "code; keep its kind and serde, or rename the state to start it empty"
-                )
-                continue
-            # Savepoints written before these were recorded cannot be checked for them.
-            if "ttl_ms" in state and (state["ttl_ms"] is None) != (now.get("ttl_ms") is None):
-                had = "no TTL" if state["ttl_ms"] is None else f"ttl={state['ttl_ms']} ms"
-                has = "no TTL" if now.get("ttl_ms") is None else f"ttl={now['ttl_ms']} ms"
-                problems.append(
-                    f"{where} has {had} in the savepoint but {has} in the code; values of a "
-                    "state with a TTL are stored with their expiry, so a TTL can be changed "
-                    "but not added or removed: keep it as it was, or rename the state to "
-                    "start it empty"
-                )
-                continue
-            if "key_serde" in state and state["key_serde"] != now.get("key_serde"):
-                problems.append(
-                    f"{where} has map keys with serde {state['key_serde']!r} in the savepoint "
-                    f"but {now.get('key_serde')!r} in the code; keep the key serde, or rename "
-                    "the state to start it empty"
-                )
+            problem = incompatibility(state, desc.describe(), where, "the savepoint")
+            if problem is not None:
+                problems.append(problem)
                 continue
             mapping[(op.uid, state["name"])] = StateMapping(op.uid, state["name"], node_id, sid)
     if problems:

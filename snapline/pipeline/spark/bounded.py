@@ -41,6 +41,7 @@ from typing import Any
 import orjson
 
 from snapline.pipeline.errors import ConfigurationError
+from snapline.pipeline.state.compat import state_description
 
 log = logging.getLogger(__name__)
 
@@ -531,9 +532,7 @@ def run_bounded(
             say(f"stage {k}: {records.get(k, 0)} records processed")
         uids = pipeline.operator_uids()
         states = {
-            uids[node_id]: [
-                {kk: d.describe()[kk] for kk in ("name", "kind", "serde")} for _, d in entries
-            ]
+            uids[node_id]: [state_description(d.describe()) for _, d in entries]
             for node_id, entries in pipeline.state_ids().items()
         }
         metadata = SavepointMetadata(

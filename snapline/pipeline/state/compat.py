@@ -1,0 +1,57 @@
+"""Whether stored state can be read by the code's state declarations: the checks a restore
+makes, from a savepoint (savepoint/restore.py) or from the job's own checkpoints (the worker),
+against the descriptions stored with it (``StateDescriptor.describe()``).
+
+A state's kind and serde decide how its bytes are read; a state with a TTL stores each value
+behind its expiry (8 bytes), one without does not, so a TTL may change its length but not
+appear or disappear; a map state's key serde decides its keys' bytes. Any of these changed
+makes the stored state unreadable or silently wrong (every value expired in 1970, every read
+failing), so the restore is refused, naming the state.
+
+Pure logic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def incompatibility(
+    stored: Mapping[str, Any], now: Mapping[str, Any], where: str, source: str
+) -> str | None:
+    """Why the state described by ``stored`` (in ``source``: "the savepoint", "checkpoint 7")
+    cannot be restored into the state described by ``now``, or None. Descriptions written
+    before TTLs and key serdes were recorded (no ``ttl_ms`` key, for savepoints; no
+    ``key_serde`` key) are not checked for them."""
+    if (now["kind"], now["serde"]) != (stored["kind"], stored["serde"]):
+        return (
+            f"{where} is a {stored['kind']} state with serde {stored['serde']!r} in {source} "
+            f"but a {now['kind']} state with serde {now['serde']!r} in the code; keep its kind "
+            "and serde, or rename the state to start it empty"
+        )
+    if "ttl_ms" in stored and (stored["ttl_ms"] is None) != (now.get("ttl_ms") is None):
+        had = "no TTL" if stored["ttl_ms"] is None else f"ttl={stored['ttl_ms']} ms"
+        has = "no TTL" if now.get("ttl_ms") is None else f"ttl={now['ttl_ms']} ms"
+        return (
+            f"{where} has {had} in {source} but {has} in the code; values of a state "
+            "with a TTL are stored with their expiry, so a TTL can be changed but not added "
+            "or removed: keep it as it was, or rename the state to start it empty"
+        )
+    if "key_serde" in stored and stored["key_serde"] != now.get("key_serde"):
+        return (
+            f"{where} has map keys with serde {stored['key_serde']!r} in {source} but "
+            f"{now.get('key_serde')!r} in the code; keep the key serde, or rename the state to "
+            "start it empty"
+        )
+    return None
+
+
+def state_description(described: Mapping[str, Any]) -> dict[str, Any]:
+    """What a savepoint records of a state (``described``: ``describe()``): name, kind, serde,
+    TTL (None: none) and a map's key serde."""
+    out = {k: described[k] for k in ("name", "kind", "serde")}
+    out["ttl_ms"] = described.get("ttl_ms")
+    if "key_serde" in described:
+        out["key_serde"] = described["key_serde"]
+    return out
