@@ -40,15 +40,16 @@ def seconds(value: Any, what: str) -> float | None:
     return float(value)
 
 
-#: Kafka record timestamps are signed 64-bit milliseconds (the lowest event time is one above
-#: the lowest of them: a repartition topic carries event times <= 0 one lower).
-_INT64 = (-(1 << 63) + 1, (1 << 63) - 1)
+#: The event times a record may have: Kafka timestamps are signed 64-bit milliseconds, and a
+#: window's end or a timer past the time must fit as well (±2**62 ms: ±146 million years).
+_EVENT_TIME_RANGE = (-(1 << 62), 1 << 62)
 
 
 def timestamp_ms(value: Any) -> int:
     """An event timestamp returned by a user's ``timestamp=`` function, as int milliseconds
-    (a record with any other answer goes to the dead letters). Values outside 64 bits cannot
-    be a Kafka timestamp: they failed every checkpoint at the barrier instead."""
+    (a record with any other answer goes to the dead letters). Values beyond ±2**62 are
+    refused: beyond 64 bits they failed every checkpoint at the barrier, and near it the
+    windows' ends overflowed after the watermark had already jumped there for good."""
     if isinstance(value, float) and math.isfinite(value):
         value = int(value)
     elif isinstance(value, datetime):
@@ -58,6 +59,9 @@ def timestamp_ms(value: Any) -> int:
             f"timestamp function returned {value!r}; return int milliseconds since the epoch "
             "(or a timezone-aware datetime)"
         )
-    if not _INT64[0] <= value <= _INT64[1]:
-        raise ValueError(f"timestamp function returned {value}, outside 64-bit milliseconds")
+    if not _EVENT_TIME_RANGE[0] <= value <= _EVENT_TIME_RANGE[1]:
+        raise ValueError(
+            f"timestamp function returned {value}, beyond ±2**62 ms (an event time's windows "
+            "and timers must fit 64-bit milliseconds); return milliseconds since the epoch"
+        )
     return int(value)

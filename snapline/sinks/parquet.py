@@ -330,12 +330,19 @@ class RowConverter:
             )
 
 
+def _schema_checksum(schema: pa.Schema) -> bytes:
+    """CRC-32 of the columns (name, type, nullability) and the schema's metadata, written as
+    text: not of the IPC bytes, which another pyarrow version may lay out differently."""
+    fields = [[f.name, str(f.type), f.nullable] for f in schema]
+    metadata = sorted([k.hex(), v.hex()] for k, v in (schema.metadata or {}).items())
+    return crc32_checksum(orjson.dumps([fields, metadata])).encode()
+
+
 def _checked_schema_bytes(schema: pa.Schema) -> bytes:
-    """``schema`` as an Arrow IPC message whose metadata carries the CRC-32 of the message
-    without it, so that a changed byte of ``_schema.arrow`` (a column renamed or retyped,
-    whose values would then be written as nulls or refused) is detected at open."""
-    raw = schema.serialize().to_pybytes()
-    metadata = {**(schema.metadata or {}), SCHEMA_CHECKSUM_KEY: crc32_checksum(raw).encode()}
+    """``schema`` as an Arrow IPC message whose metadata carries its checksum, so that a
+    changed byte of ``_schema.arrow`` (a column renamed or retyped, whose values would then be
+    written as nulls or refused) is detected at open."""
+    metadata = {**(schema.metadata or {}), SCHEMA_CHECKSUM_KEY: _schema_checksum(schema)}
     return bytes(schema.with_metadata(metadata).serialize().to_pybytes())
 
 
@@ -356,7 +363,7 @@ def _read_table_schema(table: Path) -> pa.Schema | None:
     schema = schema.with_metadata(metadata) if metadata else schema.remove_metadata()
     if checksum is None:  # written before checksums
         return schema
-    if crc32_checksum(schema.serialize().to_pybytes()).encode() != checksum:
+    if _schema_checksum(schema) != checksum:
         raise SinkError(f"ParquetSink: {path} failed its checksum; {_SCHEMA_FIX}")
     return schema
 

@@ -380,6 +380,9 @@ class TopicManager:
             for future in futures.values():
                 future.result(timeout=timeout + 1)
         except (KafkaException, TimeoutError) as exc:
+            if isinstance(exc, KafkaException) and refused_config(exc):
+                log.info("the broker does not know %s: nothing to set", sorted(EVENT_TIME_CONFIG))
+                return
             log.warning(
                 "cannot set %s on the repartition topics (%s): records with event times more "
                 "than the broker's message.timestamp.after.max.ms ahead (1 h by default on "

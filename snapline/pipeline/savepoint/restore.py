@@ -328,6 +328,14 @@ def seed_from_savepoint(
         tell(0, len(jobs))
         rows = sum(f.rows for op in savepoint.operators for f in op.files)
         loaded = run_jobs(load_task, jobs, pool_size(len(jobs), rows=rows), tell)
+        # Loading can take minutes: a worker started meanwhile would have its topics deleted
+        # under it and keep the group from being reset. Asked again before Kafka changes.
+        members = wait_until_stopped(admin, pipeline.name)
+        if members:
+            raise ConfigurationError(
+                f"the job {pipeline.name!r} started while its savepoint was being restored "
+                f"({members} members in its consumer group); stop it and restore again"
+            )
         for rep in plan.repartitions.values():
             _recreate_topic(admin, rep.topic, partitions[rep.topic], INTERNAL_TOPIC_CONFIG)
         _produce_in_flight(pipeline, kafka_config, flights, partitions)
