@@ -18,6 +18,7 @@ from snapline import (
     ConfigurationError,
     KafkaSink,
     KafkaSource,
+    KeyedProcessFunction,
     KeyedStream,
     Pipeline,
     hopping,
@@ -422,3 +423,49 @@ def test_an_event_time_beyond_64_bits_is_a_dead_letter_not_a_failed_checkpoint(
     [(value, reason)] = run.dead_letters
     assert orjson.loads(value) == {"t": 2**40, "x": factor}
     assert "beyond ±2**62 ms" in reason
+
+
+def test_a_window_of_windows_in_one_stage_loses_no_inner_window() -> None:
+    """An inner window fires at watermark W and emits its result at time end - 1 <= W; the
+    outer window in the same stage saw the task's watermark already at W and dropped the
+    result as late: the last inner window of every outer window was lost (outer sums 16, 16,
+    18 instead of 20), and all of them at the end of a bounded input. Each operator now has
+    its own watermark, advanced after its upstream's output (as in Flink)."""
+    pipeline = Pipeline("window-of-windows")
+    source = pipeline.source(KafkaSource("in", timestamp=lambda v: v["ts"]))
+    inner = source.key_by(lambda v: v["k"]).window(tumbling(10)).count()
+    inner.sink(KafkaSink("inner"))
+    outer = inner.window(tumbling(100)).reduce(lambda a, b: {**a, "value": a["value"] + b["value"]})
+    outer.sink(KafkaSink("outer"))
+    run = run_pipeline(
+        pipeline, {"in": [{"k": "a", "ts": t} for t in range(0, 300, 5)]}, checkpoint_every=7
+    )
+    assert sum(o["value"] for o in run.outputs["inner"]) == 60 and not run.dead_letters
+    assert [(o["start"], o["value"]["value"]) for o in run.outputs["outer"]] == [
+        (0, 20),
+        (100, 20),
+        (200, 20),
+    ]
+
+
+def test_a_timers_output_reaches_a_window_in_the_same_stage() -> None:
+    class Delay(KeyedProcessFunction):
+        """Re-emits each record at the end of its 10 ms bucket, from an event-time timer."""
+
+        def process(self, value: Any, ctx: Any) -> None:
+            ctx.timers.register_event_time(ctx.timestamp // 10 * 10 + 9)
+
+        def on_timer(self, timestamp: int, ctx: Any) -> Any:
+            yield {"bucket_end": timestamp}
+
+    pipeline = Pipeline("timer-into-window")
+    (
+        pipeline.source(KafkaSource("in", timestamp=lambda v: v["ts"]))
+        .key_by(lambda v: v["k"])
+        .process(Delay())
+        .window(tumbling(10))
+        .count()
+        .sink(KafkaSink("out"))
+    )
+    run = run_pipeline(pipeline, {"in": [{"k": "a", "ts": t} for t in range(0, 100, 3)]})
+    assert len(run.outputs["out"]) == 10 and not run.dead_letters

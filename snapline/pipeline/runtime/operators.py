@@ -27,7 +27,7 @@ from snapline.pipeline.rolling import RollingAggregate, returned_none
 from snapline.pipeline.runtime.barrier import Barrier
 from snapline.pipeline.runtime.kafka_calls import kafka_error
 from snapline.pipeline.runtime.timers import TimerService, processing_time_ms
-from snapline.pipeline.runtime.watermarks import WatermarkRecord
+from snapline.pipeline.runtime.watermarks import MIN_WATERMARK, WatermarkRecord
 from snapline.pipeline.sink import PreCommitResult, SinkWriter
 from snapline.pipeline.stages import Repartition
 from snapline.pipeline.state.backend import KeyedStateBackend
@@ -92,6 +92,11 @@ class Operator:
         self.task = task
         self.name = name
         self.downstream: list[Operator] = []
+        #: This operator's event time: the task's watermark once ``on_watermark`` reached it.
+        #: Records an upstream operator emits while it fires timers at a new watermark arrive
+        #: before that (as in Flink, the watermark follows an operator's output downstream),
+        #: so they are not late here.
+        self.watermark: int = getattr(task, "watermark", MIN_WATERMARK)
         #: True when no other operator sees this operator's input records, so it may update
         #: them in place instead of copying (set by the task when it wires the graph).
         self.owns_input = False
@@ -511,7 +516,7 @@ class ProcessOperator(Operator):
     def _run(self, records: list[Record], process: Callable[[Any, Context], Any]) -> None:
         scope = self._scope
         ctx = self._ctx
-        ctx.watermark = self.task.watermark
+        ctx.watermark = self.watermark
         scope.now = self.task.now_ms()
         if self._timers is not None:
             self._timers.watermark = ctx.watermark
@@ -580,7 +585,7 @@ class ProcessOperator(Operator):
         assert timers is not None
         scope = self._scope
         ctx = self._ctx
-        ctx.watermark = self.task.watermark
+        ctx.watermark = self.watermark
         scope.now = self.task.now_ms()
         ctx.time_domain = "event" if domain == EVENT_TIME else "processing"
         ctx.topic, ctx.partition, ctx.offset = "", -1, -1

@@ -384,7 +384,8 @@ class Task:
     def _set_watermark(self, watermark: int) -> None:
         self.watermark = watermark
         self._time_moved = True
-        for op in self.operators:
+        for op in self.operators:  # in graph order: each sees its upstream's output first
+            op.watermark = watermark
             op.on_watermark(watermark)
 
     def _fire_processing_time(self) -> None:

@@ -91,7 +91,7 @@ class WindowOperator(Operator):
 
     # ------------------------------------------------------------------ records
     def process(self, records: list[Record]) -> None:
-        watermark = self.task.watermark
+        watermark = self.watermark
         scope = self._scope
         add = self._add
         for r in records:

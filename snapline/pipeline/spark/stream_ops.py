@@ -500,6 +500,8 @@ def keyed_processor(spec: str) -> Any:
                     if due:
                         watermark = min(due) - 1
             self.ctx.watermark = self.timers.watermark = self.window_task.watermark = watermark
+            if self.window is not None:
+                self.window[0].watermark = watermark
             return tagged, k
 
         def _run(
