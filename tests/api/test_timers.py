@@ -216,3 +216,46 @@ def test_a_record_that_raises_after_yielding_outputs_nothing_of_it() -> None:
     reasons = [reason for _, reason in run.dead_letters]
     assert len(reasons) == 2 and "raised ValueError('odd')" in reasons[0]
     assert "on_timer(30) raised ValueError('odd timer')" in reasons[1]
+
+
+def test_deleted_timers_do_not_pile_up_in_memory(monkeypatch: Any) -> None:
+    """The inactivity-timeout pattern (each record deletes its key's timer and registers a new
+    one) left every deleted timer in the firing heap until its time passed: 20,000 entries for
+    10 live timers here, 180 million at 100,000 records/s with a 30-minute timeout. The heap
+    is compacted once deleted entries are most of it."""
+    import snapline.testing as harness
+    from snapline.pipeline.runtime.operators import ProcessOperator
+
+    class Timeout(KeyedProcessFunction):
+        pending = ValueState("pending")
+
+        def process(self, value: Any, ctx: Context) -> None:
+            old = self.pending.value()
+            if old is not None:
+                ctx.timers.delete_processing_time(old)
+            at = ctx.timers.current_processing_time() + 30 * 60_000
+            ctx.timers.register_processing_time(at)
+            self.pending.update(at)
+
+    seen: dict[str, int] = {}
+    close = harness.Task.close
+
+    def measure(task: Any) -> None:
+        for op in task.operators:
+            if isinstance(op, ProcessOperator) and op._timers is not None:
+                seen["heap"] = max(seen.get("heap", 0), len(op._timers._heaps[1]))
+        close(task)
+
+    monkeypatch.setattr(harness.Task, "close", measure)
+    clock = iter(range(0, 10**9, 10))
+    pipeline = Pipeline("timeouts")
+    pipeline.source(KafkaSource("in")).key_by(lambda v: v % 10).process(Timeout()).sink(
+        KafkaSink("out")
+    )
+    run_pipeline(
+        pipeline,
+        {"in": list(range(20_000))},
+        checkpoint_every=5_000,
+        processing_time=lambda: next(clock),
+    )
+    assert 10 <= seen["heap"] <= 2 * 1024 + 10

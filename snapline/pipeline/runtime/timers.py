@@ -28,6 +28,10 @@ def processing_time_ms() -> int:
     return int(time.time() * 1000)
 
 
+#: Deleted timers' heap entries tolerated before a compaction is considered.
+COMPACT_AT = 1024
+
+
 class TimerService:
     """Register and delete timers of the current key (the key of the record or timer being
     processed). Timestamps are int milliseconds: event time for ``*_event_time``, wall-clock
@@ -44,6 +48,8 @@ class TimerService:
         self._clock = clock or processing_time_ms
         self._scope = scope
         self._heaps: tuple[list[_Entry], list[_Entry]] = ([], [])
+        #: Heap entries of deleted timers, per domain, not yet popped (see ``_compact``).
+        self._stale = [0, 0]
         self.watermark = MIN_WATERMARK
         for domain, ts, group, key_bytes, tagged in store.scan(max_parallelism):
             self._heaps[domain].append((ts, group, key_bytes, tagged))
@@ -90,8 +96,28 @@ class TimerService:
 
     def _delete(self, domain: int, timestamp: int) -> None:
         group, key_bytes, _ = self._current()
-        # The heap entry stays; ``due`` skips entries no longer in the state.
-        self._store.remove(domain, timestamp, group, key_bytes)
+        # The heap entry stays; ``due`` skips entries no longer in the state, and the heap is
+        # compacted once such entries are most of it.
+        if self._store.remove(domain, timestamp, group, key_bytes):
+            self._stale[domain] += 1
+            heap = self._heaps[domain]
+            if self._stale[domain] > COMPACT_AT and 2 * self._stale[domain] > len(heap):
+                self._compact(domain)
+
+    def _compact(self, domain: int) -> None:
+        """Drop the heap entries of deleted timers. "Delete the old timeout, register a new
+        one" per record left one entry per record until its time passed: at 100,000 records/s
+        and a 30-minute timeout, 180 million entries. Amortized O(1) per deletion."""
+        store = self._store
+        kept = {
+            entry
+            for entry in self._heaps[domain]
+            if store.contains(domain, entry[0], entry[1], entry[2])
+        }
+        heap = list(kept)
+        heapq.heapify(heap)
+        self._heaps[domain][:] = heap
+        self._stale[domain] = 0
 
     def next_processing_time(self) -> int | None:
         heap = self._heaps[PROCESSING_TIME]
@@ -107,6 +133,8 @@ class TimerService:
             ts, group, key_bytes, tagged = heapq.heappop(heap)
             if store.remove(domain, ts, group, key_bytes):
                 yield ts, group, key_bytes, untag_key(tagged)[0]
+            elif self._stale[domain]:
+                self._stale[domain] -= 1
 
     @staticmethod
     def prefix_of(group: int, key_bytes: bytes) -> bytes:
