@@ -259,3 +259,28 @@ def test_deleted_timers_do_not_pile_up_in_memory(monkeypatch: Any) -> None:
         processing_time=lambda: next(clock),
     )
     assert 10 <= seen["heap"] <= 2 * 1024 + 10
+
+
+def test_a_periodic_timer_ends_at_the_end_of_a_bounded_input() -> None:
+    """An on_timer that registers the next timer (every second) fired about 10**16 times when
+    the watermark jumped to its maximum at the end of a bounded input (run_pipeline, spark
+    run): it never ended. The end fires in rounds, at most END_ROUNDS of them."""
+    from snapline.pipeline.runtime.timers import END_ROUNDS
+
+    class Tick(KeyedProcessFunction):
+        def process(self, value: Any, ctx: Context) -> None:
+            ctx.timers.register_event_time(ctx.timestamp + 1000)
+
+        def on_timer(self, timestamp: int, ctx: Context) -> Any:
+            ctx.timers.register_event_time(timestamp + 1000)
+            yield {"tick": timestamp}
+
+    pipeline = Pipeline("ticks")
+    (
+        pipeline.source(KafkaSource("in", value_format="json", timestamp=lambda v: v["t"]))
+        .key_by(lambda v: v["k"])
+        .process(Tick())
+        .sink(KafkaSink("out", value_format="json"))
+    )
+    run = run_pipeline(pipeline, {"in": [Message({"k": "a", "t": 0})]})
+    assert len(run.outputs["out"]) == END_ROUNDS

@@ -12,12 +12,13 @@ Threads: the task thread.
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from collections.abc import Callable, Iterator
 
 from snapline.pipeline.formats import tag_key, untag_key
 from snapline.pipeline.keygroups import state_key_prefix
-from snapline.pipeline.runtime.watermarks import MIN_WATERMARK
+from snapline.pipeline.runtime.watermarks import MAX_WATERMARK, MIN_WATERMARK
 from snapline.pipeline.state.descriptors import KeyScope
 from snapline.pipeline.state.timers import EVENT_TIME, PROCESSING_TIME, TimerStore
 
@@ -28,8 +29,14 @@ def processing_time_ms() -> int:
     return int(time.time() * 1000)
 
 
+log = logging.getLogger(__name__)
+
 #: Deleted timers' heap entries tolerated before a compaction is considered.
 COMPACT_AT = 1024
+#: At the end of a bounded input (the watermark at its maximum) every timer fires, and the
+#: timers those firings register fire in the next round, for at most this many rounds: a
+#: timer that registers the next one (every second, say) would otherwise fire forever.
+END_ROUNDS = 100
 
 
 class TimerService:
@@ -127,6 +134,9 @@ class TimerService:
         """Timers of ``domain`` at or before ``limit``, in time order, each removed from the
         state as it is yielded: (timestamp, key-group, key bytes, key). Timers registered
         meanwhile at or before ``limit`` are yielded too."""
+        if limit >= MAX_WATERMARK:
+            yield from self._due_at_end(domain)
+            return
         heap = self._heaps[domain]
         store = self._store
         while heap and heap[0][0] <= limit:
@@ -135,6 +145,28 @@ class TimerService:
                 yield ts, group, key_bytes, untag_key(tagged)[0]
             elif self._stale[domain]:
                 self._stale[domain] -= 1
+
+    def _due_at_end(self, domain: int) -> Iterator[tuple[int, int, bytes, object]]:
+        """Every timer, in rounds: the timers there are, in time order; then the ones they
+        registered; at most END_ROUNDS rounds (then the rest is logged, not fired)."""
+        heap, store = self._heaps[domain], self._store
+        for _ in range(END_ROUNDS):
+            if not heap:
+                return
+            batch = sorted(heap)
+            heap.clear()  # what the firings register goes into the next round
+            self._stale[domain] = 0
+            for ts, group, key_bytes, tagged in batch:
+                if store.remove(domain, ts, group, key_bytes):
+                    yield ts, group, key_bytes, untag_key(tagged)[0]
+        if heap:
+            log.warning(
+                "end of input: timers still registering new timers after %d rounds; %d not "
+                "fired (an on_timer that always registers the next timer never ends: check "
+                "ctx.watermark == 2**63 - 1 there)",
+                END_ROUNDS,
+                len(heap),
+            )
 
     @staticmethod
     def prefix_of(group: int, key_bytes: bytes) -> bytes:
