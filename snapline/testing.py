@@ -39,7 +39,7 @@ from typing import Any, cast
 
 from snapline.connectors.kafka_source import KafkaSource
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
-from snapline.pipeline.formats import encode_key, encoder
+from snapline.pipeline.formats import encode_key, encoder, value_encoder
 from snapline.pipeline.graph import Node, Pipeline
 from snapline.pipeline.record import ListedMessage, Record
 from snapline.pipeline.runtime.faults import FaultInjector
@@ -51,6 +51,7 @@ from snapline.pipeline.sink import PreCommitResult, Sink, SinkContext, SinkWrite
 from snapline.pipeline.stages import task_id_for
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.backend import StateHandle
+from snapline.sinks.kafka import KafkaSink
 
 __all__ = ["Message", "TestRun", "run_pipeline"]
 
@@ -114,24 +115,58 @@ class _Output:
 class _CapturingSink(Sink):
     """Replaces a declared sink: keeps each epoch's values, publishes them on commit."""
 
-    def __init__(self, name: str, committed: list[Any]) -> None:
+    def __init__(self, name: str, committed: list[Any], declared: Sink | None = None) -> None:
         self.name = name
         self.committed = committed
+        self.declared = declared
 
     def open(self, context: SinkContext) -> SinkWriter:
-        return _CapturingWriter(self.committed)
+        return _CapturingWriter(self.committed, self.declared, context)
 
 
 class _CapturingWriter(SinkWriter):
-    def __init__(self, committed: list[Any]) -> None:
+    """Keeps the values; a value a declared KafkaSink could not encode (its format, its key
+    function) goes to the dead letters, as a worker's sink sends it."""
+
+    def __init__(
+        self, committed: list[Any], declared: Sink | None = None, context: SinkContext | None = None
+    ) -> None:
         self._committed = committed
         self._epochs: dict[int, list[Any]] = defaultdict(list)
+        self._check: Callable[[Record], None] | None = None
+        self._context = context
+        if isinstance(declared, KafkaSink) and context is not None:
+            encode, key_fn = value_encoder(declared.value_format), declared.key
+            topic = declared.topic
+
+            def check(record: Record) -> None:
+                if record.value is not None:
+                    encode(record.value)
+                if key_fn is not None:
+                    encode_key(key_fn(record.value))
+
+            self._check = check
+            self._topic = topic
 
     def write(self, record: Record, epoch: int) -> None:
-        self._epochs[epoch].append(record.value)
+        self.write_batch((record,), epoch)
 
     def write_batch(self, records: Sequence[Record], epoch: int) -> None:
-        self._epochs[epoch].extend(r.value for r in records)
+        check = self._check
+        if check is None:
+            self._epochs[epoch].extend(r.value for r in records)
+            return
+        assert self._context is not None
+        kept = self._epochs[epoch]
+        for record in records:
+            try:
+                check(record)
+            except Exception as exc:  # as KafkaSinkWriter: bad output is a dead letter
+                self._context.dead_letter(
+                    record, f"{self._topic}: cannot encode output: {exc!r}", epoch
+                )
+                continue
+            kept.append(record.value)
 
     def pre_commit(self, checkpoint_id: int) -> PreCommitResult:
         return None
@@ -139,6 +174,10 @@ class _CapturingWriter(SinkWriter):
     def commit(self, checkpoint_id: int) -> None:
         for epoch in sorted(e for e in self._epochs if e <= checkpoint_id):
             self._committed.extend(self._epochs.pop(epoch))
+
+
+def _never_at_end(tp: tuple[str, int], since: float) -> bool:
+    return False
 
 
 def _sink_names(sink: Sink) -> list[str]:
@@ -201,7 +240,7 @@ def run_pipeline(
             committed: list[Any] = []
             for name in _sink_names(node.fn):
                 sink_lists[name] = committed
-            fn = _CapturingSink(node.fn.name, committed)
+            fn = _CapturingSink(node.fn.name, committed, node.fn)
         copy = Node(
             node.kind,
             [by_id[i.id] for i in node.inputs],
@@ -298,6 +337,9 @@ class _Runner:
                 time_state=self.committed_time.get(stage),
                 clock=self.processing_time,
                 ttl_sweep_interval=0.0,
+                # A partition is never idle here (a worker asks Kafka; the wall clock of a
+                # test run must not change its results): the end of the input ends time.
+                source_ends=_never_at_end,
             )
         return tasks
 

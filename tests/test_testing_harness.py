@@ -90,3 +90,25 @@ def test_bad_records_go_to_dead_letters_and_crashes_do_not_duplicate_them() -> N
 def test_inputs_for_unknown_topics_are_refused() -> None:
     with pytest.raises(ValueError, match="no source reads"):
         run_pipeline(totals_pipeline(), {"payments": []})
+
+
+def test_output_a_kafka_sink_cannot_encode_is_a_dead_letter_as_in_a_worker() -> None:
+    """Every sink was a plain list in the harness: a value the KafkaSink's format cannot
+    encode (a set) or a key function that raises passed the user's test, and a worker then
+    dead-lettered those records. The harness now checks each value as the sink would."""
+    pipeline = Pipeline("parity")
+    source = pipeline.source(KafkaSource("in"))
+    source.map(lambda v: {"id": v, "tags": {"a"}} if v == 1 else {"id": v}).sink(
+        KafkaSink("tagged")
+    )
+    source.map(lambda v: {"id": v}).sink(KafkaSink("keyed", key=lambda v: v["customer"]))
+    run = run_pipeline(pipeline, {"in": [1, 2]})
+    assert run.outputs["tagged"] == [{"id": 2}]
+    assert run.outputs["keyed"] == []
+    reasons = sorted(reason for _, reason in run.dead_letters)
+    assert len(reasons) == 3
+    assert "keyed: cannot encode output: KeyError('customer')" in reasons[0]
+    assert (
+        "tagged: cannot encode output: TypeError('Type is not JSON serializable: set')"
+        in (reasons[2])
+    )
