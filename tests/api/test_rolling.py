@@ -404,3 +404,27 @@ def test_a_flush_stores_exact_size_values() -> None:
         tracemalloc.stop()
     assert len(list(backend.items())) == keys
     assert grown < keys * 300, f"{grown / keys:.0f} bytes per stored value"
+
+
+@pytest.mark.parametrize("backend", ["memory", "rocksdb"])
+def test_an_accumulator_that_overflows_to_inf_is_a_dead_letter_not_a_fresh_start(
+    backend: str,
+) -> None:
+    """orjson stores inf and NaN as null, which read back as "no accumulator yet": a running
+    product that overflowed started over from create_accumulator(), silently (1e200, inf,
+    2.0, 6.0). Now the record that would overflow it is a dead letter and the state stays."""
+    pipeline = Pipeline("product", state_backend=backend)
+    (
+        pipeline.source(KafkaSource("in", value_format="json"))
+        .key_by(lambda v: "k")
+        .reduce(lambda a, b: a * b)
+        .sink(KafkaSink("out", value_format="json"))
+    )
+    run = run_pipeline(pipeline, {"in": [1e200, 1e200, 2.0, 3.0]})
+    assert [o["value"] if isinstance(o, dict) else o for o in run.outputs["out"]] == [
+        1e200,
+        2e200,
+        6e200,
+    ]
+    [(_, reason)] = run.dead_letters
+    assert "cannot be stored as JSON" in reason

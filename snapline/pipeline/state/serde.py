@@ -44,12 +44,20 @@ class JsonSerde(Serde):
 
     def dumps(self, value: Any) -> bytes:
         try:
-            return b"%b" % orjson.dumps(value)  # json_bytes(value), inlined (hot path)
+            data = b"%b" % orjson.dumps(value)  # json_bytes(value), inlined (hot path)
         except TypeError as exc:
             raise StateError(
                 f"value {value!r:.80} is not JSON-serializable ({exc}); store plain JSON types "
                 "or declare the state with another serde"
             ) from exc
+        if data == b"null" and value is not None:
+            # inf and NaN: orjson writes null, which reads back as "no value" (a running
+            # product that overflowed started over, silently). Nested ones are not checked.
+            raise StateError(
+                f"value {value!r:.80} cannot be stored as JSON (it would read back as None); "
+                "keep it finite, or declare the state with serde=PickleSerde(trusted=True)"
+            )
+        return data
 
     # orjson's own function, not a method calling it: state reads are on the per-record path.
     loads = staticmethod(orjson.loads)  # type: ignore[assignment]
