@@ -133,9 +133,7 @@ def test_rocksdb_keeps_the_same_results_through_a_crash(how: str) -> None:
     assert run.outputs["out"] == reference(how, events)
 
 
-def ttl_reference(
-    how: str, events: list[tuple[str, int, int]], ttl: int
-) -> list[dict[str, Any]]:
+def ttl_reference(how: str, events: list[tuple[str, int, int]], ttl: int) -> list[dict[str, Any]]:
     """``reference`` where a key's values are forgotten ``ttl`` ms after its last update."""
     seen: dict[str, tuple[list[int], int]] = {}
     out = []
@@ -187,9 +185,7 @@ def test_with_a_ttl_a_key_starts_again_once_its_accumulator_expired(
     elif how == "reduce":
         rolled = keyed.reduce(lambda a, b: {"v": a["v"] + b["v"], "t": b["t"]}, ttl=expiry)
     else:
-        rolled = keyed.aggregate(
-            OfField(Mean() if how == "aggregate" else SumCount()), ttl=expiry
-        )
+        rolled = keyed.aggregate(OfField(Mean() if how == "aggregate" else SumCount()), ttl=expiry)
     rolled.sink(KafkaSink("out", value_format="json"))
     inputs = {"events": [Message({"v": v, "t": t}, key=k) for k, t, v in events]}
     run = run_pipeline(
@@ -428,3 +424,32 @@ def test_an_accumulator_that_overflows_to_inf_is_a_dead_letter_not_a_fresh_start
     ]
     [(_, reason)] = run.dead_letters
     assert "cannot be stored as JSON" in reason
+
+
+def test_a_key_switching_between_plain_and_other_accumulators_keeps_the_dirty_list_small() -> None:
+    """Each switch to a non-plain accumulator (written through) left the key's dirty entry in
+    the list and the next plain one added another: one entry per record until the barrier
+    (10,000 records, one key: 5,000 entries). Stale entries are now dropped once they
+    outnumber the cached keys."""
+    from snapline.pipeline.state import create_backend
+
+    class Task:
+        task_id, epoch, watermark = "s1-p0", 1, 0
+
+        def dead_letter(self, record: Any, reason: str, value: Any = None) -> None:
+            raise AssertionError(reason)
+
+        def now_ms(self) -> int:
+            return 0
+
+    latest = rolling_reduce(lambda a, b: b)
+    pipeline = Pipeline("switch")
+    pipeline.source(KafkaSource("t")).key_by().process(latest).sink(KafkaSink("o"))
+    states = pipeline.state_ids()[pipeline.nodes[2].id]
+    op = RollingAggregateOperator(Task(), "agg", latest, states, create_backend("memory"))  # type: ignore[arg-type]
+    values = [1 if i % 2 else [1] for i in range(10_000)]
+    op.process([Record(v, 0, "t", 0, i, "a", b"a", 1, None, b"a") for i, v in enumerate(values)])
+    assert len(op._dirty) <= operators.STALE_DIRTY + 2
+    op.flush_state()
+    (entry,) = op._values.values()  # the last value, 1 (plain), cached and now stored
+    assert op._get(entry[0]) == b"1"

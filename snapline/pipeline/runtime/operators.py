@@ -618,6 +618,10 @@ class ProcessOperator(Operator):
 ROLLING_CACHE_ENTRIES = 50_000
 
 
+#: Stale entries of a rolling aggregation's dirty list tolerated before it is compacted.
+STALE_DIRTY = 1024
+
+
 class RollingAggregateOperator(Operator):
     """``KeyedStream.count/reduce/aggregate`` (a ``RollingAggregate``) without a process
     function's per-record machinery (key scope, context, generator, state methods): the same
@@ -656,6 +660,8 @@ class RollingAggregateOperator(Operator):
         #: generation is ``_generation``, so a record of a key already dirty adds no entry
         #: and stores nothing in a dict (an entry written through gets generation -1).
         self._dirty: list[list[Any]] = []
+        #: Entries of ``_dirty`` written through since (see ``_write_through``).
+        self._stale = 0
         self._generation = 0
 
     def process(self, records: list[Record]) -> None:
@@ -724,8 +730,17 @@ class RollingAggregateOperator(Operator):
     def _write_through(self, key_bytes: bytes, entry: list[Any], acc: Any) -> None:
         encoded = self._dumps(acc)  # first: if it raises, the cached value stays
         self._values.pop(key_bytes, None)
+        was_dirty = entry[2] == self._generation
         entry[2] = -1  # the flush must not write its older cached value over this one
         self._put(entry[0], encoded)
+        if was_dirty:
+            # A key switching between plain and other accumulators adds an entry per record;
+            # the stale ones are dropped once they outnumber the cached keys.
+            self._stale += 1
+            if self._stale > STALE_DIRTY and self._stale > len(self._values):
+                generation = self._generation
+                self._dirty[:] = [e for e in self._dirty if e[2] == generation]
+                self._stale = 0
 
     def on_barrier(self, barrier: Barrier) -> None:
         self.task.snapshot_state(barrier.checkpoint_id)
@@ -737,6 +752,7 @@ class RollingAggregateOperator(Operator):
             if written == generation:
                 put(stored, dumps(acc))
         self._dirty.clear()
+        self._stale = 0
         self._generation = generation + 1
 
 
