@@ -65,6 +65,7 @@ from snapline.pipeline.runtime.topics import (
 from snapline.pipeline.savepoint.export import JobTask, job_tasks, wait_until_stopped
 from snapline.pipeline.savepoint.format import (
     OperatorState,
+    SavepointFile,
     SavepointMetadata,
     read_metadata,
     read_table,
@@ -338,7 +339,7 @@ def seed_from_savepoint(
             )
         for rep in plan.repartitions.values():
             _recreate_topic(admin, rep.topic, partitions[rep.topic], INTERNAL_TOPIC_CONFIG)
-        _produce_in_flight(pipeline, kafka_config, flights, partitions)
+        _produce_in_flight(pipeline, kafka_config, sp_storage, flights, partitions)
         for (task, positions), (handle, _) in zip(chosen, loaded, strict=True):
             TaskCheckpoint(
                 job=pipeline.name,
@@ -550,10 +551,11 @@ def _load_operator(
 
 def _read_in_flight(
     pipeline: Pipeline, sp_storage: CheckpointStorage, savepoint: SavepointMetadata
-) -> list[tuple[Repartition, pa.Table]]:
-    """The savepoint's records in flight with the repartition each goes back into, read (and
-    checksummed) before anything is changed. Records in flight in a repartition the pipeline
-    no longer has are refused; an empty one is nothing to place."""
+) -> list[tuple[Repartition, SavepointFile]]:
+    """The savepoint's files of records in flight with the repartition each goes back into,
+    each read once and checksummed before anything is changed (and read again to produce
+    it: in-flight records can be many, they are not held). Records in flight in a
+    repartition the pipeline no longer has are refused; an empty one is nothing to place."""
     by_name = {rep.name: rep for rep in pipeline.stages().repartitions.values()}
     flights = []
     for flight in savepoint.in_flight:
@@ -570,14 +572,16 @@ def _read_in_flight(
                 "snapline savepoint create --stop)"
             )
         for entry in flight.files:
-            flights.append((rep, read_table(sp_storage, entry)))
+            read_table(sp_storage, entry, columns=["partition"])  # verifies the checksum
+            flights.append((rep, entry))
     return flights
 
 
 def _produce_in_flight(
     pipeline: Pipeline,
     kafka_config: dict[str, Any],
-    flights: list[tuple[Repartition, pa.Table]],
+    sp_storage: CheckpointStorage,
+    flights: list[tuple[Repartition, SavepointFile]],
     partitions: dict[str, int],
 ) -> None:
     """The savepoint's in-flight records into the recreated repartition topics, each to the
@@ -585,8 +589,9 @@ def _produce_in_flight(
     producer = Producer({**kafka_config, "enable.idempotence": True, "linger.ms": 20})
     maxp = pipeline.max_parallelism
     sent = 0
-    for rep, table in flights:
+    for rep, entry in flights:
         count = partitions[rep.topic]
+        table = read_table(sp_storage, entry)
         cols = table.sort_by([("partition", "ascending"), ("offset", "ascending")]).to_pydict()
         for key, value, timestamp in zip(
             cols["key"], cols["value"], cols["timestamp"], strict=True
