@@ -137,8 +137,8 @@ def status(spec: str, bootstrap_servers: str | None, checkpoint_dir: str | None)
     if not bootstrap_servers:
         raise click.UsageError(
             "status reads the committed offsets from Kafka: pass --bootstrap-servers or set "
-            "SNAPLINE_BOOTSTRAP_SERVERS (for the embedded broker, `snapline kafka status` "
-            "prints its address)"
+            "SNAPLINE_BOOTSTRAP_SERVERS (for the embedded broker of `snapline run`, the "
+            "address it prints: 'embedded Kafka broker at ...')"
         )
     config = {"bootstrap.servers": bootstrap_servers, **pipeline.kafka_config}
     try:

@@ -93,7 +93,8 @@ def _jar_summary(libs: Path) -> str:
 
 @click.group(name="kafka", cls=FullSummaryGroup)
 def kafka() -> None:
-    """A real single-node Kafka broker on this machine, for development and tests."""
+    """A real Kafka broker (or a small cluster, --brokers) on this machine, for development
+    and tests."""
 
 
 @kafka.command()

@@ -30,7 +30,8 @@ def _job(spec: str, bootstrap: str | None, checkpoint_dir: str | None) -> tuple[
     if not bootstrap:
         raise click.UsageError(
             "savepoints need the job's Kafka cluster: pass --bootstrap-servers or set "
-            "SNAPLINE_BOOTSTRAP_SERVERS"
+            "SNAPLINE_BOOTSTRAP_SERVERS (for the embedded broker of `snapline run`, the "
+            "address it prints: 'embedded Kafka broker at ...')"
         )
     config = {"bootstrap.servers": bootstrap, **pipeline.kafka_config}
     directory = (
@@ -49,7 +50,8 @@ _checkpoints = click.option(
     "--checkpoint-dir",
     envvar="SNAPLINE_CHECKPOINT_DIR",
     default=None,
-    help="The job's checkpoint storage (default .snapline/checkpoints).",
+    help="The job's checkpoint storage (default: the pipeline's checkpoint_dir, else "
+    ".snapline/checkpoints).",
 )
 
 

@@ -45,8 +45,20 @@ def spark() -> None:
     "checkpoint dir); `snapline run --from-savepoint` continues from it.",
 )
 @click.option("--run-id", default=None, help="Re-run a crashed run exactly-once with its id.")
-@click.option("--bootstrap-servers", envvar="SNAPLINE_BOOTSTRAP_SERVERS", required=True)
-@click.option("--checkpoint-dir", envvar="SNAPLINE_CHECKPOINT_DIR", default=None)
+@click.option(
+    "--bootstrap-servers",
+    envvar="SNAPLINE_BOOTSTRAP_SERVERS",
+    required=True,
+    help="Kafka bootstrap servers (env SNAPLINE_BOOTSTRAP_SERVERS); for the embedded broker, "
+    "the address `snapline run` prints.",
+)
+@click.option(
+    "--checkpoint-dir",
+    envvar="SNAPLINE_CHECKPOINT_DIR",
+    default=None,
+    help="The job's checkpoint directory or URI (env SNAPLINE_CHECKPOINT_DIR; default: the "
+    "pipeline's checkpoint_dir, else .snapline/checkpoints).",
+)
 def run(
     spec: str,
     start: str,
@@ -119,8 +131,20 @@ def run(
     show_default=True,
     help="Partitions of the keyed state (fixed by the query's first run).",
 )
-@click.option("--bootstrap-servers", envvar="SNAPLINE_BOOTSTRAP_SERVERS", required=True)
-@click.option("--checkpoint-dir", envvar="SNAPLINE_CHECKPOINT_DIR", default=None)
+@click.option(
+    "--bootstrap-servers",
+    envvar="SNAPLINE_BOOTSTRAP_SERVERS",
+    required=True,
+    help="Kafka bootstrap servers (env SNAPLINE_BOOTSTRAP_SERVERS); for the embedded broker, "
+    "the address `snapline run` prints.",
+)
+@click.option(
+    "--checkpoint-dir",
+    envvar="SNAPLINE_CHECKPOINT_DIR",
+    default=None,
+    help="The job's checkpoint directory or URI (env SNAPLINE_CHECKPOINT_DIR; default: the "
+    "pipeline's checkpoint_dir, else .snapline/checkpoints).",
+)
 def stream(
     spec: str,
     checkpoint_location: str,
