@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -224,3 +225,41 @@ def test_a_self_join_sees_each_input_as_it_was() -> None:
     assert sorted(map(str, run.outputs["out"])) == sorted(
         map(str, [{"left": {"n": 0}}, {"right": {"n": 0}}, {"right": {"n": 1}}])
     )
+
+
+@pytest.mark.parametrize("prefix", ["", "spark-r1-"])
+def test_a_keyed_task_expects_watermarks_from_writers_named_like_itself(prefix: str) -> None:
+    """A Spark run names its tasks spark-<run>-<task id>, and their watermark records carry
+    that name; the keyed stage expected writers p0, p1 and ignored every record, so its
+    watermark never moved and no window after a re-keying key_by fired in a bounded run."""
+    from snapline.pipeline.runtime.faults import FaultInjector
+    from snapline.pipeline.runtime.task import Task
+    from snapline.pipeline.runtime.watermarks import UpstreamChannelClock
+    from snapline.pipeline.state import create_backend
+
+    pipeline = Pipeline("prefixed")
+    (
+        pipeline.source(KafkaSource("in", timestamp=lambda v: v["t"]))
+        .key_by(lambda v: v["k"])
+        .count()
+        .sink(KafkaSink("out"))
+    )
+    plan = pipeline.stages()
+    (rep,) = plan.repartitions.values()
+    task = Task(
+        f"{prefix}s1-p0",
+        pipeline,
+        {(rep.topic, 0): 0},
+        create_backend("memory", task_dir="", options={}),
+        SimpleNamespace(produce=None, direct_producer=None),  # type: ignore[arg-type]
+        worker_id="w",
+        epoch=1,
+        on_snapshot=lambda snapshot: None,
+        faults=FaultInjector(""),
+        stage=1,
+        plan=plan,
+        topic_partitions={"in": 2, rep.topic: 1},
+    )
+    clock = task.clock.channels[(rep.topic, 0)]
+    assert isinstance(clock, UpstreamChannelClock)
+    assert clock.writers == {f"{prefix}p0", f"{prefix}p1"}

@@ -20,6 +20,7 @@ Threads: everything here runs on the worker's task thread.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -66,6 +67,8 @@ from snapline.pipeline.state.descriptors import expired_entries
 log = logging.getLogger(__name__)
 
 TopicPartitionKey = tuple[str, int]
+#: What comes before a task id (``p3``, ``s1-p3``) in the name of a task that has a prefix.
+_TASK_ID_PREFIX = re.compile(r"^(.*?)(?:s\d+-)?p\d+$")
 #: Records processed from one channel before the task looks at the next one.
 CHUNK = 512
 
@@ -196,7 +199,11 @@ class Task:
                     else list(upstream.reads)
                 )
                 count = max((self._topic_partitions.get(t, 1) for t in reads), default=1)
-                return frozenset(task_id_for(upstream.index, p) for p in range(count))
+                # Writers are named like this task: a Spark run's tasks are
+                # "spark-<run>-<task id>" (their watermark records were all ignored).
+                prefix = _TASK_ID_PREFIX.match(self.task_id)
+                head = prefix.group(1) if prefix else ""
+                return frozenset(head + task_id_for(upstream.index, p) for p in range(count))
         return frozenset()
 
     # ------------------------------------------------------------------ building
