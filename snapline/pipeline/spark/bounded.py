@@ -73,7 +73,7 @@ class RunResult:
 
 
 def _ms(value: Any) -> int:
-    if isinstance(value, datetime):
+    if isinstance(value, datetime):  # not from the Kafka source, which gives int ms
         return int(value.timestamp() * 1000)
     return int(value or 0)
 
@@ -420,6 +420,9 @@ def run_bounded(
         else:
             starts = _offsets(start, admin, probe, sources, latest=False)
         ends = _offsets(end, admin, probe, sources, latest=True)
+        starts, ends = _run_range(
+            CheckpointStorage(checkpoint_dir), pipeline.name, run_id, starts, ends, say
+        )
     finally:
         probe.close()
     total = sum(max(0, ends[tp] - starts[tp]) for tp in ends)
@@ -459,7 +462,11 @@ def run_bounded(
         )
         for key, value in pipeline.kafka_config.items():
             reader = reader.option(f"kafka.{key}", str(value))
-        df = reader.load().select("topic", "partition", "offset", "key", "value", "timestamp")
+        # The timestamp as Spark's own milliseconds: a Python datetime of it lost 1 ms to
+        # float rounding for some (before 1970, after 2038), moving records between windows.
+        df = reader.load().selectExpr(
+            "topic", "partition", "offset", "key", "value", "unix_millis(timestamp) AS ts"
+        )
         source = df.rdd.map(lambda r: (r[1], (r[0], r[2], r[3], r[4], _ms(r[5])))).partitionBy(
             stage_partitions[0], lambda p: p
         )
@@ -587,6 +594,42 @@ def _target(key: bytes, plan: Any, topic: str, stage_partitions: dict[int, int],
 
     downstream = next(r.downstream for r in plan.repartitions.values() if r.topic == topic)
     return repartition_partition(zlib.crc32(key[1:]) % maxp, stage_partitions[downstream], maxp)
+
+
+def _run_range(
+    storage: Any,
+    job: str,
+    run_id: str,
+    starts: dict[tuple[str, int], int],
+    ends: dict[tuple[str, int], int],
+    say: Callable[[str], None],
+) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]]:
+    """The source range of run ``run_id``: recorded (checksummed) before its first task, and
+    read back when the run is run again with its id. A re-run with ``--to latest`` computed
+    the end again; its tasks already committed re-published what they had staged over the old
+    range while the savepoint claimed the new one, so the records in between were never output."""
+    from snapline.pipeline.checkpoint.metadata import decode_checked, encode_checked
+
+    path = f"{job}/spark/{run_id}/_range.json"
+    if storage.exists(path):
+        body = decode_checked(storage.read_bytes(path), storage.full_path(path))
+        recorded = (
+            {(t, int(p)): int(o) for t, p, o in body["starts"]},
+            {(t, int(p)): int(o) for t, p, o in body["ends"]},
+        )
+        if recorded != (starts, ends):
+            say(f"run {run_id} again: over its recorded source range, not the one asked now")
+        return recorded
+    storage.write_bytes(
+        path,
+        encode_checked(
+            {
+                "starts": [[t, p, o] for (t, p), o in sorted(starts.items())],
+                "ends": [[t, p, o] for (t, p), o in sorted(ends.items())],
+            }
+        ),
+    )
+    return starts, ends
 
 
 def _by_topic(offsets: dict[tuple[str, int], int]) -> dict[str, dict[str, int]]:
