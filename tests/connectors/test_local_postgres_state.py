@@ -19,10 +19,19 @@ def test_a_stale_state_file_never_signals_the_process_that_now_has_its_pid(
     that process SIGINT. Now the pid must match PostgreSQL's postmaster.pid in the recorded
     data directory, or the state is stale and only deleted."""
     data_dir = tmp_path / "data"
-    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
-    other = subprocess.Popen(sleep)
+    # SIGINT handled explicitly, and only signalled once the handler is set ("ready"): a
+    # shell's background job (as CI may run) starts with SIGINT ignored, and Python keeps it.
+    sleep = [
+        sys.executable,
+        "-c",
+        "import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "print('ready', flush=True); time.sleep(60)",
+    ]
+    other = subprocess.Popen(sleep, stdout=subprocess.PIPE)
     # A stand-in for the server: a process whose command line names postgres and the data dir.
-    server = subprocess.Popen([*sleep, "postgres", "-D", str(data_dir)])
+    server = subprocess.Popen([*sleep, "postgres", "-D", str(data_dir)], stdout=subprocess.PIPE)
+    for process in (other, server):
+        assert process.stdout is not None and process.stdout.readline() == b"ready\n"
     try:
         data_dir.mkdir()
         state = {"pid": other.pid, "port": 1, "dsn": "postgresql://x", "data_dir": str(data_dir)}
