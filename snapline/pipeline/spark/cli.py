@@ -14,6 +14,21 @@ import click
 from snapline.pipeline.cli_help import FullSummaryGroup
 from snapline.pipeline.errors import SnaplineError
 
+_bootstrap = click.option(
+    "--bootstrap-servers",
+    envvar="SNAPLINE_BOOTSTRAP_SERVERS",
+    required=True,
+    help="Kafka bootstrap servers (env SNAPLINE_BOOTSTRAP_SERVERS); for the embedded broker, "
+    "the address `snapline run` prints.",
+)
+_checkpoints = click.option(
+    "--checkpoint-dir",
+    envvar="SNAPLINE_CHECKPOINT_DIR",
+    default=None,
+    help="The job's checkpoint directory or URI (env SNAPLINE_CHECKPOINT_DIR; default: the "
+    "pipeline's checkpoint_dir, else .snapline/checkpoints).",
+)
+
 
 @click.group(cls=FullSummaryGroup)
 def spark() -> None:
@@ -35,7 +50,8 @@ def spark() -> None:
     "end",
     default="latest",
     show_default=True,
-    help="Where to stop (exclusive): latest (the end offsets when the run starts) or JSON.",
+    help="Where to stop (exclusive): latest (the end offsets when the run first starts; a "
+    "re-run with --run-id keeps its recorded range) or JSON.",
 )
 @click.option("--master", default="local[*,4]", show_default=True, help="Spark master URL.")
 @click.option(
@@ -45,20 +61,8 @@ def spark() -> None:
     "checkpoint dir); `snapline run --from-savepoint` continues from it.",
 )
 @click.option("--run-id", default=None, help="Re-run a crashed run exactly-once with its id.")
-@click.option(
-    "--bootstrap-servers",
-    envvar="SNAPLINE_BOOTSTRAP_SERVERS",
-    required=True,
-    help="Kafka bootstrap servers (env SNAPLINE_BOOTSTRAP_SERVERS); for the embedded broker, "
-    "the address `snapline run` prints.",
-)
-@click.option(
-    "--checkpoint-dir",
-    envvar="SNAPLINE_CHECKPOINT_DIR",
-    default=None,
-    help="The job's checkpoint directory or URI (env SNAPLINE_CHECKPOINT_DIR; default: the "
-    "pipeline's checkpoint_dir, else .snapline/checkpoints).",
-)
+@_bootstrap
+@_checkpoints
 def run(
     spec: str,
     start: str,
@@ -131,20 +135,8 @@ def run(
     show_default=True,
     help="Partitions of the keyed state (fixed by the query's first run).",
 )
-@click.option(
-    "--bootstrap-servers",
-    envvar="SNAPLINE_BOOTSTRAP_SERVERS",
-    required=True,
-    help="Kafka bootstrap servers (env SNAPLINE_BOOTSTRAP_SERVERS); for the embedded broker, "
-    "the address `snapline run` prints.",
-)
-@click.option(
-    "--checkpoint-dir",
-    envvar="SNAPLINE_CHECKPOINT_DIR",
-    default=None,
-    help="The job's checkpoint directory or URI (env SNAPLINE_CHECKPOINT_DIR; default: the "
-    "pipeline's checkpoint_dir, else .snapline/checkpoints).",
-)
+@_bootstrap
+@_checkpoints
 def stream(
     spec: str,
     checkpoint_location: str,
