@@ -5,7 +5,6 @@ refused changes nothing in Kafka."""
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -124,7 +123,6 @@ def test_a_refused_restore_leaves_the_repartition_topics_as_they_were(
     with pytest.raises(ConfigurationError, match="records in flight in repartition 'key_by-1'"):
         seed_from_savepoint(pipeline, config, checkpoints, savepoint(1))
     assert _count(kafka_bootstrap, repartition) == 20, "the refused restore emptied the topic"
-    deadline = time.monotonic() + 60
     restored = seed_from_savepoint(pipeline, config, checkpoints, savepoint(0))
-    assert restored is not None and time.monotonic() < deadline
+    assert restored is not None
     assert _count(kafka_bootstrap, repartition) == 0  # recreated for the restored job

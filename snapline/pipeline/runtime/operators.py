@@ -367,7 +367,7 @@ class RepartitionWriter(KeyByOperator):
             partition = group * partitions // maxp
             tagged = _tagged_key(key, key_bytes)
             ts = r.timestamp
-            if ts <= 0:  # to_wire_timestamp, inlined
+            if ts <= 0:  # sent one lower: see from_wire_timestamp
                 ts -= 1
             if producer is not None:
                 try:
@@ -404,14 +404,10 @@ class RepartitionWriter(KeyByOperator):
         self.task.fault_point("after_repartition_produce")
 
 
-def to_wire_timestamp(event_time: int) -> int:
-    """The Kafka timestamp that carries ``event_time`` across a repartition topic. A producer
-    reads timestamp 0 as "now", so event times <= 0 are sent one lower (0 as -1, -1 as -2, ...)
-    and ``from_wire_timestamp`` adds it back: every event time arrives as it was sent."""
-    return event_time if event_time > 0 else event_time - 1
-
-
 def from_wire_timestamp(timestamp: int) -> int:
+    """The event time a repartition record's Kafka timestamp carries. A producer reads
+    timestamp 0 as "now", so ``RepartitionWriter`` sends event times <= 0 one lower (0 as -1,
+    -1 as -2, ...) and this adds it back: every event time arrives as it was sent."""
     return timestamp if timestamp >= 0 else timestamp + 1
 
 

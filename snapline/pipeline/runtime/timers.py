@@ -22,14 +22,14 @@ from snapline.pipeline.runtime.watermarks import MAX_WATERMARK, MIN_WATERMARK
 from snapline.pipeline.state.descriptors import KeyScope
 from snapline.pipeline.state.timers import EVENT_TIME, PROCESSING_TIME, TimerStore
 
+log = logging.getLogger(__name__)
+
 _Entry = tuple[int, int, bytes, bytes]  # timestamp, key-group, key bytes, tagged key
 
 
 def processing_time_ms() -> int:
     return int(time.time() * 1000)
 
-
-log = logging.getLogger(__name__)
 
 #: Deleted timers' heap entries tolerated before a compaction is considered.
 COMPACT_AT = 1024

@@ -41,6 +41,7 @@ from confluent_kafka.admin import (
 
 from snapline.pipeline.errors import ConfigurationError, SnaplineError
 from snapline.pipeline.graph import Pipeline
+from snapline.pipeline.runtime.kafka_calls import kafka_error
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def without_event_time_config(config: Mapping[str, str]) -> dict[str, str]:
 
 
 def refused_config(exc: KafkaException) -> bool:
-    error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+    error = kafka_error(exc)
     return error is not None and error.code() == KafkaError.INVALID_CONFIG
 
 

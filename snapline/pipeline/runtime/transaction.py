@@ -530,7 +530,7 @@ def _new_producer(conf: dict[str, Any]) -> Producer:
 def invalid_kafka_settings(exc: KafkaException, client: str) -> Exception:
     """The ConfigurationError for a Kafka client librdkafka refused to create (invalid
     settings); other errors as they were."""
-    error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+    error = kafka_error(exc)
     if error is None or error.code() != KafkaError._INVALID_ARG:
         return exc
     return ConfigurationError(

@@ -31,11 +31,10 @@ MAX_WATERMARK = (1 << 63) - 1
 WATERMARK_KEY_TAG = b"w"
 
 TopicPartitionKey = tuple[str, int]
-#: Whether a source partition is read to its end in Kafka: True, False (records wait, or it
-#: cannot tell), None (the answer is on its way). None as a whole: no Kafka (the testing
-#: harness), nothing local means nothing to read.
-#: The second argument: when the partition last had a record (an answer to a question asked
-#: before that is stale).
+#: Whether a source partition is read to its end in Kafka, given when it last had a record
+#: (an answer to a question asked before that is stale): True, False (records wait, or it
+#: cannot tell), None (the answer is on its way). None as a whole: no Kafka, nothing local
+#: means nothing to read.
 AtEnd = Callable[[TopicPartitionKey, float], bool | None] | None
 
 
