@@ -224,3 +224,13 @@ def ttl_counts() -> Pipeline:
         .sink(KafkaSink(f"{PREFIX}ttl-out"))
     )
     return pipeline
+
+
+def named_copy() -> Pipeline:
+    """Orders copied to ``<prefix>copy-out``, as job ``$SNAPLINE_TEST_JOB`` (default
+    ``<prefix>job``): two jobs of one code under names that differ."""
+    pipeline = Pipeline(
+        os.environ.get("SNAPLINE_TEST_JOB", f"{PREFIX}job"), checkpoint_interval=0.3
+    )
+    pipeline.source(KafkaSource(f"{PREFIX}copy-in")).sink(KafkaSink(f"{PREFIX}copy-out"))
+    return pipeline

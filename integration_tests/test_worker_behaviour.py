@@ -519,3 +519,52 @@ def test_a_state_whose_ttl_was_added_since_the_checkpoint_is_refused_at_start(
     log = worker.log_path.read_text(errors="replace")
     assert "state 'n' of operator 'count' has no TTL in checkpoint" in log, worker.tail()
     assert "but ttl=3600000 ms in the code" in log
+
+
+def test_a_worker_whose_transactional_id_a_running_worker_of_another_job_has_is_refused(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """Job ``<p>job`` with worker ``x-1`` and job ``<p>job-x`` with worker ``1`` both get the
+    transactional id ``snapline-<p>job-x-1``: each start of one fenced the other's producer,
+    for as long as both ran. The one started second now stops at start (exit 78) naming the
+    other, and the first runs on unfenced."""
+    prefix = f"{unique_name}-"
+    create_topics(kafka_bootstrap, {f"{prefix}copy-in": 1, f"{prefix}copy-out": 1})
+    first = WorkerProcess(
+        "integration_tests.pipelines:named_copy",
+        "x-1",
+        kafka_bootstrap,
+        tmp_path / "chk-first",
+        tmp_path,
+        {"SNAPLINE_TEST_PREFIX": prefix},
+    )
+    second = WorkerProcess(
+        "integration_tests.pipelines:named_copy",
+        "1",
+        kafka_bootstrap,
+        tmp_path / "chk-second",
+        tmp_path,
+        {"SNAPLINE_TEST_PREFIX": prefix, "SNAPLINE_TEST_JOB": f"{prefix}job-x"},
+    )
+    first.start()
+    try:
+        # The first worker's output shows it joined its group and committed a transaction.
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})
+        producer.produce(f"{prefix}copy-in", orjson.dumps({"n": 1}))
+        producer.flush(30)
+        assert read_committed(kafka_bootstrap, f"{prefix}copy-out", 1, timeout=60, settle=0)
+        second.start()
+        assert second.wait_exit(60) == 78, second.tail()
+        log = second.log_path.read_text(errors="replace")
+        assert f"transactional id 'snapline-{prefix}job-x-1'" in log, second.tail()
+        assert f"worker 'x-1' of job '{prefix}job'" in log, second.tail()
+        # The first was not fenced: its next transaction commits, its process runs on.
+        producer.produce(f"{prefix}copy-in", orjson.dumps({"n": 2}))
+        producer.flush(30)
+        outputs = read_committed(kafka_bootstrap, f"{prefix}copy-out", 2, timeout=60, settle=0)
+        assert sorted(o["n"] for o in outputs) == [1, 2]
+        assert first.proc is not None and first.proc.poll() is None, first.tail()
+        assert "fenced" not in first.log_path.read_text(errors="replace").lower(), first.tail()
+    finally:
+        second.kill()
+        assert first.stop() == 0, first.tail()

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from snapline.pipeline.errors import ConfigurationError
+from snapline.pipeline.runtime.departed import namesakes, transactional_id
 from snapline.pipeline.runtime.worker import WorkerSettings
 
 
@@ -34,10 +35,34 @@ def test_an_explicit_local_dir_holds_one_directory_per_worker(tmp_path: Path) ->
     assert w4.resolved_local_dir() == tmp_path / "scratch" / "w4"
 
 
-@pytest.mark.parametrize("worker_id", ["", ".", "..", "a/b"])
-def test_a_worker_id_that_cannot_name_a_directory_is_refused(
+@pytest.mark.parametrize("worker_id", ["", ".", "..", "a/b", "a b", "host:1", "wörker", "w" * 101])
+def test_a_worker_id_kafka_or_a_directory_cannot_take_is_refused(
     tmp_path: Path, worker_id: str
 ) -> None:
+    """It names the local state directory and is part of the static member id, which Kafka
+    takes only of letters, digits, '.', '_' and '-'."""
+    with pytest.raises(ConfigurationError, match="must be 1-100 characters of letters, digits"):
+        WorkerSettings("k:9092", worker_id, str(tmp_path / "c"), str(tmp_path / "l"))
+
+
+@pytest.mark.parametrize("worker_id", ["w1", "host-a.example.com-0", "A_b.c-d", "w" * 100])
+def test_worker_ids_of_the_allowed_characters_are_taken(tmp_path: Path, worker_id: str) -> None:
     settings = WorkerSettings("k:9092", worker_id, str(tmp_path / "c"), str(tmp_path / "l"))
-    with pytest.raises(ConfigurationError, match="cannot name a directory"):
-        settings.resolved_local_dir()
+    assert settings.resolved_local_dir() == tmp_path / "l" / worker_id
+
+
+def test_the_other_jobs_that_would_share_a_workers_transactional_id() -> None:
+    """``snapline-<job>-<worker id>`` read at every other '-' that leaves a valid job name
+    and worker id."""
+    assert namesakes("a", "b-c") == [("a-b", "c")]
+    assert namesakes("a-b", "c") == [("a", "b-c")]
+    assert namesakes("orders", "w1") == []
+    assert namesakes("orders.v2", "host-1-0") == [
+        ("orders.v2-host", "1-0"),
+        ("orders.v2-host-1", "0"),
+    ]
+    # a job name may end in "-" and a worker id begin with one
+    assert namesakes("a", "-b") == [("a-", "b")]
+    assert all(
+        transactional_id(j, w) == transactional_id("a", "b-c") for j, w in namesakes("a", "b-c")
+    )

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -40,6 +41,8 @@ from typing import Any
 
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
+
+from snapline.pipeline.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,81 @@ def _others(previous_owners: set[str], worker_id: str) -> list[str]:
     """The previous owners that may hold a transaction to abort: not this worker, not a
     savepoint seed."""
     return sorted(w for w in previous_owners if w not in (worker_id, SEEDED))
+
+
+#: A worker id: what Kafka accepts in the static member id ``<job>-<worker id>``
+#: (``group.instance.id``), and a directory name (the worker's local state).
+_WORKER_ID = re.compile(r"[A-Za-z0-9._-]{1,100}")
+#: A pipeline name (``Pipeline``'s own rule), for the other readings of a member id.
+_JOB = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,100}")
+
+
+def check_worker_id(worker_id: str) -> None:
+    """Refuse a worker id Kafka or the local directory cannot take (ConfigurationError)."""
+    if (
+        not isinstance(worker_id, str)
+        or worker_id in (".", "..")
+        or not _WORKER_ID.fullmatch(worker_id)
+    ):
+        raise ConfigurationError(
+            f"worker id {worker_id!r} must be 1-100 characters of letters, digits, '.', '_' or "
+            "'-', and not '.' or '..' (it is part of the worker's Kafka member id and "
+            "transactional id and names its local state directory): pass --worker-id, or set "
+            "SNAPLINE_WORKER_ID (the default is the host name)"
+        )
+
+
+def namesakes(job: str, worker_id: str) -> list[tuple[str, str]]:
+    """The other (job, worker id) pairs with this worker's member id and transactional id:
+    ``<job>-<worker id>`` read at another '-' (job ``a`` with worker ``b-c``, job ``a-b``
+    with worker ``c``)."""
+    joined = instance_id(job, worker_id)
+    pairs = []
+    for i, char in enumerate(joined):
+        if char == "-" and i != len(job):
+            other_job, other_worker = joined[:i], joined[i + 1 :]
+            if _JOB.fullmatch(other_job) and _WORKER_ID.fullmatch(other_worker):
+                pairs.append((other_job, other_worker))
+    return pairs
+
+
+def running_namesake(kafka_config: dict[str, Any], job: str, worker_id: str) -> str | None:
+    """The job (consumer group) of another pipeline whose worker with this worker's
+    transactional id is a member of its group now, or None (raises if Kafka cannot say)."""
+    pairs = namesakes(job, worker_id)
+    if not pairs:
+        return None
+    admin = AdminClient(kafka_config)
+    futures = admin.describe_consumer_groups(
+        [other for other, _ in pairs], request_timeout=CALL_TIMEOUT
+    )
+    me = instance_id(job, worker_id)
+    for other, _ in pairs:
+        description = futures[other].result(timeout=CALL_TIMEOUT)
+        if any(m.group_instance_id == me for m in description.members):
+            return other
+    return None
+
+
+def check_no_namesake(kafka_config: dict[str, Any], job: str, worker_id: str) -> None:
+    """Refuse to start a worker whose transactional id a running worker of another job
+    has (ConfigurationError): each one's ``init_transactions`` would fence the other, for as
+    long as both are restarted."""
+    try:
+        other = running_namesake(kafka_config, job, worker_id)
+    except Exception as exc:  # the check is a courtesy: Kafka's own fencing stays correct
+        log.warning("could not check for another job's worker with this transactional id: %s", exc)
+        return
+    if other is not None:
+        other_worker = instance_id(job, worker_id)[len(other) + 1 :]
+        raise ConfigurationError(
+            f"worker {worker_id!r} of job {job!r} would have the Kafka transactional id "
+            f"{transactional_id(job, worker_id)!r}, which worker {other_worker!r} of job "
+            f"{other!r} (a member of consumer group {other!r} now) has too: the two would "
+            "fence each other's transactions in turn. Give this worker another --worker-id "
+            "(or the job another name), one that does not read as the other job's name, "
+            "'-' and a worker id"
+        )
 
 
 def transactional_id(job: str, worker_id: str) -> str:
@@ -100,6 +178,19 @@ def fence_departed(
     fenced = []
     for owner in owners:
         if instance_id(job, owner) in members:
+            continue
+        try:
+            namesake = running_namesake(kafka_config, job, owner)
+        except Exception as exc:
+            log.warning("not aborting departed worker %s's transaction: %s", owner, exc)
+            continue
+        if namesake is not None:  # that transactional id is another job's live worker's
+            log.warning(
+                "not aborting departed worker %s's transaction: job %s's running worker has "
+                "the same transactional id",
+                owner,
+                namesake,
+            )
             continue
         started = time.monotonic()
         config = {

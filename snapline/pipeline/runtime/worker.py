@@ -156,16 +156,14 @@ class WorkerSettings:
     #: stack and exits with EX_TEMPFAIL (0: no watchdog; runtime/liveness.py).
     liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT
 
+    def __post_init__(self) -> None:
+        departed.check_worker_id(self.worker_id)
+
     def resolved_local_dir(self) -> Path:
         """This worker's own directory for local state: ``<local_dir>/<worker id>``, else
         beside a local checkpoint directory, else (checkpoints in an object store) under the
         user's cache directory. Per worker id, so that workers given one ``--local-dir`` never
         share files (``local_lock``)."""
-        if self.worker_id in ("", ".", "..") or os.sep in self.worker_id:
-            raise ConfigurationError(
-                f"worker id {self.worker_id!r} cannot name a directory (it is part of the "
-                "worker's local state path): use letters, digits, '.', '_' or '-'"
-            )
         if self.local_dir:
             return Path(self.local_dir) / self.worker_id
         scheme, sep, rest = self.checkpoint_dir.partition("://")
@@ -267,6 +265,8 @@ class Worker:
             os.environ.get("SNAPLINE_TEST_KEEP_REPARTITION_RECORDS")
         )
         self.cluster_id = self._check_identity()
+        if pipeline.exactly_once:
+            departed.check_no_namesake(kafka_config, pipeline.name, settings.worker_id)
         transactional_id = (
             departed.transactional_id(pipeline.name, settings.worker_id)
             if pipeline.exactly_once
