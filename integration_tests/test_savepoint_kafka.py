@@ -126,3 +126,60 @@ def test_a_refused_restore_leaves_the_repartition_topics_as_they_were(
     restored = seed_from_savepoint(pipeline, config, checkpoints, savepoint(0))
     assert restored is not None
     assert _count(kafka_bootstrap, repartition) == 0  # recreated for the restored job
+
+
+def test_a_restore_needs_nothing_of_the_savepoint_storage_once_kafka_is_changed(
+    kafka_bootstrap: str,
+    admin: AdminClient,
+    unique_name: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The files of records in flight were checksummed before Kafka was changed but read from
+    the savepoint's storage again after the repartition topics were recreated empty: a
+    storage error then (an object store's hiccup, a file removed meanwhile) stopped the
+    restore halfway, and a restart from the job's own checkpoints found nothing of what had
+    been in flight. They are now copied to local disk with the check, and produced from there."""
+    job = unique_name
+    config = {"bootstrap.servers": kafka_bootstrap}
+    pipeline = Pipeline(job)
+    source = create_topic(admin, f"{job}-in")
+    create_topic(admin, f"{job}-out")
+    (
+        pipeline.source(KafkaSource(source, value_format="json"))
+        .key_by(lambda v: v["k"], name="by-k")
+        .count(uid="counts")
+        .sink(KafkaSink(f"{job}-out"))
+    )
+    repartition = f"{job}.by-k.repartition"
+    path = tmp_path / "sp"
+    storage = CheckpointStorage(str(path))
+    rows = 5
+    table = pa.table(
+        {
+            "partition": [0] * rows,
+            "offset": list(range(rows)),
+            "key": [b"sk%d" % i for i in range(rows)],
+            "value": [b"{}"] * rows,
+            "timestamp": [1] * rows,
+        },
+        schema=IN_FLIGHT_SCHEMA,
+    )
+    entry = write_table(storage, "in-flight/by-k.parquet", table)
+    flight = InFlight("by-k", repartition, 1, [entry])
+    meta = SavepointMetadata(job, "0.1.0", 128, {source: {0: 0}}, {source: 1}, [], [flight])
+    storage.write_bytes(METADATA_FILE, meta.encode())
+
+    from snapline.pipeline.savepoint import restore
+
+    recreate = restore._recreate_topic
+
+    def recreate_then_lose_the_savepoint(*args: object, **kwargs: object) -> None:
+        recreate(*args, **kwargs)  # type: ignore[arg-type]
+        (path / entry.path).unlink(missing_ok=True)  # the savepoint's storage fails from here
+
+    monkeypatch.setattr(restore, "_recreate_topic", recreate_then_lose_the_savepoint)
+    restored = seed_from_savepoint(pipeline, config, str(tmp_path / "checkpoints"), str(path))
+    assert restored is not None
+    assert not (path / entry.path).exists()
+    assert _count(kafka_bootstrap, repartition) == rows, "records in flight were not restored"

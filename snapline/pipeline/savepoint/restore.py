@@ -50,7 +50,7 @@ from snapline.pipeline.checkpoint.metadata import (
     mark_committed,
     read_id_floor,
 )
-from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.checkpoint.storage import CheckpointStorage, verify_checksum
 from snapline.pipeline.errors import CheckpointError, ConfigurationError
 from snapline.pipeline.graph import Pipeline
 from snapline.pipeline.keygroups import key_group_range, operator_index_for_key_group
@@ -192,6 +192,32 @@ def seed_from_savepoint(
     """Make ``savepoint_uri`` the job's starting point (see module). Returns the checkpoint
     id the tasks start from, or None when the job was already restored from this savepoint.
     ``progress(what, done, total)`` is told how many tasks' state is written."""
+    # The records in flight are copied here, checksum verified, before Kafka is changed: once
+    # the repartition topics are recreated, nothing may depend on the savepoint's storage.
+    flight_dir = tempfile.mkdtemp(prefix="snapline-restore-in-flight-")
+    try:
+        return _seed(
+            pipeline,
+            kafka_config,
+            checkpoint_dir,
+            savepoint_uri,
+            allow_non_restored,
+            progress,
+            CheckpointStorage(flight_dir),
+        )
+    finally:
+        shutil.rmtree(flight_dir, ignore_errors=True)
+
+
+def _seed(
+    pipeline: Pipeline,
+    kafka_config: dict[str, Any],
+    checkpoint_dir: str,
+    savepoint_uri: str,
+    allow_non_restored: bool,
+    progress: Callable[[str, int, int], None] | None,
+    flight_copies: CheckpointStorage,
+) -> int | None:
     where = str(kafka_config.get("bootstrap.servers"))
     pipeline.validate()
     sp_storage = CheckpointStorage(savepoint_uri)
@@ -251,7 +277,7 @@ def seed_from_savepoint(
     # Every check (names, checksums, state placement and loading) comes before the first
     # change to Kafka: a refused restore must leave the job's repartition topics, which its
     # committed checkpoints read from, as they were.
-    flights = _read_in_flight(pipeline, sp_storage, savepoint)
+    flights = _read_in_flight(pipeline, sp_storage, savepoint, flight_copies)
 
     # Checkpoint id: above every stored one of any task of the job.
     task_root = f"{pipeline.name}/tasks"
@@ -339,7 +365,7 @@ def seed_from_savepoint(
             )
         for rep in plan.repartitions.values():
             _recreate_topic(admin, rep.topic, partitions[rep.topic], INTERNAL_TOPIC_CONFIG)
-        _produce_in_flight(pipeline, kafka_config, sp_storage, flights, partitions)
+        _produce_in_flight(pipeline, kafka_config, flight_copies, flights, partitions)
         for (task, positions), (handle, _) in zip(chosen, loaded, strict=True):
             TaskCheckpoint(
                 job=pipeline.name,
@@ -550,12 +576,17 @@ def _load_operator(
 
 
 def _read_in_flight(
-    pipeline: Pipeline, sp_storage: CheckpointStorage, savepoint: SavepointMetadata
+    pipeline: Pipeline,
+    sp_storage: CheckpointStorage,
+    savepoint: SavepointMetadata,
+    copies: CheckpointStorage,
 ) -> list[tuple[Repartition, SavepointFile]]:
     """The savepoint's files of records in flight with the repartition each goes back into,
-    each read once and checksummed before anything is changed (and read again to produce
-    it: in-flight records can be many, they are not held). Records in flight in a
-    repartition the pipeline no longer has are refused; an empty one is nothing to place."""
+    each read and checksummed before anything is changed and copied into ``copies`` (local
+    disk), which the produce reads: in-flight records can be many, so they are not held in
+    memory, and once Kafka is changed a failing savepoint storage must not stop the restore
+    halfway (the repartition topics recreated empty). Records in flight in a repartition
+    the pipeline no longer has are refused; an empty one is nothing to place."""
     by_name = {rep.name: rep for rep in pipeline.stages().repartitions.values()}
     flights = []
     for flight in savepoint.in_flight:
@@ -572,7 +603,12 @@ def _read_in_flight(
                 "snapline savepoint create --stop)"
             )
         for entry in flight.files:
-            read_table(sp_storage, entry, columns=["partition"])  # verifies the checksum
+            data = sp_storage.read_bytes(entry.path)
+            verify_checksum(
+                data, entry.checksum, f"savepoint file {sp_storage.full_path(entry.path)}"
+            )
+            copies.write_bytes(entry.path, data)
+            read_table(copies, entry, columns=["partition"])  # a Parquet file, whole
             flights.append((rep, entry))
     return flights
 
@@ -580,18 +616,19 @@ def _read_in_flight(
 def _produce_in_flight(
     pipeline: Pipeline,
     kafka_config: dict[str, Any],
-    sp_storage: CheckpointStorage,
+    copies: CheckpointStorage,
     flights: list[tuple[Repartition, SavepointFile]],
     partitions: dict[str, int],
 ) -> None:
-    """The savepoint's in-flight records into the recreated repartition topics, each to the
-    partition of its key-group (old partitions in order: per-key order is kept)."""
+    """The savepoint's in-flight records (their local ``copies``) into the recreated
+    repartition topics, each to the partition of its key-group (old partitions in order:
+    per-key order is kept)."""
     producer = Producer({**kafka_config, "enable.idempotence": True, "linger.ms": 20})
     maxp = pipeline.max_parallelism
     sent = 0
     for rep, entry in flights:
         count = partitions[rep.topic]
-        table = read_table(sp_storage, entry)
+        table = read_table(copies, entry)
         cols = table.sort_by([("partition", "ascending"), ("offset", "ascending")]).to_pydict()
         for key, value, timestamp in zip(
             cols["key"], cols["value"], cols["timestamp"], strict=True
