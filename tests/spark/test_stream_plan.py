@@ -249,6 +249,28 @@ def test_run_chain_runs_every_branch_depth_first() -> None:
     assert sunk == [(1, 30), (2, 30), (2, 31)]
 
 
+def test_run_chain_drops_what_a_step_yielded_before_it_raised() -> None:
+    """As a service task: a process function or flat_map that yields, then raises, is a dead
+    letter and outputs nothing of that call; the other branches run."""
+
+    def half(v: int) -> Any:
+        yield v
+        raise ValueError("half")
+
+    steps = [Step("pass", 0, (), (1, 2)), Step("flat_map", 1, (0,), ()), Step("map", 2, (1,), ())]
+    sunk: list[tuple[int, Any]] = []
+    failed: list[int] = []
+    run_chain(
+        steps,
+        [None, half, lambda v: v + 1],
+        4,
+        None,
+        lambda s, v: sunk.append((s, v)),
+        on_error=lambda i, exc: failed.append(i),
+    )
+    assert sunk == [(1, 5)] and failed == [1]
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

@@ -244,7 +244,7 @@ class _FirstPart:
         #: tagged key, as in a service task).
         sunk: list[tuple[bytes, int, bytes | None]] = []
         #: Operators that raised for this record: each a dead letter, as in a service task
-        #: (their earlier outputs and the other values go on).
+        #: (what they yielded before raising is dropped; the other values go on).
         failures: list[str] = []
         ts = kafka_ts
 
@@ -553,7 +553,7 @@ def keyed_processor(spec: str) -> Any:
                         yield _out(Row, r, -1, 0, tagged, r.raw, reason)
                         continue
                     self._run(value, outs, failed)
-                    for step, error in failed:  # its earlier outputs and other branches went on
+                    for step, error in failed:  # the other branches went on
                         reason = f"{where}: {self.names[step]} raised {error!r}"
                         reason = _dead(reason, self.fail, where)
                         yield _out(Row, r, -1, 0, tagged, r.raw, reason)
@@ -597,6 +597,7 @@ def keyed_processor(spec: str) -> Any:
                         values.extend(self.fns[index].on_timer(ts, ctx) or ())
                     except Exception as exc:
                         _step_failed(failed)(index, exc)
+                        values.clear()  # none of a failed firing's outputs, as in a service
                     finally:
                         ctx.time_domain = None
                 outs: list[tuple[int, Any]] = []

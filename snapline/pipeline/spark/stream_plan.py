@@ -226,7 +226,9 @@ def run_chain(
 
     A step that raises: without ``on_error`` the exception ends the run. With it, as in a
     service task, only that step fails: ``on_error(step index, exception)`` is told, the
-    outputs it made before raising go on, and every other branch runs."""
+    outputs a generator yielded before raising are dropped (half a result beside a dead
+    letter, as the services' process function and flat_map do not output), and every
+    other branch runs."""
     end = len(steps)
 
     def push(i: int, v: Any) -> None:
@@ -253,6 +255,7 @@ def run_chain(
             if on_error is None:
                 raise
             on_error(i, exc)
+            outs.clear()
         after = (i + 1,) if step.next is None else step.next
         for out in outs:
             for sink in step.sinks:
