@@ -74,6 +74,20 @@ def _count(bootstrap: str, topic: str) -> int:
         consumer.close()
 
 
+def _counts_job(admin: AdminClient, job: str, key_by: str) -> tuple[Pipeline, str]:
+    """A count per key after a re-keying ``key_by(name=key_by)``, and its source topic."""
+    pipeline = Pipeline(job)
+    source = create_topic(admin, f"{job}-in")
+    create_topic(admin, f"{job}-out")
+    (
+        pipeline.source(KafkaSource(source, value_format="json"))
+        .key_by(lambda v: v["k"], name=key_by)
+        .count(uid="counts")
+        .sink(KafkaSink(f"{job}-out"))
+    )
+    return pipeline, source
+
+
 def test_a_refused_restore_leaves_the_repartition_topics_as_they_were(
     kafka_bootstrap: str, admin: AdminClient, unique_name: str, tmp_path: Path
 ) -> None:
@@ -84,15 +98,7 @@ def test_a_refused_restore_leaves_the_repartition_topics_as_they_were(
     place and no longer refused."""
     job = unique_name
     config = {"bootstrap.servers": kafka_bootstrap}
-    pipeline = Pipeline(job)
-    source = create_topic(admin, f"{job}-in")
-    create_topic(admin, f"{job}-out")
-    (
-        pipeline.source(KafkaSource(source, value_format="json"))
-        .key_by(lambda v: v["k"], name="renamed")
-        .count(uid="counts")
-        .sink(KafkaSink(f"{job}-out"))
-    )
+    pipeline, source = _counts_job(admin, job, "renamed")
     repartition = create_topic(admin, f"{job}.renamed.repartition")
     producer = Producer(config)
     for i in range(20):
@@ -142,15 +148,7 @@ def test_a_restore_needs_nothing_of_the_savepoint_storage_once_kafka_is_changed(
     been in flight. They are now copied to local disk with the check, and produced from there."""
     job = unique_name
     config = {"bootstrap.servers": kafka_bootstrap}
-    pipeline = Pipeline(job)
-    source = create_topic(admin, f"{job}-in")
-    create_topic(admin, f"{job}-out")
-    (
-        pipeline.source(KafkaSource(source, value_format="json"))
-        .key_by(lambda v: v["k"], name="by-k")
-        .count(uid="counts")
-        .sink(KafkaSink(f"{job}-out"))
-    )
+    pipeline, source = _counts_job(admin, job, "by-k")
     repartition = f"{job}.by-k.repartition"
     path = tmp_path / "sp"
     storage = CheckpointStorage(str(path))
