@@ -45,7 +45,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from snapline.pipeline.checkpoint.identity import IDENTITY_FILE, JobIdentity
-from snapline.pipeline.checkpoint.storage import crc32_checksum
+from snapline.pipeline.checkpoint.storage import SETTING_ERRNOS, crc32_checksum
 from snapline.pipeline.errors import ConfigurationError, SinkError
 from snapline.pipeline.record import Record
 from snapline.pipeline.sink import Sink, SinkContext
@@ -582,6 +582,10 @@ class ParquetSinkWriter(StagingSinkWriter[_StageJob, StagedCheckpoint]):
             if not os.access(self.table, os.W_OK | os.X_OK):
                 raise PermissionError(f"no write permission on {self.table}")
         except OSError as exc:
+            if exc.errno is not None and exc.errno not in SETTING_ERRNOS:  # EIO, a full disk
+                raise SinkError(
+                    f"{sink.name}: the Parquet table {self.table} cannot be created now ({exc})"
+                ) from exc
             raise ConfigurationError(
                 f"{sink.name}: the Parquet table {self.table} cannot be written ({exc}); give "
                 "ParquetSink a directory this worker may create and write"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+
 import pytest
 
 from snapline.connectors import KafkaSource
@@ -179,6 +182,27 @@ def test_a_checkpoint_directory_that_is_a_file_is_a_configuration_error(tmp_path
         CheckpointStorage(str(afile))
 
 
+@pytest.mark.parametrize("code", [errno.EIO, errno.ESTALE, errno.ENOSPC])
+def test_a_checkpoint_directory_failing_for_a_while_is_not_a_configuration_error(
+    tmp_path, monkeypatch, code
+) -> None:
+    """An NFS server's I/O error or a full disk at start is no setting to fix: a
+    CheckpointStorageError (the worker fails, its supervisor restarts it), not exit 78, which
+    stops the job for good."""
+    import pathlib
+
+    from snapline.pipeline.checkpoint.storage import CheckpointStorage
+    from snapline.pipeline.errors import CheckpointStorageError
+
+    def failing(self, *args, **kwargs):
+        raise OSError(code, os.strerror(code), str(self))
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", failing)
+    with pytest.raises(CheckpointStorageError, match="cannot be created now") as raised:
+        CheckpointStorage(str(tmp_path / "checkpoints"))
+    assert not isinstance(raised.value, ConfigurationError)
+
+
 def test_a_parquet_table_that_is_a_file_is_a_configuration_error(tmp_path) -> None:
     from snapline.pipeline.sink import SinkContext
     from snapline.sinks import ParquetSink
@@ -188,3 +212,22 @@ def test_a_parquet_table_that_is_a_file_is_a_configuration_error(tmp_path) -> No
     context = SinkContext("job", "t-0", "w", "parquet", None, lambda *a: None)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="cannot be written .* is not a directory"):
         ParquetSink(str(afile)).open(context)
+
+
+def test_a_parquet_table_failing_for_a_while_is_not_a_configuration_error(
+    tmp_path, monkeypatch
+) -> None:
+    """As for the checkpoint directory: an I/O error creating the table is a SinkError (the
+    worker is restarted), not exit 78."""
+    from snapline.pipeline.errors import SinkError
+    from snapline.pipeline.sink import SinkContext
+    from snapline.sinks import ParquetSink, parquet
+
+    def failing(path):
+        raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+
+    monkeypatch.setattr(parquet, "_makedirs_durable", failing)
+    context = SinkContext("job", "t-0", "w", "parquet", None, lambda *a: None)  # type: ignore[arg-type]
+    with pytest.raises(SinkError, match="cannot be created now") as raised:
+        ParquetSink(str(tmp_path / "table")).open(context)
+    assert not isinstance(raised.value, ConfigurationError)

@@ -19,7 +19,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from snapline.connectors.config import redact_text
-from snapline.pipeline.errors import CheckpointError, ConfigurationError, CorruptCheckpointError
+from snapline.pipeline.errors import (
+    CheckpointError,
+    CheckpointStorageError,
+    ConfigurationError,
+    CorruptCheckpointError,
+)
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
@@ -36,6 +41,24 @@ def verify_checksum(data: bytes, expected: str, what: str) -> None:
         raise CorruptCheckpointError(
             f"{what} is corrupt: checksum {actual} does not match the recorded {expected}"
         )
+
+
+#: Errors of a local directory (checkpoints, a Parquet table) that its setting causes, so
+#: that a restart cannot help (exit 78 with the fix): no permission, read-only, a file in the
+#: path, a bad name. Others (an NFS server's EIO or ESTALE, a full disk) may pass: the worker
+#: fails and its supervisor restarts it.
+SETTING_ERRNOS = frozenset(
+    {
+        errno.EACCES,
+        errno.EPERM,
+        errno.EROFS,
+        errno.ENOTDIR,
+        errno.EEXIST,
+        errno.ENAMETOOLONG,
+        errno.ELOOP,
+        errno.EINVAL,
+    }
+)
 
 
 class CheckpointStorage:
@@ -77,6 +100,10 @@ class CheckpointStorage:
                 # (Not checked for write permission: savepoints are also read from here.)
                 Path(self.root).mkdir(parents=True, exist_ok=True)
             except OSError as exc:
+                if exc.errno not in SETTING_ERRNOS:  # EIO, ESTALE, ENOSPC...: restart me
+                    raise CheckpointStorageError(
+                        f"checkpoint directory {self.root} cannot be created now ({exc})"
+                    ) from exc
                 raise ConfigurationError(
                     f"checkpoint directory {self.root} cannot be used ({exc}); give "
                     "--checkpoint-dir (or the pipeline's checkpoint_dir) a directory this "
