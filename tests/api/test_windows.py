@@ -469,3 +469,27 @@ def test_a_timers_output_reaches_a_window_in_the_same_stage() -> None:
     )
     run = run_pipeline(pipeline, {"in": [{"k": "a", "ts": t} for t in range(0, 100, 3)]})
     assert len(run.outputs["out"]) == 10 and not run.dead_letters
+
+
+@pytest.mark.parametrize("backend", ["memory", "rocksdb"])
+def test_a_session_sum_that_overflows_is_a_dead_letter_and_the_session_stays(
+    backend: str,
+) -> None:
+    """1e308 + 1e308 is inf, which JSON state stores as null: the session's sum read back as
+    None (the window output value None, the next record a TypeError), and the merged session
+    was removed before the refused value's write. Now the record that overflows is a dead
+    letter naming inf, and the session goes on from its last finite sum."""
+    p = Pipeline("s", state_backend=backend)
+    src = p.source(KafkaSource("events", timestamp=lambda v: v["ts"], idle_timeout=None))
+    src.map(lambda v: v["v"]).key_by().window(session(100)).reduce(lambda a, b: a + b).sink(
+        KafkaSink("results")
+    )
+    events = [
+        Message({"ts": 10, "v": 1e308}, key="a"),
+        Message({"ts": 20, "v": 1e308}, key="a"),  # inf
+        Message({"ts": 30, "v": 5.0}, key="a"),
+    ]
+    result = run_pipeline(p, {"events": events})
+    assert result.outputs["results"] == [{"key": "a", "start": 10, "end": 130, "value": 1e308}]
+    [(_, reason)] = result.dead_letters
+    assert "[inf] cannot be stored as JSON" in reason

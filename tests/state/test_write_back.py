@@ -18,6 +18,7 @@ from snapline.pipeline.errors import StateError
 from snapline.pipeline.state import descriptors
 from snapline.pipeline.state.backend import KeyedStateBackend
 from snapline.pipeline.state.descriptors import KeyScope, ValueState
+from snapline.pipeline.state.serde import JsonSerde
 
 Make = Callable[..., KeyedStateBackend]
 
@@ -203,3 +204,15 @@ def test_write_back_reads_and_restores_like_write_through(
             for k in "abc":
                 again.at(k)
                 assert reader.value() == model.get(k)
+
+
+@pytest.mark.parametrize(
+    "value", [{"x": math.inf}, [1.0, math.nan], {"a": [{"b": -math.inf}]}, (math.nan,)]
+)
+def test_a_non_finite_float_inside_a_value_is_refused_too(value: Any) -> None:
+    """orjson writes inf and NaN as null at any depth: {"x": inf} would read back as
+    {"x": None}. Values with a plain None in them are stored as they are."""
+    serde = JsonSerde()
+    with pytest.raises(StateError, match="inf or NaN would read back as None"):
+        serde.dumps(value)
+    assert serde.loads(serde.dumps({"x": None, "y": [None, 1.5]})) == {"x": None, "y": [None, 1.5]}

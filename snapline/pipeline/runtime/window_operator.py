@@ -171,9 +171,12 @@ class WindowOperator(Operator):
         acc = parts[0][2]
         for _, _, other in parts[1:]:
             acc = agg.merge(acc, other)
-        for s, e, _ in merged:
-            state.remove([s, e])
+        # Put first: a value the serde refuses (inf, NaN) is a dead letter with the sessions
+        # it would have merged still there.
         state.put([new_start, new_end], acc)
+        for s, e, _ in merged:
+            if (s, e) != (new_start, new_end):
+                state.remove([s, e])
         if new_end - 1 <= watermark:
             self._emit(r.key, r.key_bytes, r.key_group, new_start, new_end, acc)
         else:

@@ -6,6 +6,7 @@ Checkpoint storage must never become a code-execution path, so pickle needs
 
 from __future__ import annotations
 
+import math
 import pickle
 from abc import ABC, abstractmethod
 from typing import Any
@@ -37,6 +38,17 @@ class Serde(ABC):
     def loads(self, data: bytes) -> Any: ...
 
 
+def _non_finite(value: Any) -> bool:
+    """``value`` holds a float inf or NaN, at any depth of dicts, lists and tuples."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_non_finite(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_non_finite(v) for v in value)
+    return False
+
+
 class JsonSerde(Serde):
     """JSON via orjson: dicts, lists, str, int, float, bool, None."""
 
@@ -50,12 +62,14 @@ class JsonSerde(Serde):
                 f"value {value!r:.80} is not JSON-serializable ({exc}); store plain JSON types "
                 "or declare the state with another serde"
             ) from exc
-        if data == b"null" and value is not None:
+        if b"null" in data and _non_finite(value):
             # inf and NaN: orjson writes null, which reads back as "no value" (a running
-            # product that overflowed started over, silently). Nested ones are not checked.
+            # product that overflowed started over, silently; a window's sum became None).
+            # The search is C and short; the walk runs only when the output has a null.
             raise StateError(
-                f"value {value!r:.80} cannot be stored as JSON (it would read back as None); "
-                "keep it finite, or declare the state with serde=PickleSerde(trusted=True)"
+                f"value {value!r:.80} cannot be stored as JSON (inf or NaN would read back as "
+                "None); keep it finite, or declare the state with "
+                "serde=PickleSerde(trusted=True)"
             )
         return data
 
