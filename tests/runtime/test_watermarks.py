@@ -85,9 +85,9 @@ def test_a_quiet_partition_with_records_waiting_in_kafka_is_not_idle() -> None:
     assert ends.asked == [A, B]  # asked only once the timeout passed
     # B's answer restarts its timeout: not asked again before another 2 s of quiet.
     assert not clock.advance(6.0, {}, ends) and ends.asked == [A, B]
-    assert not clock.advance(7.5, {}, ends) and ends.asked == [A, B, B]
-    # A is idle for good until a record comes: not asked again.
-    assert ends.asked.count(A) == 1
+    # A stays idle, asked again once per timeout (at 7.0 or later): still at its end.
+    assert not clock.advance(7.5, {}, ends) and ends.asked == [A, B, A, B]
+    assert clock.channels[A].idle(7.6, False, ends) and ends.asked.count(A) == 2
     # B's backlog read to the end: B idle too, and then the largest watermark.
     ends.answers[B] = True
     clock.observe(B, 40, 8.0)
@@ -180,3 +180,29 @@ def test_an_answer_from_an_earlier_quiet_spell_is_not_used() -> None:
     clock.advance(603.0, {}, ends)
     clock.advance(603.1, {}, ends)
     assert not clock.channels[A].idle(603.1, False, ends) and clock.watermark == 49_999
+
+
+def test_an_idle_partition_whose_records_arrive_while_nothing_is_read_is_no_longer_idle() -> None:
+    """A was read to its end and idle; the consumer was then paused (a savepoint) while
+    records arrived on A and B. A was idle until a record of it was processed: on resume
+    B's records moved the watermark and A's, read after them, were late. A is asked again
+    every timeout while idle, and records waiting end its idleness."""
+    ends = Ends(a=True, b=False)
+    clock = TaskClock(
+        {A: SourceChannelClock(0, 2.0, 0.0, A), B: SourceChannelClock(0, 2.0, 0.0, B)}
+    )
+    clock.observe(A, 1_000, 0.0)
+    clock.observe(B, 1_000, 0.0)
+    clock.observe(B, 5_000, 2.5)
+    clock.advance(2.5, {}, ends)
+    assert clock.channels[A].idle(2.5, False, ends) and clock.watermark == 4_999
+    ends.answers[A] = False  # records of A (event time ~5,000 on) wait behind the pause
+    clock.observe(B, 6_000, 3.0)
+    clock.advance(3.0, {}, ends)
+    assert clock.watermark == 5_999  # A still idle as last known, asked at most every 2 s
+    clock.observe(B, 7_000, 4.6)
+    clock.advance(4.6, {}, ends)  # asked again: records wait
+    assert not clock.channels[A].idle(4.6, False, ends)
+    clock.observe(B, 9_000, 4.7)
+    clock.advance(4.7, {}, ends)
+    assert clock.watermark == 5_999, "A's waiting records would be late"

@@ -79,6 +79,8 @@ class SourceChannelClock:
         self.last_active = now
         #: Kafka said the partition was read to its end since the last record.
         self.at_end = False
+        #: When Kafka last said so: asked again every ``idle_timeout`` while idle.
+        self._end_confirmed = now
 
     def observe(self, max_timestamp: int | None, now: float) -> None:
         self.last_active = now
@@ -99,13 +101,29 @@ class SourceChannelClock:
         timeout = self.idle_timeout
         if timeout is None or backlog or now - self.last_active < timeout:
             return False
-        if self.at_end or at_end is None:
+        if at_end is None:
             return True
+        if self.at_end:
+            # Idle, and asked again every timeout: records can come to wait here without a
+            # record being read (the consumer paused for a savepoint while they arrived), and
+            # an idle partition would let the others' records make them late when it resumes.
+            if now - self._end_confirmed < timeout:
+                return True
+            answer = at_end(self.tp, self._end_confirmed)
+            if answer is None:  # on its way: idle as last known
+                return True
+            if answer:
+                self._end_confirmed = now
+                return True
+            self.at_end = False
+            self.last_active = now
+            return False
         answer = at_end(self.tp, self.last_active)
         if answer is None:
             return False
         if answer:
             self.at_end = True
+            self._end_confirmed = now
             return True
         self.last_active = now
         return False
