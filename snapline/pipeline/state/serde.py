@@ -62,10 +62,20 @@ class JsonSerde(Serde):
                 f"value {value!r:.80} is not JSON-serializable ({exc}); store plain JSON types "
                 "or declare the state with another serde"
             ) from exc
-        if b"null" in data and _non_finite(value):
+        kind = type(value)
+        if (
+            not math.isfinite(value)
+            if kind is float
+            else kind is not int
+            and kind is not str
+            and kind is not bool
+            and 110 in data  # an "n": of null, or of a string (a bytes search by memchr)
+            and _non_finite(value)
+        ):
             # inf and NaN: orjson writes null, which reads back as "no value" (a running
             # product that overflowed started over, silently; a window's sum became None).
-            # The search is C and short; the walk runs only when the output has a null.
+            # Cheap for the values of the per-record path (numbers, strings); the walk of a
+            # container runs only when its JSON has an "n" in it.
             raise StateError(
                 f"value {value!r:.80} cannot be stored as JSON (inf or NaN would read back as "
                 "None); keep it finite, or declare the state with "
