@@ -101,9 +101,11 @@ def namesakes(job: str, worker_id: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def running_namesake(kafka_config: dict[str, Any], job: str, worker_id: str) -> str | None:
-    """The job (consumer group) of another pipeline whose worker with this worker's
-    transactional id is a member of its group now, or None (raises if Kafka cannot say)."""
+def running_namesake(
+    kafka_config: dict[str, Any], job: str, worker_id: str
+) -> tuple[str, str] | None:
+    """The (job, worker id) of another pipeline's worker with this worker's transactional id
+    that is a member of its job's group now, or None (raises if Kafka cannot say)."""
     pairs = namesakes(job, worker_id)
     if not pairs:
         return None
@@ -112,10 +114,10 @@ def running_namesake(kafka_config: dict[str, Any], job: str, worker_id: str) -> 
         [other for other, _ in pairs], request_timeout=CALL_TIMEOUT
     )
     me = instance_id(job, worker_id)
-    for other, _ in pairs:
+    for other, other_worker in pairs:
         description = futures[other].result(timeout=CALL_TIMEOUT)
         if any(m.group_instance_id == me for m in description.members):
-            return other
+            return other, other_worker
     return None
 
 
@@ -124,12 +126,12 @@ def check_no_namesake(kafka_config: dict[str, Any], job: str, worker_id: str) ->
     has (ConfigurationError): each one's ``init_transactions`` would fence the other, for as
     long as both are restarted."""
     try:
-        other = running_namesake(kafka_config, job, worker_id)
+        namesake = running_namesake(kafka_config, job, worker_id)
     except Exception as exc:  # the check is a courtesy: Kafka's own fencing stays correct
         log.warning("could not check for another job's worker with this transactional id: %s", exc)
         return
-    if other is not None:
-        other_worker = instance_id(job, worker_id)[len(other) + 1 :]
+    if namesake is not None:
+        other, other_worker = namesake
         raise ConfigurationError(
             f"worker {worker_id!r} of job {job!r} would have the Kafka transactional id "
             f"{transactional_id(job, worker_id)!r}, which worker {other_worker!r} of job "
@@ -186,10 +188,11 @@ def fence_departed(
             namesake = None
         if namesake is not None:  # that transactional id is another job's live worker's
             log.warning(
-                "not aborting departed worker %s's transaction: job %s's running worker has "
-                "the same transactional id",
+                "not aborting departed worker %s's transaction: worker %s of job %s, running, "
+                "has the same transactional id",
                 owner,
-                namesake,
+                namesake[1],
+                namesake[0],
             )
             continue
         started = time.monotonic()

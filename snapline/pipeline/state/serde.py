@@ -63,13 +63,12 @@ class JsonSerde(Serde):
                 "or declare the state with another serde"
             ) from exc
         kind = type(value)
-        if (
-            not math.isfinite(value)
-            if kind is float
-            else kind is not int
+        if (kind is float and not math.isfinite(value)) or (
+            kind is not int
             and kind is not str
+            and kind is not float
             and kind is not bool
-            and 110 in data  # an "n": of null, or of a string (a bytes search by memchr)
+            and 110 in data  # an "n" (of null, or in a string): a memchr
             and _non_finite(value)
         ):
             # inf and NaN: orjson writes null, which reads back as "no value" (a running
