@@ -8,6 +8,9 @@ every input exactly once.
 The test plays the supervisor: a worker that exits by itself is restarted, and only exit code
 75 (EX_TEMPFAIL, "Kafka client cannot go on, restart me") is accepted. It prints the time from
 broker-back to each surviving worker's first commit (p50, max).
+
+CI runs the short schedule (every kind of outage and both of w0's actions, once each); the
+long one, with repeats, runs with ``bash scripts/test -m long``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.postgres, pytest.mark.slow]
 # soon as it serves, restart; "long" = SIGKILL and down for twice the transaction timeout.
 # w0 during the outage: "term" = SIGTERM (must end within STOP_BOUND), "kill" = SIGKILL and
 # restart while the broker is still down. w1 always lives through the outage.
-SCHEDULE = [
+LONG = [
     ("kill", 2.0, None),
     ("stop", 1.0, None),
     ("double", 1.0, None),
@@ -44,10 +47,25 @@ SCHEDULE = [
     ("stop", 2.0, "kill"),
     ("kill", 1.0, None),
 ]
+SHORT = [
+    ("kill", 2.0, None),
+    ("stop", 1.0, "kill"),
+    ("double", 1.0, None),
+    ("long", TRANSACTION_TIMEOUT_S * 2.0, "term"),
+    ("kill", 3.0, "kill"),
+]
 
 
+@pytest.mark.parametrize(
+    "schedule",
+    [SHORT, pytest.param(LONG, marks=pytest.mark.long)],
+    ids=[f"{len(SHORT)}-outages", f"{len(LONG)}-outages"],
+)
 def test_workers_ride_out_broker_bounces(
-    postgres_dsn: str, tmp_path: Path, unique_name: str
+    schedule: list[tuple[str, float, str | None]],
+    postgres_dsn: str,
+    tmp_path: Path,
+    unique_name: str,
 ) -> None:
     cluster = SingleBroker(tmp_path / "kafka")
     try:
@@ -55,7 +73,7 @@ def test_workers_ride_out_broker_bounces(
         run = BounceRun(job, seed=9)
         try:
             run.start()
-            for kind, down, w0_action in SCHEDULE:
+            for kind, down, w0_action in schedule:
                 outage = run.begin(kind)
                 if kind == "stop":
                     cluster.stop()
@@ -75,7 +93,7 @@ def test_workers_ride_out_broker_bounces(
             run.abandon()
 
         check = run.report(outputs, "broker bounces")
-        assert len(run.outages) >= 10 and run.test_kills >= 2
+        assert len(run.outages) == len(schedule) and run.test_kills >= 2
         judge_on_single_broker(run, check, cluster)
     finally:
         cluster.stop()
