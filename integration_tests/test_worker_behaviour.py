@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from examples.orders import create_topics, produce_orders, read_committed, verify_totals
-from examples.workers import WorkerProcess, read_events
+from examples.workers import WorkerProcess, process_state, read_events
 from integration_tests.conftest import create_topic
 from snapline.pipeline.runtime.topics import INTERNAL_TOPIC_CONFIG, without_event_time_config
 
@@ -568,3 +569,75 @@ def test_a_worker_whose_transactional_id_a_running_worker_of_another_job_has_is_
     finally:
         second.kill()
         assert first.stop() == 0, first.tail()
+
+
+def test_two_jobs_started_together_with_one_transactional_id_end_with_one_running(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """The check at start sees only workers that are group members already: two colliding
+    workers started in the same instant both pass it. Here the first is frozen right after its
+    check (SIGSTOP at ``after_namesake_check``) while the second starts, joins and commits;
+    then the first wakes and its ``init_transactions`` fences the second. The first fencing
+    now ends one of the two (exit 78, naming the other) and the other runs on; before, each
+    fenced the other in turn for as long as both ran."""
+    prefix = f"{unique_name}-"
+    create_topics(kafka_bootstrap, {f"{prefix}copy-in": 1, f"{prefix}copy-out": 1})
+    spec = "integration_tests.pipelines:named_copy"
+    first = WorkerProcess(
+        spec,
+        "x-1",
+        kafka_bootstrap,
+        tmp_path / "chk-first",
+        tmp_path,
+        {"SNAPLINE_TEST_PREFIX": prefix, "SNAPLINE_FAULT": "after_namesake_check:1:stop"},
+    )
+    second = WorkerProcess(
+        spec,
+        "1",
+        kafka_bootstrap,
+        tmp_path / "chk-second",
+        tmp_path,
+        {"SNAPLINE_TEST_PREFIX": prefix, "SNAPLINE_TEST_JOB": f"{prefix}job-x"},
+    )
+    first.start()
+    try:
+        assert first.proc is not None
+        deadline = time.monotonic() + 60  # start-up and the check: seconds
+        while process_state(first.proc.pid) != "T":
+            assert first.alive and time.monotonic() < deadline, first.tail()
+            time.sleep(0.1)
+        second.start()
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})
+        producer.produce(f"{prefix}copy-in", orjson.dumps({"n": 1}))
+        producer.flush(30)
+        assert read_committed(kafka_bootstrap, f"{prefix}copy-out", 1, timeout=60, settle=0)
+        first.signal(signal.SIGCONT)
+        # A fencing comes with the woken worker's init_transactions or its next transaction;
+        # the check after it takes one describe call. Bound: two checkpoint intervals, a
+        # failure's back-off, start-up and group join, with room.
+        deadline = time.monotonic() + 120
+        while first.alive and second.alive:
+            assert time.monotonic() < deadline, (
+                "both workers still run, fencing each other\n"
+                + first.tail()
+                + "\n----\n"
+                + second.tail()
+            )
+            time.sleep(0.5)
+        ended, survivor = (first, second) if not first.alive else (second, first)
+        assert ended.wait_exit(5) == 78, ended.tail()
+        log = ended.log_path.read_text(errors="replace")
+        assert "which worker" in log and "fence each other's transactions" in log, ended.tail()
+        # The survivor runs on unfenced: the next input is copied exactly once.
+        before = read_committed(kafka_bootstrap, f"{prefix}copy-out", 1, timeout=30, settle=3)
+        producer.produce(f"{prefix}copy-in", orjson.dumps({"n": 2}))
+        producer.flush(30)
+        after = read_committed(
+            kafka_bootstrap, f"{prefix}copy-out", len(before) + 1, timeout=60, settle=3
+        )
+        assert [o["n"] for o in after].count(2) == 1, (after, survivor.tail())
+        assert survivor.alive, survivor.tail()
+    finally:
+        first.signal(signal.SIGCONT)
+        first.kill()
+        second.kill()

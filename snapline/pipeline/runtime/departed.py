@@ -102,7 +102,7 @@ def namesakes(job: str, worker_id: str) -> list[tuple[str, str]]:
 
 
 def running_namesake(
-    kafka_config: dict[str, Any], job: str, worker_id: str
+    kafka_config: dict[str, Any], job: str, worker_id: str, timeout: float = CALL_TIMEOUT
 ) -> tuple[str, str] | None:
     """The (job, worker id) of another pipeline's worker with this worker's transactional id
     that is a member of its job's group now, or None (raises if Kafka cannot say)."""
@@ -110,23 +110,23 @@ def running_namesake(
     if not pairs:
         return None
     admin = AdminClient(kafka_config)
-    futures = admin.describe_consumer_groups(
-        [other for other, _ in pairs], request_timeout=CALL_TIMEOUT
-    )
+    futures = admin.describe_consumer_groups([other for other, _ in pairs], request_timeout=timeout)
     me = instance_id(job, worker_id)
     for other, other_worker in pairs:
-        description = futures[other].result(timeout=CALL_TIMEOUT)
+        description = futures[other].result(timeout=timeout)
         if any(m.group_instance_id == me for m in description.members):
             return other, other_worker
     return None
 
 
-def check_no_namesake(kafka_config: dict[str, Any], job: str, worker_id: str) -> None:
-    """Refuse to start a worker whose transactional id a running worker of another job
-    has (ConfigurationError): each one's ``init_transactions`` would fence the other, for as
-    long as both are restarted."""
+def check_no_namesake(
+    kafka_config: dict[str, Any], job: str, worker_id: str, timeout: float = CALL_TIMEOUT
+) -> None:
+    """Refuse to start (or, once fenced, to go on with) a worker whose transactional id a
+    running worker of another job has (ConfigurationError): each one's ``init_transactions``
+    would fence the other, for as long as both are restarted."""
     try:
-        namesake = running_namesake(kafka_config, job, worker_id)
+        namesake = running_namesake(kafka_config, job, worker_id, timeout)
     except Exception as exc:  # the check is a courtesy: Kafka's own fencing stays correct
         log.warning("could not check for another job's worker with this transactional id: %s", exc)
         return

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 KILL_POINTS = (
+    "after_namesake_check",  # start: no other job's worker has this transactional id
     "after_offsets_read",  # recovery read the committed offsets, restored nothing yet
     "after_repartition_produce",  # an epoch's repartition records produced, not committed
     "sync_snapshot",  # right after the synchronous part of a task's snapshot

@@ -131,6 +131,11 @@ class TransactionalOutput:
         #: fatal failure's is (exactly-once: at the next begin or abort).
         self._resized: dict[str, int] | None = None
         self.replaced = 0
+        #: Called before a producer that failed fatally is replaced (the new one's
+        #: init_transactions fences whoever holds the transactional id now); it raises to stop
+        #: the worker instead. Its error is kept: the fenced producer is never replaced after.
+        self.may_refence: Callable[[], None] | None = None
+        self._refused: Exception | None = None
         self.open_epoch: int | None = None
         #: An abort that could not reach the broker; completed before the next begin.
         self._abort_pending = False
@@ -423,6 +428,11 @@ class TransactionalOutput:
         timed the transaction out during an outage) raises FencedError."""
         self._buffer = []
         self._delivery_errors = []
+        if self._refused is not None:
+            # Fenced by another job's worker with this transactional id, whose
+            # init_transactions ended this producer's transaction; it stays fenced.
+            self.open_epoch = None
+            return
         if self.exactly_once and (self._fatal is not None or self._resized is not None):
             self._replace_producer()  # its init_transactions aborts the open transaction
         if self.exactly_once and (self.open_epoch is not None or self._abort_pending):
@@ -457,6 +467,14 @@ class TransactionalOutput:
         another live incarnation of this worker own the id, it is fenced in turn; its consumer
         (same static group.instance.id) is fenced by the group coordinator and that worker
         exits."""
+        if self._refused is not None:
+            raise self._refused
+        if self._fatal is not None and self.may_refence is not None:
+            try:
+                self.may_refence()
+            except Exception as exc:
+                self._refused = exc
+                raise
         if self._fatal is not None:
             log.warning("producer cannot go on (%s); replacing it", self._fatal)
         else:

@@ -267,6 +267,7 @@ class Worker:
         self.cluster_id = self._check_identity()
         if pipeline.exactly_once:
             departed.check_no_namesake(kafka_config, pipeline.name, settings.worker_id)
+            self.faults.point("after_namesake_check")
         transactional_id = (
             departed.transactional_id(pipeline.name, settings.worker_id)
             if pipeline.exactly_once
@@ -283,6 +284,13 @@ class Worker:
             stopping=lambda: self._stopping,
             liveness=self.liveness,
         )
+        if pipeline.exactly_once:
+            # Two colliding workers started in the same instant both pass the check above;
+            # the first fencing tells them apart: the fenced one stops (exit 78) instead of
+            # fencing the other in turn with a new producer.
+            self.output.may_refence = lambda: departed.check_no_namesake(
+                kafka_config, pipeline.name, settings.worker_id, timeout=REFENCE_CHECK_TIMEOUT
+            )
         self._consumer_fatal: str | None = None
         #: Savepoint requests (snapline savepoint create) arrive on the control channel; while
         #: a savepoint is written the worker is paused: (request id, since).
@@ -1612,6 +1620,10 @@ class Worker:
         except Exception:
             log.exception("consumer close")
         self.output.close(timeout=2.0 if self._stopping else 10.0)
+
+
+#: Bound of the namesake check before a fenced producer is replaced (seconds, each call).
+REFENCE_CHECK_TIMEOUT = 10.0
 
 
 class ConsumerFencedError(KafkaClientError):
