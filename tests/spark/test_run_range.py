@@ -1,4 +1,5 @@
-"""`snapline spark run --run-id ID` run again covers the source range its first run recorded."""
+"""`snapline spark run --run-id ID`: a re-run covers the range its first run recorded, and a
+run's transactional ids are its job's own."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from snapline.pipeline.checkpoint.metadata import encode_checked
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.errors import CorruptCheckpointError
-from snapline.pipeline.spark.bounded import _run_range
+from snapline.pipeline.spark.bounded import _run_range, _transactional_id, _used_legacy_ids
 
 
 def test_a_rerun_keeps_the_range_its_first_run_recorded(tmp_path: Path) -> None:
@@ -28,3 +30,30 @@ def test_a_rerun_keeps_the_range_its_first_run_recorded(tmp_path: Path) -> None:
     path.write_bytes(path.read_bytes().replace(b'"in",0,3', b'"in",0,9'))
     with pytest.raises(CorruptCheckpointError):
         _run_range(storage, "job", "r1", *grown, said.append)
+
+
+def test_two_jobs_tasks_of_one_run_id_have_their_own_transactional_ids() -> None:
+    task = "spark-backfill-p0"
+    assert _transactional_id("orders", task) != _transactional_id("payments", task)
+    assert _transactional_id("orders", task) == _transactional_id("orders", task)
+
+
+def test_a_run_an_earlier_version_may_have_run_also_fences_its_transactional_ids(
+    tmp_path: Path,
+) -> None:
+    """Versions before per-job transactional ids gave a task ``snapline-spark-<run>-<task>``:
+    a re-run of such a run must fence that id too, or an attempt of the old version still
+    running could commit after the re-run read the ledger."""
+    storage = CheckpointStorage(str(tmp_path))
+    say: list[str] = []
+    offsets = ({("in", 0): 0}, {("in", 0): 3})
+    assert not _used_legacy_ids(storage, "job", "new")  # a first run
+    _run_range(storage, "job", "new", *offsets, say.append)
+    assert not _used_legacy_ids(storage, "job", "new")  # its re-run
+    # A range an earlier version recorded (no "transactional_ids"):
+    body = {"starts": [["in", 0, 0]], "ends": [["in", 0, 3]]}
+    storage.write_bytes("job/spark/old/_range.json", encode_checked(body))
+    assert _used_legacy_ids(storage, "job", "old")
+    # A version before recorded ranges left only its attempts' records:
+    storage.write_bytes("job/spark/older/spark-older-p0-1a2b.json", b"{}")
+    assert _used_legacy_ids(storage, "job", "older")

@@ -10,8 +10,9 @@ then takes one checkpoint, with the services' commit protocol:
 
 1. the sinks pre-commit (Parquet stages files, PostgreSQL stages rows); their pre-commit
    results are written to ``<checkpoint dir>/<job>/spark/<run>/<task>-<attempt>.json``;
-2. the Kafka output goes in one transaction (``transactional.id`` per run and task, so a retry
-   fences an earlier attempt) that also commits an offset for the **ledger** group
+2. the Kafka output goes in one transaction (``transactional.id``
+   ``snapline-spark-<job>-spark-<run>-<task>``: per job, run and task, so a retry fences an
+   earlier attempt and nothing else) that also commits an offset for the **ledger** group
    ``snapline-spark-<run>-<task>``, with the attempt's token as its metadata: the commit
    point;
 3. the other sinks commit (publish), as after a services checkpoint.
@@ -61,6 +62,9 @@ class RunConfig:
     stage_partitions: dict[int, int]
     #: (uid, state name) -> new state id, for state restored from savepoint_in
     mapping: dict[tuple[str, str], Any] = field(default_factory=dict)
+    #: A run that a version before per-job transactional ids may have run: each task also
+    #: fences the transactional id such a version gave it (``_legacy_transactional_id``).
+    fence_legacy_ids: bool = False
 
 
 @dataclass
@@ -110,6 +114,31 @@ class _Output:
 
 def _ledger_group(config: RunConfig, task_id: str) -> str:
     return f"snapline-spark-{config.run_id}-{task_id}"
+
+
+def _transactional_id(job: str, task_id: str) -> str:
+    """The transactional id of a Spark task's Kafka output: every attempt of the task of this
+    job and run has it (a retry fences the earlier attempts), no other job's task has it."""
+    return f"snapline-spark-{job}-{task_id}"
+
+
+def _legacy_transactional_id(config: RunConfig, task_id: str) -> str:
+    """What versions before per-job ids used: the same for two jobs' runs of one run id, whose
+    tasks then fenced each other's transactions for as long as both ran."""
+    return f"snapline-spark-{config.run_id}-{task_id}"
+
+
+def _used_legacy_ids(storage: Any, job: str, run_id: str) -> bool:
+    """Whether attempts of run ``run_id`` may have run under a version with legacy
+    transactional ids: its recorded range does not say otherwise, or (a version before
+    recorded ranges) the run left records and no range."""
+    from snapline.pipeline.checkpoint.metadata import decode_checked
+
+    path = f"{job}/spark/{run_id}/_range.json"
+    if storage.exists(path):
+        body = decode_checked(storage.read_bytes(path), storage.full_path(path))
+        return bool(body.get("transactional_ids") != "job")
+    return bool(storage.list_dir(f"{job}/spark/{run_id}"))
 
 
 def run_stage_task(
@@ -164,12 +193,20 @@ def run_stage_task(
     )
     kafka: TransactionalOutput | None = TransactionalOutput(
         {**config.kafka_config, "client.id": task_id},
-        transactional_id=f"snapline-spark-{config.run_id}-{task_id}",
+        transactional_id=_transactional_id(pipeline.name, task_id),
     )
     try:
         # init_transactions first: it fences every earlier attempt of this task (an open
         # transaction of theirs is aborted, none can commit later), so the ledger read next
-        # is final.
+        # is final. An attempt of an older version had another id: fenced too, if there may
+        # have been one.
+        if config.fence_legacy_ids:
+            legacy = TransactionalOutput(
+                {**config.kafka_config, "client.id": task_id},
+                transactional_id=_legacy_transactional_id(config, task_id),
+            )
+            legacy.init()
+            legacy.close()
         assert kafka is not None
         kafka.init()
         (ledger_offset,) = ledger.committed([control], timeout=30)
@@ -420,9 +457,9 @@ def run_bounded(
         else:
             starts = _offsets(start, admin, probe, sources, latest=False)
         ends = _offsets(end, admin, probe, sources, latest=True)
-        starts, ends = _run_range(
-            CheckpointStorage(checkpoint_dir), pipeline.name, run_id, starts, ends, say
-        )
+        storage = CheckpointStorage(checkpoint_dir)
+        fence_legacy_ids = _used_legacy_ids(storage, pipeline.name, run_id)
+        starts, ends = _run_range(storage, pipeline.name, run_id, starts, ends, say)
     finally:
         probe.close()
     total = sum(max(0, ends[tp] - starts[tp]) for tp in ends)
@@ -441,6 +478,7 @@ def run_bounded(
         savepoint_in,
         stage_partitions,
         mapping,
+        fence_legacy_ids,
     )
     spark = spark_session(
         master,
@@ -626,6 +664,7 @@ def _run_range(
             {
                 "starts": [[t, p, o] for (t, p), o in sorted(starts.items())],
                 "ends": [[t, p, o] for (t, p), o in sorted(ends.items())],
+                "transactional_ids": "job",  # _transactional_id, not _legacy_transactional_id
             }
         ),
     )

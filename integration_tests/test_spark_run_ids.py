@@ -1,0 +1,80 @@
+"""Two jobs' `snapline spark run`s given one ``--run-id`` (a natural name such as ``backfill``)
+must not fence each other's Kafka transactions: the bounded runner's transactional id was
+``snapline-spark-<run>-<task>``, the same for every job, so a task's ``init_transactions``
+aborted the other job's open transaction (its task failed, and its retry fenced back). It is
+``snapline-spark-<job>-<task>`` now. Real broker, real PySpark (``local[1]``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+from confluent_kafka import Producer
+
+from examples.orders import create_topics, read_committed
+from snapline.pipeline.spark.bounded import _transactional_id
+from snapline.pipeline.stages import SOURCE_STAGE, task_id_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.slow]
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_two_jobs_spark_runs_with_one_run_id_do_not_fence_each_other(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    prefix = f"{unique_name}-"
+    create_topics(kafka_bootstrap, {f"{prefix}copy-in": 1, f"{prefix}copy-out": 1})
+    source = Producer({"bootstrap.servers": kafka_bootstrap})
+    for n in range(3):
+        source.produce(f"{prefix}copy-in", orjson.dumps({"n": n}))
+    source.flush(30)
+
+    # Job "<prefix>job-x"'s task of run "backfill" has its transaction open, output produced.
+    task = f"spark-backfill-{task_id_for(SOURCE_STAGE, 0)}"
+    other = Producer(
+        {
+            "bootstrap.servers": kafka_bootstrap,
+            "transactional.id": _transactional_id(f"{prefix}job-x", task),
+        }
+    )
+    other.init_transactions(30)
+    other.begin_transaction()
+    other.produce(f"{prefix}copy-out", orjson.dumps({"n": "other job"}))
+    other.flush(30)
+
+    # Job "<prefix>job" runs on Spark with the same run id, over the same input.
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snapline.pipeline.cli",
+            "spark",
+            "run",
+            "integration_tests.pipelines:named_copy",
+            "--run-id",
+            "backfill",
+            "--master",
+            "local[1]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "SNAPLINE_TEST_PREFIX": prefix,
+            "SNAPLINE_BOOTSTRAP_SERVERS": kafka_bootstrap,
+            "SNAPLINE_CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
+        },
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    # The other job's transaction was left alone: it commits (fenced, this raised _FENCED).
+    other.commit_transaction(30)
+    outputs = read_committed(kafka_bootstrap, f"{prefix}copy-out", 4, timeout=60, settle=2)
+    assert sorted(str(o["n"]) for o in outputs) == ["0", "1", "2", "other job"]
