@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from examples.orders import verify_totals
+from examples.orders import read_committed, verify_totals
 from integration_tests.warehouse_job import (
     SPEC,
     WarehouseJob,
@@ -158,6 +158,37 @@ def test_savepoint_of_a_running_job_then_crash_and_restart_from_it(
     assert job.database() == {
         c: (t, Counter(r["customer"] for r in rows)[c]) for c, t in job.expected.items()
     }, "PostgreSQL"
+    job.stop_all()
+
+
+def test_a_restore_publishes_what_a_committed_checkpoint_staged_and_no_worker_published(
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list[Any]
+) -> None:
+    """The worker dies between Kafka's commit and the sinks' publish (SIGKILL at
+    ``after_kafka_commit``) and the job is left stopped; then ``savepoint from-checkpoint``
+    and ``run --from-savepoint`` (as for a rescale). The seeded checkpoint lists no staged
+    output, so its recovery discarded that checkpoint's Parquet files and PostgreSQL rows as
+    never committed, while Kafka held their orders' outputs. The restore now publishes them
+    first, as the worker's restart would have."""
+    job = WarehouseJob(
+        kafka_bootstrap, unique_name, tmp_path, postgres_dsn, partitions=2, workers=1
+    )
+    jobs.append(job)
+    job.produce(3_000)
+    worker = job.workers[0]
+    worker.start(extra_env={"SNAPLINE_FAULT": "after_kafka_commit:1"})
+    assert worker.proc is not None
+    assert worker.proc.wait(120) == -9, worker.tail()  # start-up and one checkpoint
+    committed = read_committed(kafka_bootstrap, job.totals_topic, 1, timeout=30, settle=2)
+    assert committed, "the killed checkpoint committed nothing to Kafka"
+    files = [f.relative_to(job.table) for f in job.table.rglob("*.parquet")]
+    published = [f for f in files if not f.parts[0].startswith("_")]
+    staged = [f for f in files if f.parts[0] == "_staging"]
+    assert staged and not published, f"nothing left unpublished to check: {published}"
+    path = snapline(job, "savepoint", "from-checkpoint", SPEC)
+    start_from_savepoint(job, path, 2)
+    job.produce(1_000)
+    job.verify()  # every order once in Kafka, Parquet and PostgreSQL
     job.stop_all()
 
 

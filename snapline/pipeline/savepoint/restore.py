@@ -62,7 +62,13 @@ from snapline.pipeline.runtime.topics import (
     refused_config,
     without_event_time_config,
 )
-from snapline.pipeline.savepoint.export import JobTask, job_tasks, wait_until_stopped
+from snapline.pipeline.savepoint.export import (
+    JobTask,
+    committed_offsets,
+    job_tasks,
+    named_checkpoint,
+    wait_until_stopped,
+)
 from snapline.pipeline.savepoint.format import (
     OperatorState,
     SavepointFile,
@@ -71,12 +77,14 @@ from snapline.pipeline.savepoint.format import (
     read_table,
 )
 from snapline.pipeline.savepoint.pool import pool_size, run_jobs, scratch_options
+from snapline.pipeline.sink import SinkContext
 from snapline.pipeline.stages import SOURCE_STAGE, Repartition, repartition_partition
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.backend import StateHandle
 from snapline.pipeline.state.columns import build_stored_keys
 from snapline.pipeline.state.compat import incompatibility
 from snapline.pipeline.state.descriptors import StateDescriptor
+from snapline.sinks.kafka import KafkaSink
 
 log = logging.getLogger(__name__)
 
@@ -363,6 +371,7 @@ def _seed(
                 f"the job {pipeline.name!r} started while its savepoint was being restored "
                 f"({members} members in its consumer group); stop it and restore again"
             )
+        _publish_committed_sinks(pipeline, kafka_config, storage, admin)
         for rep in plan.repartitions.values():
             _recreate_topic(admin, rep.topic, partitions[rep.topic], INTERNAL_TOPIC_CONFIG)
         _produce_in_flight(pipeline, kafka_config, flight_copies, flights, partitions)
@@ -420,6 +429,77 @@ def _seed(
         len(offsets),
     )
     return checkpoint_id
+
+
+def _publish_committed_sinks(
+    pipeline: Pipeline, kafka_config: dict[str, Any], storage: CheckpointStorage, admin: Any
+) -> None:
+    """Publish what the job's committed checkpoints staged in its sinks (Parquet files,
+    PostgreSQL rows) and no worker published: one died between Kafka's commit and the sinks'
+    publish, and the job was then left stopped. A restarted worker would publish it; the
+    seeded checkpoint lists no staged output, so its recovery would discard it as never
+    committed, and Kafka would hold records the table and the database never get.
+
+    Each task's committed checkpoint is the one Kafka's offsets name (read here, before the
+    restore deletes them); its sinks recover it as a worker's recovery does. The job is
+    stopped (checked by the caller)."""
+    plan = pipeline.stages()
+    nodes = {n.id: n for n in pipeline.nodes}
+    sinks = {
+        stage.index: [
+            nodes[i].fn
+            for i in sorted(stage.node_ids)
+            if nodes[i].kind == "sink" and not isinstance(nodes[i].fn, KafkaSink)
+        ]
+        for stage in plan.stages
+    }
+    if not any(sinks.values()):
+        return
+    inputs = plan.input_topics(pipeline.source_topics())
+    try:
+        listed = admin.list_topics(timeout=30).topics
+    except KafkaException as exc:
+        raise CheckpointError(f"cannot read the job's topics: {exc}") from exc
+    # A repartition topic that does not exist yet (a stage new in this code) has no
+    # committed checkpoint: its tasks are left out.
+    tasks = job_tasks(
+        pipeline, {t: len(listed[t].partitions) if t in listed else 0 for t in inputs}
+    )
+    tasks = [t for t in tasks if sinks.get(t.stage)]
+    committed = committed_offsets(
+        kafka_config, pipeline.name, [tp for t in tasks for tp in t.inputs]
+    )
+
+    def refuse(record: Any, reason: str, epoch: int) -> None:
+        raise CheckpointError(f"a sink's recovery sent a record to the dead letters: {reason}")
+
+    for task in tasks:
+        ref = named_checkpoint(task, [committed[tp] for tp in task.inputs])
+        if ref is None:
+            continue
+        meta = TaskCheckpoint.read(storage, pipeline.name, task.task_id, ref)
+        for sink in sinks[task.stage]:
+            if not meta.sinks.get(sink.name):
+                continue
+            context = SinkContext(
+                pipeline.name,
+                task.task_id,
+                departed.SEEDED,
+                sink.name,
+                None,  # type: ignore[arg-type]  # a staging sink's recovery produces nothing
+                refuse,
+            )
+            writer = sink.open(context)
+            try:
+                writer.recover(ref.checkpoint_id, meta.sinks[sink.name])
+            finally:
+                writer.close()
+            log.info(
+                "published what checkpoint %d of task %s staged in sink %s",
+                ref.checkpoint_id,
+                task.task_id,
+                sink.name,
+            )
 
 
 def _clock(
