@@ -23,7 +23,7 @@ from confluent_kafka.admin import AdminClient
 
 from examples.orders import produce_orders
 from examples.workers import WorkerProcess, process_state, read_events
-from integration_tests.warehouse_job import SPEC, WarehouseJob, wait_for
+from integration_tests.warehouse_job import SPEC, WarehouseJob, snapline, wait_for
 from snapline import LocalKafkaBroker
 from snapline.pipeline.checkpoint.metadata import (
     TaskCheckpoint,
@@ -482,3 +482,82 @@ def test_offsets_behind_an_acknowledged_checkpoint_are_reported(
         assert newest.checkpoint_id in event["acknowledged"], event
         assert f"task {task} restored from checkpoint {older.checkpoint_id} " in tail, tail
     assert worker.stop() == 0
+
+
+def test_a_zombie_woken_after_a_savepoint_restore_deletes_no_record_of_the_new_topics(
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list
+) -> None:
+    """A worker deletes the repartition records below its committed positions. One frozen at
+    ``after_kafka_commit`` past its session timeout is no member of the group, so the job
+    counts as stopped: a savepoint is made from its checkpoints and restored, which creates
+    the repartition topics again, and the restored job runs on. When the zombie woke, it
+    deleted the records of the new topics below its old offsets, records the new job had not
+    necessarily read. Now it deletes only in the topics it started with. The new job keeps
+    every repartition record (SNAPLINE_TEST_KEEP_REPARTITION_RECORDS), so any record deleted
+    from the new topics is the zombie's doing."""
+    job = WarehouseJob(
+        kafka_bootstrap,
+        unique_name,
+        tmp_path,
+        postgres_dsn,
+        interval=0.3,
+        retained=1,
+        keyed_by_order=True,
+        extra_env={"SNAPLINE_EXAMPLE_STAGES": "2"},
+    )
+    jobs.append(job)
+    zombie, restored = job.workers
+    topic = f"{job.name}.by-customer.repartition"
+    zombie.start()
+    job.produce(3000)
+    job.wait_until_caught_up()
+    assert zombie.stop() == 0, zombie.tail()
+    # Restarted from its committed positions (~1,500 records per repartition partition), it
+    # freezes at its first commit, with those positions to delete below once it goes on.
+    zombie.start({"SNAPLINE_FAULT": "after_kafka_commit:1:stop"})
+    job.produce(200)
+    assert zombie.proc is not None
+    wait_for(
+        "the zombie frozen after a commit",
+        lambda: process_state(zombie.proc.pid) == "T",  # type: ignore[union-attr]
+        90,
+        job.logs,
+    )
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+
+    def members() -> int:
+        group = admin.describe_consumer_groups([job.name], request_timeout=10)[job.name]
+        return len(group.result(timeout=15).members)
+
+    wait_for("the zombie's session timing out (10 s)", lambda: members() == 0, 60, job.logs)
+    path = snapline(job, "savepoint", "from-checkpoint", SPEC)
+    restored.start({"SNAPLINE_TEST_KEEP_REPARTITION_RECORDS": "1"}, ["--from-savepoint", path])
+    job.produce(6000)  # the new topics' offsets pass the zombie's old ones
+    job.wait_until_caught_up()
+    consumer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"v-{unique_name}"})
+    try:
+        partitions = range(len(consumer.list_topics(topic, timeout=10).topics[topic].partitions))
+
+        def lows() -> list[int]:
+            return [
+                consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[0]
+                for p in partitions
+            ]
+
+        assert lows() == [0] * len(partitions)
+        zombie.signal(signal.SIGCONT)
+        # It goes on from the commit, and its deletion is due (frozen longer than the 5 s
+        # between two): it deletes in the new topics, or says why it does not.
+        wait_for(
+            "the woken zombie deleting records, or refusing to",
+            lambda: "created again" in zombie.log_path.read_text() or any(lows()),
+            60,
+            job.logs,
+        )
+        time.sleep(2)  # a deletion sent in the background reaches the broker
+        assert lows() == [0] * len(partitions), f"new topics cut at {lows()}\n{zombie.tail(100)}"
+    finally:
+        consumer.close()
+    zombie.kill()
+    job.verify()
+    job.stop_all()

@@ -57,6 +57,7 @@ from confluent_kafka import (
     IsolationLevel,
     KafkaError,
     KafkaException,
+    TopicCollection,
     TopicPartition,
 )
 from confluent_kafka.admin import AdminClient, OffsetSpec
@@ -260,6 +261,11 @@ class Worker:
         self._repartition_positions: dict[str, list[dict[tuple[str, int], int]]] = {}
         self._last_delete = time.monotonic()
         self._admin: AdminClient | None = None
+        #: The repartition topics' ids when this worker started: the positions above are
+        #: offsets of those topics, not of a topic a savepoint restore created since.
+        self._repartition_topic_ids = self._topic_ids(
+            [rep.topic for rep in self.plan.repartitions.values()]
+        )
         # Tests that read a repartition topic back whole keep every record.
         self._keep_repartition_records = bool(
             os.environ.get("SNAPLINE_TEST_KEEP_REPARTITION_RECORDS")
@@ -934,15 +940,66 @@ class Worker:
                 below += [TopicPartition(t, p, o) for (t, p), o in history[0].items() if o > 0]
         if not below:
             return
+        # Only in the topics this worker's positions are offsets of: a worker frozen past its
+        # session while a savepoint restore recreated them would delete the new topics' unread
+        # records. The ids are asked first (in the background too), then the records deleted.
+        by_topic: dict[str, list[TopicPartition]] = {}
+        for tp in below:
+            by_topic.setdefault(tp.topic, []).append(tp)
         try:
-            futures = self._background_admin().delete_records(
-                below, request_timeout=10, operation_timeout=0
+            described = self._background_admin().describe_topics(
+                TopicCollection(sorted(by_topic)), request_timeout=10
             )
         except (KafkaException, ValueError) as exc:
             log.warning("deleting consumed repartition records: %s", exc)
             return
-        for tp, future in futures.items():
-            future.add_done_callback(_log_delete_failure(tp))
+        for topic, future in described.items():
+            future.add_done_callback(self._delete_in_same_topic(topic, by_topic[topic]))
+
+    def _topic_ids(self, topics: list[str]) -> dict[str, str]:
+        """Topic name -> its id (a new id each time a topic is created); topics whose id
+        Kafka did not give are left out, and get the id seen first when records are deleted."""
+        if not topics:
+            return {}
+        try:
+            futures = self._background_admin().describe_topics(
+                TopicCollection(topics), request_timeout=10
+            )
+            return {t: str(f.result(timeout=15).topic_id) for t, f in futures.items()}
+        except Exception as exc:
+            log.warning("could not read the repartition topics' ids: %s", exc)
+            return {}
+
+    def _delete_in_same_topic(self, topic: str, below: list[TopicPartition]) -> Any:
+        """Callback of ``describe_topics`` (a librdkafka thread): delete the records below
+        ``below`` if ``topic`` is still the one this worker started with."""
+
+        def done(future: Any) -> None:
+            try:
+                found = str(future.result().topic_id)
+            except Exception as exc:
+                log.info("deleting consumed records of %s: %s", topic, exc)
+                return
+            known = self._repartition_topic_ids.setdefault(topic, found)
+            if found != known:
+                log.warning(
+                    "repartition topic %s was created again since this worker started (a "
+                    "savepoint restore while it was frozen?): none of its records are "
+                    "deleted by this worker, whose positions are offsets of the old topic",
+                    topic,
+                )
+                return
+            try:
+                futures = self._background_admin().delete_records(
+                    below, request_timeout=10, operation_timeout=0
+                )
+            except (KafkaException, ValueError) as exc:
+                log.warning("deleting consumed repartition records: %s", exc)
+                return
+            for tp, deleted in futures.items():
+                deleted.add_done_callback(_log_delete_failure(tp))
+
+        return done
 
     def _background_admin(self) -> AdminClient:
         """The worker's long-lived admin client, for requests answered in the background."""
