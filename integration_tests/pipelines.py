@@ -234,3 +234,18 @@ def named_copy() -> Pipeline:
     )
     pipeline.source(KafkaSource(f"{PREFIX}copy-in")).sink(KafkaSink(f"{PREFIX}copy-out"))
     return pipeline
+
+
+def named_rekey() -> Pipeline:
+    """Orders re-keyed by ``n`` through ``key_by(name=$SNAPLINE_TEST_KEY_BY)`` (default
+    ``by-n``) to ``<prefix>copy-out``, as job ``$SNAPLINE_TEST_JOB`` (default ``<prefix>job``):
+    two jobs whose repartition topics may have one name."""
+    pipeline = Pipeline(
+        os.environ.get("SNAPLINE_TEST_JOB", f"{PREFIX}job"), checkpoint_interval=0.3
+    )
+    (
+        pipeline.source(KafkaSource(f"{PREFIX}copy-in", value_format="json"))
+        .key_by(lambda v: v["n"], name=os.environ.get("SNAPLINE_TEST_KEY_BY", "by-n"))
+        .sink(KafkaSink(f"{PREFIX}copy-out", value_format="json"))
+    )
+    return pipeline

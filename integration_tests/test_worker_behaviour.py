@@ -571,6 +571,54 @@ def test_a_worker_whose_transactional_id_a_running_worker_of_another_job_has_is_
         assert first.stop() == 0, first.tail()
 
 
+def test_a_job_whose_repartition_topic_another_job_reads_is_refused(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """Job ``<p>job`` with ``key_by(name="eu.by-n")`` and job ``<p>job.eu`` with
+    ``key_by(name="by-n")`` both have the repartition topic ``<p>job.eu.by-n.repartition``:
+    each deleted the records below its own positions there, the other's unread ones included,
+    and read the other's records. The second one started is refused at start (exit 78)
+    naming the first, whose group has offsets in the topic; the first runs on."""
+    prefix = f"{unique_name}-"
+    create_topics(kafka_bootstrap, {f"{prefix}copy-in": 1, f"{prefix}copy-out": 1})
+    spec = "integration_tests.pipelines:named_rekey"
+    first = WorkerProcess(
+        spec,
+        "w0",
+        kafka_bootstrap,
+        tmp_path / "chk-first",
+        tmp_path,
+        {"SNAPLINE_TEST_PREFIX": prefix, "SNAPLINE_TEST_KEY_BY": "eu.by-n"},
+    )
+    second = WorkerProcess(
+        spec,
+        "w1",
+        kafka_bootstrap,
+        tmp_path / "chk-second",
+        tmp_path,
+        {"SNAPLINE_TEST_PREFIX": prefix, "SNAPLINE_TEST_JOB": f"{prefix}job.eu"},
+    )
+    first.start()
+    try:
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})
+        producer.produce(f"{prefix}copy-in", orjson.dumps({"n": 1}))
+        producer.flush(30)
+        # Its output shows the keyed stage read the repartition topic and committed.
+        assert read_committed(kafka_bootstrap, f"{prefix}copy-out", 1, timeout=60, settle=0)
+        second.start()
+        assert second.wait_exit(60) == 78, second.tail()
+        log = second.log_path.read_text(errors="replace")
+        topic = f"{prefix}job.eu.by-n.repartition"
+        assert f"repartition topic '{topic}'" in log and f"job '{prefix}job'" in log, log[-3000:]
+        producer.produce(f"{prefix}copy-in", orjson.dumps({"n": 2}))
+        producer.flush(30)
+        outputs = read_committed(kafka_bootstrap, f"{prefix}copy-out", 2, timeout=60, settle=1)
+        assert sorted(o["n"] for o in outputs) == [1, 2]
+    finally:
+        second.kill()
+        assert first.stop() == 0, first.tail()
+
+
 def test_two_jobs_started_together_with_one_transactional_id_end_with_one_running(
     kafka_bootstrap: str, tmp_path: Path, unique_name: str
 ) -> None:

@@ -174,3 +174,15 @@ def test_a_producer_limit_set_above_a_topics_limit_fails_at_start_with_the_fix()
     assert f"at most {1_048_588 - BATCH_OVERHEAD}" in message and "raise the topic" in message
     with pytest.raises(ConfigurationError, match="raise the topic's max.message.bytes"):
         producer_size_limits({}, "tiny", 1_000)
+
+
+def test_a_repartition_topic_name_is_read_as_every_other_jobs_it_may_be() -> None:
+    """``<job>.<name>.repartition`` is ambiguous when the job or the key_by name has a '.'."""
+    from snapline.pipeline.runtime.topics import repartition_namesakes
+
+    topic = "orders.eu.by-customer.repartition"
+    assert repartition_namesakes("orders", topic) == ["orders.eu"]
+    assert repartition_namesakes("orders.eu", topic) == ["orders"]
+    assert repartition_namesakes("orders", "orders.by-customer.repartition") == []
+    assert repartition_namesakes("a", "a.b.c.repartition") == ["a.b"]
+    assert repartition_namesakes("a", "a.dead-letter") == []

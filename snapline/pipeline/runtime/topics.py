@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import ConsumerGroupTopicPartitions, KafkaError, KafkaException
 from confluent_kafka.admin import (
     AdminClient,
     AlterConfigOpType,
@@ -68,6 +68,60 @@ INTERNAL_TOPIC_CONFIG = {
     "segment.ms": str(10 * 60 * 1000),
     **EVENT_TIME_CONFIG,
 }
+
+
+#: A job name (``Pipeline``'s rule), for the other readings of a repartition topic's name.
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,100}")
+_REPARTITION_SUFFIX = ".repartition"
+
+
+def repartition_namesakes(job: str, topic: str) -> list[str]:
+    """The other jobs whose repartition topic ``topic`` may be: ``<job>.<name>.repartition``
+    read at another '.' (job ``orders`` with ``key_by(name="eu.by-customer")`` and job
+    ``orders.eu`` with ``key_by(name="by-customer")`` both have
+    ``orders.eu.by-customer.repartition``)."""
+    if not topic.endswith(_REPARTITION_SUFFIX):
+        return []
+    base = topic[: -len(_REPARTITION_SUFFIX)]
+    return [
+        base[:i]
+        for i, char in enumerate(base)
+        if char == "." and i != len(job) and _JOB_NAME.fullmatch(base[:i])
+    ]
+
+
+def check_repartition_owners(kafka_config: dict[str, Any], pipeline: Pipeline) -> None:
+    """Refuse (ConfigurationError) a job whose repartition topic another job reads: that job's
+    group has committed offsets in it. Each job would delete the records below its own
+    positions, the other's unread ones included, and read the other's records; a savepoint
+    restore of either would recreate the topic under the other."""
+    topics = [rep.topic for rep in pipeline.stages().repartitions.values()]
+    candidates = {t: repartition_namesakes(pipeline.name, t) for t in topics}
+    groups = sorted({g for found in candidates.values() for g in found})
+    if not groups:
+        return
+    admin = AdminClient(kafka_config)
+    try:
+        offsets = {}
+        for group in groups:  # one group per request (the client's limit)
+            futures = admin.list_consumer_group_offsets(
+                [ConsumerGroupTopicPartitions(group)], request_timeout=30
+            )
+            offsets[group] = futures[group].result(timeout=35)
+    except Exception as exc:  # a courtesy check, as the transactional-id one
+        log.warning(
+            "could not check whether another job reads this job's repartition topics: %s", exc
+        )
+        return
+    for topic, others in candidates.items():
+        for other in others:
+            if any(tp.topic == topic and tp.offset >= 0 for tp in offsets[other].topic_partitions):
+                raise ConfigurationError(
+                    f"repartition topic {topic!r} of job {pipeline.name!r} is also job "
+                    f"{other!r}'s (its consumer group has offsets in it): each would delete "
+                    "and read the other's records. Rename a key_by (key_by(..., name=...)) or "
+                    "a job so that neither reads as the other's name, '.' and a key_by name"
+                )
 
 
 def without_event_time_config(config: Mapping[str, str]) -> dict[str, str]:

@@ -271,6 +271,9 @@ class Worker:
             os.environ.get("SNAPLINE_TEST_KEEP_REPARTITION_RECORDS")
         )
         self.cluster_id = self._check_identity()
+        from snapline.pipeline.runtime.topics import check_repartition_owners
+
+        check_repartition_owners(kafka_config, pipeline)
         if pipeline.exactly_once:
             departed.check_no_namesake(kafka_config, pipeline.name, settings.worker_id)
             self.faults.point("after_namesake_check")

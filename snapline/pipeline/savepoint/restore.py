@@ -58,6 +58,7 @@ from snapline.pipeline.runtime import departed
 from snapline.pipeline.runtime.topics import (
     INTERNAL_TOPIC_CONFIG,
     TopicManager,
+    check_repartition_owners,
     pipeline_topics,
     refused_config,
     without_event_time_config,
@@ -262,6 +263,7 @@ def _seed(
             f"the job {pipeline.name!r} is running ({members} members in its consumer group); "
             "stop it before restoring a savepoint (snapline savepoint create --stop does both)"
         )
+    check_repartition_owners(kafka_config, pipeline)  # it recreates them
     plan = pipeline.stages()
     topic_plan = TopicManager(kafka_config, where).ensure(
         [
