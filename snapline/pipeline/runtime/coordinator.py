@@ -17,6 +17,7 @@ from typing import Any
 
 from snapline.pipeline.background import SHUTDOWN_BOUND, BackgroundJobs
 from snapline.pipeline.checkpoint.metadata import (
+    METADATA_FILE,
     CheckpointRef,
     TaskCheckpoint,
     is_marked_committed,
@@ -248,11 +249,14 @@ class CheckpointCoordinator:
                 for r in list_checkpoints(self.storage, self.job, task_id)
                 if r.checkpoint_id <= committed.checkpoint_id
             ]
+            # A mark without metadata is no checkpoint: a zombie's late mark of one that
+            # retention had deleted. It is not retained in place of a real one (deleted below).
             older = [
                 r
                 for r in refs
                 if r.checkpoint_id < committed.checkpoint_id
                 and is_marked_committed(self.storage, self.job, task_id, r)
+                and self.storage.exists(f"{r.directory(self.job, task_id)}/{METADATA_FILE}")
             ]
             retained = set(older[-(keep - 1) :] if keep > 1 else []) | {committed}
             for ref in refs:
