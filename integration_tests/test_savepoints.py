@@ -8,6 +8,7 @@ check every sink: a read_committed consumer, pyarrow on the Parquet table, SQL.
 from __future__ import annotations
 
 import random
+import signal
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from examples.orders import read_committed, verify_totals
+from examples.workers import process_state
 from integration_tests.warehouse_job import (
     SPEC,
     WarehouseJob,
@@ -189,6 +191,63 @@ def test_a_restore_publishes_what_a_committed_checkpoint_staged_and_no_worker_pu
     start_from_savepoint(job, path, 2)
     job.produce(1_000)
     job.verify()  # every order once in Kafka, Parquet and PostgreSQL
+    job.stop_all()
+
+
+def test_workers_started_from_one_savepoint_at_once_restore_it_once(
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list[Any]
+) -> None:
+    """Both workers start with the same --from-savepoint at the same moment (a deployment's
+    replicas). Each recreated the repartition topics and wrote the records in flight back:
+    twice, or one's copy deleted after the other's checkpoints named it. Now one restores
+    while the other waits for it, then continues from the job's checkpoints. The overlap is
+    forced: the first restore is frozen (SIGSTOP) while the second starts."""
+    job = WarehouseJob(
+        kafka_bootstrap,
+        unique_name,
+        tmp_path,
+        postgres_dsn,
+        partitions=2,
+        interval=0.3,
+        keyed_by_order=True,
+        # A slow running total, so the savepoint surely finds records in flight.
+        extra_env={"SNAPLINE_EXAMPLE_STAGES": "2", "SNAPLINE_EXAMPLE_VARIANT": "slow"},
+    )
+    jobs.append(job)
+    for worker in job.workers:
+        worker.start()
+    job.produce(10_000)
+    wait_running(job)
+    job.produce(10_000)
+    path = snapline(job, "savepoint", "create", SPEC, "--stop")
+    for worker in job.workers:
+        assert worker.wait_exit(60) == 0, worker.tail()
+    assert _in_flight_orders(path), "no record in flight at the savepoint: nothing to check"
+    for worker in job.workers:
+        worker.env["SNAPLINE_EXAMPLE_VARIANT"] = ""
+    first, second = job.workers
+    # The first restore freezes after its checks, before it changes Kafka; the second starts.
+    first.start(
+        {"SNAPLINE_FAULT": "restore_before_kafka_changes:1:stop"}, ["--from-savepoint", path]
+    )
+    assert first.proc is not None
+    wait_for(
+        "the first restore frozen before changing Kafka",
+        lambda: process_state(first.proc.pid) == "T",  # type: ignore[union-attr]
+        120,
+        job.logs,
+    )
+    second.start(extra_args=["--from-savepoint", path])
+    # Less than the lock's session (10 s), so the first keeps it: the second must wait. (It
+    # restored the job meanwhile before, and the first then did it again.)
+    deadline = time.monotonic() + 7
+    while time.monotonic() < deadline and "restored job " not in second.log_path.read_text():
+        time.sleep(0.2)
+    first.signal(signal.SIGCONT)
+    job.produce(2_000)
+    job.verify()  # every order once in Kafka, Parquet and PostgreSQL
+    restores = sum(w.log_path.read_text().count("restored job ") for w in job.workers)
+    assert restores == 1, job.logs()
     job.stop_all()
 
 

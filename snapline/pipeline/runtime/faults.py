@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 KILL_POINTS = (
     "after_namesake_check",  # start: no other job's worker has this transactional id
+    "restore_before_kafka_changes",  # a savepoint restore: checks done, Kafka not changed yet
     "after_offsets_read",  # recovery read the committed offsets, restored nothing yet
     "after_repartition_produce",  # an epoch's repartition records produced, not committed
     "sync_snapshot",  # right after the synchronous part of a task's snapshot

@@ -255,6 +255,7 @@ class Worker:
         self._repartitioned = {rep.topic for rep in self.plan.repartitions.values()}
         #: Partitions per topic the job reads or writes (the topic plan at start), and the
         #: producer settings that keep its batches within the output topics' size limit.
+        self._wait_for_restore()
         self._topic_partitions, producer_limits = self._check_topics()
         #: Repartition-topic positions of the last committed checkpoints, per task: records
         #: below the oldest retained one are dead (``_delete_consumed_records``).
@@ -363,6 +364,34 @@ class Worker:
             "partition.assignment.strategy": "range",
             "auto.offset.reset": "latest" if starts == {"latest"} else "earliest",
         }
+
+    def _wait_for_restore(self) -> None:
+        """Wait while a savepoint restore of this job runs (on any host): it recreates the
+        repartition topics and resets the job's offsets, which a worker must not use
+        half-done. Says so every 30 s; a failed check lets the worker go on (the restore
+        refuses to go on once the job's group has members)."""
+        from snapline.pipeline.savepoint.restore import restore_group
+
+        group = restore_group(self.pipeline.name)
+        admin = AdminClient(self._kafka_config)
+        started = said = time.monotonic()
+        while True:
+            try:
+                future = admin.describe_consumer_groups([group], request_timeout=10)[group]
+                members = future.result(timeout=15).members
+            except Exception as exc:
+                log.warning("could not check for a savepoint restore of this job: %s", exc)
+                return
+            if not members:
+                return
+            if time.monotonic() - said >= 30:
+                said = time.monotonic()
+                log.info(
+                    "waiting %.0f s for the savepoint restore of job %s to end",
+                    said - started,
+                    self.pipeline.name,
+                )
+            time.sleep(1.0)
 
     def _check_topics(self) -> tuple[dict[str, int], dict[str, int]]:
         """Fail at start, naming the fix, when a source topic is missing or the sources are

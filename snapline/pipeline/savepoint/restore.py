@@ -55,6 +55,7 @@ from snapline.pipeline.errors import CheckpointError, ConfigurationError
 from snapline.pipeline.graph import Pipeline
 from snapline.pipeline.keygroups import key_group_range, operator_index_for_key_group
 from snapline.pipeline.runtime import departed
+from snapline.pipeline.runtime.faults import FaultInjector
 from snapline.pipeline.runtime.topics import (
     INTERNAL_TOPIC_CONFIG,
     TopicManager,
@@ -204,7 +205,11 @@ def seed_from_savepoint(
     # The records in flight are copied here, checksum verified, before Kafka is changed: once
     # the repartition topics are recreated, nothing may depend on the savepoint's storage.
     flight_dir = tempfile.mkdtemp(prefix="snapline-restore-in-flight-")
+    # One restore of a job at a time: a worker on another host started with the same
+    # --from-savepoint waits here, then finds the job restored (the marker) and goes on.
+    lock = RestoreLock(kafka_config, pipeline.name)
     try:
+        lock.acquire()
         return _seed(
             pipeline,
             kafka_config,
@@ -213,9 +218,87 @@ def seed_from_savepoint(
             allow_non_restored,
             progress,
             CheckpointStorage(flight_dir),
+            lock,
         )
     finally:
+        lock.release()
         shutil.rmtree(flight_dir, ignore_errors=True)
+
+
+def restore_group(job: str) -> str:
+    """The consumer group whose one member a restore of ``job`` is while it runs (a '/' no
+    job name has: it is no job's group)."""
+    return f"{job}/restore"
+
+
+class RestoreLock:
+    """Held by the member of consumer group ``<job>/restore`` that Kafka assigns the job's
+    control partition: one restore of a job at a time, across hosts. Two restores at once
+    both recreated the repartition topics and wrote the records in flight back, one after
+    the other: twice, or the first one's deleted after its checkpoints named them.
+
+    A holder that dies or freezes past ``SESSION_MS`` loses it to the next; ``check`` before
+    each change to Kafka stops a woken one (a rebalance took the partition away)."""
+
+    SESSION_MS = 10_000
+    #: How often a waiting restore says what it waits for (seconds).
+    SAY_EVERY = 30.0
+
+    def __init__(self, kafka_config: dict[str, Any], job: str) -> None:
+        self.job = job
+        self._kafka_config = kafka_config
+        self._config = {
+            **kafka_config,
+            "group.id": restore_group(job),
+            "enable.auto.commit": False,
+            "auto.offset.reset": "latest",
+            "session.timeout.ms": self.SESSION_MS,
+            # A restore loads state for minutes without polling; the membership is kept by
+            # librdkafka's heartbeats meanwhile.
+            "max.poll.interval.ms": 24 * 3600 * 1000,
+        }
+        self._consumer: Consumer | None = None
+
+    def acquire(self) -> None:
+        """Wait until this process holds the lock (as long as another restore of the job
+        runs; it says so every SAY_EVERY s)."""
+        from snapline.pipeline.savepoint.control import control_topic, ensure_control_topic
+
+        ensure_control_topic(self._kafka_config, self.job)
+        self._consumer = Consumer(self._config)
+        self._consumer.subscribe([control_topic(self.job)])
+        started = said = time.monotonic()
+        while not self._held():
+            if time.monotonic() - said >= self.SAY_EVERY:
+                said = time.monotonic()
+                log.info(
+                    "waiting %.0f s for the restore of job %s that another process runs",
+                    said - started,
+                    self.job,
+                )
+
+    def _held(self) -> bool:
+        assert self._consumer is not None
+        self._consumer.poll(0.2)  # serves the group's rebalance callbacks
+        return bool(self._consumer.assignment())
+
+    def check(self) -> None:
+        """Raise CheckpointError when the lock was lost (this process froze past its session
+        and another restore took over)."""
+        if self._consumer is not None and not self._held():
+            raise CheckpointError(
+                f"the restore of job {self.job} lost its lock (stalled longer than "
+                f"{self.SESSION_MS / 1000:.0f} s?) to another restore; it stops before "
+                "changing anything more"
+            )
+
+    def release(self) -> None:
+        if self._consumer is not None:
+            consumer, self._consumer = self._consumer, None
+            try:
+                consumer.close()  # leaves the group: a waiting restore takes over at once
+            except KafkaException as exc:
+                log.warning("restore lock: %s", exc)
 
 
 def _seed(
@@ -226,6 +309,7 @@ def _seed(
     allow_non_restored: bool,
     progress: Callable[[str, int, int], None] | None,
     flight_copies: CheckpointStorage,
+    lock: RestoreLock,
 ) -> int | None:
     where = str(kafka_config.get("bootstrap.servers"))
     pipeline.validate()
@@ -373,7 +457,10 @@ def _seed(
                 f"the job {pipeline.name!r} started while its savepoint was being restored "
                 f"({members} members in its consumer group); stop it and restore again"
             )
+        FaultInjector().point("restore_before_kafka_changes")
+        lock.check()
         _publish_committed_sinks(pipeline, kafka_config, storage, admin)
+        lock.check()
         for rep in plan.repartitions.values():
             _recreate_topic(admin, rep.topic, partitions[rep.topic], INTERNAL_TOPIC_CONFIG)
         _produce_in_flight(pipeline, kafka_config, flight_copies, flights, partitions)
@@ -400,6 +487,7 @@ def _seed(
         shutil.rmtree(scratch, ignore_errors=True)
     # Offsets committed after the savepoint (the job ran on) must not survive: the group is
     # empty (checked above), so it is deleted and its offsets committed anew.
+    lock.check()
     try:
         admin.delete_consumer_groups([pipeline.name], request_timeout=30)[pipeline.name].result(
             timeout=35
