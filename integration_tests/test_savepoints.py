@@ -194,6 +194,35 @@ def test_a_restore_publishes_what_a_committed_checkpoint_staged_and_no_worker_pu
     job.stop_all()
 
 
+def test_a_savepoint_restores_into_code_with_one_more_stage(
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list[Any]
+) -> None:
+    """The new code re-keys once more before the running total (2 stages -> 3): the task
+    reading by-customer was s1-p*, it is s2-p* now. The restore reads the old job's committed
+    checkpoints by the old layout (to publish what their sinks staged), not the new one's."""
+    job = WarehouseJob(
+        kafka_bootstrap,
+        unique_name,
+        tmp_path,
+        postgres_dsn,
+        partitions=2,
+        workers=1,
+        keyed_by_order=True,
+        extra_env={"SNAPLINE_EXAMPLE_STAGES": "2"},
+    )
+    jobs.append(job)
+    job.workers[0].start()
+    job.produce(4_000)
+    job.wait_until_caught_up()
+    path = snapline(job, "savepoint", "create", SPEC, "--stop")
+    assert job.workers[0].wait_exit(60) == 0, job.workers[0].tail()
+    job.workers[0].env["SNAPLINE_EXAMPLE_STAGES"] = "3"
+    start_from_savepoint(job, path, 2)
+    job.produce(2_000)
+    job.verify()
+    job.stop_all()
+
+
 def test_workers_started_from_one_savepoint_at_once_restore_it_once(
     kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list[Any]
 ) -> None:

@@ -37,10 +37,18 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import (
+    Consumer,
+    ConsumerGroupTopicPartitions,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from snapline.connectors.config import redact_text
+from snapline.pipeline.checkpoint.metadata import METADATA_FILE as CHECKPOINT_METADATA
 from snapline.pipeline.checkpoint.metadata import (
     CheckpointRef,
     TaskCheckpoint,
@@ -66,9 +74,7 @@ from snapline.pipeline.runtime.topics import (
 )
 from snapline.pipeline.savepoint.export import (
     JobTask,
-    committed_offsets,
     job_tasks,
-    named_checkpoint,
     wait_until_stopped,
 )
 from snapline.pipeline.savepoint.format import (
@@ -86,7 +92,6 @@ from snapline.pipeline.state.backend import StateHandle
 from snapline.pipeline.state.columns import build_stored_keys
 from snapline.pipeline.state.compat import incompatibility
 from snapline.pipeline.state.descriptors import StateDescriptor
-from snapline.sinks.kafka import KafkaSink
 
 log = logging.getLogger(__name__)
 
@@ -524,72 +529,84 @@ def _seed(
 def _publish_committed_sinks(
     pipeline: Pipeline, kafka_config: dict[str, Any], storage: CheckpointStorage, admin: Any
 ) -> None:
-    """Publish what the job's committed checkpoints staged in its sinks (Parquet files,
-    PostgreSQL rows) and no worker published: one died between Kafka's commit and the sinks'
-    publish, and the job was then left stopped. A restarted worker would publish it; the
-    seeded checkpoint lists no staged output, so its recovery would discard it as never
-    committed, and Kafka would hold records the table and the database never get.
+    """Publish what the job's committed checkpoints staged in its Parquet and PostgreSQL
+    sinks and no worker published: one died between Kafka's commit and the sinks' publish,
+    and the job was then left stopped. A restarted worker would publish it; the seeded
+    checkpoint lists no staged output, so its recovery would discard it as never committed,
+    and Kafka would hold records the table and the database never get.
 
-    Each task's committed checkpoint is the one Kafka's offsets name (read here, before the
-    restore deletes them); its sinks recover it as a worker's recovery does. The job is
-    stopped (checked by the caller)."""
-    plan = pipeline.stages()
-    nodes = {n.id: n for n in pipeline.nodes}
-    sinks = {
-        stage.index: [
-            nodes[i].fn
-            for i in sorted(stage.node_ids)
-            if nodes[i].kind == "sink" and not isinstance(nodes[i].fn, KafkaSink)
-        ]
-        for stage in plan.stages
-    }
-    if not any(sinks.values()):
-        return
-    inputs = plan.input_topics(pipeline.source_topics())
+    It works from the old job's layout, not the code's (which may have renumbered stages):
+    each task directory's checkpoint that the group's committed offsets name for every
+    partition it read; its sinks (by name) recover it under the old task id, as a worker's
+    recovery does. The job is stopped (checked by the caller)."""
+    from snapline.sinks.parquet import ParquetSink
+
+    staging: tuple[type, ...] = (ParquetSink,)
     try:
-        listed = admin.list_topics(timeout=30).topics
+        from snapline.sinks.postgres import PostgresSink
+
+        staging += (PostgresSink,)
+    except ImportError:  # psycopg not installed: the job has no PostgreSQL sink
+        pass
+    sinks = {sink.name: sink for sink in pipeline.sinks() if isinstance(sink, staging)}
+    if not sinks:
+        return
+    try:
+        future = admin.list_consumer_group_offsets(
+            [ConsumerGroupTopicPartitions(pipeline.name)], request_timeout=30
+        )[pipeline.name]
+        offsets = future.result(timeout=35).topic_partitions or []
     except KafkaException as exc:
-        raise CheckpointError(f"cannot read the job's topics: {exc}") from exc
-    # A repartition topic that does not exist yet (a stage new in this code) has no
-    # committed checkpoint: its tasks are left out.
-    tasks = job_tasks(
-        pipeline, {t: len(listed[t].partitions) if t in listed else 0 for t in inputs}
-    )
-    tasks = [t for t in tasks if sinks.get(t.stage)]
-    committed = committed_offsets(
-        kafka_config, pipeline.name, [tp for t in tasks for tp in t.inputs]
-    )
+        raise CheckpointError(
+            f"cannot read the committed offsets of {pipeline.name}: {exc}"
+        ) from exc
+    named: dict[tuple[str, int], CheckpointRef] = {}
+    for tp in offsets:
+        ref = CheckpointRef.parse_offset_metadata(tp.metadata) if tp.offset >= 0 else None
+        if ref is not None:
+            named[(tp.topic, tp.partition)] = ref
 
     def refuse(record: Any, reason: str, epoch: int) -> None:
         raise CheckpointError(f"a sink's recovery sent a record to the dead letters: {reason}")
 
-    for task in tasks:
-        ref = named_checkpoint(task, [committed[tp] for tp in task.inputs])
-        if ref is None:
-            continue
-        meta = TaskCheckpoint.read(storage, pipeline.name, task.task_id, ref)
-        for sink in sinks[task.stage]:
-            if not meta.sinks.get(sink.name):
+    for task_id in storage.list_dir(f"{pipeline.name}/tasks"):
+        for ref in set(named.values()):
+            if not storage.exists(f"{ref.directory(pipeline.name, task_id)}/{CHECKPOINT_METADATA}"):
                 continue
-            context = SinkContext(
-                pipeline.name,
-                task.task_id,
-                departed.SEEDED,
-                sink.name,
-                None,  # type: ignore[arg-type]  # a staging sink's recovery produces nothing
-                refuse,
-            )
-            writer = sink.open(context)
-            try:
-                writer.recover(ref.checkpoint_id, meta.sinks[sink.name])
-            finally:
-                writer.close()
-            log.info(
-                "published what checkpoint %d of task %s staged in sink %s",
-                ref.checkpoint_id,
-                task.task_id,
-                sink.name,
-            )
+            meta = TaskCheckpoint.read(storage, pipeline.name, task_id, ref)
+            if not meta.positions or any(named.get(tp) != ref for tp in meta.positions):
+                continue  # not the checkpoint Kafka names for this task
+            for name, metadata in meta.sinks.items():
+                sink = sinks.get(name)
+                if not metadata or sink is None:
+                    if metadata:
+                        log.warning(
+                            "checkpoint %d of task %s staged output in sink %s, which the code "
+                            "no longer has: it is not published",
+                            ref.checkpoint_id,
+                            task_id,
+                            name,
+                        )
+                    continue
+                context = SinkContext(
+                    pipeline.name,
+                    task_id,
+                    departed.SEEDED,
+                    name,
+                    None,  # type: ignore[arg-type]  # Parquet and PostgreSQL produce nothing here
+                    refuse,
+                )
+                writer = sink.open(context)
+                try:
+                    writer.recover(ref.checkpoint_id, metadata)
+                finally:
+                    writer.close()
+                log.info(
+                    "published what checkpoint %d of task %s staged in sink %s",
+                    ref.checkpoint_id,
+                    task_id,
+                    name,
+                )
 
 
 def _clock(
