@@ -120,7 +120,10 @@ def check_repartition_owners(kafka_config: dict[str, Any], pipeline: Pipeline) -
                     f"repartition topic {topic!r} of job {pipeline.name!r} is also job "
                     f"{other!r}'s (its consumer group has offsets in it): each would delete "
                     "and read the other's records. Rename a key_by (key_by(..., name=...)) or "
-                    "a job so that neither reads as the other's name, '.' and a key_by name"
+                    "a job so that neither reads as the other's name, '.' and a key_by name. "
+                    f"If job {other!r} no longer reads it (renamed since), delete its offsets "
+                    f"there: kafka-consumer-groups.sh --delete-offsets --group {other} "
+                    f"--topic {topic} --bootstrap-server ..."
                 )
 
 

@@ -83,6 +83,11 @@ def record_size(value: bytes | None, key: bytes | None, headers: Any = None) -> 
     return size
 
 
+#: Seconds the check before a fenced producer is replaced may take (``may_refence``: a
+#: describe call of 10 s at most, plus its result's wait), for the liveness watchdog.
+REFENCE_CHECK_BOUND = 30.0
+
+
 class TransactionalOutput:
     """Produces records into the open epoch's transaction, buffering later epochs."""
 
@@ -470,6 +475,8 @@ class TransactionalOutput:
         if self._refused is not None:
             raise self._refused
         if self._fatal is not None and self.may_refence is not None:
+            if self._liveness is not None:
+                self._liveness.allow(REFENCE_CHECK_BOUND)  # Kafka calls, bounded
             try:
                 self.may_refence()
             except Exception as exc:

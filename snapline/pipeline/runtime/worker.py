@@ -989,18 +989,36 @@ class Worker:
             future.add_done_callback(self._delete_in_same_topic(topic, by_topic[topic]))
 
     def _topic_ids(self, topics: list[str]) -> dict[str, str]:
-        """Topic name -> its id (a new id each time a topic is created); topics whose id
-        Kafka did not give are left out, and get the id seen first when records are deleted."""
-        if not topics:
-            return {}
-        try:
-            futures = self._background_admin().describe_topics(
-                TopicCollection(topics), request_timeout=10
-            )
-            return {t: str(f.result(timeout=15).topic_id) for t, f in futures.items()}
-        except Exception as exc:
-            log.warning("could not read the repartition topics' ids: %s", exc)
-            return {}
+        """Topic name -> its id (a new id each time a topic is created). Asked up to three
+        times (a topic created a moment ago may not be known everywhere yet); a topic whose
+        id Kafka still does not give gets the id seen at its first deletion (logged)."""
+        ids: dict[str, str] = {}
+        for attempt in range(3):
+            missing = [t for t in topics if t not in ids]
+            if not missing:
+                break
+            if attempt:
+                time.sleep(1.0)
+            try:
+                futures = self._background_admin().describe_topics(
+                    TopicCollection(missing), request_timeout=10
+                )
+            except Exception as exc:
+                log.info("reading the repartition topics' ids: %s", exc)
+                continue
+            for topic, future in futures.items():
+                try:
+                    ids[topic] = str(future.result(timeout=15).topic_id)
+                except Exception as exc:
+                    log.info("reading the id of topic %s: %s", topic, exc)
+        for topic in topics:
+            if topic not in ids:
+                log.warning(
+                    "could not read the id of repartition topic %s at start; the id seen at "
+                    "its first deletion of consumed records is taken",
+                    topic,
+                )
+        return ids
 
     def _delete_in_same_topic(self, topic: str, below: list[TopicPartition]) -> Any:
         """Callback of ``describe_topics`` (a librdkafka thread): delete the records below
