@@ -522,6 +522,32 @@ def test_a_state_whose_ttl_was_added_since_the_checkpoint_is_refused_at_start(
     assert "but ttl=3600000 ms in the code" in log
 
 
+def _two_jobs(
+    bootstrap: str,
+    tmp_path: Path,
+    prefix: str,
+    spec: str,
+    first: tuple[str, dict[str, str]],
+    second: tuple[str, dict[str, str]],
+) -> tuple[WorkerProcess, WorkerProcess]:
+    """A worker of each of two jobs of ``spec`` (``integration_tests.pipelines``), both
+    reading ``<prefix>copy-in`` and writing ``<prefix>copy-out`` (created here): (worker id,
+    extra environment) each; ``SNAPLINE_TEST_JOB`` in it names a job other than the default."""
+    create_topics(bootstrap, {f"{prefix}copy-in": 1, f"{prefix}copy-out": 1})
+    first_worker, second_worker = (
+        WorkerProcess(
+            spec,
+            worker_id,
+            bootstrap,
+            tmp_path / f"chk-{which}",
+            tmp_path,
+            {"SNAPLINE_TEST_PREFIX": prefix, **env},
+        )
+        for which, (worker_id, env) in (("first", first), ("second", second))
+    )
+    return first_worker, second_worker
+
+
 def test_a_worker_whose_transactional_id_a_running_worker_of_another_job_has_is_refused(
     kafka_bootstrap: str, tmp_path: Path, unique_name: str
 ) -> None:
@@ -530,22 +556,13 @@ def test_a_worker_whose_transactional_id_a_running_worker_of_another_job_has_is_
     for as long as both ran. The one started second now stops at start (exit 78) naming the
     other, and the first runs on unfenced."""
     prefix = f"{unique_name}-"
-    create_topics(kafka_bootstrap, {f"{prefix}copy-in": 1, f"{prefix}copy-out": 1})
-    first = WorkerProcess(
-        "integration_tests.pipelines:named_copy",
-        "x-1",
+    first, second = _two_jobs(
         kafka_bootstrap,
-        tmp_path / "chk-first",
         tmp_path,
-        {"SNAPLINE_TEST_PREFIX": prefix},
-    )
-    second = WorkerProcess(
+        prefix,
         "integration_tests.pipelines:named_copy",
-        "1",
-        kafka_bootstrap,
-        tmp_path / "chk-second",
-        tmp_path,
-        {"SNAPLINE_TEST_PREFIX": prefix, "SNAPLINE_TEST_JOB": f"{prefix}job-x"},
+        ("x-1", {}),
+        ("1", {"SNAPLINE_TEST_JOB": f"{prefix}job-x"}),
     )
     first.start()
     try:
@@ -580,23 +597,13 @@ def test_a_job_whose_repartition_topic_another_job_reads_is_refused(
     and read the other's records. The second one started is refused at start (exit 78)
     naming the first, whose group has offsets in the topic; the first runs on."""
     prefix = f"{unique_name}-"
-    create_topics(kafka_bootstrap, {f"{prefix}copy-in": 1, f"{prefix}copy-out": 1})
-    spec = "integration_tests.pipelines:named_rekey"
-    first = WorkerProcess(
-        spec,
-        "w0",
+    first, second = _two_jobs(
         kafka_bootstrap,
-        tmp_path / "chk-first",
         tmp_path,
-        {"SNAPLINE_TEST_PREFIX": prefix, "SNAPLINE_TEST_KEY_BY": "eu.by-n"},
-    )
-    second = WorkerProcess(
-        spec,
-        "w1",
-        kafka_bootstrap,
-        tmp_path / "chk-second",
-        tmp_path,
-        {"SNAPLINE_TEST_PREFIX": prefix, "SNAPLINE_TEST_JOB": f"{prefix}job.eu"},
+        prefix,
+        "integration_tests.pipelines:named_rekey",
+        ("w0", {"SNAPLINE_TEST_KEY_BY": "eu.by-n"}),
+        ("w1", {"SNAPLINE_TEST_JOB": f"{prefix}job.eu"}),
     )
     first.start()
     try:
@@ -629,23 +636,13 @@ def test_two_jobs_started_together_with_one_transactional_id_end_with_one_runnin
     now ends one of the two (exit 78, naming the other) and the other runs on; before, each
     fenced the other in turn for as long as both ran."""
     prefix = f"{unique_name}-"
-    create_topics(kafka_bootstrap, {f"{prefix}copy-in": 1, f"{prefix}copy-out": 1})
-    spec = "integration_tests.pipelines:named_copy"
-    first = WorkerProcess(
-        spec,
-        "x-1",
+    first, second = _two_jobs(
         kafka_bootstrap,
-        tmp_path / "chk-first",
         tmp_path,
-        {"SNAPLINE_TEST_PREFIX": prefix, "SNAPLINE_FAULT": "after_namesake_check:1:stop"},
-    )
-    second = WorkerProcess(
-        spec,
-        "1",
-        kafka_bootstrap,
-        tmp_path / "chk-second",
-        tmp_path,
-        {"SNAPLINE_TEST_PREFIX": prefix, "SNAPLINE_TEST_JOB": f"{prefix}job-x"},
+        prefix,
+        "integration_tests.pipelines:named_copy",
+        ("x-1", {"SNAPLINE_FAULT": "after_namesake_check:1:stop"}),
+        ("1", {"SNAPLINE_TEST_JOB": f"{prefix}job-x"}),
     )
     first.start()
     try:

@@ -135,6 +135,8 @@ BROKER_OUTAGE_LIMIT = 900.0
 #: Records of repartition topics consumed by every retained checkpoint are deleted at most this
 #: often (seconds).
 REPARTITION_DELETE_INTERVAL = 5.0
+#: Bound of the namesake check before a fenced producer is replaced (seconds, each call).
+REFENCE_CHECK_TIMEOUT = 10.0
 #: A fenced consumer is replaced in place at most this often per 10 minutes; more means two
 #: live workers share an id, and the worker exits with EX_TEMPFAIL.
 MAX_CONSUMER_REPLACEMENTS = 5
@@ -253,9 +255,9 @@ class Worker:
         self.plan = pipeline.stages()
         self._stage_of_topic = self.plan.stage_of_topics(pipeline.source_topics())
         self._repartitioned = {rep.topic for rep in self.plan.repartitions.values()}
+        self._wait_for_restore()
         #: Partitions per topic the job reads or writes (the topic plan at start), and the
         #: producer settings that keep its batches within the output topics' size limit.
-        self._wait_for_restore()
         self._topic_partitions, producer_limits = self._check_topics()
         #: Repartition-topic positions of the last committed checkpoints, per task: records
         #: below the oldest retained one are dead (``_delete_consumed_records``).
@@ -264,9 +266,7 @@ class Worker:
         self._admin: AdminClient | None = None
         #: The repartition topics' ids when this worker started: the positions above are
         #: offsets of those topics, not of a topic a savepoint restore created since.
-        self._repartition_topic_ids = self._topic_ids(
-            [rep.topic for rep in self.plan.repartitions.values()]
-        )
+        self._repartition_topic_ids = self._topic_ids(sorted(self._repartitioned))
         # Tests that read a repartition topic back whole keep every record.
         self._keep_repartition_records = bool(
             os.environ.get("SNAPLINE_TEST_KEEP_REPARTITION_RECORDS")
@@ -1727,10 +1727,6 @@ class Worker:
         except Exception:
             log.exception("consumer close")
         self.output.close(timeout=2.0 if self._stopping else 10.0)
-
-
-#: Bound of the namesake check before a fenced producer is replaced (seconds, each call).
-REFENCE_CHECK_TIMEOUT = 10.0
 
 
 class ConsumerFencedError(KafkaClientError):

@@ -72,11 +72,7 @@ from snapline.pipeline.runtime.topics import (
     refused_config,
     without_event_time_config,
 )
-from snapline.pipeline.savepoint.export import (
-    JobTask,
-    job_tasks,
-    wait_until_stopped,
-)
+from snapline.pipeline.savepoint.export import JobTask, job_tasks, wait_until_stopped
 from snapline.pipeline.savepoint.format import (
     OperatorState,
     SavepointFile,
@@ -464,7 +460,7 @@ def _seed(
             )
         FaultInjector().point("restore_before_kafka_changes")
         lock.check()
-        _publish_committed_sinks(pipeline, kafka_config, storage, admin)
+        _publish_committed_sinks(pipeline, storage, admin)
         lock.check()
         for rep in plan.repartitions.values():
             _recreate_topic(admin, rep.topic, partitions[rep.topic], INTERNAL_TOPIC_CONFIG)
@@ -526,9 +522,7 @@ def _seed(
     return checkpoint_id
 
 
-def _publish_committed_sinks(
-    pipeline: Pipeline, kafka_config: dict[str, Any], storage: CheckpointStorage, admin: Any
-) -> None:
+def _publish_committed_sinks(pipeline: Pipeline, storage: CheckpointStorage, admin: Any) -> None:
     """Publish what the job's committed checkpoints staged in its Parquet and PostgreSQL
     sinks and no worker published: one died between Kafka's commit and the sinks' publish,
     and the job was then left stopped. A restarted worker would publish it; the seeded
@@ -569,8 +563,9 @@ def _publish_committed_sinks(
     def refuse(record: Any, reason: str, epoch: int) -> None:
         raise CheckpointError(f"a sink's recovery sent a record to the dead letters: {reason}")
 
+    refs = set(named.values())
     for task_id in storage.list_dir(f"{pipeline.name}/tasks"):
-        for ref in set(named.values()):
+        for ref in refs:
             if not storage.exists(f"{ref.directory(pipeline.name, task_id)}/{CHECKPOINT_METADATA}"):
                 continue
             meta = TaskCheckpoint.read(storage, pipeline.name, task_id, ref)
