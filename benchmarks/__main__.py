@@ -50,6 +50,9 @@ def cli() -> None:
 @click.option("--keep-workdir", is_flag=True,
               help="keep the work directory (per run: process.log, metrics.jsonl, state)")
 @click.option("--no-latency", is_flag=True, help="skip the fixed-rate latency runs")
+@click.option("--latency-only", default=None,
+              help="comma-separated systems that get a latency run (default: every system); "
+                   "the CI smoke test uses one of each kind")
 @click.option("--latency-rate", type=float, default=None, help="records/s [5000; quick 2000]")
 @click.option("--latency-seconds", type=float, default=None, help="[10; quick 3]")
 @click.option("--time-budget", type=float, default=None,
@@ -59,8 +62,9 @@ def cli() -> None:
                    "quick runs go to benchmarks/results/tmp/ and leave the README alone)")
 def run(suite: str, records: int | None, keys: int | None, partitions: int, repetitions: int | None,
         quick: bool, bootstrap_servers: str | None, only: str | None, profile: bool,
-        keep_workdir: bool, no_latency: bool, latency_rate: float | None,
-        latency_seconds: float | None, time_budget: float | None, output: Path | None) -> None:
+        keep_workdir: bool, no_latency: bool, latency_only: str | None,
+        latency_rate: float | None, latency_seconds: float | None, time_budget: float | None,
+        output: Path | None) -> None:
     """Throughput and latency of every system on the same input.
 
     Exits 1 when any run FAILED (wrong output, crash, hang), after writing all results.
@@ -77,6 +81,7 @@ def run(suite: str, records: int | None, keys: int | None, partitions: int, repe
         profile=profile,
         keep_workdir=keep_workdir,
         latency=not no_latency,
+        latency_only=_names(latency_only),
         latency_rate=latency_rate or (2_000.0 if quick else 5_000.0),
         latency_seconds=latency_seconds or (3.0 if quick else 10.0),
         output=output,
@@ -88,6 +93,10 @@ def run(suite: str, records: int | None, keys: int | None, partitions: int, repe
         select(config.only, config.suite)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--only") from None
+    try:
+        select(config.latency_only, config.suite)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--latency-only") from None
     console = _console()
     with kafka(bootstrap_servers) as bootstrap:
         payload = run_suite(config, bootstrap, console)

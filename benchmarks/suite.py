@@ -61,6 +61,8 @@ class SuiteConfig:
     keep_workdir: bool = False
     time_budget: float | None = None  # seconds; later runs are SKIPPED once it is used up
     suite: str = "keyed"
+    #: Systems that get a latency run (empty: every selected system).
+    latency_only: tuple[str, ...] = ()
 
 
 def select(only: tuple[str, ...], suite: str = "keyed") -> list[System]:
@@ -163,6 +165,8 @@ def run_suite(config: SuiteConfig, bootstrap: str, console: Console) -> dict[str
                 console.print(_line(result))
         if config.latency:
             for system in systems:
+                if config.latency_only and system.name not in config.latency_only:
+                    continue
                 if system.role == "snapline" and missing or over_budget(system, "latency", 0):
                     continue
                 console.print(f"[cyan]{system.name}[/cyan] latency at "

@@ -1,7 +1,10 @@
 """The benchmark harness runs end to end in CI (``--quick``): every system produces correct
 output on the shared broker, in the keyed suite and in the stages suite (input keyed by order
-id, 2-stage running total). No performance thresholds: numbers on a shared 2-core machine
-are compared as ratios within one run, in benchmarks/README.md, never asserted here."""
+id, 2-stage running total). Latency runs share their code across systems (the rate producer,
+the verifier, the system's start): CI runs them for one system of each kind (the baseline,
+Snapline exactly-once and at-least-once), which saves a minute of fixed start-up costs. No
+performance thresholds: numbers on a shared 2-core machine are compared as ratios within one
+run, in benchmarks/README.md, never asserted here."""
 
 from __future__ import annotations
 
@@ -13,8 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.suite import SUITES
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parent.parent
+LATENCY_SYSTEMS = ("baseline-a", "snapline-memory", "snapline-memory-alo")
+KEYED_SYSTEMS = {s.name for s in SUITES["keyed"].systems}
 
 
 def test_benchmark_harness_quick_run(kafka_bootstrap: str, tmp_path: Path) -> None:
@@ -26,6 +33,8 @@ def test_benchmark_harness_quick_run(kafka_bootstrap: str, tmp_path: Path) -> No
             "benchmarks",
             "run",
             "--quick",
+            "--latency-only",
+            ",".join(LATENCY_SYSTEMS),
             "--bootstrap-servers",
             kafka_bootstrap,
             "--output",
@@ -40,8 +49,11 @@ def test_benchmark_harness_quick_run(kafka_bootstrap: str, tmp_path: Path) -> No
     print(result.stdout[-6000:])
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert output.exists()
-    text = json.dumps(json.loads(output.read_text()))
-    assert "FAILED" not in text
+    payload = json.loads(output.read_text())
+    assert "FAILED" not in json.dumps(payload)
+    runs = {(r["system"], r["kind"]) for r in payload["runs"] if r["status"] == "ok"}
+    assert {s for s, kind in runs if kind == "latency"} == set(LATENCY_SYSTEMS)
+    assert {s for s, kind in runs if kind == "throughput"} == set(KEYED_SYSTEMS)
 
 
 def test_benchmark_stages_suite_quick_run(kafka_bootstrap: str, tmp_path: Path) -> None:
