@@ -223,6 +223,42 @@ def test_a_savepoint_restores_into_code_with_one_more_stage(
     job.stop_all()
 
 
+def test_a_savepoint_restored_into_another_checkpoint_storage_goes_on_above_its_ids(
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list[Any]
+) -> None:
+    """A job moved to another checkpoint storage with a savepoint (docs/savepoints.md). The
+    restore numbered checkpoints from 1 again there, and the PostgreSQL sink's upsert keeps a
+    row its task wrote at a higher id: every update of an existing customer was dropped,
+    silently, until the new ids passed the old ones. The savepoint now records the highest id
+    the job used, and the restore's ids go on above it."""
+    job = WarehouseJob(
+        kafka_bootstrap, unique_name, tmp_path, postgres_dsn, partitions=2, workers=1
+    )
+    jobs.append(job)
+    job.workers[0].start()
+    for _ in range(4):  # a few epochs' worth of checkpoint ids
+        job.produce(1_000)
+        job.wait_until_caught_up()
+    path = snapline(job, "savepoint", "create", SPEC, "--stop")
+    assert job.workers[0].wait_exit(60) == 0, job.workers[0].tail()
+    old_highest = _max_checkpoint_id(job)
+    assert old_highest >= 3, old_highest
+    job.checkpoint_dir = tmp_path / "moved-checkpoints"
+    for worker in job.workers:
+        worker.checkpoint_dir = job.checkpoint_dir
+    start_from_savepoint(job, path, 2)
+    job.produce(2_000)
+    job.verify()  # the PostgreSQL totals of customers updated after the move included
+    new_ids = [
+        int(chk.name.split("-")[1])
+        for task in (job.checkpoint_dir / job.name / "tasks").iterdir()
+        for chk in task.iterdir()
+        if chk.name.startswith("chk-")
+    ]
+    assert new_ids and min(new_ids) > old_highest, (sorted(new_ids), old_highest)
+    job.stop_all()
+
+
 def test_workers_started_from_one_savepoint_at_once_restore_it_once(
     kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list[Any]
 ) -> None:

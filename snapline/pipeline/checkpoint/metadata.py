@@ -110,6 +110,19 @@ def raise_id_floor(storage: CheckpointStorage, job: str, checkpoint_id: int) -> 
         )
 
 
+def highest_checkpoint_id(storage: CheckpointStorage, job: str) -> int:
+    """The highest checkpoint id the job has used in ``storage``: of any checkpoint directory
+    of any of its tasks, or the id floor (0: none). The PostgreSQL sink's rows carry these
+    ids and its upsert keeps a row a task wrote at a higher id, so a job's ids must never
+    start again below it, in this storage or in another one it moves to (savepoints)."""
+    stored = [
+        ref.checkpoint_id
+        for task_id in storage.list_dir(f"{job}/tasks")
+        for ref in list_checkpoints(storage, job, task_id)
+    ]
+    return max([*stored, read_id_floor(storage, job) or 0])
+
+
 def task_directory(job: str, task_id: str) -> str:
     return f"{job}/tasks/{task_id}"
 

@@ -184,7 +184,13 @@ def from_checkpoint(
     try:
         with progress_bar(console) as bar:
             metadata = export_savepoint(
-                pipeline, config, directory, target, origin="from-checkpoint", progress=bar
+                pipeline,
+                config,
+                directory,
+                target,
+                origin="from-checkpoint",
+                progress=bar,
+                publish_staged=True,
             )
     except SnaplineError as exc:
         raise click.ClickException(str(exc)) from exc

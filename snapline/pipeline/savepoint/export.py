@@ -24,15 +24,27 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
-from confluent_kafka import Consumer, IsolationLevel, KafkaException, TopicPartition
+from confluent_kafka import (
+    Consumer,
+    ConsumerGroupTopicPartitions,
+    IsolationLevel,
+    KafkaException,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
-from snapline.pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint
+from snapline.pipeline.checkpoint.metadata import METADATA_FILE as CHECKPOINT_METADATA
+from snapline.pipeline.checkpoint.metadata import (
+    CheckpointRef,
+    TaskCheckpoint,
+    highest_checkpoint_id,
+)
 from snapline.pipeline.checkpoint.restore import restore_committed
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.errors import CheckpointError, ConfigurationError
 from snapline.pipeline.graph import Pipeline
 from snapline.pipeline.keygroups import key_group_range
+from snapline.pipeline.runtime import departed
 from snapline.pipeline.runtime.watermarks import WATERMARK_KEY_TAG
 from snapline.pipeline.savepoint.format import (
     ENTRY_SCHEMA,
@@ -47,6 +59,7 @@ from snapline.pipeline.savepoint.format import (
     write_table,
 )
 from snapline.pipeline.savepoint.pool import pool_size, run_jobs, scratch_options
+from snapline.pipeline.sink import SinkContext
 from snapline.pipeline.stages import SOURCE_STAGE, StagePlan, task_id_for
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.columns import StoredKeys, split_stored_keys
@@ -448,8 +461,11 @@ def export_savepoint(
     origin: str,
     cluster_id: str = "",
     progress: Progress | None = None,
+    publish_staged: bool = False,
 ) -> SavepointMetadata:
-    """Write the savepoint of the job's committed checkpoints to ``target`` (see module)."""
+    """Write the savepoint of the job's committed checkpoints to ``target`` (see module).
+    ``publish_staged`` (the job is stopped): first publish what committed checkpoints left
+    staged in Parquet and PostgreSQL sinks (``publish_committed_sinks``)."""
     where = str(kafka_config.get("bootstrap.servers"))
     plan: StagePlan = pipeline.stages()
     admin = AdminClient(kafka_config)
@@ -463,6 +479,9 @@ def export_savepoint(
     out = CheckpointStorage(target)
     if out.exists(METADATA_FILE):
         raise ConfigurationError(f"{target} already holds a savepoint; choose another --path")
+    if publish_staged:
+        publish_committed_sinks(pipeline, storage, admin)
+    highest = highest_checkpoint_id(storage, pipeline.name)
     stage_partitions = {
         stage.index: partitions[stage.reads[0]] if stage.reads else None for stage in plan.stages
     }
@@ -559,11 +578,95 @@ def export_savepoint(
             cluster_id=cluster_id,
             origin=origin,
             clocks=clocks,
+            highest_checkpoint_id=highest,
         )
         out.write_bytes(METADATA_FILE, metadata.encode())  # last: the savepoint is complete
         return metadata
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def publish_committed_sinks(pipeline: Pipeline, storage: CheckpointStorage, admin: Any) -> None:
+    """Publish what the job's committed checkpoints staged in its Parquet and PostgreSQL
+    sinks and no worker published: one died between Kafka's commit and the sinks' publish,
+    and the job was then left stopped. A restarted worker would publish it; the seeded
+    checkpoint lists no staged output, so its recovery would discard it as never committed,
+    and Kafka would hold records the table and the database never get.
+
+    It works from the old job's layout, not the code's (which may have renumbered stages):
+    each task directory's checkpoint that the group's committed offsets name for every
+    partition it read; its sinks (by name) recover it under the old task id, as a worker's
+    recovery does. The job is stopped (checked by the caller). ``savepoint from-checkpoint``
+    runs it too: a restore into another checkpoint storage cannot see these checkpoints."""
+    from snapline.sinks.parquet import ParquetSink
+
+    staging: tuple[type, ...] = (ParquetSink,)
+    try:
+        from snapline.sinks.postgres import PostgresSink
+
+        staging += (PostgresSink,)
+    except ImportError:  # psycopg not installed: the job has no PostgreSQL sink
+        pass
+    sinks = {sink.name: sink for sink in pipeline.sinks() if isinstance(sink, staging)}
+    if not sinks:
+        return
+    try:
+        future = admin.list_consumer_group_offsets(
+            [ConsumerGroupTopicPartitions(pipeline.name)], request_timeout=30
+        )[pipeline.name]
+        offsets = future.result(timeout=35).topic_partitions or []
+    except KafkaException as exc:
+        raise CheckpointError(
+            f"cannot read the committed offsets of {pipeline.name}: {exc}"
+        ) from exc
+    named: dict[tuple[str, int], CheckpointRef] = {}
+    for tp in offsets:
+        ref = CheckpointRef.parse_offset_metadata(tp.metadata) if tp.offset >= 0 else None
+        if ref is not None:
+            named[(tp.topic, tp.partition)] = ref
+
+    def refuse(record: Any, reason: str, epoch: int) -> None:
+        raise CheckpointError(f"a sink's recovery sent a record to the dead letters: {reason}")
+
+    refs = set(named.values())
+    for task_id in storage.list_dir(f"{pipeline.name}/tasks"):
+        for ref in refs:
+            if not storage.exists(f"{ref.directory(pipeline.name, task_id)}/{CHECKPOINT_METADATA}"):
+                continue
+            meta = TaskCheckpoint.read(storage, pipeline.name, task_id, ref)
+            if not meta.positions or any(named.get(tp) != ref for tp in meta.positions):
+                continue  # not the checkpoint Kafka names for this task
+            for name, metadata in meta.sinks.items():
+                sink = sinks.get(name)
+                if not metadata or sink is None:
+                    if metadata:
+                        log.warning(
+                            "checkpoint %d of task %s staged output in sink %s, which the code "
+                            "no longer has: it is not published",
+                            ref.checkpoint_id,
+                            task_id,
+                            name,
+                        )
+                    continue
+                context = SinkContext(
+                    pipeline.name,
+                    task_id,
+                    departed.SEEDED,
+                    name,
+                    None,  # type: ignore[arg-type]  # Parquet and PostgreSQL produce nothing here
+                    refuse,
+                )
+                writer = sink.open(context)
+                try:
+                    writer.recover(ref.checkpoint_id, metadata)
+                finally:
+                    writer.close()
+                log.info(
+                    "published what checkpoint %d of task %s staged in sink %s",
+                    ref.checkpoint_id,
+                    task_id,
+                    name,
+                )
 
 
 def _low(admin: AdminClient, kafka_config: dict[str, Any], topic: str, partition: int) -> int:

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from snapline.connectors.config import redact_text
 from snapline.pipeline.checkpoint.storage import CheckpointStorage, crc32_checksum, verify_checksum
 from snapline.pipeline.errors import CheckpointError, CorruptCheckpointError
 
@@ -146,6 +147,10 @@ class SavepointMetadata:
     created_at: float = field(default_factory=time.time)
     #: Each task's clock (watermarks) by task id, so a restore never moves event time back.
     clocks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: The highest checkpoint id the job had used when the savepoint was taken; a restore's
+    #: ids go on above it, in whatever checkpoint storage it restores into (0: a savepoint of
+    #: an earlier version, which did not record it).
+    highest_checkpoint_id: int = 0
 
     def encode(self) -> bytes:
         body = {
@@ -172,6 +177,7 @@ class SavepointMetadata:
             "origin": self.origin,
             "created_at": self.created_at,
             "clocks": self.clocks,
+            "highest_checkpoint_id": self.highest_checkpoint_id,
         }
         raw = orjson.dumps(body, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
         return orjson.dumps(
@@ -217,6 +223,7 @@ class SavepointMetadata:
             origin=body.get("origin", "savepoint"),
             created_at=float(body.get("created_at", 0.0)),
             clocks=dict(body.get("clocks", {})),
+            highest_checkpoint_id=int(body.get("highest_checkpoint_id", 0)),
         )
 
 
@@ -306,7 +313,8 @@ def read_metadata(storage: CheckpointStorage) -> SavepointMetadata:
     """The metadata of the savepoint ``storage`` is rooted at."""
     if not storage.exists(METADATA_FILE):
         raise CheckpointError(
-            f"{storage.uri} is not a complete savepoint (no {METADATA_FILE}); a savepoint "
+            f"{redact_text(storage.uri)} is not a complete savepoint (no {METADATA_FILE}); a "
+            "savepoint "
             "without it was interrupted while being written, or the path is wrong"
         )
     return SavepointMetadata.decode(

@@ -39,7 +39,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from confluent_kafka import (
     Consumer,
-    ConsumerGroupTopicPartitions,
     KafkaError,
     KafkaException,
     Producer,
@@ -48,15 +47,14 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from snapline.connectors.config import redact_text
-from snapline.pipeline.checkpoint.metadata import METADATA_FILE as CHECKPOINT_METADATA
 from snapline.pipeline.checkpoint.metadata import (
     CheckpointRef,
     TaskCheckpoint,
     decode_checked,
     encode_checked,
-    list_checkpoints,
+    highest_checkpoint_id,
     mark_committed,
-    read_id_floor,
+    raise_id_floor,
 )
 from snapline.pipeline.checkpoint.storage import CheckpointStorage, verify_checksum
 from snapline.pipeline.errors import CheckpointError, ConfigurationError
@@ -72,7 +70,12 @@ from snapline.pipeline.runtime.topics import (
     refused_config,
     without_event_time_config,
 )
-from snapline.pipeline.savepoint.export import JobTask, job_tasks, wait_until_stopped
+from snapline.pipeline.savepoint.export import (
+    JobTask,
+    job_tasks,
+    publish_committed_sinks,
+    wait_until_stopped,
+)
 from snapline.pipeline.savepoint.format import (
     OperatorState,
     SavepointFile,
@@ -81,7 +84,6 @@ from snapline.pipeline.savepoint.format import (
     read_table,
 )
 from snapline.pipeline.savepoint.pool import pool_size, run_jobs, scratch_options
-from snapline.pipeline.sink import SinkContext
 from snapline.pipeline.stages import SOURCE_STAGE, Repartition, repartition_partition
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.backend import StateHandle
@@ -374,14 +376,12 @@ def _seed(
     # committed checkpoints read from, as they were.
     flights = _read_in_flight(pipeline, sp_storage, savepoint, flight_copies)
 
-    # Checkpoint id: above every stored one of any task of the job.
-    task_root = f"{pipeline.name}/tasks"
-    stored = [
-        ref.checkpoint_id
-        for task_id in storage.list_dir(task_root)
-        for ref in list_checkpoints(storage, pipeline.name, task_id)
-    ]
-    checkpoint_id = max([*stored, read_id_floor(storage, pipeline.name) or 0], default=0) + 1
+    # Checkpoint id: above every one the job used, here and where the savepoint was taken (a
+    # restore into another checkpoint storage must not start again at 1: the PostgreSQL
+    # sink's upsert keeps the rows a task wrote at higher ids, silently).
+    checkpoint_id = (
+        max(highest_checkpoint_id(storage, pipeline.name), savepoint.highest_checkpoint_id) + 1
+    )
     ref = CheckpointRef(checkpoint_id, uuid.uuid4().hex[:8])
     uids = pipeline.operator_uids()
     stage_of_node = {node_id: stage.index for stage in plan.stages for node_id in stage.node_ids}
@@ -460,7 +460,10 @@ def _seed(
             )
         FaultInjector().point("restore_before_kafka_changes")
         lock.check()
-        _publish_committed_sinks(pipeline, storage, admin)
+        publish_committed_sinks(pipeline, storage, admin)
+        # Every worker's ids go on above the seeded checkpoint, also one whose tasks have
+        # nothing seeded (source partitions without offsets in the savepoint).
+        raise_id_floor(storage, pipeline.name, checkpoint_id)
         lock.check()
         for rep in plan.repartitions.values():
             _recreate_topic(admin, rep.topic, partitions[rep.topic], INTERNAL_TOPIC_CONFIG)
@@ -520,88 +523,6 @@ def _seed(
         len(offsets),
     )
     return checkpoint_id
-
-
-def _publish_committed_sinks(pipeline: Pipeline, storage: CheckpointStorage, admin: Any) -> None:
-    """Publish what the job's committed checkpoints staged in its Parquet and PostgreSQL
-    sinks and no worker published: one died between Kafka's commit and the sinks' publish,
-    and the job was then left stopped. A restarted worker would publish it; the seeded
-    checkpoint lists no staged output, so its recovery would discard it as never committed,
-    and Kafka would hold records the table and the database never get.
-
-    It works from the old job's layout, not the code's (which may have renumbered stages):
-    each task directory's checkpoint that the group's committed offsets name for every
-    partition it read; its sinks (by name) recover it under the old task id, as a worker's
-    recovery does. The job is stopped (checked by the caller)."""
-    from snapline.sinks.parquet import ParquetSink
-
-    staging: tuple[type, ...] = (ParquetSink,)
-    try:
-        from snapline.sinks.postgres import PostgresSink
-
-        staging += (PostgresSink,)
-    except ImportError:  # psycopg not installed: the job has no PostgreSQL sink
-        pass
-    sinks = {sink.name: sink for sink in pipeline.sinks() if isinstance(sink, staging)}
-    if not sinks:
-        return
-    try:
-        future = admin.list_consumer_group_offsets(
-            [ConsumerGroupTopicPartitions(pipeline.name)], request_timeout=30
-        )[pipeline.name]
-        offsets = future.result(timeout=35).topic_partitions or []
-    except KafkaException as exc:
-        raise CheckpointError(
-            f"cannot read the committed offsets of {pipeline.name}: {exc}"
-        ) from exc
-    named: dict[tuple[str, int], CheckpointRef] = {}
-    for tp in offsets:
-        ref = CheckpointRef.parse_offset_metadata(tp.metadata) if tp.offset >= 0 else None
-        if ref is not None:
-            named[(tp.topic, tp.partition)] = ref
-
-    def refuse(record: Any, reason: str, epoch: int) -> None:
-        raise CheckpointError(f"a sink's recovery sent a record to the dead letters: {reason}")
-
-    refs = set(named.values())
-    for task_id in storage.list_dir(f"{pipeline.name}/tasks"):
-        for ref in refs:
-            if not storage.exists(f"{ref.directory(pipeline.name, task_id)}/{CHECKPOINT_METADATA}"):
-                continue
-            meta = TaskCheckpoint.read(storage, pipeline.name, task_id, ref)
-            if not meta.positions or any(named.get(tp) != ref for tp in meta.positions):
-                continue  # not the checkpoint Kafka names for this task
-            for name, metadata in meta.sinks.items():
-                sink = sinks.get(name)
-                if not metadata or sink is None:
-                    if metadata:
-                        log.warning(
-                            "checkpoint %d of task %s staged output in sink %s, which the code "
-                            "no longer has: it is not published",
-                            ref.checkpoint_id,
-                            task_id,
-                            name,
-                        )
-                    continue
-                context = SinkContext(
-                    pipeline.name,
-                    task_id,
-                    departed.SEEDED,
-                    name,
-                    None,  # type: ignore[arg-type]  # Parquet and PostgreSQL produce nothing here
-                    refuse,
-                )
-                writer = sink.open(context)
-                try:
-                    writer.recover(ref.checkpoint_id, metadata)
-                finally:
-                    writer.close()
-                log.info(
-                    "published what checkpoint %d of task %s staged in sink %s",
-                    ref.checkpoint_id,
-                    task_id,
-                    name,
-                )
 
 
 def _clock(
