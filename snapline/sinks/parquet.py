@@ -767,8 +767,13 @@ class ParquetSinkWriter(StagingSinkWriter[_StageJob, StagedCheckpoint]):
                 self._leftovers.add(name)
             found.add(name)
         for name, staged in listed.items():
-            if name in found or all((self.table / f).is_file() for f in staged.files):
-                continue  # published before (with or without its commit-log entry)
+            if name in found or self._intent_path(name).exists():
+                # Published before: the commit-log entry comes before the first rename, and
+                # the staged directory goes after the last. Its files may have moved on since
+                # (a compaction of the table, a partition dropped by retention).
+                continue
+            if all((self.table / f).is_file() for f in staged.files):
+                continue  # published before a version that wrote commit-log entries
             raise SinkError(
                 f"{self._sink.name}: committed checkpoint {staged.checkpoint_id} of task "
                 f"{self._task} names staged files under {self.staging_root / name} that are "

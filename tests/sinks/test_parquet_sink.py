@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import date
@@ -12,6 +13,7 @@ from typing import Any
 import orjson
 import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 import pytest
 
 from snapline.pipeline.errors import ConfigurationError, SinkError
@@ -221,6 +223,44 @@ def test_crash_after_commit_point_is_published_by_recovery(table: Path, sink: Pa
     successor.recover(1, meta)
     assert visible_ids(table) == sorted(f"1-{i}" for i in range(5))
     assert staged_files(table) == []
+
+
+def test_recovery_of_a_published_checkpoint_whose_files_were_compacted_since(
+    table: Path, sink: ParquetSink
+) -> None:
+    """Checkpoint 1 is published, then a compaction rewrites the partition's files (or a
+    retention job drops it). Recovery from 1 failed at every restart ("gone and were never
+    published") although its commit-log entry proves the publish: it now recovers, and
+    leaves the table as the compaction left it."""
+    writer, _ = make_writer(sink)
+    writer.write_batch(records(rows_for(1)), 1)
+    meta = metadata(writer.pre_commit(1))
+    writer.commit(1)
+    writer.close()
+    part = table / "day=2024-01-01"
+    data = pa.concat_tables([pq.read_table(f) for f in part.glob("*.parquet")])
+    for f in part.glob("*.parquet"):
+        f.unlink()
+    pq.write_table(data, part / "compacted-0.parquet")
+    successor, _ = make_writer(sink)
+    successor.recover(1, meta)
+    assert visible_ids(table) == sorted(f"1-{i}" for i in range(5))
+    assert [f.name for f in part.iterdir()] == ["compacted-0.parquet"]
+
+
+def test_recovery_of_a_committed_checkpoint_whose_staged_files_are_gone_fails(
+    table: Path, sink: ParquetSink
+) -> None:
+    """Without a commit-log entry, staged files a committed checkpoint names that are gone
+    and were never published are lost output: recovery says so instead of going on."""
+    crashed, _ = make_writer(sink)
+    crashed.write_batch(records(rows_for(1)), 1)
+    meta = metadata(crashed.pre_commit(1))
+    for staged in (table / "_staging").iterdir():
+        shutil.rmtree(staged)
+    successor, _ = make_writer(sink)
+    with pytest.raises(SinkError, match="gone and were never published"):
+        successor.recover(1, meta)
 
 
 def test_recovery_keeps_newer_staging_until_a_newer_checkpoint_commits(
