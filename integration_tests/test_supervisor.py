@@ -124,6 +124,9 @@ def test_a_killed_supervisor_leaves_no_worker_behind_and_its_successor_runs_the_
         pids = {e["worker"]: e["pid"] for e in read_events(metrics) if e["event"] == "started"}
         assert set(pids) == {"sup-0", "sup-1"}, logs()
         assert not any(process_gone(pid) for pid in pids.values()), logs()  # alive until now
+        for pid in pids.values():  # a checkpoint URI can hold credentials: not in ps's output
+            command_line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            assert str(job.checkpoint_dir).encode() not in command_line, command_line
         first.kill()
         first.wait(30)
         wait_for(

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import io
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +17,8 @@ from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.errors import CheckpointError
 from snapline.sinks import PostgresSink
 from snapline.sinks.postgres import _without_secrets
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
@@ -26,6 +32,15 @@ from snapline.sinks.postgres import _without_secrets
             "s3://b/p?region=eu&secret_key=FAKE&access_key=AK",
             "s3://b/p?region=eu&secret_key=***&access_key=***",
         ),
+        (
+            "kafka_config=mappingproxy({'bootstrap.servers': 'b:9092', 'sasl.password': 'FAKE'})",
+            "kafka_config=mappingproxy({'bootstrap.servers': 'b:9092', 'sasl.password': '***'})",
+        ),
+        (
+            '{"ssl.key.password": "FA\\"KE", "acks": "all"}',
+            '{"ssl.key.password": "***", "acks": "all"}',
+        ),
+        ("{'user': 'app', 'note': 'a: b'}", "{'user': 'app', 'note': 'a: b'}"),
         (
             "gs://bucket/path and a=b and me@example.org",
             "gs://bucket/path and a=b and me@example.org",
@@ -85,3 +100,58 @@ def test_postgres_sink_repr_and_errors_do_not_show_the_password() -> None:
     message = 'invalid percent-encoded token: "FAKE%PW"; password OTHERPW refused'
     cleaned = _without_secrets(message, sink)
     assert "FAKE%PW" not in cleaned and "OTHERPW" not in cleaned
+
+
+def test_checkpoint_storage_errors_do_not_quote_credentials() -> None:
+    from snapline.pipeline.checkpoint.metadata import CheckpointRef
+    from snapline.pipeline.runtime.coordinator import CheckpointCoordinator
+    from snapline.pipeline.runtime.faults import FaultInjector
+
+    storage = CheckpointStorage("s3://AKIAFAKE:FAKESECRET@bucket/jobs?region=us-east-1")
+    coordinator = CheckpointCoordinator("job", "w", storage, FaultInjector(), states=[], timeout=1)
+    error = coordinator._storage_error("write", CheckpointRef(3, "abcd1234"), OSError("down"))
+    assert "FAKESECRET" not in str(error) and "AKIAFAKE" not in str(error)
+    assert "s3://***@bucket/jobs" in str(error)
+
+
+def test_a_kafka_config_of_the_wrong_type_is_refused_without_showing_it() -> None:
+    from types import MappingProxyType
+
+    from snapline import Pipeline
+    from snapline.pipeline.errors import ConfigurationError
+
+    config = MappingProxyType({"bootstrap.servers": "b:9092", "sasl.password": "FAKE"})
+    with pytest.raises(ConfigurationError) as info:
+        Pipeline("orders", kafka_config=config)  # type: ignore[arg-type]
+    assert "FAKE" not in str(info.value) and "mappingproxy" in str(info.value)
+
+
+def test_cli_errors_and_uncaught_tracebacks_are_redacted(tmp_path: Path) -> None:
+    """What a command ends with is printed by Click (or by Python, uncaught), not logged:
+    both are redacted."""
+    module = tmp_path / "leaky_job.py"
+    module.write_text(
+        "from snapline import Pipeline\n"
+        "pipeline = Pipeline('leaky', checkpoint_dir='nosuchfs://AKIAFAKE:FAKESECRET@b/j')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    done = subprocess.run(
+        [sys.executable, "-m", "snapline.pipeline.cli", "status", "leaky_job:pipeline"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1 and "cannot open checkpoint storage" in done.stderr
+    assert "FAKESECRET" not in done.stderr + done.stdout, done.stderr
+    hook = (
+        "from snapline.connectors.config import install_redaction\n"
+        "install_redaction()\n"
+        "raise RuntimeError('could not write s3://AKIAFAKE:FAKESECRET@b/j')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", hook], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.returncode == 1 and "RuntimeError" in done.stderr
+    assert "FAKESECRET" not in done.stderr and "s3://***@b/j" in done.stderr, done.stderr

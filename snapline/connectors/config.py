@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
+import threading
+import traceback
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,12 +47,31 @@ _SECRET_SETTING = re.compile(
 )
 
 
+#: A quoted key and its quoted value, as a dict's repr or JSON prints them
+#: (``'sasl.password': 'x'``, ``"sasl.password": "x"``); redacted when the key is secret.
+_QUOTED_ITEM = re.compile(
+    r"""(['"])([^'"\s]{1,200})\1(\s*:\s*)('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")"""
+)
+
+
+def _quoted_item(match: re.Match[str]) -> str:
+    if not is_secret(match.group(2)):
+        return match.group(0)
+    quote = match.group(4)[0]
+    return f"{match.group(1)}{match.group(2)}{match.group(1)}{match.group(3)}{quote}***{quote}"
+
+
 def redact_text(text: str) -> str:
-    """``text`` with credentials in URIs (``s3://key:secret@bucket``, ``postgresql://u:p@h``)
-    and secret-named settings (``password=...``, ``?secret_key=...``) replaced by ``***``."""
-    if "=" not in text and "@" not in text:
+    """``text`` with credentials in URIs (``s3://key:secret@bucket``, ``postgresql://u:p@h``),
+    secret-named settings (``password=...``, ``?secret_key=...``) and the values of
+    secret-named keys of a printed dict or JSON (``'sasl.password': '...'``) replaced by
+    ``***``."""
+    if "=" not in text and "@" not in text and ":" not in text:
         return text
-    return _SECRET_SETTING.sub(r"\1***", _URI_USERINFO.sub(r"\1***@", text))
+    text = _SECRET_SETTING.sub(r"\1***", _URI_USERINFO.sub(r"\1***@", text))
+    if "'" in text or '"' in text:
+        text = _QUOTED_ITEM.sub(_quoted_item, text)
+    return text
 
 
 class RedactingFilter(logging.Filter):
@@ -68,8 +90,25 @@ class RedactingFilter(logging.Filter):
         return True
 
 
+def _print_redacted(kind: Any, value: Any, tb: Any) -> None:
+    sys.stderr.write(redact_text("".join(traceback.format_exception(kind, value, tb))))
+
+
+def _print_redacted_thread(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    sys.stderr.write(f"Exception in thread {name}:\n")
+    _print_redacted(args.exc_type, args.exc_value, args.exc_traceback)
+
+
 def install_redaction() -> None:
-    """Put ``RedactingFilter`` on every handler of the root logger (after basicConfig)."""
+    """Put ``RedactingFilter`` on every handler of the root logger (after basicConfig), and
+    redact the tracebacks of exceptions nobody caught (the process's and its threads')."""
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, RedactingFilter) for f in handler.filters):
             handler.addFilter(RedactingFilter())
+    if sys.excepthook is sys.__excepthook__:
+        sys.excepthook = _print_redacted
+    if threading.excepthook is threading.__excepthook__:
+        threading.excepthook = _print_redacted_thread

@@ -16,7 +16,7 @@ from typing import NoReturn
 
 import click
 
-from snapline.connectors.config import install_redaction
+from snapline.connectors.config import install_redaction, redact_text
 from snapline.pipeline.cli_help import FullSummaryGroup
 from snapline.pipeline.errors import ConfigurationError, SnaplineError
 from snapline.pipeline.runtime.liveness import DEFAULT_TIMEOUT as DEFAULT_LIVENESS_TIMEOUT
@@ -39,7 +39,7 @@ def _configuration_error(exc: ConfigurationError) -> NoReturn:
     the supervisor, which stops the job and prints it once for all its workers."""
     message_file = os.environ.get(MESSAGE_FILE_ENV)
     if message_file:
-        Path(message_file).write_text(str(exc))
+        Path(message_file).write_text(redact_text(str(exc)))
         log.error("configuration error: exiting with %d (the supervisor prints why)", EX_CONFIG)
         sys.exit(EX_CONFIG)
     error = click.ClickException(str(exc))
@@ -60,6 +60,7 @@ def main() -> None:
 
     Start with `snapline run module:pipeline`; `snapline COMMAND --help` explains each
     command."""
+    install_redaction()  # every command's uncaught tracebacks too (logging adds its own)
 
 
 @main.command(short_help="Run a pipeline as one or more worker processes.")
@@ -272,8 +273,6 @@ def run(
             [
                 "--bootstrap-servers",
                 bootstrap_servers,
-                "--checkpoint-dir",
-                checkpoint_dir,
                 "--log-level",
                 log_level,
                 "--liveness-timeout",
@@ -282,6 +281,9 @@ def run(
                 *([f"--{on_missing}"] if on_missing != "fail" else []),
             ],
             metrics_port=metrics_port,
+            # Not on the command line, where any local user reads it (ps): a checkpoint URI
+            # can hold credentials.
+            extra_env={"SNAPLINE_CHECKPOINT_DIR": checkpoint_dir},
         )
         code = supervisor.run()
         if supervisor.failure_message:

@@ -1,16 +1,31 @@
-"""Help formatting shared by Snapline's command groups: command summaries are never cut off.
+"""What Snapline's command groups share: command summaries are never cut off, and error
+messages never show a credential.
 
 Click shortens a command's summary to fit one line of the group's help ("Run the pipeline
 SPEC (module:attribute) as one or..."); these groups show the whole first sentence, wrapped.
+An error a command ends with can quote a checkpoint URI (``s3://key:secret@bucket``) or a
+configuration: its message is redacted before Click prints it.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
+
+from snapline.connectors.config import redact_text
 
 
 class FullSummaryGroup(click.Group):
-    """A ``click.Group`` whose command list shows each command's whole first sentence."""
+    """A ``click.Group`` whose command list shows each command's whole first sentence, and
+    whose commands' error messages are redacted (``redact_text``)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as exc:
+            exc.message = redact_text(exc.message)
+            raise
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows = []

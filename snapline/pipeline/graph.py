@@ -387,7 +387,9 @@ class Pipeline:
         self.on_corrupt_checkpoint = on_corrupt_checkpoint
         if kafka_config is not None and not isinstance(kafka_config, dict):
             raise ConfigurationError(
-                f"kafka_config={kafka_config!r} must be a dict of librdkafka settings, e.g. "
+                f"kafka_config must be a dict of librdkafka settings, not a "
+                f"{type(kafka_config).__name__} (its values are not shown: they may be "
+                "credentials), e.g. "
                 '{"bootstrap.servers": "kafka:9092"}'
             )
         self.kafka_config = dict(kafka_config or {})

@@ -38,7 +38,10 @@ def _load(spec: str, checkpoint_dir: str | None) -> tuple[Any, Any]:
     directory = (
         checkpoint_dir or pipeline.checkpoint_dir or os.path.join(".snapline", "checkpoints")
     )
-    return pipeline, CheckpointStorage(directory)
+    try:
+        return pipeline, CheckpointStorage(directory)
+    except SnaplineError as exc:
+        raise click.ClickException(str(exc)) from exc
 
 
 def _size(n: int) -> str:

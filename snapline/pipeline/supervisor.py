@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -151,8 +151,11 @@ class Supervisor:
         extra_args: Sequence[str],
         policy: RestartPolicy | None = None,
         metrics_port: int | None = None,
+        extra_env: Mapping[str, str] | None = None,
     ) -> None:
         self.spec = spec
+        #: Set in every worker's environment (settings that must not show on a command line).
+        self.extra_env = dict(extra_env or {})
         #: Worker i serves its metrics on metrics_port + i.
         self.metrics_port = metrics_port
         self.restarts: dict[str, int] = {w: 0 for w in worker_ids}
@@ -200,6 +203,7 @@ class Supervisor:
         self._message_file(worker_id).unlink(missing_ok=True)
         env = {
             **os.environ,
+            **self.extra_env,
             MESSAGE_FILE_ENV: str(self._message_file(worker_id)),
             RESTARTS_ENV: str(self.restarts[worker_id]),
         }

@@ -32,6 +32,7 @@ from typing import Any
 
 import orjson
 
+from snapline.connectors.config import redact_text
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.errors import CheckpointError, CorruptCheckpointError
 from snapline.pipeline.state.backend import StateFile, StateHandle
@@ -340,7 +341,7 @@ def _download_verified(storage: CheckpointStorage, state_file: StateFile, dest: 
                 out.write(chunk)
     except FileNotFoundError as exc:
         raise CorruptCheckpointError(
-            f"{what} is missing from checkpoint storage {storage.uri!r}"
+            f"{what} is missing from checkpoint storage {redact_text(repr(storage.uri))}"
         ) from exc
     actual = f"crc32:{crc & 0xFFFFFFFF:08x}"
     if size != state_file.size or actual != state_file.checksum:

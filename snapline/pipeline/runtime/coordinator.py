@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from snapline.connectors.config import redact_text
 from snapline.pipeline.background import SHUTDOWN_BOUND, BackgroundJobs
 from snapline.pipeline.checkpoint.metadata import (
     METADATA_FILE,
@@ -174,7 +175,7 @@ class CheckpointCoordinator:
     def _storage_error(self, what: str, ref: CheckpointRef, exc: Exception) -> Exception:
         return CheckpointStorageError(
             f"could not {what} checkpoint {ref.checkpoint_id} to checkpoint storage "
-            f"{self.storage.uri}: {exc}"
+            f"{redact_text(self.storage.uri)}: {redact_text(str(exc))}"
         )
 
     # ----------------------------------------------------------------- completion
