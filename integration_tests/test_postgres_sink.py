@@ -166,6 +166,40 @@ def test_a_replay_never_overwrites_newer_data(postgres_dsn: str) -> None:
         w.close()
 
 
+def test_recovery_tells_the_highest_checkpoint_id_its_task_applied(postgres_dsn: str) -> None:
+    """The upsert keeps a row its task wrote at a higher id. A job whose checkpoint storage was
+    wiped or replaced numbers its checkpoints from 1 again, and its updates were dropped,
+    silently: recovery now tells the worker the highest id the task applied (the worker's
+    ids go on above it). A table an earlier version wrote gets it from its rows."""
+    table = make_table(postgres_dsn)
+    sink = PostgresSink(postgres_dsn, table, ["customer"])
+    writer = open_writer(sink)
+    writer.recover(None, None)
+    assert writer.checkpoint_ids_above() is None
+    write(writer, [{"customer": "a", "total": 1, "n": 1}], 500)
+    pre_commit(writer, 500)
+    writer.commit(500)
+    write(writer, [{"customer": "b", "total": 2, "n": 1}], 501)
+    pre_commit(writer, 501)
+    writer.commit(501)
+    writer.close()
+    fresh = open_writer(sink)  # the same task after the storage was wiped: no checkpoint
+    fresh.recover(None, None)
+    assert fresh.checkpoint_ids_above() == 501
+    other = open_writer(sink, task="orders-7")  # ids are per task
+    other.recover(None, None)
+    assert other.checkpoint_ids_above() is None
+    for w in (fresh, other):
+        w.close()
+    # A table written before the tasks table existed: filled from the rows, once.
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(f"{table}__snapline_tasks")))
+    upgraded = open_writer(sink)
+    upgraded.recover(None, None)
+    assert upgraded.checkpoint_ids_above() == 501
+    upgraded.close()
+
+
 def test_crash_after_the_commit_point_is_applied_by_recovery(postgres_dsn: str) -> None:
     table = make_table(postgres_dsn)
     sink = PostgresSink(postgres_dsn, table, ["customer"])

@@ -70,6 +70,13 @@ class SinkWriter(ABC):
         ``pre_commit`` returned for that checkpoint.
         """
 
+    def checkpoint_ids_above(self) -> int | None:
+        """After ``recover``: a checkpoint id the sink's output already holds for this task,
+        which the job's next ids must exceed (None: no such bound). The PostgreSQL sink's
+        upsert keeps rows a task wrote at higher ids; a job whose checkpoint storage was wiped
+        or replaced would number its checkpoints from 1 again."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - default no-op
         """The task is going away (moved to another worker, or the worker stops)."""
 

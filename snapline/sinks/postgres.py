@@ -53,6 +53,7 @@ FENCE_COLUMNS = (CHECKPOINT_COLUMN, TASK_COLUMN)
 STAGING_SUFFIX = "__snapline_staging"
 REJECTED_SUFFIX = "__snapline_rejected"
 JOBS_SUFFIX = "__snapline_jobs"
+TASKS_SUFFIX = "__snapline_tasks"
 #: PostgreSQL truncates identifiers to 63 bytes; longer derived names are shortened with a hash.
 MAX_IDENTIFIER = 63
 _COPY_CHUNK = 1 << 20
@@ -123,6 +124,10 @@ class TableSpec:
         return sql.Identifier(self.schema, derived_name(self.table, JOBS_SUFFIX))
 
     @property
+    def tasks(self) -> sql.Identifier:
+        return sql.Identifier(self.schema, derived_name(self.table, TASKS_SUFFIX))
+
+    @property
     def column_names(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.columns)
 
@@ -180,6 +185,16 @@ def jobs_ddl(spec: TableSpec) -> sql.Composed:
         "CREATE TABLE IF NOT EXISTS {} (job text PRIMARY KEY, cluster_id text NOT NULL, "
         "first_seen timestamptz NOT NULL DEFAULT now())"
     ).format(spec.jobs)
+
+
+def tasks_ddl(spec: TableSpec) -> sql.Composed:
+    """The highest checkpoint id each task (``job/task``) applied to the table. The upsert
+    keeps a row its task wrote at a higher id, so a job whose ids started again lower (its
+    checkpoint storage wiped or replaced) would have its updates dropped, silently: the
+    worker reads this at restore and takes its ids above it (``checkpoint_ids_above``)."""
+    return sql.SQL(
+        "CREATE TABLE IF NOT EXISTS {} (task text PRIMARY KEY, checkpoint bigint NOT NULL)"
+    ).format(spec.tasks)
 
 
 def apply_sql(spec: TableSpec, single_row: bool = False) -> sql.Composed:
@@ -519,6 +534,8 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
         self.rows_staged = 0
         self.rows_dead_lettered = 0
         self.rows_rejected = 0
+        #: The highest checkpoint id this task applied, read at recovery (None: none).
+        self._ids_above: int | None = None
 
     # ------------------------------------------------------------------ task thread: rows
     def write(self, record: Record, epoch: int) -> None:
@@ -591,13 +608,17 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
         if self._encoder is None:
             self._open()
 
-        def run() -> None:
+        def run() -> int | None:
             for checkpoint_id, token in sorted(entries):
                 self._apply(token, checkpoint_id)
             if committed is not None:
                 self._delete_dead(committed)
+            return self._applied_id()
 
-        self._call(run)
+        self._ids_above = self._call(run)
+
+    def checkpoint_ids_above(self) -> int | None:
+        return self._ids_above
 
     # ------------------------------------------------------------------ background thread
     def _where(self) -> str:
@@ -693,10 +714,34 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
             spec = self._spec_from(schema, table, columns, qualified)
             for statement in staging_ddl(spec):
                 connection.execute(statement)
+            self._create_tasks_table(connection, spec, upgrade=not fence)
             connection.execute(rejected_ddl(spec))
             if self._context.cluster_id:
                 self._check_identity(connection, spec, qualified)
         return spec
+
+    def _create_tasks_table(
+        self, connection: psycopg.Connection[Any], spec: TableSpec, upgrade: bool
+    ) -> None:
+        """``tasks_ddl``; a table an earlier version wrote (``upgrade``: it has the fence
+        columns) fills it from its rows, once (a scan of the table, under the setup lock)."""
+        qualified = spec.tasks.as_string(connection)
+        exists = connection.execute("SELECT to_regclass(%s)::oid", (qualified,)).fetchone()
+        if exists is not None and exists[0] is not None:
+            return
+        connection.execute(tasks_ddl(spec))
+        if upgrade:
+            connection.execute(
+                sql.SQL(
+                    "INSERT INTO {} (task, checkpoint) SELECT {task}, max({chk}) FROM {} "
+                    "WHERE {task} IS NOT NULL AND {chk} IS NOT NULL GROUP BY {task}"
+                ).format(
+                    spec.tasks,
+                    spec.target,
+                    task=sql.Identifier(TASK_COLUMN),
+                    chk=sql.Identifier(CHECKPOINT_COLUMN),
+                )
+            )
 
     def _check_identity(
         self, connection: psycopg.Connection[Any], spec: TableSpec, qualified: str
@@ -823,6 +868,14 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
                     self._apply_row_by_row(cursor, spec, params)
                 cursor.execute(
                     sql.SQL(
+                        "INSERT INTO {0} AS t (task, checkpoint) VALUES (%(task)s, "
+                        "%(checkpoint)s) ON CONFLICT (task) DO UPDATE SET checkpoint = "
+                        "GREATEST(t.checkpoint, EXCLUDED.checkpoint)"
+                    ).format(spec.tasks),
+                    params,
+                )
+                cursor.execute(
+                    sql.SQL(
                         "DELETE FROM {} WHERE writer = %(writer)s AND ("
                         "(token = %(token)s AND checkpoint_id = %(checkpoint)s) OR "
                         "(token <> %(mine)s AND checkpoint_id <= %(checkpoint)s))"
@@ -867,6 +920,21 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
                     exc.sqlstate,
                     spec.rejected.as_string(connection),
                 )
+
+    def _applied_id(self) -> int | None:
+        """The highest checkpoint id this task applied to the table (``tasks_ddl``)."""
+        spec = self._spec
+        assert spec is not None
+        try:
+            connection = self._conn()
+            with connection.transaction():
+                row = connection.execute(
+                    sql.SQL("SELECT checkpoint FROM {} WHERE task = %s").format(spec.tasks),
+                    (self.task_key,),
+                ).fetchone()
+        except psycopg.Error as exc:
+            raise self._fail(exc, "read the applied checkpoint ids of") from exc
+        return None if row is None else int(row[0])
 
     def _delete_staged(self, from_checkpoint: int) -> None:
         """Delete this writer instance's own staged rows of checkpoints ≥ n."""

@@ -462,6 +462,11 @@ class Task:
         for name, sink_op in self.sink_writers.items():
             sink_op.writer.recover(committed, metadata.get(name))
 
+    def sink_checkpoint_ids_above(self) -> int | None:
+        """The highest ``checkpoint_ids_above`` of the task's sinks (after ``recover_sinks``)."""
+        bounds = [w.writer.checkpoint_ids_above() for w in self.sink_writers.values()]
+        return max((b for b in bounds if b is not None), default=None)
+
     def abort_sinks(self, checkpoint_id: int) -> None:
         for sink_op in self.sink_writers.values():
             sink_op.writer.abort(checkpoint_id)

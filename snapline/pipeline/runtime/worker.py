@@ -693,6 +693,19 @@ class Worker:
             source_ends=self._source_ends,
         )
         task.recover_sinks(ref.checkpoint_id if ref else None, meta.sinks if meta else {})
+        above = task.sink_checkpoint_ids_above()
+        if above is not None and above >= self.coordinator.next_id:
+            # The storage holds lower ids than a sink already applied: it was wiped or
+            # replaced. Ids below would be silently dropped by the PostgreSQL sink's upsert.
+            log.warning(
+                "task %s: a sink holds output of checkpoint %d, above this job's checkpoint "
+                "ids in %s (was the checkpoint storage wiped or replaced?); checkpoint ids go "
+                "on above it",
+                task_id,
+                above,
+                redact_text(self.storage.uri),
+            )
+            self.coordinator.observe_restored(above)
         self.tasks[task_id] = task
         log.info(
             "task %s restored from %s at %s",
