@@ -855,6 +855,13 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
         try:
             connection = self._conn()
             with connection.transaction(), connection.cursor() as cursor:
+                # One apply of a staged checkpoint at a time (its old owner's commit and its
+                # new owner's recovery can meet): the second finds the rows gone, a no-op,
+                # instead of copying refused rows to the rejected table a second time.
+                cursor.execute(
+                    "SELECT pg_advisory_xact_lock(hashtext(%s))",
+                    (f"snapline-apply:{self.writer_key}:{token}:{checkpoint_id}",),
+                )
                 try:
                     with connection.transaction():  # a savepoint
                         cursor.execute(apply_sql(spec), params)
