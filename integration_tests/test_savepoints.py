@@ -513,6 +513,37 @@ def test_an_upgraded_pipeline_restores_and_an_incompatible_one_is_refused(
     job.stop_all()
 
 
+def test_code_that_renumbers_states_is_refused_at_a_restart_and_goes_through_a_savepoint(
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list[Any]
+) -> None:
+    """Checkpoints store states by number (declared states in graph order, then timers). The
+    upgraded code adds ``largest`` before ``total`` in RunningTotal: a worker that went on from
+    its checkpoint read the old totals as ``largest`` and started ``total`` from 0, silently.
+    It is now refused at start, naming the fix: a savepoint, which maps states by name."""
+    job = WarehouseJob(
+        kafka_bootstrap, unique_name, tmp_path, postgres_dsn, partitions=2, workers=1
+    )
+    jobs.append(job)
+    worker = job.workers[0]
+    worker.start()
+    job.produce(3_000)
+    job.wait_until_caught_up()
+    assert worker.stop() == 0, worker.tail()
+    worker.env["SNAPLINE_EXAMPLE_VARIANT"] = "upgraded"
+    worker.start()
+    assert worker.wait_exit(120) == 78, worker.tail()
+    tail = worker.tail(80)
+    assert "numbered differently" in tail and "'total' of operator 'RunningTotal'" in tail, tail
+    assert "savepoint from-checkpoint" in tail
+    path = snapline(
+        job, "savepoint", "from-checkpoint", SPEC, env={"SNAPLINE_EXAMPLE_VARIANT": "upgraded"}
+    )
+    start_from_savepoint(job, path, 2)
+    job.produce(3_000)
+    job.verify()  # the totals go on from the old ones
+    job.stop_all()
+
+
 def test_a_request_sent_as_soon_as_a_worker_listens_reaches_it(
     kafka_bootstrap: str, unique_name: str
 ) -> None:

@@ -716,9 +716,35 @@ class Worker:
         return positions, ref
 
     def _check_states(self, task_id: str, meta: TaskCheckpoint) -> None:
-        """Refuse to go on from a checkpoint whose state the code would read wrong (a state's
-        kind, serde, TTL or map key serde changed since: state/compat.py)."""
+        """Refuse to go on from a checkpoint whose state the code would read wrong: a state's
+        kind, serde, TTL or map key serde changed since (state/compat.py), or its id. Stored
+        entries carry their state's id, and ids are numbered by position (declared states in
+        graph order, then every operator's timers): a state added, removed or reordered moves
+        the ids after it, and the code would read one state's values as another's and lose
+        every timer, silently. A savepoint maps states by name instead."""
         problems = []
+        stored_ids = {
+            int(d["id"]): (d.get("uid"), d.get("name") or "") for d in meta.states if "id" in d
+        }
+        moved = sorted(
+            f"{name!r} of operator {uid!r}"
+            for (uid, name), now in self._declared_states.items()
+            if int(now["id"]) in stored_ids and stored_ids[int(now["id"])] != (uid, name)
+        ) + sorted(
+            f"{name!r} of operator {uid!r}"
+            for sid, (uid, name) in stored_ids.items()
+            if (uid, name) in self._declared_states
+            and int(self._declared_states[(uid, name)]["id"]) != sid
+        )
+        if moved:
+            raise ConfigurationError(
+                f"task {task_id} cannot continue from checkpoint {meta.ref.checkpoint_id} with "
+                f"this code: states {sorted(set(moved))} are numbered differently (a state or "
+                "a stateful operator was added, removed or moved before them; checkpoints "
+                "store states by number). Go through a savepoint, which maps states by name: "
+                "with the job stopped, 'snapline savepoint from-checkpoint SPEC' with this "
+                "code, then 'snapline run SPEC --from-savepoint PATH'"
+            )
         for stored in meta.states:
             now = self._declared_states.get((stored.get("uid"), stored.get("name") or ""))
             if now is None or "kind" not in stored:
