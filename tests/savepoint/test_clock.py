@@ -1,22 +1,31 @@
-"""The clock (watermark) each task of a keyed stage gets from a savepoint, rescaled or not."""
+"""The clock (watermark) each task gets from a savepoint: rescaled or not, and in code that
+renumbers stages."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from snapline.pipeline.savepoint.format import SavepointMetadata
-from snapline.pipeline.savepoint.restore import _clock
+from snapline.pipeline.savepoint.restore import _clock, _old_stages
 
 MAXP = 128
 
 
-def _savepoint(watermarks: dict[str, int]) -> SavepointMetadata:
-    clocks = {t: {"watermark": w, "channels": [["x", 0, w]]} for t, w in watermarks.items()}
-    return SavepointMetadata("job", "x", MAXP, {}, {}, [], [], clocks=clocks)
+def _savepoint(
+    watermarks: dict[str, int], stage_reads: dict[int, list[str]] | None = None
+) -> SavepointMetadata:
+    clocks = {
+        t: {"watermark": w, "channels": [["x", 0, {"up": {}}]]} for t, w in watermarks.items()
+    }
+    return SavepointMetadata(
+        "job", "x", MAXP, {}, {}, [], [], clocks=clocks, stage_reads=stage_reads or {}
+    )
 
 
 def _watermarks(savepoint: SavepointMetadata, old: int, new: int) -> list[int]:
     out = []
     for p in range(new):
-        clock = _clock(savepoint, f"s1-p{p}", 1, (old, new), p)
+        clock = _clock(savepoint, 1, 1, (old, new), p)
         assert clock is not None
         out.append(clock["watermark"])
     return out
@@ -34,7 +43,48 @@ def test_merged_tasks_take_the_smallest_watermark_of_their_sources() -> None:
     assert _watermarks(savepoint, 4, 2) == [1_000, 3_000]
 
 
-def test_an_unchanged_task_keeps_its_own_clock() -> None:
+def test_an_unchanged_keyed_task_keeps_its_watermark_but_not_its_writers_watermarks() -> None:
+    """Its upstream stage may have been rescaled: tasks of the same ids over other key-groups,
+    whose old watermarks would run ahead of the new ones' (found by review: the stage's
+    watermark jumped to the old writers' 100 while a new writer was at 10)."""
     savepoint = _savepoint({"s1-p0": 5_000, "s1-p1": 10_000})
-    assert _clock(savepoint, "s1-p1", 1, (2, 2), 1) == savepoint.clocks["s1-p1"]
-    assert _clock(savepoint, "s1-p1", 1) == savepoint.clocks["s1-p1"]
+    expected = {"watermark": 10_000, "channels": []}
+    assert _clock(savepoint, 1, 1, (2, 2), 1) == expected
+    assert _clock(savepoint, 1, 1, None, 1) == expected
+
+
+def test_a_source_task_keeps_its_whole_clock() -> None:
+    savepoint = _savepoint({"p0": 7_000})
+    assert _clock(savepoint, 0, 0, None, 0) == savepoint.clocks["p0"]
+
+
+def test_a_stage_renumbered_by_the_code_gets_the_clock_of_the_stage_that_read_its_topics() -> None:
+    """The code adds a re-keying before the window stage: what was s1 (reading by-customer) is
+    s2 now, and the new s1 (reading by-region) is new. Clocks went by number: the new stage
+    got the window stage's watermark, and the window stage none (event time moved back)."""
+    savepoint = _savepoint(
+        {"p0": 9_000, "s1-p0": 5_000, "s1-p1": 6_000},
+        stage_reads={0: [], 1: ["job.by-customer.repartition"]},
+    )
+    plan = SimpleNamespace(
+        stages=[
+            SimpleNamespace(index=0, reads=()),
+            SimpleNamespace(index=1, reads=("job.by-region.repartition",)),
+            SimpleNamespace(index=2, reads=("job.by-customer.repartition",)),
+        ]
+    )
+    old = _old_stages(savepoint, plan)
+    assert old == {0: 0, 2: 1}
+    assert _clock(savepoint, 1, old.get(1), (2, 2), 0) is None
+    assert [_clock(savepoint, 2, old.get(2), (2, 2), p) for p in (0, 1)] == [
+        {"watermark": 5_000, "channels": []},
+        {"watermark": 6_000, "channels": []},
+    ]
+
+
+def test_a_savepoint_of_an_earlier_version_keeps_the_stage_numbers() -> None:
+    savepoint = _savepoint({"s1-p0": 5_000})
+    plan = SimpleNamespace(
+        stages=[SimpleNamespace(index=0, reads=()), SimpleNamespace(index=1, reads=("t",))]
+    )
+    assert _old_stages(savepoint, plan) == {0: 0, 1: 1}

@@ -579,6 +579,7 @@ def export_savepoint(
             origin=origin,
             clocks=clocks,
             highest_checkpoint_id=highest,
+            stage_reads={stage.index: list(stage.reads) for stage in plan.stages},
         )
         out.write_bytes(METADATA_FILE, metadata.encode())  # last: the savepoint is complete
         return metadata

@@ -151,6 +151,10 @@ class SavepointMetadata:
     #: ids go on above it, in whatever checkpoint storage it restores into (0: a savepoint of
     #: an earlier version, which did not record it).
     highest_checkpoint_id: int = 0
+    #: Each stage's input topics, by its number when the savepoint was taken: a restore finds
+    #: a stage's clocks by what it reads (code that adds a stage renumbers the ones after it).
+    #: Empty in savepoints of earlier versions (the numbers are taken as they are).
+    stage_reads: dict[int, list[str]] = field(default_factory=dict)
 
     def encode(self) -> bytes:
         body = {
@@ -178,6 +182,7 @@ class SavepointMetadata:
             "created_at": self.created_at,
             "clocks": self.clocks,
             "highest_checkpoint_id": self.highest_checkpoint_id,
+            "stage_reads": {str(k): v for k, v in sorted(self.stage_reads.items())},
         }
         raw = orjson.dumps(body, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
         return orjson.dumps(
@@ -224,6 +229,7 @@ class SavepointMetadata:
             created_at=float(body.get("created_at", 0.0)),
             clocks=dict(body.get("clocks", {})),
             highest_checkpoint_id=int(body.get("highest_checkpoint_id", 0)),
+            stage_reads={int(k): list(v) for k, v in body.get("stage_reads", {}).items()},
         )
 
 

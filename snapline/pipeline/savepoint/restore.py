@@ -447,6 +447,7 @@ def _seed(
                 progress("restoring savepoint state", done, total)
 
         counts = _task_counts(savepoint, plan, partitions)
+        old_stages = _old_stages(savepoint, plan)
         tell(0, len(jobs))
         rows = sum(f.rows for op in savepoint.operators for f in op.files)
         loaded = run_jobs(load_task, jobs, pool_size(len(jobs), rows=rows), tell)
@@ -479,7 +480,11 @@ def _seed(
                 states=states_meta,
                 created_at=time.time(),
                 time=_clock(
-                    savepoint, task.task_id, task.stage, counts.get(task.stage), task.partition
+                    savepoint,
+                    task.stage,
+                    old_stages.get(task.stage),
+                    counts.get(task.stage),
+                    task.partition,
                 ),
             ).write(storage)
             mark_committed(storage, pipeline.name, task.task_id, ref)
@@ -525,21 +530,50 @@ def _seed(
     return checkpoint_id
 
 
+def _old_stages(savepoint: SavepointMetadata, plan: Any) -> dict[int, int]:
+    """Each stage's number when the savepoint was taken (the stage that read the same topics);
+    a stage the savepoint had no counterpart of is left out. Savepoints of earlier versions
+    did not record what their stages read: their numbers are taken as they are."""
+    if not savepoint.stage_reads:
+        return {stage.index: stage.index for stage in plan.stages}
+    by_reads = {tuple(sorted(reads)): index for index, reads in savepoint.stage_reads.items()}
+    out = {}
+    for stage in plan.stages:
+        old = (
+            SOURCE_STAGE
+            if stage.index == SOURCE_STAGE
+            else by_reads.get(tuple(sorted(stage.reads)))
+        )
+        if old is not None:
+            out[stage.index] = old
+    return out
+
+
 def _clock(
     savepoint: SavepointMetadata,
-    task_id: str,
     stage: int,
+    old_stage: int | None,
     counts: tuple[int, int] | None = None,
     partition: int = 0,
 ) -> dict[str, Any] | None:
-    """The task's clock: its own from the savepoint when the task existed there with the same
-    key-groups. ``counts``: (task count in the savepoint, task count now) of a keyed stage;
-    when they differ, task ids name other key-groups, and the task (``partition``)'s clock is
-    the smallest watermark of the old tasks whose key-groups it takes (their records in
-    flight are replayed to it, so a larger watermark would make them late). Otherwise (a
-    task the savepoint has no clock for) the smallest watermark of the stage's saved tasks,
-    so event time never moves back past what every task had reached."""
-    prefix = "p" if stage == SOURCE_STAGE else f"s{stage}-p"
+    """The clock of task ``partition`` of ``stage`` (``old_stage``: the same stage's number
+    in the savepoint; None: a stage new in the code, which starts without one).
+
+    Its own from the savepoint when the task existed there with the same key-groups.
+    ``counts``: (task count in the savepoint, task count now) of a keyed stage; when they
+    differ, task ids name other key-groups, and the task's clock is the smallest watermark of
+    the old tasks whose key-groups it takes (their records in flight are replayed to it, so a
+    larger watermark would make them late). Otherwise (a task the savepoint has no clock for)
+    the smallest watermark of the stage's saved tasks, so event time never moves back past
+    what every task had reached.
+
+    A keyed stage's clock keeps only its watermark, not the watermarks its channels had from
+    each upstream task: an upstream stage restored with another task count has tasks of the
+    same ids over other key-groups, and their old watermarks would run ahead of what the new
+    ones send (the channels wait for every writer's first watermark after the restore)."""
+    if old_stage is None:
+        return None
+    prefix = "p" if old_stage == SOURCE_STAGE else f"s{old_stage}-p"
     if counts is not None and stage != SOURCE_STAGE and counts[0] != counts[1]:
         old, new = counts
         sources = {
@@ -551,12 +585,15 @@ def _clock(
         ]
         if marks:
             return {"watermark": min(marks), "channels": []}
-    elif task_id in savepoint.clocks:
-        return savepoint.clocks[task_id]
+    elif f"{prefix}{partition}" in savepoint.clocks:
+        clock = savepoint.clocks[f"{prefix}{partition}"]
+        if stage == SOURCE_STAGE:
+            return clock
+        return {"watermark": int(clock.get("watermark", 0)), "channels": []}
     marks = [
         int(clock.get("watermark", 0))
         for saved, clock in savepoint.clocks.items()
-        if saved.startswith(prefix) and (stage != SOURCE_STAGE or saved[1:].isdigit())
+        if saved.startswith(prefix) and (old_stage != SOURCE_STAGE or saved[1:].isdigit())
     ]
     return {"watermark": min(marks), "channels": []} if marks else None
 
