@@ -34,6 +34,7 @@ import json
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -141,6 +142,49 @@ def _used_legacy_ids(storage: Any, job: str, run_id: str) -> bool:
     return bool(storage.list_dir(f"{job}/spark/{run_id}"))
 
 
+class Feed:
+    """A Spark task's sorted rows ``(topic, offset, key, value, timestamp)``, handed to its
+    Snapline task in chunks (``into``), and ``at_end``, the task's ``source_ends``: a source
+    partition is at its end once every one of its rows was handed over, and only then may
+    its clock call it idle. With the wall clock alone (there is no Kafka to ask), a topic
+    whose rows come after another's (they are fed in offset order) went idle while its rows
+    waited, and they were late: windows fired without them, differently from run to run."""
+
+    CHUNK = 2048
+
+    def __init__(self, rows: Iterable[tuple[Any, ...]], partition: int) -> None:
+        self.rows = list(rows)
+        self.partition = partition
+        self._unfed = Counter(row[0] for row in self.rows)
+
+    def at_end(self, tp: tuple[str, int], since: float = 0.0) -> bool:
+        return self._unfed[tp[0]] == 0
+
+    def into(self, task: Any) -> int:
+        """Hand every row to ``task`` (``enqueue`` and ``run`` per chunk); returns how many."""
+        from snapline.pipeline.record import ListedMessage
+
+        batch: list[ListedMessage] = []
+        current: str | None = None
+
+        def flush() -> None:
+            if batch:
+                task.enqueue((current or "", self.partition), list(batch))
+                task.run()
+                batch.clear()
+
+        for topic, offset, key, value, ts in self.rows:
+            if topic != current:
+                flush()
+                current = topic
+            batch.append(ListedMessage(topic, self.partition, offset, value, key, ts))
+            self._unfed[topic] -= 1
+            if len(batch) >= self.CHUNK:
+                flush()
+        flush()
+        return len(self.rows)
+
+
 def run_stage_task(
     config: RunConfig, stage: int, partition: int, rows: Iterable[tuple[Any, ...]]
 ) -> Iterator[tuple[Any, ...]]:
@@ -158,7 +202,6 @@ def run_stage_task(
     from snapline.pipeline.checkpoint.storage import CheckpointStorage
     from snapline.pipeline.graph import load_pipeline
     from snapline.pipeline.keygroups import key_group_range
-    from snapline.pipeline.record import ListedMessage
     from snapline.pipeline.runtime.faults import FaultInjector
     from snapline.pipeline.runtime.task import Task, TaskSnapshot
     from snapline.pipeline.runtime.transaction import TransactionalOutput
@@ -242,6 +285,7 @@ def run_stage_task(
                         pipeline.max_parallelism,
                     )
         inputs = reads or tuple(pipeline.source_topics())
+        feed = Feed(rows, partition)
         snapshots: list[TaskSnapshot] = []
         task = Task(
             task_id,
@@ -256,28 +300,11 @@ def run_stage_task(
             stage=stage,
             plan=plan,
             topic_partitions=partitions,
+            source_ends=feed.at_end,
         )
         if not committed:
             task.recover_sinks(None, {})
-        batch: list[ListedMessage] = []
-        current: str | None = None
-        records = 0
-
-        def flush() -> None:
-            if batch:
-                task.enqueue((current or "", partition), list(batch))
-                task.run()
-                batch.clear()
-
-        for topic, offset, key, value, ts in rows:
-            if topic != current:
-                flush()
-                current = topic
-            batch.append(ListedMessage(topic, partition, offset, value, key, ts))
-            records += 1
-            if len(batch) >= 2048:
-                flush()
-        flush()
+        records = feed.into(task)
         task.inject_barrier(1)
         task.run()
         (snapshot,) = snapshots
