@@ -14,6 +14,7 @@ from pathlib import Path
 import orjson
 import pytest
 from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient
 
 from examples.orders import create_topics, read_committed
 from snapline.pipeline.spark.bounded import _transactional_id
@@ -23,9 +24,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.slow]
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_two_jobs_spark_runs_with_one_run_id_do_not_fence_each_other(
+def test_two_jobs_spark_runs_with_one_run_id_do_not_fence_each_other_and_reruns_see_the_run(
     kafka_bootstrap: str, tmp_path: Path, unique_name: str
 ) -> None:
+    """Then: the run's ledger (a consumer group's committed offset per task) expires
+    offsets.retention.minutes after its commit. A re-run with the run's id found every task
+    "not committed" and wrote its output again; it is refused now (each task leaves a
+    committed mark in checkpoint storage), and writes nothing."""
     prefix = f"{unique_name}-"
     create_topics(kafka_bootstrap, {f"{prefix}copy-in": 1, f"{prefix}copy-out": 1})
     source = Producer({"bootstrap.servers": kafka_bootstrap})
@@ -47,7 +52,28 @@ def test_two_jobs_spark_runs_with_one_run_id_do_not_fence_each_other(
     other.flush(30)
 
     # Job "<prefix>job" runs on Spark with the same run id, over the same input.
-    result = subprocess.run(
+    result = _spark_run(kafka_bootstrap, tmp_path, prefix)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    # The other job's transaction was left alone: it commits (fenced, this raised _FENCED).
+    other.commit_transaction(30)
+    outputs = read_committed(kafka_bootstrap, f"{prefix}copy-out", 4, timeout=60, settle=2)
+    assert sorted(str(o["n"]) for o in outputs) == ["0", "1", "2", "other job"]
+
+    # The ledger expires (its group's offsets deleted, as retention does); the re-run of the
+    # run is refused, naming why, and writes nothing.
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    ledger = f"snapline-spark-backfill-{task}"
+    admin.delete_consumer_groups([ledger], request_timeout=30)[ledger].result(timeout=35)
+    again = _spark_run(kafka_bootstrap, tmp_path, prefix)
+    assert again.returncode != 0
+    assert "offsets expired" in again.stderr + again.stdout, again.stderr[-4000:]
+    outputs = read_committed(kafka_bootstrap, f"{prefix}copy-out", 4, timeout=30, settle=5)
+    assert sorted(str(o["n"]) for o in outputs) == ["0", "1", "2", "other job"]
+
+
+def _spark_run(bootstrap: str, tmp_path: Path, prefix: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -68,13 +94,7 @@ def test_two_jobs_spark_runs_with_one_run_id_do_not_fence_each_other(
             **os.environ,
             "PYTHONPATH": str(REPO),
             "SNAPLINE_TEST_PREFIX": prefix,
-            "SNAPLINE_BOOTSTRAP_SERVERS": kafka_bootstrap,
+            "SNAPLINE_BOOTSTRAP_SERVERS": bootstrap,
             "SNAPLINE_CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
         },
     )
-    assert result.returncode == 0, result.stderr[-4000:]
-
-    # The other job's transaction was left alone: it commits (fenced, this raised _FENCED).
-    other.commit_transaction(30)
-    outputs = read_committed(kafka_bootstrap, f"{prefix}copy-out", 4, timeout=60, settle=2)
-    assert sorted(str(o["n"]) for o in outputs) == ["0", "1", "2", "other job"]

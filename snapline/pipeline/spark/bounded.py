@@ -42,7 +42,7 @@ from typing import Any
 
 import orjson
 
-from snapline.pipeline.errors import ConfigurationError
+from snapline.pipeline.errors import CheckpointError, ConfigurationError
 from snapline.pipeline.state.compat import state_description
 
 log = logging.getLogger(__name__)
@@ -226,6 +226,8 @@ def run_stage_task(
         return f"{pipeline.name}/spark/{config.run_id}/{task_id}{suffix}.json"
 
     control = TopicPartition(control_topic(pipeline.name), 0)
+    #: Written once the task's Kafka transaction committed: outlives the ledger's offsets.
+    committed_mark = f"{pipeline.name}/spark/{config.run_id}/{task_id}.committed"
     ledger = Consumer(
         {
             **config.kafka_config,
@@ -253,7 +255,20 @@ def run_stage_task(
         assert kafka is not None
         kafka.init()
         (ledger_offset,) = ledger.committed([control], timeout=30)
+        if ledger_offset.error is not None:  # read as "not committed", it would commit twice
+            raise CheckpointError(
+                f"cannot read the ledger of task {task_id}: {ledger_offset.error}"
+            )
         committed = ledger_offset.offset >= 1
+        if not committed and storage.exists(committed_mark):
+            # The ledger is a consumer group's offset, which Kafka deletes
+            # offsets.retention.minutes (7 days) after its commit; the mark is not.
+            raise CheckpointError(
+                f"task {task_id} of run {config.run_id} committed its output before "
+                f"({storage.full_path(committed_mark)}), but the run's ledger in Kafka no "
+                "longer says so: its offsets expired (offsets.retention.minutes). Running it "
+                "again would write that output twice; start a new run (another --run-id)"
+            )
         if committed:
             kafka.close()
             kafka = None
@@ -327,6 +342,7 @@ def run_stage_task(
                 [TopicPartition(control.topic, 0, 1, metadata=token)],
                 ledger.consumer_group_metadata(),
             )
+            storage.write_bytes(committed_mark, token.encode())
             _inject_fault(task_id)
             task.notify_committed(1)
         # The task's state, for the savepoint the run ends with.
