@@ -20,6 +20,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from snapline.connectors.config import redact_text
 from snapline.pipeline.checkpoint.history import HistoryEntry, HistoryWriter, TaskTimes
 from snapline.pipeline.errors import ConfigurationError
 from snapline.pipeline.state.backend import StateHandle
@@ -254,7 +255,7 @@ class WorkerMetrics:
                 status=status,
                 time=pending.triggered_wall,
                 checkpoint_id=pending.checkpoint_id,
-                reason=why[:500],
+                reason=redact_text(why)[:500],
                 duration=round(time.monotonic() - pending.triggered_at, 6),
             )
         )

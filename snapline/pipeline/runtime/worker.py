@@ -1534,7 +1534,7 @@ class Worker:
             # The producer was fenced, or its transaction failed, while the epoch ran: the
             # abort ends the transaction (replacing a fenced producer) and the tasks restore
             # from the committed checkpoint, as after a failed commit.
-            self._event({"event": "checkpoint_failed", "error": str(exc)[:500]})
+            self._event({"event": "checkpoint_failed", "error": redact_text(str(exc))[:500]})
             self._fail_checkpoint(exc)
             return
         self.metrics.maybe_sample(self.tasks, self.output.held, self.consumer)
@@ -1547,7 +1547,7 @@ class Worker:
                 self._event(
                     {
                         "event": "checkpoint_failed",
-                        "error": str(exc)[:500],
+                        "error": redact_text(str(exc))[:500],
                         "continued": True,
                         "records_in": self._records_in(),
                     }
@@ -1556,7 +1556,7 @@ class Worker:
             except CheckpointError as exc:
                 # FencedError too: the abort replaces the producer; a fenced consumer is
                 # replaced on its next poll (_route).
-                self._event({"event": "checkpoint_failed", "error": str(exc)[:500]})
+                self._event({"event": "checkpoint_failed", "error": redact_text(str(exc))[:500]})
                 self._fail_checkpoint(exc)
 
     def _guarded(self, callback: Any) -> Any:
@@ -1680,7 +1680,7 @@ class Worker:
                 # FencedError and TransactionFailedError too (also out of task.run): the abort
                 # that follows ends the transaction, replacing a fenced producer
                 log.error("%s: final checkpoint failed (the epoch is aborted): %s", reason, exc)
-                self._event({"event": "checkpoint_failed", "error": str(exc)[:500]})
+                self._event({"event": "checkpoint_failed", "error": redact_text(str(exc))[:500]})
                 return False
             if done is not None and done.checkpoint_id == target:
                 log.info("%s: final checkpoint %d committed", reason, target)
