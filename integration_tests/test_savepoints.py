@@ -236,13 +236,12 @@ def test_a_savepoint_restored_into_another_checkpoint_storage_goes_on_above_its_
     )
     jobs.append(job)
     job.workers[0].start()
-    for _ in range(4):  # a few epochs' worth of checkpoint ids
-        job.produce(1_000)
-        job.wait_until_caught_up()
+    job.produce(2_000)
+    job.wait_until_caught_up()
     path = snapline(job, "savepoint", "create", SPEC, "--stop")
     assert job.workers[0].wait_exit(60) == 0, job.workers[0].tail()
     old_highest = _max_checkpoint_id(job)
-    assert old_highest >= 3, old_highest
+    assert old_highest >= 1, old_highest
     job.checkpoint_dir = tmp_path / "moved-checkpoints"
     for worker in job.workers:
         worker.checkpoint_dir = job.checkpoint_dir
@@ -480,11 +479,14 @@ def test_savepoint_state_is_readable_by_pyarrow_and_spark_with_per_key_values(
     assert top == sorted(job.expected, key=lambda c: (-job.expected[c], c))[:10]
 
 
-def test_an_upgraded_pipeline_restores_and_an_incompatible_one_is_refused(
+def test_an_upgraded_pipeline_goes_through_a_savepoint_and_an_incompatible_one_is_refused(
     kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list[Any]
 ) -> None:
-    """After stop-with-savepoint: code with one added state and one added operator restores
-    and continues exactly-once; code that changed a state's kind is refused, naming it."""
+    """Code with one added state and one added operator: refused at a restart from the job's
+    checkpoints, which store states by number (``largest`` comes before ``total`` in
+    RunningTotal: the worker read its old totals as ``largest`` and started ``total`` from 0,
+    silently); through a savepoint (states by name) it restores and continues exactly-once.
+    Code that changed a state's kind is refused, naming it."""
     job = WarehouseJob(
         kafka_bootstrap,
         unique_name,
@@ -499,34 +501,6 @@ def test_an_upgraded_pipeline_restores_and_an_incompatible_one_is_refused(
     worker = job.workers[0]
     worker.start()
     job.produce(5_000)
-    wait_running(job)
-    path = snapline(job, "savepoint", "create", SPEC, "--stop")
-    assert worker.wait_exit(60) == 0
-    worker.env["SNAPLINE_EXAMPLE_VARIANT"] = "incompatible"
-    worker.start(extra_args=["--from-savepoint", path])
-    assert worker.wait_exit(120) == 78, worker.tail()
-    assert "state 'total' of operator 'RunningTotal' is a value state" in worker.tail(80)
-    worker.env["SNAPLINE_EXAMPLE_VARIANT"] = "upgraded"
-    worker.start(extra_args=["--from-savepoint", path])
-    job.produce(5_000)
-    job.verify()  # totals continue from the savepoint's state through the added operator
-    job.stop_all()
-
-
-def test_code_that_renumbers_states_is_refused_at_a_restart_and_goes_through_a_savepoint(
-    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list[Any]
-) -> None:
-    """Checkpoints store states by number (declared states in graph order, then timers). The
-    upgraded code adds ``largest`` before ``total`` in RunningTotal: a worker that went on from
-    its checkpoint read the old totals as ``largest`` and started ``total`` from 0, silently.
-    It is now refused at start, naming the fix: a savepoint, which maps states by name."""
-    job = WarehouseJob(
-        kafka_bootstrap, unique_name, tmp_path, postgres_dsn, partitions=2, workers=1
-    )
-    jobs.append(job)
-    worker = job.workers[0]
-    worker.start()
-    job.produce(3_000)
     job.wait_until_caught_up()
     assert worker.stop() == 0, worker.tail()
     worker.env["SNAPLINE_EXAMPLE_VARIANT"] = "upgraded"
@@ -538,9 +512,14 @@ def test_code_that_renumbers_states_is_refused_at_a_restart_and_goes_through_a_s
     path = snapline(
         job, "savepoint", "from-checkpoint", SPEC, env={"SNAPLINE_EXAMPLE_VARIANT": "upgraded"}
     )
-    start_from_savepoint(job, path, 2)
-    job.produce(3_000)
-    job.verify()  # the totals go on from the old ones
+    worker.env["SNAPLINE_EXAMPLE_VARIANT"] = "incompatible"
+    worker.start(extra_args=["--from-savepoint", path])
+    assert worker.wait_exit(120) == 78, worker.tail()
+    assert "state 'total' of operator 'RunningTotal' is a value state" in worker.tail(80)
+    worker.env["SNAPLINE_EXAMPLE_VARIANT"] = "upgraded"
+    worker.start(extra_args=["--from-savepoint", path])
+    job.produce(5_000)
+    job.verify()  # totals continue from the savepoint's state through the added operator
     job.stop_all()
 
 
