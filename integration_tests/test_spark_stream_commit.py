@@ -26,6 +26,7 @@ import orjson
 import pyarrow.dataset as ds
 import pytest
 from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from examples.orders import create_topics, read_committed
 from snapline import Pipeline
@@ -160,6 +161,48 @@ def test_a_missing_record_of_the_committed_epoch_stops_the_next_driver(
     record.unlink()
     with pytest.raises(SinkError, match="pre-commit record .* is missing"):
         driver().open()
+
+
+def test_a_query_whose_ledger_expired_does_not_commit_its_batches_again(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """The ledger is a consumer group's offset: Kafka deletes it offsets.retention.minutes (7
+    days) after the query's last commit. A query restarted later found no ledger, took
+    itself for new, and committed the batches Spark replays a second time. The committed
+    marks in checkpoint storage say what was committed."""
+    table = tmp_path / "table"
+    pipeline = Pipeline(unique_name)
+    sink = ParquetSink(str(table), name="table")
+
+    def driver() -> BatchCommitter:
+        committer = BatchCommitter(
+            pipeline,
+            (sink,),
+            {"bootstrap.servers": kafka_bootstrap},
+            str(tmp_path / "checkpoints"),
+            str(tmp_path / "spark-location"),
+        )
+        committer.open()
+        return committer
+
+    d1 = driver()
+    for batch in range(4):
+        d1.commit_batch(_rows(batch), batch)  # epochs 1-4
+    d1.close()
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    group = d1.ledger_group
+    admin.delete_consumer_groups([group], request_timeout=30)[group].result(timeout=35)
+    d2 = driver()
+    assert d2.committed == 4
+    d2.commit_batch(_rows(3), 3)  # Spark replays the last batch: skipped
+    d2.commit_batch(_rows(4), 4)  # epoch 5
+    assert _ids(table) == Counter(i for b in range(5) for i in range(b * 10, b * 10 + 3))
+    # Marks two epochs behind are deleted (the earlier driver's at the next start).
+    marks = sorted(
+        int(p.name.split("-")[1]) for p in (tmp_path / "checkpoints").rglob("committed-*")
+    )
+    assert marks == [3, 4, 5], marks
+    d2.close()
 
 
 def test_an_output_too_large_for_kafka_is_a_dead_letter_not_a_failed_batch(

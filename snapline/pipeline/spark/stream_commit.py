@@ -143,6 +143,21 @@ class BatchCommitter:
             }
         )
         offset, committer = _committed_offset(self._ledger, self._control)
+        if offset < 1:
+            # The ledger is a consumer group's offset, which Kafka deletes
+            # offsets.retention.minutes (7 days) after its last commit: a query stopped that
+            # long would commit again the batches Spark replays. The committed marks say what
+            # it had committed.
+            marked = self._committed_marks()
+            if marked:
+                offset, committer = max(marked)
+                log.warning(
+                    "query %s: the ledger %s holds no offset (expired?); its committed marks "
+                    "say epoch %d was committed",
+                    self.query,
+                    self.ledger_group,
+                    offset,
+                )
         self.committed = max(offset, 0)
         metadata: dict[str, Any] = {}
         record = self._record_path(self.committed, committer)
@@ -244,16 +259,32 @@ class BatchCommitter:
             self._ledger.consumer_group_metadata(),
         )
         self.committed = epoch
+        self._storage.write_bytes(self._mark_path(epoch, self.token), b"")
         _inject_kill(epoch)
         for writer in self.writers:
             writer.commit(epoch)
         if epoch > 2:
             # Two commits later nobody reads it: recovery reads the last committed epoch's.
             self._storage.delete_file(self._record_path(epoch - 2, self.token))
+            self._storage.delete_file(self._mark_path(epoch - 2, self.token))
         result = BatchResult(batch_id, epoch, len(tuples), True, time.monotonic() - started)
         self.history.append(result)
         log.info("batch %d: %d rows committed as epoch %d", batch_id, len(tuples), epoch)
         return result
+
+    def _mark_path(self, epoch: int, token: str) -> str:
+        """Written once ``epoch``'s Kafka transaction committed: outlives the ledger."""
+        return f"{self._record_dir()}/committed-{epoch:010d}-{token}"
+
+    def _committed_marks(self) -> list[tuple[int, str]]:
+        """(epoch, token) of every committed mark (each driver's: a fenced one may write the
+        mark of an epoch it committed after a newer driver wrote higher ones)."""
+        out = []
+        for name in self._storage.list_dir(self._record_dir()):
+            parts = name.split("-", 2)
+            if len(parts) == 3 and parts[0] == "committed" and parts[1].isdigit():
+                out.append((int(parts[1]), parts[2]))
+        return out
 
     def _discard_dead_records(self) -> None:
         """Delete the pre-commit records of epochs two or more below the last committed one,
@@ -265,6 +296,9 @@ class BatchCommitter:
             epoch = name.split("-", 1)[0].removesuffix(".json")
             if name.endswith(".json") and epoch.isdigit() and int(epoch) <= self.committed - 2:
                 self._storage.delete_file(f"{self._record_dir()}/{name}")
+        for marked, token in self._committed_marks():
+            if marked <= self.committed - 2:
+                self._storage.delete_file(self._mark_path(marked, token))
 
     def _produce_dead_letter(
         self, epoch: int, row: tuple[Any, ...], t: int, p: int, o: int, v: int, rk: int, why: int
