@@ -58,6 +58,22 @@ def _ids(table: Path) -> Counter[int]:
     return Counter(ds.dataset(table, format="parquet").to_table(columns=["id"])["id"].to_pylist())
 
 
+def _driver(
+    bootstrap: str, tmp_path: Path, pipeline: Pipeline, sink: Any, start: bool = True
+) -> BatchCommitter:
+    """A driver of the query at ``tmp_path/spark-location`` (opened when ``start``)."""
+    committer = BatchCommitter(
+        pipeline,
+        (sink,),
+        {"bootstrap.servers": bootstrap},
+        str(tmp_path / "checkpoints"),
+        str(tmp_path / "spark-location"),
+    )
+    if start:
+        committer.open()
+    return committer
+
+
 @pytest.mark.parametrize("frozen_at", ["before its record", "before staging"])
 def test_a_fenced_driver_cannot_replace_the_record_of_a_committed_epoch(
     kafka_bootstrap: str, tmp_path: Path, unique_name: str, frozen_at: str
@@ -67,15 +83,7 @@ def test_a_fenced_driver_cannot_replace_the_record_of_a_committed_epoch(
     sink = ParquetSink(str(table), name="table")
 
     def driver() -> BatchCommitter:
-        committer = BatchCommitter(
-            pipeline,
-            (sink,),
-            {"bootstrap.servers": kafka_bootstrap},
-            str(tmp_path / "checkpoints"),
-            str(tmp_path / "spark-location"),
-        )
-        committer.open()
-        return committer
+        return _driver(kafka_bootstrap, tmp_path, pipeline, sink)
 
     d1 = driver()
     d1.commit_batch(_rows(0), 0)  # epoch 1
@@ -145,13 +153,7 @@ def test_a_missing_record_of_the_committed_epoch_stops_the_next_driver(
     sink = ParquetSink(str(tmp_path / "table"), name="table")
 
     def driver() -> BatchCommitter:
-        return BatchCommitter(
-            pipeline,
-            (sink,),
-            {"bootstrap.servers": kafka_bootstrap},
-            str(tmp_path / "checkpoints"),
-            str(tmp_path / "spark-location"),
-        )
+        return _driver(kafka_bootstrap, tmp_path, pipeline, sink, start=False)
 
     d1 = driver()
     d1.open()
@@ -175,15 +177,7 @@ def test_a_query_whose_ledger_expired_does_not_commit_its_batches_again(
     sink = ParquetSink(str(table), name="table")
 
     def driver() -> BatchCommitter:
-        committer = BatchCommitter(
-            pipeline,
-            (sink,),
-            {"bootstrap.servers": kafka_bootstrap},
-            str(tmp_path / "checkpoints"),
-            str(tmp_path / "spark-location"),
-        )
-        committer.open()
-        return committer
+        return _driver(kafka_bootstrap, tmp_path, pipeline, sink)
 
     d1 = driver()
     for batch in range(4):
