@@ -48,7 +48,6 @@ LONG = [
     ("kill", 1.0, None),
 ]
 SHORT = [
-    ("kill", 2.0, None),
     ("stop", 1.0, "kill"),
     ("double", 1.0, None),
     ("long", TRANSACTION_TIMEOUT_S * 2.0, "term"),

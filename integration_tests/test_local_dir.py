@@ -21,8 +21,10 @@ from snapline.pipeline.supervisor import EX_CONFIG
 
 pytestmark = pytest.mark.integration
 
-#: A refused duplicate: its start-up (imports, pipeline) and the lock's wait (LOCK_WAIT, 35 s).
-REFUSAL_BOUND = 90.0
+#: The duplicate's wait for the lock (SNAPLINE_LOCAL_LOCK_WAIT; 35 s by default).
+LOCK_WAIT_S = 3
+#: A refused duplicate: its start-up (imports, pipeline) and the lock's wait.
+REFUSAL_BOUND = 60.0
 
 
 def test_workers_given_one_local_dir_keep_their_own_state_and_a_duplicate_id_is_refused(
@@ -70,7 +72,14 @@ def test_workers_given_one_local_dir_keep_their_own_state_and_a_duplicate_id_is_
 
     # The same worker id again on this host: refused at start, the running one untouched.
     (tmp_path / "dup").mkdir()
-    dup = WorkerProcess(SPEC, "w0", kafka_bootstrap, job.checkpoint_dir, tmp_path / "dup", job.env)
+    dup = WorkerProcess(
+        SPEC,
+        "w0",
+        kafka_bootstrap,
+        job.checkpoint_dir,
+        tmp_path / "dup",
+        {**job.env, "SNAPLINE_LOCAL_LOCK_WAIT": str(LOCK_WAIT_S)},
+    )
     dup.start(extra_args=args)
     try:
         code = dup.wait_exit(REFUSAL_BOUND)
@@ -78,6 +87,7 @@ def test_workers_given_one_local_dir_keep_their_own_state_and_a_duplicate_id_is_
         dup.kill()
     assert code == EX_CONFIG, dup.tail()
     assert "is already running on this host" in dup.tail() and f"pid {w0.proc.pid}" in dup.tail()
+    assert f"waited {LOCK_WAIT_S} s" in dup.tail()
     job.produce(300)
     job.wait_until_caught_up()
     assert w0.alive and w1.alive, job.logs()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from snapline.pipeline.errors import ConfigurationError
-from snapline.pipeline.runtime.local_lock import LOCK_WAIT, lock_local_dir
+from snapline.pipeline.runtime.local_lock import LOCK_WAIT, lock_local_dir, lock_wait
 from snapline.pipeline.runtime.worker import STOP_BOUND
 
 #: The holder prints "locked" (and its child's pid) once it holds the lock, then sleeps.
@@ -116,3 +116,14 @@ def test_the_wait_covers_a_stopping_workers_final_checkpoint() -> None:
     """A predecessor told to stop (SIGTERM, or its supervisor's death) may hold the lock for
     up to STOP_BOUND while it takes its final checkpoint: its successor must outwait that."""
     assert LOCK_WAIT >= STOP_BOUND
+
+
+def test_the_wait_can_be_set_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SNAPLINE_LOCAL_LOCK_WAIT", raising=False)
+    assert lock_wait() == LOCK_WAIT
+    monkeypatch.setenv("SNAPLINE_LOCAL_LOCK_WAIT", "3")
+    assert lock_wait() == 3.0
+    for bad in ("soon", "-1", "nan"):
+        monkeypatch.setenv("SNAPLINE_LOCAL_LOCK_WAIT", bad)
+        with pytest.raises(ConfigurationError, match="SNAPLINE_LOCAL_LOCK_WAIT"):
+            lock_wait()

@@ -35,7 +35,27 @@ log = logging.getLogger(__name__)
 #: takes for its final checkpoint. Orchestrators start a restarted worker once the old
 #: process is gone; this covers a stop still in progress.
 LOCK_WAIT = 35.0
+#: Overrides LOCK_WAIT (seconds): where an orchestrator gives a stopping worker longer, or a
+#: test does not want to wait for a refusal.
+LOCK_WAIT_ENV = "SNAPLINE_LOCAL_LOCK_WAIT"
 _POLL = 0.2
+
+
+def lock_wait() -> float:
+    """LOCK_WAIT, or ``SNAPLINE_LOCAL_LOCK_WAIT`` when set (ConfigurationError when it is not a
+    number of seconds ≥ 0)."""
+    raw = os.environ.get(LOCK_WAIT_ENV)
+    if raw is None or raw == "":
+        return LOCK_WAIT
+    try:
+        wait = float(raw)
+    except ValueError:
+        wait = -1.0
+    if not wait >= 0:  # also NaN
+        raise ConfigurationError(
+            f"{LOCK_WAIT_ENV}={raw!r} must be a number of seconds ≥ 0 (default {LOCK_WAIT:.0f})"
+        )
+    return wait
 
 
 def lock_local_dir(root: Path, job: str, worker_id: str, wait: float = LOCK_WAIT) -> int:

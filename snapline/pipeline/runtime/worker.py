@@ -99,7 +99,7 @@ from snapline.pipeline.runtime.kafka_calls import (
 )
 from snapline.pipeline.runtime.liveness import DEFAULT_TIMEOUT as DEFAULT_LIVENESS_TIMEOUT
 from snapline.pipeline.runtime.liveness import Liveness, Watchdog
-from snapline.pipeline.runtime.local_lock import lock_local_dir
+from snapline.pipeline.runtime.local_lock import lock_local_dir, lock_wait
 from snapline.pipeline.runtime.metrics import WorkerMetrics
 from snapline.pipeline.runtime.source_ends import SourceEnds
 from snapline.pipeline.runtime.task import Task, TaskSnapshot
@@ -193,7 +193,9 @@ class Worker:
         self.storage = CheckpointStorage(settings.checkpoint_dir)
         self.local_dir = settings.resolved_local_dir()
         #: Held for the process's lifetime: nothing else deletes or writes under local_dir.
-        self._local_lock = lock_local_dir(self.local_dir, pipeline.name, settings.worker_id)
+        self._local_lock = lock_local_dir(
+            self.local_dir, pipeline.name, settings.worker_id, lock_wait()
+        )
         kafka_config = {"bootstrap.servers": settings.bootstrap_servers, **pipeline.kafka_config}
         self._kafka_config = kafka_config
         log.info(
