@@ -58,28 +58,46 @@ def test_a_source_task_keeps_its_whole_clock() -> None:
     assert _clock(savepoint, 0, 0, None, 0) == savepoint.clocks["p0"]
 
 
-def test_a_stage_renumbered_by_the_code_gets_the_clock_of_the_stage_that_read_its_topics() -> None:
+def _plan(*stages: tuple[int, tuple[str, ...]]) -> SimpleNamespace:
+    """A plan whose stages read the repartition topics of the named key_bys (job "renamed")."""
+    topic = "renamed.{}.repartition".format
+    return SimpleNamespace(
+        stages=[SimpleNamespace(index=i, reads=tuple(topic(n) for n in r)) for i, r in stages],
+        repartitions={
+            n: SimpleNamespace(name=n, topic=topic(n)) for _, reads in stages for n in reads
+        },
+    )
+
+
+def test_a_stage_renumbered_by_the_code_gets_the_clock_of_the_stage_that_read_its_key_bys() -> None:
     """The code adds a re-keying before the window stage: what was s1 (reading by-customer) is
     s2 now, and the new s1 (reading by-region) is new. Clocks went by number: the new stage
-    got the window stage's watermark, and the window stage none (event time moved back)."""
+    got the window stage's watermark, and the window stage none (event time moved back).
+    Stages are matched by the names of the key_bys they read, so a restore into a job of
+    another name (other topic names) matches them too."""
     savepoint = _savepoint(
-        {"p0": 9_000, "s1-p0": 5_000, "s1-p1": 6_000},
-        stage_reads={0: [], 1: ["job.by-customer.repartition"]},
+        {"p0": 9_000, "s1-p0": 5_000, "s1-p1": 6_000}, stage_reads={0: [], 1: ["by-customer"]}
     )
-    plan = SimpleNamespace(
-        stages=[
-            SimpleNamespace(index=0, reads=()),
-            SimpleNamespace(index=1, reads=("job.by-region.repartition",)),
-            SimpleNamespace(index=2, reads=("job.by-customer.repartition",)),
-        ]
-    )
+    plan = _plan((0, ()), (1, ("by-region",)), (2, ("by-customer",)))
     old = _old_stages(savepoint, plan)
     assert old == {0: 0, 2: 1}
-    assert _clock(savepoint, 1, old.get(1), (2, 2), 0) is None
     assert [_clock(savepoint, 2, old.get(2), (2, 2), p) for p in (0, 1)] == [
         {"watermark": 5_000, "channels": []},
         {"watermark": 6_000, "channels": []},
     ]
+
+
+def test_a_stage_new_in_the_code_starts_at_the_smallest_keyed_watermark() -> None:
+    savepoint = _savepoint(
+        {"p0": 9_000, "s1-p0": 5_000, "s1-p1": 6_000}, stage_reads={0: [], 1: ["by-customer"]}
+    )
+    assert _clock(savepoint, 1, None, (2, 2), 0) == {"watermark": 5_000, "channels": []}
+
+
+def test_a_stage_that_gained_an_input_keeps_the_clock_of_the_stage_it_was() -> None:
+    savepoint = _savepoint({"s1-p0": 5_000}, stage_reads={0: [], 1: ["by-customer"]})
+    plan = _plan((0, ()), (1, ("by-customer", "by-payer")))
+    assert _old_stages(savepoint, plan) == {0: 0, 1: 1}
 
 
 def test_a_savepoint_of_an_earlier_version_keeps_the_stage_numbers() -> None:

@@ -202,3 +202,42 @@ def test_files_and_metadata_are_checksummed(tmp_path: Any) -> None:
     (tmp_path / "sp" / "_savepoint.json").write_bytes(raw)
     with pytest.raises(CorruptCheckpointError, match="checksum"):
         read_metadata(storage)
+
+
+def _described(*states: tuple[str, str, int]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(uid, name): {"id": sid} for uid, name, sid in states}
+
+
+def test_a_checkpoint_whose_state_ids_the_code_moved_is_named() -> None:
+    """Entries are stored by state id, and ids are positional: the upgraded running total adds
+    'largest' before 'total', whose id moves from 2 to 3."""
+    from snapline.pipeline.state.compat import moved_states
+
+    stored = [
+        {"id": 1, "uid": "RunningTotal", "name": "count", "operator": 2},
+        {"id": 2, "uid": "RunningTotal", "name": "total", "operator": 2},
+    ]
+    code = _described(
+        ("RunningTotal", "count", 1), ("RunningTotal", "largest", 2), ("RunningTotal", "total", 3)
+    )
+    assert moved_states(stored, code, {2: "RunningTotal"}) == ["'total' of operator 'RunningTotal'"]
+
+
+def test_unmoved_ids_pass_whatever_else_changed() -> None:
+    """Same ids: an unchanged pipeline; a checkpoint of a version before operator uids (the
+    operator's index names it); an operator given an explicit uid (its states are not
+    compared: they keep their ids)."""
+    from snapline.pipeline.state.compat import moved_states
+
+    code = _described(("RunningTotal", "total", 1), ("RunningTotal", "__timers__", 2))
+    current = [
+        {"id": 1, "uid": "RunningTotal", "name": "total", "operator": 2},
+        {"id": 2, "uid": "RunningTotal", "name": "__timers__", "operator": 2},
+    ]
+    before_uids = [
+        {"id": 1, "name": "total", "operator": 2},
+        {"id": 2, "name": "__timers__", "operator": 2},
+    ]
+    renamed = [{"id": 1, "uid": "old-name", "name": "total", "operator": 2}]
+    for stored in (current, before_uids, renamed):
+        assert moved_states(stored, code, {2: "RunningTotal"}) == []

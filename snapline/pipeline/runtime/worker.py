@@ -112,7 +112,7 @@ from snapline.pipeline.runtime.transaction import (
 from snapline.pipeline.savepoint.control import PAUSE_LIMIT, ControlChannel, Request, write_ack
 from snapline.pipeline.stages import task_id_for
 from snapline.pipeline.state import create_backend
-from snapline.pipeline.state.compat import incompatibility
+from snapline.pipeline.state.compat import incompatibility, moved_states
 
 log = logging.getLogger(__name__)
 
@@ -725,23 +725,11 @@ class Worker:
         the ids after it, and the code would read one state's values as another's and lose
         every timer, silently. A savepoint maps states by name instead."""
         problems = []
-        stored_ids = {
-            int(d["id"]): (d.get("uid"), d.get("name") or "") for d in meta.states if "id" in d
-        }
-        moved = sorted(
-            f"{name!r} of operator {uid!r}"
-            for (uid, name), now in self._declared_states.items()
-            if int(now["id"]) in stored_ids and stored_ids[int(now["id"])] != (uid, name)
-        ) + sorted(
-            f"{name!r} of operator {uid!r}"
-            for sid, (uid, name) in stored_ids.items()
-            if (uid, name) in self._declared_states
-            and int(self._declared_states[(uid, name)]["id"]) != sid
-        )
+        moved = moved_states(meta.states, self._declared_states, self.pipeline.operator_uids())
         if moved:
             raise ConfigurationError(
                 f"task {task_id} cannot continue from checkpoint {meta.ref.checkpoint_id} with "
-                f"this code: states {sorted(set(moved))} are numbered differently (a state or "
+                f"this code: states {moved} are numbered differently (a state or "
                 "a stateful operator was added, removed or moved before them; checkpoints "
                 "store states by number). Go through a savepoint, which maps states by name: "
                 "with the job stopped, 'snapline savepoint from-checkpoint SPEC' with this "

@@ -579,7 +579,7 @@ def export_savepoint(
             origin=origin,
             clocks=clocks,
             highest_checkpoint_id=highest,
-            stage_reads={stage.index: list(stage.reads) for stage in plan.stages},
+            stage_reads={stage.index: _read_names(plan, stage.reads) for stage in plan.stages},
         )
         out.write_bytes(METADATA_FILE, metadata.encode())  # last: the savepoint is complete
         return metadata
@@ -668,6 +668,13 @@ def publish_committed_sinks(pipeline: Pipeline, storage: CheckpointStorage, admi
                     task_id,
                     name,
                 )
+
+
+def _read_names(plan: StagePlan, topics: Any) -> list[str]:
+    """The names of the ``key_by``s whose repartition topics a stage reads (sorted): they
+    name a stage across code versions and job names, where its number and topics do not."""
+    names = {rep.topic: rep.name for rep in plan.repartitions.values()}
+    return sorted(names.get(topic, topic) for topic in topics)
 
 
 def _low(admin: AdminClient, kafka_config: dict[str, Any], topic: str, partition: int) -> int:

@@ -151,9 +151,10 @@ class SavepointMetadata:
     #: ids go on above it, in whatever checkpoint storage it restores into (0: a savepoint of
     #: an earlier version, which did not record it).
     highest_checkpoint_id: int = 0
-    #: Each stage's input topics, by its number when the savepoint was taken: a restore finds
-    #: a stage's clocks by what it reads (code that adds a stage renumbers the ones after it).
-    #: Empty in savepoints of earlier versions (the numbers are taken as they are).
+    #: The names of the ``key_by``s each stage reads, by its number when the savepoint was
+    #: taken: a restore finds a stage's clocks by what it reads (code that adds a stage
+    #: renumbers the ones after it). Empty in savepoints of earlier versions (the numbers are
+    #: taken as they are).
     stage_reads: dict[int, list[str]] = field(default_factory=dict)
 
     def encode(self) -> bytes:

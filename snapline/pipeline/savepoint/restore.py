@@ -531,21 +531,23 @@ def _seed(
 
 
 def _old_stages(savepoint: SavepointMetadata, plan: Any) -> dict[int, int]:
-    """Each stage's number when the savepoint was taken (the stage that read the same topics);
-    a stage the savepoint had no counterpart of is left out. Savepoints of earlier versions
-    did not record what their stages read: their numbers are taken as they are."""
+    """Each stage's number when the savepoint was taken: the stage that read the same
+    ``key_by``s (by name), else one that read any of them; a stage the savepoint had no
+    counterpart of is left out. Savepoints of earlier versions did not record what their
+    stages read: their numbers are taken as they are."""
     if not savepoint.stage_reads:
         return {stage.index: stage.index for stage in plan.stages}
-    by_reads = {tuple(sorted(reads)): index for index, reads in savepoint.stage_reads.items()}
-    out = {}
+    names = {rep.topic: rep.name for rep in plan.repartitions.values()}
+    old = {index: set(reads) for index, reads in savepoint.stage_reads.items() if reads}
+    out = {SOURCE_STAGE: SOURCE_STAGE}
     for stage in plan.stages:
-        old = (
-            SOURCE_STAGE
-            if stage.index == SOURCE_STAGE
-            else by_reads.get(tuple(sorted(stage.reads)))
-        )
-        if old is not None:
-            out[stage.index] = old
+        if stage.index == SOURCE_STAGE:
+            continue
+        reads = {names.get(topic, topic) for topic in stage.reads}
+        same = [index for index, was in old.items() if was == reads]
+        overlapping = [index for index, was in old.items() if was & reads]
+        if same or overlapping:
+            out[stage.index] = min(same or overlapping)
     return out
 
 
@@ -557,7 +559,7 @@ def _clock(
     partition: int = 0,
 ) -> dict[str, Any] | None:
     """The clock of task ``partition`` of ``stage`` (``old_stage``: the same stage's number
-    in the savepoint; None: a stage new in the code, which starts without one).
+    in the savepoint; None: a stage new in the code).
 
     Its own from the savepoint when the task existed there with the same key-groups.
     ``counts``: (task count in the savepoint, task count now) of a keyed stage; when they
@@ -572,7 +574,10 @@ def _clock(
     same ids over other key-groups, and their old watermarks would run ahead of what the new
     ones send (the channels wait for every writer's first watermark after the restore)."""
     if old_stage is None:
-        return None
+        # A stage new in the code: the smallest watermark of the savepoint's keyed stages, so
+        # event time does not start over for records that were late there.
+        marks = [int(c.get("watermark", 0)) for t, c in savepoint.clocks.items() if t[:1] == "s"]
+        return {"watermark": min(marks), "channels": []} if marks else None
     prefix = "p" if old_stage == SOURCE_STAGE else f"s{old_stage}-p"
     if counts is not None and stage != SOURCE_STAGE and counts[0] != counts[1]:
         old, new = counts

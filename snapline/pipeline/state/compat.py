@@ -13,7 +13,7 @@ Pure logic.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -55,3 +55,25 @@ def state_description(described: Mapping[str, Any]) -> dict[str, Any]:
     if "key_serde" in described:
         out["key_serde"] = described["key_serde"]
     return out
+
+
+def moved_states(
+    stored: Sequence[Mapping[str, Any]],
+    declared: Mapping[tuple[str, str], Mapping[str, Any]],
+    uids: Mapping[int, str],
+) -> list[str]:
+    """The states (``'name' of operator 'uid'``) a checkpoint (``stored``: its state
+    descriptions) holds under another id than the code (``declared``: (uid, name) -> the
+    code's description) gives them. Entries are stored by id, and ids are positional: code
+    that adds, removes or reorders a state before others renumbers them. A state the code
+    no longer declares, or one whose uid or name changed, is not compared. Checkpoints of
+    versions before operator uids name the operator by its index (``uids``)."""
+    out = []
+    for desc in stored:
+        if "id" not in desc:
+            continue
+        uid = desc.get("uid") or uids.get(int(desc.get("operator", -1)))
+        now = declared.get((str(uid), desc.get("name") or ""))
+        if now is not None and int(now["id"]) != int(desc["id"]):
+            out.append(f"{desc.get('name')!r} of operator {uid!r}")
+    return sorted(out)
