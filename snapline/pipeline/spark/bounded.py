@@ -169,6 +169,7 @@ class Feed:
 
         def flush() -> None:
             if batch:
+                self._unfed[current or ""] -= len(batch)  # handed over before the task runs
                 task.enqueue((current or "", self.partition), list(batch))
                 task.run()
                 batch.clear()
@@ -178,7 +179,6 @@ class Feed:
                 flush()
                 current = topic
             batch.append(ListedMessage(topic, self.partition, offset, value, key, ts))
-            self._unfed[topic] -= 1
             if len(batch) >= self.CHUNK:
                 flush()
         flush()
