@@ -12,6 +12,9 @@ from snapline.pipeline.runtime.watermarks import (
     TaskClock,
     UpstreamChannelClock,
     WatermarkRecord,
+    decode_floors,
+    encode_floors,
+    with_floors,
 )
 
 A, B = ("t", 0), ("t", 1)
@@ -138,6 +141,39 @@ def test_restore_continues_from_the_checkpointed_clock() -> None:
     restored.observe(A, 50, 0.0)  # replayed records cannot pull the watermark back
     restored.advance(0.0, {})
     assert restored.watermark == 70 and restored.snapshot() == saved
+
+
+def test_key_group_floors_hold_until_the_watermark_passes_them_across_restores() -> None:
+    """After a rescale that merged tasks (savepoint/restore.py ``_clock``): key-groups 4-7 came
+    from a task that was at 300 while the task starts at 100."""
+    floors = {g: 300 for g in range(4, 8)} | {9: 200}
+    assert encode_floors(floors) == [[4, 7, 300], [9, 9, 200]]
+    assert decode_floors(encode_floors(floors)) == floors
+    clock = TaskClock({B: UpstreamChannelClock(S0)})
+    clock.restore({"watermark": 100, "channels": [], "floors": encode_floors(floors)})
+    assert clock.watermark == 100 and clock.floors == floors
+    clock.upstream(B, WatermarkRecord("s0", 250, False))
+    assert clock.advance(0.0, {})
+    assert clock.floors == {g: 300 for g in range(4, 8)}  # 9's floor is passed
+    again = TaskClock({B: UpstreamChannelClock(S0)})
+    again.restore(clock.snapshot())  # a checkpoint of the task before it passed them
+    assert again.floors == clock.floors
+    again.upstream(B, WatermarkRecord("s0", 300, False))
+    assert again.advance(0.0, {}) and again.floors == {} and "floors" not in again.snapshot()
+
+
+def test_records_take_the_floor_of_their_key_group_in_their_order() -> None:
+    class R:
+        def __init__(self, key_group: int) -> None:
+            self.key_group = key_group
+
+    records = [R(1), R(5), R(6), R(1), R(9)]
+    runs = with_floors(100, {5: 300, 6: 300, 9: 50}, records)
+    assert [(mark, [r.key_group for r in run]) for mark, run in runs] == [
+        (100, [1]),
+        (300, [5, 6]),
+        (100, [1, 9]),  # a floor below the watermark does not lower it
+    ]
 
 
 def test_watermark_records_are_told_apart_from_data_keys() -> None:

@@ -5,8 +5,18 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import orjson
+
+from snapline import Context, KafkaSource, KeyedProcessFunction, Pipeline, tumbling
+from snapline.pipeline.keygroups import key_group, operator_index_for_key_group
+from snapline.pipeline.record import ListedMessage
+from snapline.pipeline.runtime.faults import FaultInjector
+from snapline.pipeline.runtime.task import Task
+from snapline.pipeline.runtime.watermarks import WatermarkRecord, decode_floors
 from snapline.pipeline.savepoint.format import SavepointMetadata
 from snapline.pipeline.savepoint.restore import _clock, _old_stages
+from snapline.pipeline.state import create_backend
+from snapline.testing import _CapturingSink
 
 MAXP = 128
 
@@ -41,6 +51,24 @@ def test_a_task_taking_a_lagging_tasks_key_groups_gets_its_watermark() -> None:
 def test_merged_tasks_take_the_smallest_watermark_of_their_sources() -> None:
     savepoint = _savepoint({"s1-p0": 1_000, "s1-p1": 2_000, "s1-p2": 3_000, "s1-p3": 4_000})
     assert _watermarks(savepoint, 4, 2) == [1_000, 3_000]
+
+
+def test_merged_tasks_keep_the_faster_tasks_watermark_as_key_group_floors() -> None:
+    """Found by review: the merged task's key-groups from old s1-p1 went back from 2000 to
+    1000, so their windows that had fired (kept for the allowed lateness) took updates
+    without emitting them, and purged ones opened and fired a second time."""
+    savepoint = _savepoint({"s1-p0": 1_000, "s1-p1": 2_000, "s1-p2": 3_000, "s1-p3": 4_000})
+    first = _clock(savepoint, 1, 1, (4, 2), 0)
+    assert first is not None
+    # New p0 holds key-groups 0-63: 0-31 were old p0's, 32-63 old p1's.
+    assert first["watermark"] == 1_000
+    assert decode_floors(first["floors"]) == {g: 2_000 for g in range(32, 64)}
+    # Taken again before the watermark passed them, and split into two: a key-group's time is
+    # its floor where it has one.
+    again = SavepointMetadata("job", "x", MAXP, {}, {}, [], [], clocks={"s1-p0": first})
+    split = [_clock(again, 1, 1, (1, 2), p) for p in (0, 1)]
+    assert split[0] == first
+    assert split[1] == {"watermark": 1_000, "channels": []}
 
 
 def test_an_unchanged_keyed_task_keeps_its_watermark_but_not_its_writers_watermarks() -> None:
@@ -106,3 +134,101 @@ def test_a_savepoint_of_an_earlier_version_keeps_the_stage_numbers() -> None:
         stages=[SimpleNamespace(index=0, reads=()), SimpleNamespace(index=1, reads=("t",))]
     )
     assert _old_stages(savepoint, plan) == {0: 0, 1: 1}
+
+
+class _Out:
+    """The task's Kafka output (dead letters); nothing here is produced to Kafka."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, bytes]] = []
+
+    def produce(self, epoch, topic, value, key, headers=None, partition=-1, timestamp=0):  # noqa: ANN001, ANN201
+        self.records.append((topic, value))
+
+    def direct_producer(self, epoch):  # noqa: ANN001, ANN201
+        return None
+
+
+class _Watermarks(KeyedProcessFunction):
+    def process(self, value: dict, ctx: Context) -> list[int]:
+        return [ctx.watermark]
+
+
+def _window_after_merge(lateness: int | None) -> tuple[list[dict], list[dict], int]:
+    """A one-key tumbling count whose window [100, 150) fired at watermark 200 in the old task
+    that held the key; the stage is then merged from two tasks into one, the other old task
+    being at 50, and a record at 130 arrives. Returns (emitted before, emitted after, dead
+    letters after). ``lateness`` None: a process function that emits ``ctx.watermark``
+    instead of the window."""
+    committed: list = []
+    p = Pipeline("rescaled-window")
+    keyed = p.source(KafkaSource("in", timestamp=lambda v: v["t"])).key_by(
+        lambda v: v["k"], name="a", partitions=1
+    )
+    if lateness is None:
+        keyed.process(_Watermarks()).sink(_CapturingSink("cap", committed))
+    else:
+        keyed.window(tumbling(50), allowed_lateness=lateness).count().sink(
+            _CapturingSink("cap", committed)
+        )
+    plan = p.stages()
+    (rep,) = plan.repartitions.values()
+    topic, stage = rep.topic, rep.downstream
+    backend = create_backend("memory", task_dir="", options={})
+    out = _Out()
+
+    def task(time_state: dict | None) -> Task:
+        return Task(
+            f"s{stage}-p0", p, {(topic, 0): 0}, backend, out, worker_id="w", epoch=1,
+            on_snapshot=lambda s: None, faults=FaultInjector(""), stage=stage, plan=plan,
+            topic_partitions={"in": 1, topic: 1}, time_state=time_state,
+        )  # fmt: skip
+
+    def record(t: int, offset: int) -> ListedMessage:
+        return ListedMessage(topic, 0, offset, orjson.dumps({"k": "k", "t": t}), b"sk", t)
+
+    def emitted(t: Task) -> list[dict]:
+        sink = t.sink_writers["cap"].writer
+        return [v for values in sink._epochs.values() for v in values]  # type: ignore[attr-defined]
+
+    old = task(None)
+    old.enqueue((topic, 0), [record(120, 0)])
+    old.run()
+    old.on_watermark_record((topic, 0), WatermarkRecord("p0", 200, False))
+    old.run()
+    before = emitted(old)
+    owner = operator_index_for_key_group(key_group(b"k", p.max_parallelism), 2, p.max_parallelism)
+    marks = {f"s{stage}-p{owner}": 200, f"s{stage}-p{1 - owner}": 50}
+    clocks = {t: {"watermark": w, "channels": []} for t, w in marks.items()}
+    savepoint = SavepointMetadata("j", "x", p.max_parallelism, {}, {}, [], [], clocks=clocks)
+    dead = len(out.records)
+    new = task(_clock(savepoint, stage, stage, (2, 1), 0))
+    assert new.watermark == 50
+    new.enqueue((topic, 0), [record(130, 1)])
+    new.run()
+    new.on_watermark_record((topic, 0), WatermarkRecord("p0", 400, False))
+    new.run()
+    return before, emitted(new), len(out.records) - dead
+
+
+def test_a_window_that_fired_before_a_merge_emits_its_late_update_once() -> None:
+    """Found by review: the record within the allowed lateness updated the fired window, but
+    it was never emitted (its end - 1 was above the merged task's watermark, and its fire
+    timer was gone)."""
+    before, after, dead = _window_after_merge(lateness=100)
+    assert before == [{"key": "k", "start": 100, "end": 150, "value": 1}]
+    assert after == [{"key": "k", "start": 100, "end": 150, "value": 2}] and dead == 0
+
+
+def test_a_window_purged_before_a_merge_does_not_fire_again() -> None:
+    """Found by review: the purged window opened again and fired a second time; the record is
+    late where its key's event time is, a dead letter."""
+    before, after, dead = _window_after_merge(lateness=0)
+    assert before == [{"key": "k", "start": 100, "end": 150, "value": 1}]
+    assert after == [] and dead == 1
+
+
+def test_a_process_function_sees_its_keys_event_time_after_a_merge() -> None:
+    before, after, _ = _window_after_merge(lateness=None)
+    assert before == [-(1 << 63)]  # the old task's first record came before any watermark
+    assert after == [200]  # the task is at 50; the key's key-group was at 200

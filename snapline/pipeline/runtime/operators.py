@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
@@ -27,7 +27,7 @@ from snapline.pipeline.rolling import RollingAggregate, returned_none
 from snapline.pipeline.runtime.barrier import Barrier
 from snapline.pipeline.runtime.kafka_calls import kafka_error
 from snapline.pipeline.runtime.timers import TimerService, processing_time_ms
-from snapline.pipeline.runtime.watermarks import MIN_WATERMARK, WatermarkRecord
+from snapline.pipeline.runtime.watermarks import MIN_WATERMARK, WatermarkRecord, with_floors
 from snapline.pipeline.sink import PreCommitResult, SinkWriter
 from snapline.pipeline.stages import Repartition
 from snapline.pipeline.state.backend import KeyedStateBackend
@@ -55,6 +55,11 @@ class OperatorContext(Protocol):
     epoch: int
     sink_results: dict[str, PreCommitResult]
     watermark: int
+
+    @property
+    def watermark_floors(self) -> Mapping[int, int]:
+        """Key-group -> event time above ``watermark`` after a rescale (runtime/watermarks.py)."""
+        ...
 
     @property
     def time_idle(self) -> bool: ...
@@ -510,9 +515,19 @@ class ProcessOperator(Operator):
         self._run(records, self._function.process)  # type: ignore[union-attr]
 
     def _run(self, records: list[Record], process: Callable[[Any, Context], Any]) -> None:
+        floors = getattr(self.task, "watermark_floors", None)
+        if floors:  # after a rescale: some key-groups' event time is further (watermarks.py)
+            for watermark, run in with_floors(self.watermark, floors, records):
+                self._run_at(run, process, watermark)
+        else:
+            self._run_at(records, process, self.watermark)
+
+    def _run_at(
+        self, records: list[Record], process: Callable[[Any, Context], Any], watermark: int
+    ) -> None:
         scope = self._scope
         ctx = self._ctx
-        ctx.watermark = self.watermark
+        ctx.watermark = watermark
         scope.now = self.task.now_ms()
         if self._timers is not None:
             self._timers.watermark = ctx.watermark
@@ -587,9 +602,13 @@ class ProcessOperator(Operator):
         ctx.topic, ctx.partition, ctx.offset = "", -1, -1
         on_timer = self._function.on_timer
         out: list[Record] = []
+        floors = getattr(self.task, "watermark_floors", None)
         for ts, group, key_bytes, key in timers.due(domain, limit):
             scope.prefix = state_key_prefix(group, key_bytes)
             scope.key = ctx.key = key
+            if floors:
+                mark = max(self.watermark, floors.get(group, self.watermark))
+                ctx.watermark = timers.watermark = mark
             ctx.timestamp = ts
             mark = len(out)
             try:

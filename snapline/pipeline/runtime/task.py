@@ -172,6 +172,11 @@ class Task:
         self._time_moved = False
         self._build(worker_id)
 
+    @property
+    def watermark_floors(self) -> dict[int, int]:
+        """Key-group -> event time above ``watermark`` (after a rescale: runtime/watermarks.py)."""
+        return self.clock.floors
+
     def _channel_clocks(self) -> dict[TopicPartitionKey, ChannelClock]:
         sources = {t: s for s in self.pipeline.sources() for t in s.topic_list}
         now = time.monotonic()

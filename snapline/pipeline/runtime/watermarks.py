@@ -12,6 +12,14 @@ restores too: ``TaskClock.snapshot`` travels in the task's checkpoint metadata. 
 channel is idle, the watermark moves to the largest of theirs (as Flink's watermark valve
 does), so the windows of the data that did arrive close.
 
+A task restored from a savepoint with another task count takes key-groups from several old
+tasks and starts at the smallest of their watermarks (their records in flight are replayed to
+it). The key-groups of the old tasks that were further keep their watermark as a *floor*
+(``TaskClock.floors``, key-group -> watermark): keyed operators judge lateness and fire on the
+larger of the two, so a window that fired or was purged there is neither updated unseen nor
+fired again. A floor goes once the task's watermark reaches it, and travels in the snapshot
+until then.
+
 Pure logic; the task thread owns a clock (``now`` is ``time.monotonic()``, passed in).
 """
 
@@ -185,6 +193,9 @@ class TaskClock:
         self.channels = dict(channels)
         self.watermark = MIN_WATERMARK
         self.idle = False
+        #: Key-group -> watermark above ``watermark`` (see the module docstring); empty but
+        #: after a rescale.
+        self.floors: dict[int, int] = {}
 
     def observe(self, tp: TopicPartitionKey, max_timestamp: int | None, now: float) -> None:
         clock = self.channels[tp]
@@ -214,25 +225,66 @@ class TaskClock:
             return False
         if candidate > self.watermark:
             self.watermark = candidate
+            if self.floors:
+                self.floors = {g: w for g, w in self.floors.items() if w > candidate}
             return True
         return False
 
     def end_of_input(self) -> None:
         """Every input ended (a bounded run): all event time has passed."""
         self.watermark = MAX_WATERMARK
+        self.floors = {}
 
     def snapshot(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "watermark": self.watermark,
             "channels": [[t, p, c.snapshot()] for (t, p), c in sorted(self.channels.items())],
         }
+        if self.floors:
+            out["floors"] = encode_floors(self.floors)
+        return out
 
     def restore(self, data: Mapping[str, Any] | None) -> None:
         """Continue from a checkpoint's clock: never before its watermark."""
         if not data:
             return
         self.watermark = max(self.watermark, int(data.get("watermark", MIN_WATERMARK)))
+        floors = {**self.floors, **decode_floors(data.get("floors", []))}
+        self.floors = {g: w for g, w in floors.items() if w > self.watermark}
         for topic, partition, state in data.get("channels", []):
             clock = self.channels.get((topic, int(partition)))
             if clock is not None:
                 clock.restore(state)
+
+
+def encode_floors(floors: Mapping[int, int]) -> list[list[int]]:
+    """Key-group floors as ``[first group, last group, watermark]`` runs (JSON)."""
+    runs: list[list[int]] = []
+    for group in sorted(floors):
+        mark = floors[group]
+        if runs and runs[-1][1] == group - 1 and runs[-1][2] == mark:
+            runs[-1][1] = group
+        else:
+            runs.append([group, group, mark])
+    return runs
+
+
+def decode_floors(runs: Any) -> dict[int, int]:
+    return {
+        group: int(mark) for first, last, mark in runs for group in range(int(first), int(last) + 1)
+    }
+
+
+def with_floors(
+    watermark: int, floors: Mapping[int, int], records: list[Any]
+) -> list[tuple[int, list[Any]]]:
+    """``records`` (with ``key_group``) in their order, cut into runs that share a watermark:
+    the larger of ``watermark`` and their key-group's floor."""
+    runs: list[tuple[int, list[Any]]] = []
+    for r in records:
+        mark = max(floors.get(r.key_group, watermark), watermark)
+        if runs and runs[-1][0] == mark:
+            runs[-1][1].append(r)
+        else:
+            runs.append((mark, [r]))
+    return runs

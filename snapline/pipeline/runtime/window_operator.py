@@ -5,7 +5,8 @@ windows, record timestamp -> values). A window registers an event-time timer at 
 millisecond (``end - 1``) to fire, and one at ``end - 1 + allowed_lateness`` to be purged;
 timers are per (key, time), so one timer may serve several windows and a timer left behind
 by a merged session finds nothing to do. A record is late when every window it belongs to is
-past ``end - 1 + allowed_lateness`` at the task's watermark: it goes to the dead letters with
+past ``end - 1 + allowed_lateness`` at the task's watermark (or its key-group's floor after a
+rescale: runtime/watermarks.py): it goes to the dead letters with
 the reason. A record that lands in a window that already fired (within the allowed lateness)
 emits that window again at once, with the updated value.
 
@@ -24,6 +25,7 @@ from snapline.pipeline.keygroups import state_key_prefix
 from snapline.pipeline.record import Record
 from snapline.pipeline.runtime.operators import Operator, OperatorContext
 from snapline.pipeline.runtime.timers import TimerService
+from snapline.pipeline.runtime.watermarks import with_floors
 from snapline.pipeline.state.backend import KeyedStateBackend
 from snapline.pipeline.state.descriptors import BoundMapState, KeyScope, MapState, StateDescriptor
 from snapline.pipeline.state.timers import EVENT_TIME, TimerState
@@ -91,7 +93,14 @@ class WindowOperator(Operator):
 
     # ------------------------------------------------------------------ records
     def process(self, records: list[Record]) -> None:
-        watermark = self.watermark
+        floors = getattr(self.task, "watermark_floors", None)
+        if floors:  # after a rescale: some key-groups' event time is further (watermarks.py)
+            for watermark, run in with_floors(self.watermark, floors, records):
+                self._process(run, watermark)
+        else:
+            self._process(records, self.watermark)
+
+    def _process(self, records: list[Record], watermark: int) -> None:
         scope = self._scope
         add = self._add
         for r in records:

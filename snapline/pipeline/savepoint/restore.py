@@ -70,6 +70,7 @@ from snapline.pipeline.runtime.topics import (
     refused_config,
     without_event_time_config,
 )
+from snapline.pipeline.runtime.watermarks import decode_floors, encode_floors
 from snapline.pipeline.savepoint.export import (
     JobTask,
     job_tasks,
@@ -565,7 +566,9 @@ def _clock(
     ``counts``: (task count in the savepoint, task count now) of a keyed stage; when they
     differ, task ids name other key-groups, and the task's clock is the smallest watermark of
     the old tasks whose key-groups it takes (their records in flight are replayed to it, so a
-    larger watermark would make them late). Otherwise (a task the savepoint has no clock for)
+    larger watermark would make them late); the key-groups of the old tasks that were further
+    keep their watermark as a floor (runtime/watermarks.py), so that their windows that fired
+    or were purged do not open again. Otherwise (a task the savepoint has no clock for)
     the smallest watermark of the stage's saved tasks, so event time never moves back past
     what every task had reached.
 
@@ -581,20 +584,28 @@ def _clock(
     prefix = "p" if old_stage == SOURCE_STAGE else f"s{old_stage}-p"
     if counts is not None and stage != SOURCE_STAGE and counts[0] != counts[1]:
         old, new = counts
-        sources = {
-            f"{prefix}{operator_index_for_key_group(group, old, savepoint.max_parallelism)}"
-            for group in key_group_range(partition, new, savepoint.max_parallelism)
-        }
-        marks = [
-            int(savepoint.clocks[s].get("watermark", 0)) for s in sources if s in savepoint.clocks
-        ]
-        if marks:
-            return {"watermark": min(marks), "channels": []}
+        # Each key-group's event time: its old task's watermark (or floor).
+        groups: dict[int, int] = {}
+        for group in key_group_range(partition, new, savepoint.max_parallelism):
+            owner = operator_index_for_key_group(group, old, savepoint.max_parallelism)
+            clock = savepoint.clocks.get(f"{prefix}{owner}")
+            if clock is not None:
+                mark = int(clock.get("watermark", 0))
+                groups[group] = max(mark, decode_floors(clock.get("floors", [])).get(group, mark))
+        if groups:
+            low = min(groups.values())
+            floors = {g: mark for g, mark in groups.items() if mark > low}
+            if floors:
+                return {"watermark": low, "channels": [], "floors": encode_floors(floors)}
+            return {"watermark": low, "channels": []}
     elif f"{prefix}{partition}" in savepoint.clocks:
         clock = savepoint.clocks[f"{prefix}{partition}"]
         if stage == SOURCE_STAGE:
             return clock
-        return {"watermark": int(clock.get("watermark", 0)), "channels": []}
+        kept = {"watermark": int(clock.get("watermark", 0)), "channels": []}
+        if clock.get("floors"):
+            kept["floors"] = clock["floors"]
+        return kept
     marks = [
         int(clock.get("watermark", 0))
         for saved, clock in savepoint.clocks.items()
