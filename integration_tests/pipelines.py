@@ -249,3 +249,19 @@ def named_rekey() -> Pipeline:
         .sink(KafkaSink(f"{PREFIX}copy-out", value_format="json"))
     )
     return pipeline
+
+
+def slow_copy() -> Pipeline:
+    """Orders copied to ``<prefix>copy-out``, each after ``$SNAPLINE_TEST_SLEEP`` seconds: a
+    task that runs for longer than its transaction timeout. The prefix is read when called
+    (tests call it in their own process)."""
+    prefix = os.environ.get("SNAPLINE_TEST_PREFIX", "")
+    pause = float(os.environ.get("SNAPLINE_TEST_SLEEP", "0"))
+
+    def slow(value: bytes) -> bytes:
+        time.sleep(pause)
+        return value
+
+    pipeline = Pipeline(f"{prefix}job")
+    pipeline.source(KafkaSource(f"{prefix}copy-in")).map(slow).sink(KafkaSink(f"{prefix}copy-out"))
+    return pipeline

@@ -14,7 +14,9 @@ then takes one checkpoint, with the services' commit protocol:
    ``snapline-spark-<job>-spark-<run>-<task>``: per job, run and task, so a retry fences an
    earlier attempt and nothing else) that also commits an offset for the **ledger** group
    ``snapline-spark-<run>-<task>``, with the attempt's token as its metadata: the commit
-   point;
+   point. The output is held (in memory, then spilled to a local file) while the task runs,
+   and the transaction opens only when it has run: a task slower than
+   ``transaction.timeout.ms`` commits like any other;
 3. the other sinks commit (publish), as after a services checkpoint.
 
 Every attempt fences the earlier ones (``init_transactions``) before it reads the ledger; a
@@ -32,6 +34,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import pickle
+import tempfile
 import time
 import uuid
 from collections import Counter
@@ -83,15 +88,26 @@ def _ms(value: Any) -> int:
     return int(value or 0)
 
 
+#: Kafka output a Spark task holds in memory before it spills it to a local file.
+SPILL_BYTES = 64 << 20
+
+
 class _Output:
-    """The task's output: repartition records to the next stage's shuffle, the rest to Kafka
-    (the transaction, or nowhere for an attempt whose ledger already committed)."""
+    """The task's output: repartition records to the next stage's shuffle, the rest held for
+    Kafka until ``send`` (or nowhere for an attempt whose ledger already committed).
+
+    Held, not produced at once: the broker aborts a transaction ``transaction.timeout.ms``
+    after its first record, and a Spark task may run for longer than that (a large
+    partition), so the transaction opens once the task has run. What is held past
+    ``SPILL_BYTES`` goes to a temporary file in Spark's local directory."""
 
     def __init__(self, kafka: Any, repartitioned: set[str]) -> None:
         self.kafka = kafka
         self.repartitioned = repartitioned
         self.shuffled: list[tuple[str, int, bytes | None, bytes | None, int]] = []
-        self.held = 0
+        self._held: list[tuple[Any, ...]] = []
+        self._held_bytes = 0
+        self._spill: Any = None
 
     def direct_producer(self, epoch: int) -> None:
         """No direct path: repartition records are routed to the shuffle by ``produce``."""
@@ -110,7 +126,46 @@ class _Output:
         if topic in self.repartitioned:
             self.shuffled.append((topic, partition, key, value, timestamp))
         elif self.kafka is not None:
-            self.kafka.produce(epoch, topic, value, key, headers, partition, timestamp)
+            # A copy: the encoder's buffer behind a small value can be 4 KiB.
+            value = None if value is None else b"%b" % value
+            self._held.append((topic, value, key, headers, partition, timestamp))
+            self._held_bytes += 64 + len(value or b"") + len(key or b"")
+            if self._held_bytes > SPILL_BYTES:
+                self._spill_held()
+
+    def _spill_held(self) -> None:
+        if self._spill is None:
+            local = os.environ.get("SPARK_LOCAL_DIRS", "").split(",")[0]
+            # Closed by close() (the task's finally); deleted by the OS when closed.
+            self._spill = tempfile.TemporaryFile(prefix="snapline-output-", dir=local or None)  # noqa: SIM115
+        pickle.dump(self._held, self._spill, protocol=pickle.HIGHEST_PROTOCOL)
+        self._held, self._held_bytes = [], 0
+
+    def send(self, epoch: int) -> int:
+        """Open the transaction of ``epoch`` and produce every held record into it, in the
+        order the task produced them; returns how many."""
+        assert self.kafka is not None
+        self.kafka.begin(epoch)
+        sent = 0
+        if self._spill is not None:
+            self._spill.seek(0)
+            while True:
+                try:
+                    chunk = pickle.load(self._spill)
+                except EOFError:
+                    break
+                for record in chunk:
+                    self.kafka.produce(epoch, *record)
+                sent += len(chunk)
+        for record in self._held:
+            self.kafka.produce(epoch, *record)
+        return sent + len(self._held)
+
+    def close(self) -> None:
+        if self._spill is not None:
+            self._spill.close()
+            self._spill = None
+        self._held = []
 
 
 def _ledger_group(config: RunConfig, task_id: str) -> str:
@@ -240,6 +295,7 @@ def run_stage_task(
         {**config.kafka_config, "client.id": task_id},
         transactional_id=_transactional_id(pipeline.name, task_id),
     )
+    output: _Output | None = None
     try:
         # init_transactions first: it fences every earlier attempt of this task (an open
         # transaction of theirs is aborted, none can commit later), so the ledger read next
@@ -272,8 +328,6 @@ def run_stage_task(
         if committed:
             kafka.close()
             kafka = None
-        else:
-            kafka.begin(1)
         repartitioned = {rep.topic for rep in plan.repartitions.values()}
         output = _Output(kafka, repartitioned)
         reads = plan.stages[stage].reads
@@ -338,6 +392,7 @@ def run_stage_task(
         else:
             storage.write_bytes(precommit_path(token), encode_checked({"sinks": sinks}))
             assert kafka is not None
+            output.send(1)
             kafka.commit(
                 [TopicPartition(control.topic, 0, 1, metadata=token)],
                 ledger.consumer_group_metadata(),
@@ -381,6 +436,8 @@ def run_stage_task(
         yield ("count", stage, records, len(output.shuffled))
     finally:
         ledger.close()
+        if output is not None:
+            output.close()
         if kafka is not None:
             kafka.close()
 
