@@ -181,3 +181,60 @@ def test_a_restore_needs_nothing_of_the_savepoint_storage_once_kafka_is_changed(
     assert restored is not None
     assert not (path / entry.path).exists()
     assert _count(kafka_bootstrap, repartition) == rows, "records in flight were not restored"
+
+
+def test_records_in_flight_that_kafka_deleted_are_an_error_not_skipped(
+    kafka_bootstrap: str, admin: AdminClient, unique_name: str
+) -> None:
+    """Found by review: a worker that went on during `savepoint create` (resumed after the
+    pause limit, or started meanwhile) deletes the repartition records it no longer needs,
+    past the savepoint's positions. The reader jumped to the log's new start (auto.offset.reset
+    earliest, errors skipped): 40 of the 80 records from offset 20 in the review's repro, no
+    error."""
+    topic = create_topic(admin, f"{unique_name}.rep")
+    config = {"bootstrap.servers": kafka_bootstrap}
+    producer = Producer(config)
+    for i in range(100):
+        producer.produce(topic, b"{}", b"sk%d" % i, partition=0)
+    producer.flush(10)
+    deleted = admin.delete_records([TopicPartition(topic, 0, 60)], request_timeout=30)
+    for future in deleted.values():
+        future.result(timeout=35)
+    with pytest.raises(CheckpointError, match=r"partition 0: from 20, the log now starts at 60"):
+        export.read_in_flight(config, topic, {0: 20})
+    assert export.read_in_flight(config, topic, {0: 60}).num_rows == 40
+
+
+def test_a_savepoint_of_a_job_that_commits_meanwhile_is_refused(
+    kafka_bootstrap: str,
+    admin: AdminClient,
+    unique_name: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: the records in flight are read to the topics' ends at the time of
+    reading. A worker that commits while the state is exported (resumed after the pause limit,
+    or started meanwhile) adds records whose sources the savepoint reads again: after a
+    restore they were counted twice. The job's committed offsets are read again after the
+    records in flight; here a commit to the job's group lands while they are read."""
+    job = unique_name
+    config = {"bootstrap.servers": kafka_bootstrap}
+    pipeline, source = _counts_job(admin, job, "by-k")
+    create_topic(admin, f"{job}.by-k.repartition")
+    read = export.read_in_flight
+
+    def read_while_the_job_commits(*args: object, **kwargs: object) -> pa.Table:
+        worker = Consumer({**config, "group.id": job, "enable.auto.commit": False})
+        try:
+            worker.commit(offsets=[TopicPartition(source, 0, 7)], asynchronous=False)
+        finally:
+            worker.close()
+        return read(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(export, "read_in_flight", read_while_the_job_commits)
+    target = tmp_path / "sp"
+    with pytest.raises(CheckpointError, match=rf"committed new checkpoints .*{source}\[0\]"):
+        export.export_savepoint(
+            pipeline, config, str(tmp_path / "checkpoints"), str(target), origin="test"
+        )
+    assert not (target / METADATA_FILE).exists()

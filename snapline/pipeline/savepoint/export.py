@@ -28,6 +28,7 @@ from confluent_kafka import (
     Consumer,
     ConsumerGroupTopicPartitions,
     IsolationLevel,
+    KafkaError,
     KafkaException,
     TopicPartition,
 )
@@ -140,6 +141,27 @@ def committed_offsets(
                 time.sleep(1.0)
     finally:
         consumer.close()
+
+
+def _check_unmoved(
+    kafka_config: dict[str, Any], group: str, before: dict[tuple[str, int], TopicPartition]
+) -> None:
+    """Raise if the job's committed offsets are not ``before`` any more."""
+    now = committed_offsets(kafka_config, group, list(before))
+    moved = sorted(
+        f"{t}[{p}] {before[(t, p)].offset} -> {now[(t, p)].offset}"
+        for t, p in before
+        if (t, p) in now and now[(t, p)].offset != before[(t, p)].offset
+    )
+    if moved:
+        raise CheckpointError(
+            f"the job {group!r} committed new checkpoints while its savepoint was taken "
+            f"({', '.join(moved[:5])}{' ...' if len(moved) > 5 else ''}): a worker resumed "
+            "after the pause limit or started meanwhile, so the records in flight no longer "
+            "match the state. The savepoint was not completed; take it again (for a state that "
+            "takes minutes to export, stop the job and use `snapline savepoint "
+            "from-checkpoint`)"
+        )
 
 
 def named_checkpoint(task: JobTask, committed: list[TopicPartition]) -> CheckpointRef | None:
@@ -303,15 +325,24 @@ def read_in_flight(
             request_timeout=30,
         )
         ends = {tp.partition: f.result(timeout=35).offset for tp, f in found.items()}
+        found = admin.list_offsets(
+            {TopicPartition(topic, p): OffsetSpec.earliest() for p in starts},
+            request_timeout=30,
+        )
+        lows = {tp.partition: f.result(timeout=35).offset for tp, f in found.items()}
     except (KafkaException, FutureTimeout) as exc:
         raise CheckpointError(f"cannot read the end offsets of {topic}: {exc}") from exc
+    gone = {p: (starts[p], lows[p]) for p in starts if lows[p] > starts[p] < ends[p]}
+    if gone:
+        raise CheckpointError(_deleted_in_flight(topic, gone))
     consumer = Consumer(
         {
             **kafka_config,
             "group.id": f"snapline-savepoint-{uuid.uuid4().hex[:8]}",
             "isolation.level": "read_committed",
             "enable.auto.commit": False,
-            "auto.offset.reset": "earliest",
+            # Never a silent jump past records deleted meanwhile: an error (below).
+            "auto.offset.reset": "error",
         }
     )
     columns: dict[str, list[Any]] = {name: [] for name in IN_FLIGHT_SCHEMA.names}
@@ -336,7 +367,16 @@ def read_in_flight(
                 )
             batch = consumer.consume(5000, 0.5)
             for msg in batch:
-                if msg.error() is not None:
+                error = msg.error()
+                if error is not None:
+                    if error.code() in (
+                        KafkaError._AUTO_OFFSET_RESET,
+                        KafkaError.OFFSET_OUT_OF_RANGE,
+                    ):
+                        p = msg.partition()
+                        raise CheckpointError(
+                            _deleted_in_flight(topic, {p: (starts.get(p, -1), -1)}, str(error))
+                        )
                     continue
                 p = msg.partition()
                 if (msg.key() or b"")[:1] == WATERMARK_KEY_TAG:
@@ -352,6 +392,22 @@ def read_in_flight(
     finally:
         consumer.close()
     return pa.table(columns, schema=IN_FLIGHT_SCHEMA)
+
+
+def _deleted_in_flight(topic: str, gone: dict[int, tuple[int, int]], detail: str = "") -> str:
+    """The error of records in flight that Kafka no longer has ({partition: (from, now from)})."""
+    where = ", ".join(
+        f"partition {p}: from {start}" + (f", the log now starts at {low}" if low >= 0 else "")
+        for p, (start, low) in sorted(gone.items())
+    )
+    return (
+        f"records in flight in {topic} that the savepoint needs were deleted ({where}"
+        + (f"; {detail}" if detail else "")
+        + "): the job moved on while the savepoint was taken (a worker resumed after the "
+        "pause limit, or one started meanwhile), and its workers delete what they no longer "
+        "need. Take the savepoint again; for a state that takes minutes to export, stop the "
+        "job and use `snapline savepoint from-checkpoint`"
+    )
 
 
 def _state_progress(files: dict[str, list[SavepointFile]]) -> str:
@@ -561,6 +617,11 @@ def export_savepoint(
             table = read_in_flight(kafka_config, rep.topic, starts)
             entry = write_table(out, f"in-flight/{rep.name}.parquet", table)
             in_flight.append(InFlight(rep.name, rep.topic, partitions[rep.topic], [entry]))
+        # The records in flight were read to the topics' ends now, not at the checkpoints: a
+        # worker that committed meanwhile (resumed after the pause limit, or started during
+        # the export) added records whose sources the savepoint reads again, and may have
+        # deleted some it needs. Its commit moved the group's offsets, atomically with them.
+        _check_unmoved(kafka_config, pipeline.name, committed)
         source_offsets: dict[str, dict[int, int]] = defaultdict(dict)
         for (topic, p), offset in positions.items():
             if topic in pipeline.source_topics():
