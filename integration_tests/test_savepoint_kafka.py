@@ -4,6 +4,9 @@ refused changes nothing in Kafka."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -27,6 +30,7 @@ from snapline.pipeline.savepoint.format import (
 from snapline.pipeline.savepoint.restore import seed_from_savepoint
 
 pytestmark = [pytest.mark.integration]
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_records_in_flight_behind_an_open_transaction_are_waited_for_not_skipped(
@@ -238,3 +242,67 @@ def test_a_savepoint_of_a_job_that_commits_meanwhile_is_refused(
             pipeline, config, str(tmp_path / "checkpoints"), str(target), origin="test"
         )
     assert not (target / METADATA_FILE).exists()
+
+
+def test_a_restore_that_died_after_changing_kafka_keeps_workers_out_until_it_is_finished(
+    kafka_bootstrap: str,
+    admin: AdminClient,
+    unique_name: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a restore that died after recreating the repartition topics and
+    before resetting the group's offsets left them naming the old checkpoints, whose positions
+    in the recreated topics mean nothing; a worker started without --from-savepoint went on
+    from them (records skipped or read twice, silently). Now a worker refuses to start (exit
+    78, naming the savepoint) until a restore completes."""
+    job = unique_name
+    config = {"bootstrap.servers": kafka_bootstrap}
+    pipeline, source = _counts_job(admin, job, "by-k")
+    repartition = f"{job}.by-k.repartition"
+    path = tmp_path / "sp"
+    storage = CheckpointStorage(str(path))
+    table = IN_FLIGHT_SCHEMA.empty_table()
+    entry = write_table(storage, "in-flight/by-k.parquet", table)
+    flight = InFlight("by-k", repartition, 1, [entry])
+    meta = SavepointMetadata(job, "0.1.0", 128, {source: {0: 0}}, {source: 1}, [], [flight])
+    storage.write_bytes(METADATA_FILE, meta.encode())
+    checkpoints = tmp_path / "checkpoints"
+
+    from snapline.pipeline.savepoint import restore
+
+    recreate = restore._recreate_topic
+
+    def recreate_then_die(*args: object, **kwargs: object) -> None:
+        recreate(*args, **kwargs)  # type: ignore[arg-type]
+        raise SystemExit("killed after the first change to Kafka")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(restore, "_recreate_topic", recreate_then_die)
+        with pytest.raises(SystemExit):
+            seed_from_savepoint(pipeline, config, str(checkpoints), str(path))
+
+    spec = tmp_path / "countsjob.py"
+    spec.write_text(
+        "from snapline import KafkaSink, KafkaSource, Pipeline\n"
+        f"pipeline = Pipeline({job!r})\n"
+        f"pipeline.source(KafkaSource({source!r}, value_format='json')).key_by(\n"
+        "    lambda v: v['k'], name='by-k'\n"
+        f").count(uid='counts').sink(KafkaSink({job + '-out'!r}))\n"
+    )
+    run = [sys.executable, "-m", "snapline.pipeline.cli", "run", "countsjob:pipeline"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}",
+        "SNAPLINE_BOOTSTRAP_SERVERS": kafka_bootstrap,
+        "SNAPLINE_CHECKPOINT_DIR": str(checkpoints),
+    }
+    refused = subprocess.run(run, capture_output=True, text=True, timeout=120, env=env)
+    assert refused.returncode == 78, refused.stderr[-3000:]
+    assert "stopped after it had changed Kafka" in refused.stderr
+    assert f"--from-savepoint {path}" in refused.stderr
+
+    # The restore run again completes; then workers may start.
+    assert seed_from_savepoint(pipeline, config, str(checkpoints), str(path)) is not None
+    assert not (checkpoints / job / restore.RESTORING).exists()
+    restore.check_no_interrupted_restore(CheckpointStorage(str(checkpoints)), job)

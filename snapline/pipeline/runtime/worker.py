@@ -371,8 +371,12 @@ class Worker:
         """Wait while a savepoint restore of this job runs (on any host): it recreates the
         repartition topics and resets the job's offsets, which a worker must not use
         half-done. Says so every 30 s; a failed check lets the worker go on (the restore
-        refuses to go on once the job's group has members)."""
-        from snapline.pipeline.savepoint.restore import restore_group
+        refuses to go on once the job's group has members). Then refuse to start after a
+        restore that died half-done (``check_no_interrupted_restore``)."""
+        from snapline.pipeline.savepoint.restore import (
+            check_no_interrupted_restore,
+            restore_group,
+        )
 
         group = restore_group(self.pipeline.name)
         admin = AdminClient(self._kafka_config)
@@ -383,9 +387,9 @@ class Worker:
                 members = future.result(timeout=15).members
             except Exception as exc:
                 log.warning("could not check for a savepoint restore of this job: %s", exc)
-                return
+                break
             if not members:
-                return
+                break
             if time.monotonic() - said >= 30:
                 said = time.monotonic()
                 log.info(
@@ -394,6 +398,7 @@ class Worker:
                     self.pipeline.name,
                 )
             time.sleep(1.0)
+        check_no_interrupted_restore(self.storage, self.pipeline.name)
 
     def _check_topics(self) -> tuple[dict[str, int], dict[str, int]]:
         """Fail at start, naming the fix, when a source topic is missing or the sources are
@@ -1515,10 +1520,16 @@ class Worker:
             self._broker_answers_fresh_client,
             self._records_waiting,
         )
-        self._maybe_trigger(now)
+        # Paused for a savepoint: time stands still too. Timers and idleness would otherwise
+        # fire windows and commit checkpoints whose output lands in the repartition topics
+        # the savepoint copies, while its state is the paused one's (fired twice on restore).
+        paused = self._paused is not None
+        if not paused:
+            self._maybe_trigger(now)
         try:
-            for task in self.tasks.values():
-                task.run()
+            if not paused:
+                for task in self.tasks.values():
+                    task.run()
             self.output.poll()
         except (FencedError, TransactionFailedError) as exc:
             # The producer was fenced, or its transaction failed, while the epoch ran: the

@@ -95,6 +95,10 @@ from snapline.pipeline.state.descriptors import StateDescriptor
 log = logging.getLogger(__name__)
 
 RESTORED_FROM = "restored-from-savepoint.json"
+#: Written before a restore's first change to Kafka, removed once it is complete: a restore
+#: that died between leaves the job's repartition topics and offsets half-done, and workers
+#: refuse to start until a restore from a savepoint completes (``check_no_interrupted_restore``).
+RESTORING = "restore-in-progress.json"
 #: The columns of a data file a restore needs (the text columns are for other readers).
 _RESTORED_COLUMNS = ["key_group", "key", "state", "map_key", "value"]
 
@@ -227,6 +231,27 @@ def seed_from_savepoint(
     finally:
         lock.release()
         shutil.rmtree(flight_dir, ignore_errors=True)
+
+
+def check_no_interrupted_restore(storage: CheckpointStorage, job: str) -> None:
+    """Refuse (ConfigurationError) a job whose last savepoint restore changed Kafka and did not
+    complete: its repartition topics were recreated, and its offsets may still name the old
+    checkpoints, whose positions in them mean nothing now (records would be skipped or read
+    twice)."""
+    path = f"{job}/{RESTORING}"
+    if not storage.exists(path):
+        return
+    what = storage.full_path(path)
+    try:
+        uri = decode_checked(storage.read_bytes(path), what, "savepoint")["savepoint"]
+    except (CheckpointError, KeyError):
+        uri = "<unreadable: see the file>"
+    raise ConfigurationError(
+        f"the restore of job {job!r} from savepoint {uri} stopped after it had changed Kafka "
+        f"({what} is left): the job's repartition topics and offsets are half-done. Finish "
+        f"it: start a worker with --from-savepoint {uri} (the same savepoint), or restore "
+        "another savepoint"
+    )
 
 
 def restore_group(job: str) -> str:
@@ -462,6 +487,16 @@ def _seed(
             )
         FaultInjector().point("restore_before_kafka_changes")
         lock.check()
+        storage.write_bytes(
+            f"{pipeline.name}/{RESTORING}",
+            encode_checked(
+                {
+                    "savepoint": redact_text(savepoint_uri),
+                    "created_at": savepoint.created_at,
+                    "started_at": time.time(),
+                }
+            ),
+        )
         publish_committed_sinks(pipeline, storage, admin)
         # Every worker's ids go on above the seeded checkpoint, also one whose tasks have
         # nothing seeded (source partitions without offsets in the savepoint).
@@ -521,6 +556,7 @@ def _seed(
             }
         ),
     )
+    storage.delete_file(f"{pipeline.name}/{RESTORING}")  # after the marker: complete
     log.info(
         "restored job %s from savepoint %s: checkpoint %d for %d partitions",
         pipeline.name,
