@@ -13,7 +13,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from examples.orders import create_topics, read_committed
@@ -72,7 +72,35 @@ def test_two_jobs_spark_runs_with_one_run_id_do_not_fence_each_other_and_reruns_
     assert sorted(str(o["n"]) for o in outputs) == ["0", "1", "2", "other job"]
 
 
-def _spark_run(bootstrap: str, tmp_path: Path, prefix: str) -> subprocess.CompletedProcess[str]:
+def test_a_range_that_retention_deleted_in_part_is_refused_before_spark_runs(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """Found by review: Spark's Kafka source was given failOnDataLoss=false. A run over a range
+    whose first records retention had deleted output the 41 records left of 100, exited 0,
+    and its savepoint claimed the whole range. Now the range is checked against the log start
+    and end first, and Spark reads with failOnDataLoss=true (a deletion racing the run)."""
+    prefix = f"{unique_name}-"
+    source = f"{prefix}copy-in"
+    create_topics(kafka_bootstrap, {source: 1, f"{prefix}copy-out": 1})
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    for n in range(100):
+        producer.produce(source, orjson.dumps({"n": n}))
+    producer.flush(30)
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    for future in admin.delete_records([TopicPartition(source, 0, 60)]).values():
+        future.result(timeout=35)
+    result = _spark_run(
+        kafka_bootstrap, tmp_path, prefix, "--from", orjson.dumps({source: {"0": 0}}).decode()
+    )
+    assert result.returncode != 0
+    assert f"{source}[0]: offsets [0, 60) were deleted" in result.stderr, result.stderr[-3000:]
+    assert "Nothing was run" in result.stderr
+    assert read_committed(kafka_bootstrap, f"{prefix}copy-out", 0, timeout=5, settle=2) == []
+
+
+def _spark_run(
+    bootstrap: str, tmp_path: Path, prefix: str, *args: str
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [
             sys.executable,
@@ -85,6 +113,7 @@ def _spark_run(bootstrap: str, tmp_path: Path, prefix: str) -> subprocess.Comple
             "backfill",
             "--master",
             "local[1]",
+            *args,
         ],
         capture_output=True,
         text=True,

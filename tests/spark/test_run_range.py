@@ -57,3 +57,25 @@ def test_a_run_an_earlier_version_may_have_run_also_fences_its_transactional_ids
     # A version before recorded ranges left only its attempts' records:
     storage.write_bytes("job/spark/older/spark-older-p0-1a2b.json", b"{}")
     assert _used_legacy_ids(storage, "job", "older")
+
+
+def test_a_range_kafka_no_longer_holds_in_full_is_refused_before_spark_runs() -> None:
+    """Spark's Kafka source was given failOnDataLoss=false: it skipped records of the range
+    that retention deleted, and read an end past the partition's end as far as there was,
+    while the run's savepoint claimed the whole range (review repro: 41 of 100 records)."""
+    from snapline.pipeline.errors import ConfigurationError
+    from snapline.pipeline.spark.bounded import _check_range
+
+    class Probe:
+        marks = {("in", 0): (60, 102), ("in", 1): (0, 10)}
+
+        def get_watermark_offsets(self, tp, timeout):  # type: ignore[no-untyped-def]
+            return self.marks[(tp.topic, tp.partition)]
+
+    _check_range(Probe(), {("in", 0): 60, ("in", 1): 0}, {("in", 0): 102, ("in", 1): 10})
+    _check_range(Probe(), {("in", 0): 5, ("in", 1): 0}, {("in", 0): 5, ("in", 1): 10})  # empty
+    with pytest.raises(ConfigurationError) as raised:
+        _check_range(Probe(), {("in", 0): 0, ("in", 1): 0}, {("in", 0): 102, ("in", 1): 100})
+    message = str(raised.value)
+    assert "in[0]: offsets [0, 60) were deleted (the log starts at 60 now)" in message
+    assert "in[1]: offsets [10, 100) are not in Kafka (the partition ends at 10" in message

@@ -560,6 +560,7 @@ def run_bounded(
         storage = CheckpointStorage(checkpoint_dir)
         fence_legacy_ids = _used_legacy_ids(storage, pipeline.name, run_id)
         starts, ends = _run_range(storage, pipeline.name, run_id, starts, ends, say)
+        _check_range(probe, starts, ends)
     finally:
         probe.close()
     total = sum(max(0, ends[tp] - starts[tp]) for tp in ends)
@@ -596,7 +597,9 @@ def run_bounded(
             )
             .option("startingOffsets", json.dumps(_by_topic(starts)))
             .option("endingOffsets", json.dumps(_by_topic(ends)))
-            .option("failOnDataLoss", "false")
+            # Records of the range that Kafka deletes while the run reads them (retention,
+            # delete-records) fail the run; "false" skipped them with a log warning.
+            .option("failOnDataLoss", "true")
         )
         for key, value in pipeline.kafka_config.items():
             reader = reader.option(f"kafka.{key}", str(value))
@@ -769,6 +772,50 @@ def _run_range(
         ),
     )
     return starts, ends
+
+
+def _check_range(
+    consumer: Any, starts: dict[tuple[str, int], int], ends: dict[tuple[str, int], int]
+) -> None:
+    """Refuse a source range Kafka no longer holds in full. Spark's Kafka source skipped what
+    is missing (``failOnDataLoss=false``): records below the log's start (retention,
+    delete-records) were never output while the savepoint claimed the range; an end past the
+    partition's end (a topic deleted and recreated, a ``--to`` beyond what was written) read
+    what there was, and the services went on from the end the savepoint claimed."""
+    from confluent_kafka import KafkaException, TopicPartition
+
+    problems = []
+    for (topic, p), end in sorted(ends.items()):
+        start = starts[(topic, p)]
+        if start >= end:
+            if start > end:
+                problems.append(f"{topic}[{p}]: the range [{start}, {end}) ends before it starts")
+            continue
+        try:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
+        except KafkaException as exc:
+            problems.append(f"{topic}[{p}]: cannot read its offsets ({exc})")
+            continue
+        if start < low:
+            problems.append(
+                f"{topic}[{p}]: offsets [{start}, {min(low, end)}) were deleted "
+                f"(the log starts at {low} now)"
+            )
+        if end > high:
+            problems.append(
+                f"{topic}[{p}]: offsets [{max(start, high)}, {end}) are not in Kafka "
+                f"(the partition ends at {high}: deleted and recreated, or the end names "
+                "offsets not written yet)"
+            )
+    if problems:
+        raise ConfigurationError(
+            "the source range of this run is not in Kafka in full, and Spark would skip what "
+            "is missing: "
+            + "; ".join(problems)
+            + ". Nothing was run. Start a new run (another --run-id) whose --from and --to "
+            "are within what the topics hold (their log start offsets are above), knowing "
+            "that the records missing were never processed"
+        )
 
 
 def _by_topic(offsets: dict[tuple[str, int], int]) -> dict[str, dict[str, int]]:

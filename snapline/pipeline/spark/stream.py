@@ -120,7 +120,9 @@ def run_stream(
             .option("kafka.isolation.level", "read_committed")
             .option("subscribe", ",".join(source.topic_list))
             .option("startingOffsets", source.starting_position)
-            .option("failOnDataLoss", "false")
+            # Records the query has not read yet that Kafka deleted (retention while the query
+            # was stopped, a topic recreated) fail it: "false" skipped them with a log warning.
+            .option("failOnDataLoss", "true")
         )
         if max_records_per_batch:
             reader = reader.option("maxOffsetsPerTrigger", str(max_records_per_batch))
@@ -164,13 +166,37 @@ def run_stream(
         query = writer.start()
         say(f"query started; checkpoint location {checkpoint_location}")
         started = time.monotonic()
-        query.awaitTermination()
+        try:
+            query.awaitTermination()
+        except Exception as exc:
+            if "Some data may have been lost" in str(exc) or "offset was changed" in str(exc):
+                raise ConfigurationError(
+                    f"query {committer.query}: Kafka no longer has records of the source topics "
+                    "that the query has not processed (retention deleted them while it was "
+                    "stopped or behind, or a topic was deleted and recreated); Spark says: "
+                    f"{_data_loss_reason(str(exc))}. Going on would skip them. To accept the "
+                    "loss, start the query with a new --checkpoint-location (a new query: "
+                    "its state starts empty, from the source's starting_position)"
+                ) from exc
+            raise
         written = sum(1 for b in committer.history if b.written)
         say(f"query stopped after {time.monotonic() - started:.1f}s: {written} batches committed")
         return written
     finally:
         committer.close()
         spark.stop()
+
+
+def _data_loss_reason(text: str) -> str:
+    """The line of Spark's KAFKA_DATA_LOSS error that names the partition and offsets."""
+    for line in text.splitlines():
+        if (
+            "Could not read records" in line
+            or "offset was changed" in line
+            or ("have been deleted" in line or "instead of 0" in line)
+        ):
+            return line.strip()
+    return text.splitlines()[0] if text else text
 
 
 def event_time_column() -> Any:
