@@ -24,6 +24,7 @@ from snapline.pipeline.savepoint.format import (
     IN_FLIGHT_SCHEMA,
     METADATA_FILE,
     InFlight,
+    SavepointFile,
     SavepointMetadata,
     write_table,
 )
@@ -78,6 +79,29 @@ def _count(bootstrap: str, topic: str) -> int:
         consumer.close()
 
 
+def _savepoint_of_counts_job(
+    path: Path, job: str, source: str, rows: int, key_by: str = "by-k"
+) -> SavepointFile:
+    """A savepoint of ``_counts_job(..., key_by)`` at source offset 0 with ``rows`` records in
+    flight; returns their file's entry."""
+    storage = CheckpointStorage(str(path))
+    table = pa.table(
+        {
+            "partition": [0] * rows,
+            "offset": list(range(rows)),
+            "key": [b"sk%d" % i for i in range(rows)],
+            "value": [b"{}"] * rows,
+            "timestamp": [1] * rows,
+        },
+        schema=IN_FLIGHT_SCHEMA,
+    )
+    entry = write_table(storage, f"in-flight/{key_by}.parquet", table)
+    flight = InFlight(key_by, f"{job}.{key_by}.repartition", 1, [entry])
+    meta = SavepointMetadata(job, "0.1.0", 128, {source: {0: 0}}, {source: 1}, [], [flight])
+    storage.write_bytes(METADATA_FILE, meta.encode())
+    return entry
+
+
 def _counts_job(admin: AdminClient, job: str, key_by: str) -> tuple[Pipeline, str]:
     """A count per key after a re-keying ``key_by(name=key_by)``, and its source topic."""
     pipeline = Pipeline(job)
@@ -112,21 +136,7 @@ def test_a_refused_restore_leaves_the_repartition_topics_as_they_were(
 
     def savepoint(rows: int) -> str:
         path = tmp_path / f"sp-{rows}"
-        storage = CheckpointStorage(str(path))
-        table = pa.table(
-            {
-                "partition": [0] * rows,
-                "offset": list(range(rows)),
-                "key": [b"sk"] * rows,
-                "value": [b"{}"] * rows,
-                "timestamp": [1] * rows,
-            },
-            schema=IN_FLIGHT_SCHEMA,
-        )
-        entry = write_table(storage, "in-flight/key_by-1.parquet", table)
-        flight = InFlight("key_by-1", f"{job}.key_by-1.repartition", 1, [entry])
-        meta = SavepointMetadata(job, "0.1.0", 128, {source: {0: 0}}, {source: 1}, [], [flight])
-        storage.write_bytes(METADATA_FILE, meta.encode())
+        _savepoint_of_counts_job(path, job, source, rows, key_by="key_by-1")
         return str(path)
 
     checkpoints = str(tmp_path / "checkpoints")
@@ -155,22 +165,8 @@ def test_a_restore_needs_nothing_of_the_savepoint_storage_once_kafka_is_changed(
     pipeline, source = _counts_job(admin, job, "by-k")
     repartition = f"{job}.by-k.repartition"
     path = tmp_path / "sp"
-    storage = CheckpointStorage(str(path))
     rows = 5
-    table = pa.table(
-        {
-            "partition": [0] * rows,
-            "offset": list(range(rows)),
-            "key": [b"sk%d" % i for i in range(rows)],
-            "value": [b"{}"] * rows,
-            "timestamp": [1] * rows,
-        },
-        schema=IN_FLIGHT_SCHEMA,
-    )
-    entry = write_table(storage, "in-flight/by-k.parquet", table)
-    flight = InFlight("by-k", repartition, 1, [entry])
-    meta = SavepointMetadata(job, "0.1.0", 128, {source: {0: 0}}, {source: 1}, [], [flight])
-    storage.write_bytes(METADATA_FILE, meta.encode())
+    entry = _savepoint_of_counts_job(path, job, source, rows)
 
     from snapline.pipeline.savepoint import restore
 
@@ -259,14 +255,8 @@ def test_a_restore_that_died_after_changing_kafka_keeps_workers_out_until_it_is_
     job = unique_name
     config = {"bootstrap.servers": kafka_bootstrap}
     pipeline, source = _counts_job(admin, job, "by-k")
-    repartition = f"{job}.by-k.repartition"
     path = tmp_path / "sp"
-    storage = CheckpointStorage(str(path))
-    table = IN_FLIGHT_SCHEMA.empty_table()
-    entry = write_table(storage, "in-flight/by-k.parquet", table)
-    flight = InFlight("by-k", repartition, 1, [entry])
-    meta = SavepointMetadata(job, "0.1.0", 128, {source: {0: 0}}, {source: 1}, [], [flight])
-    storage.write_bytes(METADATA_FILE, meta.encode())
+    _savepoint_of_counts_job(path, job, source, 0)
     checkpoints = tmp_path / "checkpoints"
 
     from snapline.pipeline.savepoint import restore

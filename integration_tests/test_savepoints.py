@@ -546,3 +546,26 @@ def test_a_request_sent_as_soon_as_a_worker_listens_reaches_it(
         assert [r.id for r in got] == ["now"]
     finally:
         channel.close()
+
+
+def test_paused_workers_hear_holds_while_the_savepoint_is_written(
+    kafka_bootstrap: str, unique_name: str
+) -> None:
+    """Found by review: a worker resumes by itself PAUSE_LIMIT (300 s) after it paused, so an
+    export that took longer ran with the job going on (the savepoint now fails then). The CLI
+    sends "hold" for its request while it writes; a worker restarts its limit at each."""
+    from snapline.pipeline.savepoint import control
+
+    config = {"bootstrap.servers": kafka_bootstrap}
+    control.ensure_control_topic(config, unique_name)
+    channel = control.ControlChannel(config, unique_name)
+    try:
+        with control.holding(config, unique_name, "req", every=0.2):
+            got: list[control.Request] = []
+            deadline = time.monotonic() + 20  # three holds come 0.6 s after the start
+            while len(got) < 3 and time.monotonic() < deadline:
+                got += channel.poll(every=0)
+                time.sleep(0.1)
+        assert [(r.id, r.action) for r in got[:3]] == [("req", "hold")] * 3
+    finally:
+        channel.close()

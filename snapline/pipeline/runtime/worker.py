@@ -1697,6 +1697,8 @@ class Worker:
                 self._savepoint_request = request
             elif request.action == "resume" and self._paused and self._paused[0] == request.id:
                 self._resume("the savepoint is written")
+            elif request.action == "hold" and self._paused and self._paused[0] == request.id:
+                self._paused = (request.id, time.monotonic())  # still being written
         waiting = self._savepoint_request
         if waiting is not None and self._assigned and not self._restore_pending:
             self._savepoint_request = None

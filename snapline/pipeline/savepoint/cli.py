@@ -136,7 +136,7 @@ def create(
                 "savepoint?); try again"
             )
         console.print(f"all {len(acks)} workers committed and paused; writing {target}")
-        with progress_bar(console) as bar:
+        with progress_bar(console) as bar, control.holding(config, pipeline.name, request):
             metadata = export_savepoint(
                 pipeline, config, directory, target, origin="savepoint", progress=bar
             )

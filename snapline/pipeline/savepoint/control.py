@@ -8,7 +8,9 @@ commits a checkpoint of everything read so far, then pauses reading (or, with ``
 and acknowledges by writing ``<job>/savepoints/_requests/<id>/<worker>.json`` to checkpoint storage;
 the CLI writes the savepoint from the committed checkpoints once every member has
 acknowledged, then sends ``resume``. A paused worker resumes by itself after
-``PAUSE_LIMIT`` seconds, so a CLI that died never stalls a job for long.
+``PAUSE_LIMIT`` seconds without hearing from the CLI, so a CLI that died never stalls a job
+for long; while it writes the savepoint the CLI sends ``{"id", "action": "hold"}`` every
+``HOLD_EVERY`` seconds (``holding``), so an export that takes longer keeps the job paused.
 
 Threads: a worker polls on its main thread; the CLI on its own.
 """
@@ -17,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,8 +42,10 @@ from snapline.pipeline.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
-#: A paused worker resumes by itself after this many seconds without a "resume".
+#: A paused worker resumes by itself after this many seconds without a "resume" or "hold".
 PAUSE_LIMIT = 300.0
+#: How often the CLI tells paused workers to stay paused while it writes the savepoint.
+HOLD_EVERY = PAUSE_LIMIT / 5
 
 
 def control_topic(job: str) -> str:
@@ -151,6 +157,31 @@ def send(
     )
     if producer.flush(30):
         raise CheckpointError(f"could not send {action!r} to {control_topic(job)}")
+
+
+@contextlib.contextmanager
+def holding(
+    kafka_config: dict[str, Any], job: str, request_id: str, every: float = HOLD_EVERY
+) -> Iterator[None]:
+    """Send ``hold`` for ``request_id`` every ``every`` seconds while the block runs (a
+    thread): the paused workers' ``PAUSE_LIMIT`` starts again at each. A hold that cannot
+    be sent is logged; the export's own check then finds a job that resumed."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(every):
+            try:
+                send(kafka_config, job, "hold", request_id)
+            except (CheckpointError, KafkaException) as exc:
+                log.warning("could not tell the workers to stay paused: %s", exc)
+
+    thread = threading.Thread(target=run, name="savepoint-hold", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=35)
 
 
 def new_request_id() -> str:

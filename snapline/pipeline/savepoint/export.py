@@ -159,11 +159,11 @@ def _check_unmoved(
     if moved:
         raise CheckpointError(
             f"the job {group!r} committed new checkpoints while its savepoint was taken "
-            f"({', '.join(moved[:5])}{' ...' if len(moved) > 5 else ''}): a worker resumed "
-            "after the pause limit or started meanwhile, so the records in flight no longer "
-            "match the state. The savepoint was not completed; take it again (for a state that "
-            "takes minutes to export, stop the job and use `snapline savepoint "
-            "from-checkpoint`)"
+            f"({', '.join(moved[:5])}{' ...' if len(moved) > 5 else ''}): a worker started "
+            "meanwhile (it never saw the request), or one did not hear the CLI for the pause "
+            "limit and resumed, so the records in flight no longer match the state. The "
+            "savepoint was not completed; take it again with no worker starting meanwhile, or "
+            "stop the job and use `snapline savepoint from-checkpoint`"
         )
 
 
@@ -406,10 +406,10 @@ def _deleted_in_flight(topic: str, gone: dict[int, tuple[int, int]], detail: str
     return (
         f"records in flight in {topic} that the savepoint needs were deleted ({where}"
         + (f"; {detail}" if detail else "")
-        + "): the job moved on while the savepoint was taken (a worker resumed after the "
-        "pause limit, or one started meanwhile), and its workers delete what they no longer "
-        "need. Take the savepoint again; for a state that takes minutes to export, stop the "
-        "job and use `snapline savepoint from-checkpoint`"
+        + "): the job moved on while the savepoint was taken (a worker started meanwhile, or "
+        "one did not hear the CLI for the pause limit and resumed), and its workers delete "
+        "what they no longer need. Take the savepoint again with no worker starting "
+        "meanwhile, or stop the job and use `snapline savepoint from-checkpoint`"
     )
 
 
