@@ -686,3 +686,48 @@ def test_two_jobs_started_together_with_one_transactional_id_end_with_one_runnin
         first.signal(signal.SIGCONT)
         first.kill()
         second.kill()
+
+
+def test_source_records_deleted_before_the_job_read_them_stop_it_until_the_user_chooses(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """Found by review: retention deleted records the stopped job had not read; the restarted
+    worker's consumer jumped to the log's start (auto.offset.reset) and went on, exit 0, with
+    only librdkafka's "offset reset" line on stderr: 50 of 200 inputs never processed. Now the
+    worker stops (exit 78) naming the partition and how many records are gone, and goes on
+    from the log's start only with --skip-deleted-records."""
+    prefix = f"{unique_name}-"
+    source, out = f"{prefix}copy-in", f"{prefix}copy-out"
+    create_topics(kafka_bootstrap, {source: 1, out: 1})
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+
+    def produce(numbers: range) -> None:
+        for n in numbers:
+            producer.produce(source, orjson.dumps({"n": n}), partition=0)
+        producer.flush(30)
+
+    produce(range(100))
+    worker = _start_worker("named_copy", kafka_bootstrap, tmp_path, prefix)
+    first = read_committed(kafka_bootstrap, out, 100, timeout=60, settle=1)
+    assert worker.stop() == 0
+    assert sorted(r["n"] for r in first) == list(range(100))
+
+    produce(range(100, 200))  # then retention deletes 100..149 before the job reads them
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    for future in admin.delete_records([TopicPartition(source, 0, 150)]).values():
+        future.result(timeout=35)
+    stderr = _run_expecting_failure(
+        "integration_tests.pipelines:named_copy", kafka_bootstrap, prefix, tmp_path
+    )
+    assert f"source topic {source}[0] starts at offset 150, but the job's checkpoint " in stderr
+    assert "continues at 100: 50 records were deleted" in stderr, stderr[-3000:]
+    assert "--skip-deleted-records" in stderr
+    assert len(read_committed(kafka_bootstrap, out, 100, timeout=10, settle=1)) == 100
+
+    worker.start(extra_args=["--skip-deleted-records"])
+    outputs = read_committed(kafka_bootstrap, out, 150, timeout=60, settle=2)
+    assert worker.stop() == 0
+    assert sorted(r["n"] for r in outputs) == [*range(100), *range(150, 200)]  # each once
+    events = read_events(worker.metrics_path)
+    skipped = [e for e in events if e.get("event") == "source_records_deleted"]
+    assert [(e["from"], e["to"], e["records"]) for e in skipped] == [(100, 150, 50)]

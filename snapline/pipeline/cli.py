@@ -124,6 +124,12 @@ def main() -> None:
     "starting position.",
 )
 @click.option(
+    "--skip-deleted-records",
+    is_flag=True,
+    help="When retention deleted source records the job had not read yet: go on from the "
+    "partition's log start (logged, a source_records_deleted event) instead of stopping.",
+)
+@click.option(
     "--from-savepoint",
     default=None,
     help="Start the job from this savepoint (once: a restart continues from the job's own "
@@ -169,6 +175,7 @@ def run(
     local_dir: str | None,
     restore_latest: bool,
     reset_state: bool,
+    skip_deleted_records: bool,
     from_savepoint: str | None,
     allow_non_restored_state: bool,
     metrics_port: int | None,
@@ -247,6 +254,7 @@ def run(
                 checkpoint_dir,
                 local_dir or "",
                 on_missing,
+                skip_deleted_records=skip_deleted_records,
                 metrics_port=metrics_port,
                 liveness_timeout=liveness_timeout,
             )
@@ -279,6 +287,7 @@ def run(
                 repr(liveness_timeout),
                 *(["--local-dir", local_dir] if local_dir else []),
                 *([f"--{on_missing}"] if on_missing != "fail" else []),
+                *(["--skip-deleted-records"] if skip_deleted_records else []),
             ],
             metrics_port=metrics_port,
             # Not on the command line, where any local user reads it (ps): a checkpoint URI

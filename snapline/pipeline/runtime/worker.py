@@ -153,6 +153,9 @@ class WorkerSettings:
     #: What to do for a task whose committed offsets are gone while checkpoints that committed
     #: are stored: "fail" (default), "restore-latest" or "reset-state" (see _missing_offsets).
     on_missing_offsets: str = "fail"
+    #: Go on from a source partition's log start when retention deleted records the job had
+    #: not read (logged, an event); otherwise that stops the job (``_checked_position``).
+    skip_deleted_records: bool = False
     #: Serve Prometheus metrics on this port (None: no endpoint; 0: any free port).
     metrics_port: int | None = None
     #: Seconds the task thread may make no progress before the worker dumps every thread's
@@ -344,7 +347,6 @@ class Worker:
         return options
 
     def _consumer_config(self) -> dict[str, Any]:
-        starts = {s.starting_position for s in self.pipeline.sources()}
         return {
             "session.timeout.ms": 10000,
             "heartbeat.interval.ms": 1000,
@@ -364,7 +366,10 @@ class Worker:
             "enable.auto.offset.store": False,
             "isolation.level": "read_committed",
             "partition.assignment.strategy": "range",
-            "auto.offset.reset": "latest" if starts == {"latest"} else "earliest",
+            # Every position is given (a checkpoint's, or the source's start as a logical
+            # offset), so a reset only ever means records between it and the log's start were
+            # deleted (or the log truncated): an error event, never a silent jump (_consume).
+            "auto.offset.reset": "error",
         }
 
     def _wait_for_restore(self) -> None:
@@ -682,10 +687,14 @@ class Worker:
                 positions[tp] = start[c.topic]
         task_epoch = self.coordinator.next_id
         self.coordinator.observe_restored(ref.checkpoint_id if ref else None)
+        channels = self._channel_positions(positions)
+        # The consumer starts where the channels do (a position checked against the log may
+        # move to its start: --skip-deleted-records); logical offsets stay for the broker.
+        positions = {tp: channels[tp] if o >= 0 else o for tp, o in positions.items()}
         task = Task(
             task_id,
             self.pipeline,
-            self._channel_positions(positions),
+            channels,
             backend,
             self.output,
             worker_id=self.settings.worker_id,
@@ -770,15 +779,85 @@ class Worker:
     def _channel_positions(
         self, positions: dict[tuple[str, int], int]
     ) -> dict[tuple[str, int], int]:
-        # Logical offsets (beginning/end) are resolved by the broker; channels start "unknown"
-        # and learn the real offset from the first message or the consumer position.
+        """Logical offsets (beginning/end) resolved by the broker, and every restored position
+        checked against the partition's log (``_checked_position``)."""
         resolved = {}
         for tp, offset in positions.items():
-            if offset < 0:
+            try:
                 low, high = self.consumer.get_watermark_offsets(TopicPartition(*tp), timeout=30)
+            except KafkaException as exc:
+                if offset < 0:
+                    raise
+                log.warning(
+                    "%s[%d]: cannot check position %d against the log: %s", *tp, offset, exc
+                )
+                resolved[tp] = offset
+                continue
+            if offset < 0:
                 offset = low if offset == OFFSET_BEGINNING else high
+            else:
+                offset = self._checked_position(tp, offset, low, high)
             resolved[tp] = offset
         return resolved
+
+    def _checked_position(self, tp: tuple[str, int], offset: int, low: int, high: int) -> int:
+        """``offset`` if the partition's log holds it, else a refusal naming what is missing
+        (ConfigurationError: the supervisor stops every worker). Source records that retention
+        deleted before the job read them go on from the log's start only with
+        ``--skip-deleted-records``, logged and counted; a repartition topic's never (they
+        were committed output of the stage before); a position past the log's end (a log
+        truncated by an unclean leader election, a topic recreated) never either: the consumer
+        would read the partition again from its start."""
+        topic, partition = tp
+        if offset > high:
+            raise ConfigurationError(
+                f"{topic}[{partition}]: the job's checkpoint continues at offset {offset}, but "
+                f"the partition ends at {high} (its log was truncated by an unclean leader "
+                "election, or the topic was deleted and created again): reading it again from "
+                "its start would process records twice. If the topic was recreated, restart "
+                "with --reset-state (its state starts empty, the sinks receive the output "
+                "again) or run the job under a new name"
+            )
+        if offset >= low:
+            return offset
+        missing = low - offset
+        if topic in self._repartitioned:
+            raise ConfigurationError(
+                f"repartition topic {topic}[{partition}] starts at offset {low}, but the job's "
+                f"checkpoint continues at {offset}: {missing} records committed by the stage "
+                "before were deleted (the topic's retention.ms/retention.bytes, or records "
+                "deleted by hand). The job cannot continue exactly: restore a savepoint taken "
+                "before, or restart with --reset-state"
+            )
+        if not self.settings.skip_deleted_records:
+            raise ConfigurationError(
+                f"source topic {topic}[{partition}] starts at offset {low}, but the job's "
+                f"checkpoint continues at {offset}: {missing} records were deleted (the topic's "
+                "retention.ms/retention.bytes) before the job read them. Nothing was skipped. "
+                "Raise the topic's retention and produce those records again, or restart with "
+                f"--skip-deleted-records to go on from offset {low} (the {missing} records are "
+                "lost)"
+            )
+        log.error(
+            "%s[%d]: %d records deleted before the job read them are skipped "
+            "(--skip-deleted-records): going on from offset %d instead of %d",
+            topic,
+            partition,
+            missing,
+            low,
+            offset,
+        )
+        self._event(
+            {
+                "event": "source_records_deleted",
+                "topic": topic,
+                "partition": partition,
+                "from": offset,
+                "to": low,
+                "records": missing,
+            }
+        )
+        return low
 
     def _check_lost_commit(
         self,
@@ -1576,6 +1655,26 @@ class Worker:
 
         return run
 
+    def _out_of_range(self, msg: Any) -> None:
+        """The consumer's fetch position left the partition's log while the job ran: records
+        were deleted before it fetched them (it lags behind retention), or the log was
+        truncated. The same decision as at a restore (``_checked_position``): a refusal, or
+        with ``--skip-deleted-records`` fetching on from the log's start."""
+        tp = (msg.topic(), msg.partition())
+        task = self.tasks.get(task_id_for(self._stage_of_topic[tp[0]], tp[1]))
+        channel = task.channels.get(tp) if task is not None else None
+        if channel is None:
+            return  # not this worker's partition (any more): the next rebalance settles it
+        try:
+            fetch = self.consumer.position([TopicPartition(*tp)])[0].offset
+        except KafkaException:
+            fetch = -1
+        if fetch < 0:
+            fetch = channel.next_offset
+        low, high = self.consumer.get_watermark_offsets(TopicPartition(*tp), timeout=30)
+        target = self._checked_position(tp, fetch, low, high)
+        self.consumer.seek(TopicPartition(*tp, target))  # the error stopped its fetching
+
     def _consume(self, timeout: float) -> list[Any]:
         rebalances = self._rebalances
         messages = self.consumer.consume(BATCH_SIZE, timeout)
@@ -1590,6 +1689,8 @@ class Worker:
         for msg in messages:
             error = msg.error()
             if error is not None:
+                if error.code() in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
+                    self._out_of_range(msg)
                 if classify(error) is ErrorClass.FATAL:
                     # e.g. "Static consumer fenced by other consumer with same
                     # group.instance.id" after a broker outage longer than session.timeout.ms

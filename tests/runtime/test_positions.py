@@ -1,0 +1,66 @@
+"""A restored position checked against its partition's log (Worker._checked_position): within
+it, it is kept; past its end (a truncated log, a recreated topic) and below its start in a
+repartition topic it is refused; below its start in a source topic it is refused unless
+--skip-deleted-records, which goes on from the start with an event. Pure logic: the worker's
+method on a stand-in with the fields it reads."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from snapline.pipeline.errors import ConfigurationError
+from snapline.pipeline.runtime.worker import Worker
+
+REPARTITION = "job.by-k.repartition"
+
+
+def _worker(skip: bool) -> Any:
+    events: list[dict[str, Any]] = []
+    return SimpleNamespace(
+        settings=SimpleNamespace(skip_deleted_records=skip),
+        _repartitioned={REPARTITION},
+        _event=events.append,
+        events=events,
+    )
+
+
+def test_a_position_within_the_log_is_kept() -> None:
+    worker = _worker(skip=False)
+    for offset in (10, 50, 100):
+        assert Worker._checked_position(worker, ("orders", 0), offset, 10, 100) == offset
+    assert worker.events == []
+
+
+def test_a_position_past_the_logs_end_is_refused_in_every_topic() -> None:
+    for topic in ("orders", REPARTITION):
+        with pytest.raises(
+            ConfigurationError, match=r"continues at offset 120, but the partition ends at 100"
+        ):
+            Worker._checked_position(_worker(skip=True), (topic, 0), 120, 0, 100)
+
+
+def test_deleted_repartition_records_are_refused_even_when_skipping_is_allowed() -> None:
+    with pytest.raises(
+        ConfigurationError, match=r"repartition topic .* 40 records committed by the stage before"
+    ):
+        Worker._checked_position(_worker(skip=True), (REPARTITION, 2), 10, 50, 100)
+
+
+def test_deleted_source_records_are_refused_or_skipped_as_the_user_chose() -> None:
+    with pytest.raises(ConfigurationError, match=r"continues at 10: 40 records were deleted"):
+        Worker._checked_position(_worker(skip=False), ("orders", 1), 10, 50, 100)
+    worker = _worker(skip=True)
+    assert Worker._checked_position(worker, ("orders", 1), 10, 50, 100) == 50
+    assert worker.events == [
+        {
+            "event": "source_records_deleted",
+            "topic": "orders",
+            "partition": 1,
+            "from": 10,
+            "to": 50,
+            "records": 40,
+        }
+    ]
