@@ -50,3 +50,30 @@ def test_an_attempt_whose_ledger_committed_holds_nothing() -> None:
     output = _Output(None, set())
     output.produce(1, "out", b"v", None)
     assert output._held == [] and output._spill is None
+
+
+def test_a_record_too_large_for_the_producer_is_a_dead_letter_not_a_failed_task() -> None:
+    """Found by review: held without a size check, a Kafka sink's record over
+    message.max.bytes was refused only when the held output was sent, after the task had run:
+    every attempt of the task failed. Refused when produced (as the producer refuses it), it
+    is the input's dead letter again."""
+    from snapline.pipeline.record import Record
+    from snapline.pipeline.runtime.transaction import TransactionalOutput
+    from snapline.pipeline.sink import SinkContext
+    from snapline.sinks.kafka import KafkaSink
+
+    conf = {"bootstrap.servers": "127.0.0.1:1", "message.max.bytes": 10_000}
+    kafka = TransactionalOutput(conf, transactional_id=None)  # produce() checks sizes itself
+    output = _Output(kafka, set())
+    dead: list[str] = []
+    ctx = SinkContext("job", "t", "w", "kafka:out", output, lambda r, why, e: dead.append(why))
+    writer = KafkaSink("out").open(ctx)
+    writer.write_batch(
+        [
+            Record("x" * 50_000, 1, "in", 0, 1, "k", b"k", 0),
+            Record("small", 2, "in", 0, 2, "k", b"k", 0),
+        ],
+        1,
+    )
+    assert len(dead) == 1 and "message.max.bytes" in dead[0]
+    assert [held[1] for held in output._held] == [b'"small"']

@@ -46,8 +46,10 @@ from datetime import datetime
 from typing import Any
 
 import orjson
+from confluent_kafka import KafkaError, KafkaException
 
 from snapline.pipeline.errors import CheckpointError, ConfigurationError
+from snapline.pipeline.runtime.transaction import record_size
 from snapline.pipeline.state.compat import state_description
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,9 @@ class _Output:
     def __init__(self, kafka: Any, repartitioned: set[str]) -> None:
         self.kafka = kafka
         self.repartitioned = repartitioned
+        #: The producer's limit: a record over it is refused when produced, as the producer
+        #: would refuse it (the Kafka sink then dead-letters its input; Task._fits).
+        self.max_message_bytes: int | None = getattr(kafka, "max_message_bytes", None)
         self.shuffled: list[tuple[str, int, bytes | None, bytes | None, int]] = []
         self._held: list[tuple[Any, ...]] = []
         self._held_bytes = 0
@@ -126,10 +131,18 @@ class _Output:
         if topic in self.repartitioned:
             self.shuffled.append((topic, partition, key, value, timestamp))
         elif self.kafka is not None:
+            size = record_size(value, key, headers)
+            if self.max_message_bytes is not None and size > self.max_message_bytes:
+                raise KafkaException(
+                    KafkaError(
+                        KafkaError.MSG_SIZE_TOO_LARGE,
+                        f"Message size {size} exceeds message.max.bytes {self.max_message_bytes}",
+                    )
+                )
             # A copy: the encoder's buffer behind a small value can be 4 KiB.
             value = None if value is None else b"%b" % value
             self._held.append((topic, value, key, headers, partition, timestamp))
-            self._held_bytes += 64 + len(value or b"") + len(key or b"")
+            self._held_bytes += 200 + size  # with the tuple's and the objects' overhead
             if self._held_bytes > SPILL_BYTES:
                 self._spill_held()
 
@@ -814,7 +827,9 @@ def _check_range(
             + "; ".join(problems)
             + ". Nothing was run. Start a new run (another --run-id) whose --from and --to "
             "are within what the topics hold (their log start offsets are above), knowing "
-            "that the records missing were never processed"
+            "that the records missing were never processed; if tasks of this run committed "
+            "before, their output is in the sinks already, and a new run over their range "
+            "writes it again"
         )
 
 
