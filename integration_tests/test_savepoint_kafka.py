@@ -251,13 +251,17 @@ def test_a_restore_that_died_after_changing_kafka_keeps_workers_out_until_it_is_
     before resetting the group's offsets left them naming the old checkpoints, whose positions
     in the recreated topics mean nothing; a worker started without --from-savepoint went on
     from them (records skipped or read twice, silently). Now a worker refuses to start (exit
-    78, naming the savepoint) until a restore completes."""
+    78, naming the savepoint) until a restore completes; a savepoint of it is refused too, and
+    a restore of the savepoint the job was restored from before finishes it (the marker of
+    that earlier restore made it return "already restored": found by a review of the fix)."""
     job = unique_name
     config = {"bootstrap.servers": kafka_bootstrap}
     pipeline, source = _counts_job(admin, job, "by-k")
-    path = tmp_path / "sp"
+    earlier, path = tmp_path / "sp-earlier", tmp_path / "sp"
+    _savepoint_of_counts_job(earlier, job, source, 0)
     _savepoint_of_counts_job(path, job, source, 0)
     checkpoints = tmp_path / "checkpoints"
+    assert seed_from_savepoint(pipeline, config, str(checkpoints), str(earlier)) is not None
 
     from snapline.pipeline.savepoint import restore
 
@@ -292,7 +296,12 @@ def test_a_restore_that_died_after_changing_kafka_keeps_workers_out_until_it_is_
     assert "stopped after it had changed Kafka" in refused.stderr
     assert f"--from-savepoint {path}" in refused.stderr
 
-    # The restore run again completes; then workers may start.
-    assert seed_from_savepoint(pipeline, config, str(checkpoints), str(path)) is not None
+    with pytest.raises(ConfigurationError, match="stopped after it had changed Kafka"):
+        export.export_savepoint(
+            pipeline, config, str(checkpoints), str(tmp_path / "sp-of-it"), origin="test"
+        )
+
+    # A restore (here of the earlier savepoint) completes; then workers may start.
+    assert seed_from_savepoint(pipeline, config, str(checkpoints), str(earlier)) is not None
     assert not (checkpoints / job / restore.RESTORING).exists()
     restore.check_no_interrupted_restore(CheckpointStorage(str(checkpoints)), job)

@@ -338,6 +338,14 @@ def read_in_flight(
     gone = {p: (starts[p], lows[p]) for p in starts if lows[p] > starts[p] < ends[p]}
     if gone:
         raise CheckpointError(_deleted_in_flight(topic, gone))
+    past = {p: (starts[p], ends[p]) for p in starts if starts[p] > ends[p]}
+    if past:
+        raise CheckpointError(
+            f"the job's positions in {topic} are past its end ("
+            + ", ".join(f"partition {p}: at {s}, the end is {e}" for p, (s, e) in past.items())
+            + "): the topic was deleted and created again since they were committed, and the "
+            "records in flight there are gone. Restore a savepoint taken before"
+        )
     consumer = Consumer(
         {
             **kafka_config,
@@ -526,6 +534,11 @@ def export_savepoint(
     ``publish_staged`` (the job is stopped): first publish what committed checkpoints left
     staged in Parquet and PostgreSQL sinks (``publish_committed_sinks``)."""
     where = str(kafka_config.get("bootstrap.servers"))
+    from snapline.pipeline.savepoint.restore import check_no_interrupted_restore  # a cycle
+
+    # After a restore that died half-done, the group's offsets name positions in repartition
+    # topics that were recreated since: the records in flight read there would be others.
+    check_no_interrupted_restore(CheckpointStorage(checkpoint_dir), pipeline.name)
     plan: StagePlan = pipeline.stages()
     admin = AdminClient(kafka_config)
     inputs = plan.input_topics(pipeline.source_topics())

@@ -346,7 +346,9 @@ def _seed(
     savepoint = read_metadata(sp_storage)
     storage = CheckpointStorage(checkpoint_dir)
     marker = f"{pipeline.name}/{RESTORED_FROM}"
-    if storage.exists(marker):
+    # A restore that died after changing Kafka is finished by any restore, also one of the
+    # savepoint the job was restored from before (the marker names that one).
+    if storage.exists(marker) and not storage.exists(f"{pipeline.name}/{RESTORING}"):
         # With a checksum: a changed byte must not make the job look not yet restored (it
         # would be seeded again, its offsets reset to the savepoint's).
         what = storage.full_path(marker)
@@ -622,12 +624,20 @@ def _clock(
         old, new = counts
         # Each key-group's event time: its old task's watermark (or floor).
         groups: dict[int, int] = {}
+        owners: dict[int, tuple[int, dict[int, int]] | None] = {}
         for group in key_group_range(partition, new, savepoint.max_parallelism):
             owner = operator_index_for_key_group(group, old, savepoint.max_parallelism)
-            clock = savepoint.clocks.get(f"{prefix}{owner}")
-            if clock is not None:
-                mark = int(clock.get("watermark", 0))
-                groups[group] = max(mark, decode_floors(clock.get("floors", [])).get(group, mark))
+            if owner not in owners:  # each old clock's floors decoded once
+                clock = savepoint.clocks.get(f"{prefix}{owner}")
+                owners[owner] = (
+                    None
+                    if clock is None
+                    else (int(clock.get("watermark", 0)), decode_floors(clock.get("floors", [])))
+                )
+            known = owners[owner]
+            if known is not None:
+                mark, floors = known
+                groups[group] = max(mark, floors.get(group, mark))
         if groups:
             low = min(groups.values())
             floors = {g: mark for g, mark in groups.items() if mark > low}
