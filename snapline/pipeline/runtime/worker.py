@@ -109,7 +109,13 @@ from snapline.pipeline.runtime.transaction import (
     TransactionFailedError,
     invalid_kafka_settings,
 )
-from snapline.pipeline.savepoint.control import PAUSE_LIMIT, ControlChannel, Request, write_ack
+from snapline.pipeline.savepoint.control import (
+    MAX_PAUSE,
+    PAUSE_LIMIT,
+    ControlChannel,
+    Request,
+    write_ack,
+)
 from snapline.pipeline.stages import task_id_for
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.compat import incompatibility, moved_states
@@ -314,6 +320,9 @@ class Worker:
         except KafkaException as exc:  # its consumer is the first one the worker creates
             raise invalid_kafka_settings(exc, "consumer") from exc
         self._paused: tuple[str, float] | None = None
+        #: When the current pause began (the holds of a savepoint never extend it past
+        #: MAX_PAUSE: a CLI whose export hangs cannot stall the job for good).
+        self._paused_at = 0.0
         self._exit_after_savepoint = False
         #: A savepoint request waits until the worker has its assignment (it just started,
         #: or is in a rebalance): its acknowledgement names the tasks it covers.
@@ -1798,14 +1807,22 @@ class Worker:
                 self._savepoint_request = request
             elif request.action == "resume" and self._paused and self._paused[0] == request.id:
                 self._resume("the savepoint is written")
-            elif request.action == "hold" and self._paused and self._paused[0] == request.id:
+            elif (
+                request.action == "hold"
+                and self._paused
+                and self._paused[0] == request.id
+                and time.monotonic() - self._paused_at < MAX_PAUSE
+            ):
                 self._paused = (request.id, time.monotonic())  # still being written
         waiting = self._savepoint_request
         if waiting is not None and self._assigned and not self._restore_pending:
             self._savepoint_request = None
             self._take_savepoint(waiting)
         if self._paused is not None and time.monotonic() - self._paused[1] > PAUSE_LIMIT:
-            self._resume(f"no resume within {PAUSE_LIMIT:.0f}s")
+            if time.monotonic() - self._paused_at >= MAX_PAUSE:
+                self._resume(f"paused for {MAX_PAUSE:.0f}s, the longest a savepoint may hold it")
+            else:
+                self._resume(f"no resume or hold within {PAUSE_LIMIT:.0f}s")
 
     def _take_savepoint(self, request: Request) -> None:
         """Commit everything read so far, then pause (or, with stop, exit) and acknowledge:
@@ -1815,6 +1832,7 @@ class Worker:
         status = "failed"
         if ok:
             self._paused = (request.id, time.monotonic())
+            self._paused_at = time.monotonic()
             self.consumer.pause(self.consumer.assignment())
             status = "stopped" if request.stop else "paused"
             self._exit_after_savepoint = request.stop

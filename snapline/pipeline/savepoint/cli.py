@@ -111,42 +111,48 @@ def create(
     control.send(config, pipeline.name, "savepoint", request, stop)
     resumed = False
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            acks = control.read_acks(storage, pipeline.name, request)
-            failed = {w: a for w, a in acks.items() if a["status"] == "failed"}
-            if failed:
-                raise click.ClickException(f"workers could not commit the savepoint: {failed}")
-            expected = max(members, active_members(admin, pipeline.name)) if not stop else members
-            if len(acks) >= expected:
-                break
-            if time.monotonic() > deadline:
-                raise click.ClickException(
-                    f"{len(acks)} of {expected} workers acknowledged within {timeout:.0f}s"
+        # Holds from the request on: a worker that paused first waits for the others too.
+        with control.holding(config, pipeline.name, request):
+            deadline = time.monotonic() + timeout
+            while True:
+                acks = control.read_acks(storage, pipeline.name, request)
+                failed = {w: a for w, a in acks.items() if a["status"] == "failed"}
+                if failed:
+                    raise click.ClickException(f"workers could not commit the savepoint: {failed}")
+                expected = (
+                    max(members, active_members(admin, pipeline.name)) if not stop else members
                 )
-            time.sleep(0.3)
-        partitions = topic_partitions(
-            admin, pipeline.stages().input_topics(pipeline.source_topics()), str(bootstrap_servers)
-        )
-        covered = {t for a in acks.values() for t in a["tasks"]}
-        missing = sorted({t.task_id for t in job_tasks(pipeline, partitions)} - covered)
-        if missing:
-            raise click.ClickException(
-                f"tasks {missing} were not paused by any worker (a rebalance during the "
-                "savepoint?); try again"
+                if len(acks) >= expected:
+                    break
+                if time.monotonic() > deadline:
+                    raise click.ClickException(
+                        f"{len(acks)} of {expected} workers acknowledged within {timeout:.0f}s"
+                    )
+                time.sleep(0.3)
+            partitions = topic_partitions(
+                admin,
+                pipeline.stages().input_topics(pipeline.source_topics()),
+                str(bootstrap_servers),
             )
-        console.print(f"all {len(acks)} workers committed and paused; writing {target}")
-        with progress_bar(console) as bar, control.holding(config, pipeline.name, request):
-            metadata = export_savepoint(
-                pipeline, config, directory, target, origin="savepoint", progress=bar
-            )
-        if not stop:
-            control.send(config, pipeline.name, "resume", request)
-            resumed = True
-        else:
-            deadline = time.monotonic() + 60
-            while active_members(admin, pipeline.name) and time.monotonic() < deadline:
-                time.sleep(0.5)
+            covered = {t for a in acks.values() for t in a["tasks"]}
+            missing = sorted({t.task_id for t in job_tasks(pipeline, partitions)} - covered)
+            if missing:
+                raise click.ClickException(
+                    f"tasks {missing} were not paused by any worker (a rebalance during the "
+                    "savepoint?); try again"
+                )
+            console.print(f"all {len(acks)} workers committed and paused; writing {target}")
+            with progress_bar(console) as bar:
+                metadata = export_savepoint(
+                    pipeline, config, directory, target, origin="savepoint", progress=bar
+                )
+            if not stop:
+                control.send(config, pipeline.name, "resume", request)
+                resumed = True
+            else:
+                deadline = time.monotonic() + 60
+                while active_members(admin, pipeline.name) and time.monotonic() < deadline:
+                    time.sleep(0.5)
     except SnaplineError as exc:
         raise click.ClickException(str(exc)) from exc
     finally:

@@ -10,7 +10,8 @@ the CLI writes the savepoint from the committed checkpoints once every member ha
 acknowledged, then sends ``resume``. A paused worker resumes by itself after
 ``PAUSE_LIMIT`` seconds without hearing from the CLI, so a CLI that died never stalls a job
 for long; while it writes the savepoint the CLI sends ``{"id", "action": "hold"}`` every
-``HOLD_EVERY`` seconds (``holding``), so an export that takes longer keeps the job paused.
+``HOLD_EVERY`` seconds (``holding``), so an export that takes longer keeps the job paused,
+for ``MAX_PAUSE`` seconds at most.
 
 Threads: a worker polls on its main thread; the CLI on its own.
 """
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 PAUSE_LIMIT = 300.0
 #: How often the CLI tells paused workers to stay paused while it writes the savepoint.
 HOLD_EVERY = PAUSE_LIMIT / 5
+#: The longest holds keep a worker paused (a CLI whose export hangs never stalls a job for
+#: good); the savepoint then fails its check of the group's offsets.
+MAX_PAUSE = 3600.0
 
 
 def control_topic(job: str) -> str:
