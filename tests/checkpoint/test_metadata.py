@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,8 @@ def sample(ref: CheckpointRef = CheckpointRef(7, "abc123")) -> TaskCheckpoint:
 def test_round_trip() -> None:
     meta = sample()
     assert TaskCheckpoint.decode(meta.encode(), "x") == meta
+    keyed = dataclasses.replace(meta, task_id="s1-p3", task_count=4, time={"watermark": 9})
+    assert TaskCheckpoint.decode(keyed.encode(), "x") == keyed
 
 
 def test_flipped_byte_is_detected() -> None:

@@ -1,8 +1,9 @@
-"""A restored position checked against its partition's log (Worker._checked_position): within
-it, it is kept; past its end (a truncated log, a recreated topic) and below its start in a
-repartition topic it is refused; below its start in a source topic it is refused unless
---skip-deleted-records, which goes on from the start with an event. Pure logic: the worker's
-method on a stand-in with the fields it reads."""
+"""What a worker checks of a restored task: its positions against their partitions' logs
+(Worker._checked_position): within it, kept; past its end (a truncated log, a recreated topic)
+and below its start in a repartition topic, refused; below its start in a source topic,
+refused unless --skip-deleted-records, which goes on from the start with an event. And a keyed
+task's checkpoint against its stage's task count now (Worker._check_task_count). Pure logic:
+the worker's methods on a stand-in with the fields they read."""
 
 from __future__ import annotations
 
@@ -64,3 +65,26 @@ def test_deleted_source_records_are_refused_or_skipped_as_the_user_chose() -> No
             "records": 40,
         }
     ]
+
+
+def test_a_keyed_checkpoint_of_another_task_count_is_refused() -> None:
+    """Found by review: partitions added by hand to a repartition topic that declares no
+    partitions=: key-groups map to tasks by the count, so keys' state stayed in one task while
+    their records went to another (half the keys stalled at their old counts)."""
+    from snapline.pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint
+
+    plan = SimpleNamespace(
+        stages=[SimpleNamespace(reads=()), SimpleNamespace(reads=(REPARTITION,))]
+    )
+    worker = SimpleNamespace(plan=plan, _topic_partitions={REPARTITION: 2, "orders": 4})
+
+    def meta(count: int | None) -> TaskCheckpoint:
+        return TaskCheckpoint(
+            "job", "s1-p0", CheckpointRef(3, "a"), "w", {}, None, task_count=count
+        )
+
+    Worker._check_task_count(worker, "s1-p0", meta(2), 1)
+    Worker._check_task_count(worker, "s1-p0", meta(None), 1)  # a version before it was kept
+    Worker._check_task_count(worker, "p0", meta(None), 0)
+    with pytest.raises(ConfigurationError, match=r"taken with 1 tasks in its stage, but .* has 2"):
+        Worker._check_task_count(worker, "s1-p0", meta(1), 1)

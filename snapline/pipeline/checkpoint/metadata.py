@@ -149,6 +149,9 @@ class TaskCheckpoint:
     triggered_at: float = 0.0
     #: The task's clock (watermarks), so that recovery never moves event time backwards.
     time: dict[str, Any] | None = None
+    #: The tasks of its keyed stage when taken (None: the source stage, or a version before
+    #: it was recorded): its state holds the key-group range that count gives it.
+    task_count: int | None = None
 
     @property
     def checkpoint_id(self) -> int:
@@ -170,6 +173,7 @@ class TaskCheckpoint:
             "timings": self.timings,
             "triggered_at": self.triggered_at,
             **({"time": self.time} if self.time is not None else {}),
+            **({"task_count": self.task_count} if self.task_count is not None else {}),
         }
 
     def encode(self) -> bytes:
@@ -195,6 +199,7 @@ class TaskCheckpoint:
             timings={k: float(v) for k, v in body.get("timings", {}).items()},
             triggered_at=float(body.get("triggered_at", 0.0)),
             time=body.get("time"),
+            task_count=body.get("task_count"),
         )
 
     def write(self, storage: CheckpointStorage) -> str:

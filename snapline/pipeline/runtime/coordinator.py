@@ -165,6 +165,7 @@ class CheckpointCoordinator:
             timings={**timings, "async": round(time.monotonic() - started, 6)},
             triggered_at=triggered_wall,
             time=snapshot.time,
+            task_count=snapshot.task_count,
         )
         try:
             meta.write(self.storage)

@@ -100,6 +100,8 @@ class TaskSnapshot:
     sync_seconds: float = 0.0
     #: The task's clock (watermarks per channel): restored with the checkpoint.
     time: dict[str, Any] | None = None
+    #: The tasks of its keyed stage (None: the source stage), which key-group ranges follow.
+    task_count: int | None = None
 
 
 class Task:
@@ -171,6 +173,14 @@ class Task:
         #: even when nothing was read, so that the outputs and watermarks get committed).
         self._time_moved = False
         self._build(worker_id)
+
+    @property
+    def task_count(self) -> int | None:
+        """The tasks of this keyed stage (its repartition topics' partitions), which its
+        key-group range follows; None for the source stage."""
+        if self.stage.index == SOURCE_STAGE or not self.stage.reads:
+            return None
+        return self._topic_partitions.get(self.stage.reads[0])
 
     @property
     def watermark_floors(self) -> dict[int, int]:
@@ -435,6 +445,7 @@ class Task:
                 self.sink_results,
                 sync_seconds=time.monotonic() - sync_started,
                 time=self.clock.snapshot(),
+                task_count=self.task_count,
             )
         )
         self._time_moved = False

@@ -116,7 +116,7 @@ from snapline.pipeline.savepoint.control import (
     Request,
     write_ack,
 )
-from snapline.pipeline.stages import task_id_for
+from snapline.pipeline.stages import SOURCE_STAGE, task_id_for
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.compat import incompatibility, moved_states
 
@@ -665,6 +665,7 @@ class Worker:
                 on_corrupt=self.pipeline.on_corrupt_checkpoint,
             )
             self._check_states(task_id, meta)
+            self._check_task_count(task_id, meta, self._stage_of_topic[committed[0].topic])
             self._previous_owners.add(meta.worker_id)
             if meta.state is not None:
                 self._restored_bytes[task_id] = sum(f.size for f in meta.state.files)
@@ -739,6 +740,26 @@ class Worker:
             positions,
         )
         return positions, ref
+
+    def _check_task_count(self, task_id: str, meta: TaskCheckpoint, stage: int) -> None:
+        """Refuse a keyed task's checkpoint taken with another number of tasks in its stage:
+        key-groups map to tasks by that count, so a key's state would sit in one task while
+        its records go to another (partitions added by hand to a repartition topic that
+        declares no ``partitions=``). A savepoint restore is the way to change it."""
+        reads = self.plan.stages[stage].reads
+        if meta.task_count is None or stage == SOURCE_STAGE or not reads:
+            return
+        now = self._topic_partitions.get(reads[0])
+        if now is not None and now != meta.task_count:
+            raise ConfigurationError(
+                f"task {task_id}: its checkpoint {meta.checkpoint_id} was taken with "
+                f"{meta.task_count} tasks in its stage, but {reads[0]} has {now} partitions "
+                "now (added by hand?). Key-groups map to tasks by that count: a key's state "
+                "would be in one task and its records in another. A repartition topic cannot "
+                "shrink: restore a savepoint taken before the change (the restore recreates "
+                "the topic with the partitions the code declares), or run the job under a new "
+                "name"
+            )
 
     def _check_states(self, task_id: str, meta: TaskCheckpoint) -> None:
         """Refuse to go on from a checkpoint whose state the code would read wrong: a state's

@@ -524,6 +524,11 @@ def _seed(
                     counts.get(task.stage),
                     task.partition,
                 ),
+                task_count=(
+                    None
+                    if task.stage == SOURCE_STAGE
+                    else partitions[plan.stages[task.stage].reads[0]]
+                ),
             ).write(storage)
             mark_committed(storage, pipeline.name, task.task_id, ref)
             offsets += [
