@@ -88,3 +88,33 @@ def test_a_keyed_checkpoint_of_another_task_count_is_refused() -> None:
     Worker._check_task_count(worker, "p0", meta(None), 0)
     with pytest.raises(ConfigurationError, match=r"taken with 1 tasks in its stage, but .* has 2"):
         Worker._check_task_count(worker, "s1-p0", meta(1), 1)
+
+
+def test_an_out_of_range_fetch_below_the_tasks_position_is_stale_not_a_loss() -> None:
+    """Seen in the long chaos test: a zombie's fetch at its old position, answered in the poll
+    whose rebalance restored the task further on (the new owner had deleted those repartition
+    records meanwhile), was taken for deleted records: the worker refused (exit 78). It is
+    fetched again from the task's position; a failed fetch at the position is checked."""
+    channel = SimpleNamespace(next_offset=6485)
+    task = SimpleNamespace(channels={(REPARTITION, 3): channel})
+    marks = {(REPARTITION, 3): (6369, 7000)}
+    worker = _worker(skip=False)
+    worker.tasks = {"s1-p3": task}
+    worker._stage_of_topic = {REPARTITION: 1}
+    worker.consumer = SimpleNamespace(
+        get_watermark_offsets=lambda tp, timeout: marks[(tp.topic, tp.partition)]
+    )
+    worker._checked_position = lambda *args: Worker._checked_position(worker, *args)
+
+    def error_at(offset: int) -> Any:
+        return SimpleNamespace(
+            topic=lambda: REPARTITION, partition=lambda: 3, offset=lambda: offset
+        )
+
+    assert Worker._out_of_range(worker, error_at(5424)) == 6485
+    marks[(REPARTITION, 3)] = (6600, 7000)  # now records the task needs are gone
+    with pytest.raises(ConfigurationError, match="starts at offset 6600"):
+        Worker._out_of_range(worker, error_at(6485))
+    gone = SimpleNamespace(topic=lambda: "other", partition=lambda: 0, offset=lambda: 1)
+    worker._stage_of_topic["other"] = 0
+    assert Worker._out_of_range(worker, gone) is None  # not this worker's partition

@@ -1685,25 +1685,50 @@ class Worker:
 
         return run
 
-    def _out_of_range(self, msg: Any) -> None:
-        """The consumer's fetch position left the partition's log while the job ran: records
-        were deleted before it fetched them (it lags behind retention), or the log was
-        truncated. The same decision as at a restore (``_checked_position``): a refusal, or
-        with ``--skip-deleted-records`` fetching on from the log's start."""
+    def _out_of_range(self, msg: Any) -> int | None:
+        """Where to fetch a partition from after the consumer's fetch left its log while the
+        job ran: records were deleted before it fetched them (it lags behind retention), or
+        the log was truncated. The same decision as at a restore (``_checked_position``): a
+        refusal, or with ``--skip-deleted-records`` the log's start. None: not a partition of
+        this worker's tasks (any more)."""
         tp = (msg.topic(), msg.partition())
         task = self.tasks.get(task_id_for(self._stage_of_topic[tp[0]], tp[1]))
         channel = task.channels.get(tp) if task is not None else None
         if channel is None:
-            return  # not this worker's partition (any more): the next rebalance settles it
+            return None
+        # The offset whose fetch failed. An error below the task's position is stale: a fetch
+        # of an earlier assignment (a zombie's, before the rebalance that restored the task:
+        # the new owner has deleted those records since), answered in the same poll.
+        failed = msg.offset() if msg.offset() >= 0 else channel.next_offset
+        if failed < channel.next_offset:
+            log.info(
+                "%s[%d]: a fetch at %d (before the task's position %d) was out of range: "
+                "fetching on from the task's position",
+                *tp,
+                failed,
+                channel.next_offset,
+            )
+            return channel.next_offset
         try:
-            fetch = self.consumer.position([TopicPartition(*tp)])[0].offset
-        except KafkaException:
-            fetch = -1
-        if fetch < 0:
-            fetch = channel.next_offset
-        low, high = self.consumer.get_watermark_offsets(TopicPartition(*tp), timeout=30)
-        target = self._checked_position(tp, fetch, low, high)
-        self.consumer.seek(TopicPartition(*tp, target))  # the error stopped its fetching
+            low, high = self.consumer.get_watermark_offsets(TopicPartition(*tp), timeout=30)
+        except KafkaException as exc:  # a broker outage: the next fetch tells again
+            log.warning("%s[%d]: cannot read the log's offsets (%s)", *tp, exc)
+            return failed
+        return self._checked_position(tp, failed, low, high)
+
+    def _fetch_from(self, targets: dict[tuple[str, int], int]) -> None:
+        """Fetch again after errors stopped partitions (``targets``: where from). A partition in
+        that state refuses a seek (_STATE), so every partition of the tasks is assigned again,
+        the others at their task's position: what the poll returned is dropped by the caller
+        and fetched again, in order."""
+        positions = [
+            TopicPartition(t, p, targets.get((t, p), channel.next_offset))
+            for task in self.tasks.values()
+            for (t, p), channel in task.channels.items()
+        ]
+        self.consumer.assign(positions)
+        if self._paused is not None:
+            self.consumer.pause(positions)
 
     def _consume(self, timeout: float) -> list[Any]:
         rebalances = self._rebalances
@@ -1716,17 +1741,24 @@ class Worker:
         # Checked here, not in _route: a poll whose messages are dropped (after a failed
         # checkpoint) must not swallow the one event that says the consumer is dead.
         events = False
+        refetch: dict[tuple[str, int], int] = {}
         for msg in messages:
             error = msg.error()
             if error is not None:
                 if error.code() in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
-                    self._out_of_range(msg)
+                    target = self._out_of_range(msg)
+                    if target is not None:
+                        refetch[(msg.topic(), msg.partition())] = target
+                    continue
                 if classify(error) is ErrorClass.FATAL:
                     # e.g. "Static consumer fenced by other consumer with same
                     # group.instance.id" after a broker outage longer than session.timeout.ms
                     raise ConsumerFencedError(f"consumer failed fatally: {error}")
                 log.warning("consumer: %s", error)
                 events = True
+        if refetch:  # the whole poll is fetched again, from the tasks' positions
+            self._fetch_from(refetch)
+            return []
         if events:  # only records go on: what the poll returned besides them is logged
             messages = [msg for msg in messages if msg.error() is None]
         if messages and self._rebalances != rebalances:
