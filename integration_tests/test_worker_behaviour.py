@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin import AdminClient, ConfigResource
 
 from examples.orders import create_topics, produce_orders, read_committed, verify_totals
 from examples.workers import WorkerProcess, process_state, read_events
@@ -439,13 +439,17 @@ def test_every_event_time_crosses_a_repartition_topic_unchanged(
     Event times <= 0 now travel one lower and are restored on reading. An event time two days
     ahead (Kafka 4 refuses timestamps over an hour ahead by default) failed every checkpoint
     until the worker gave up; repartition topics now accept any timestamp, whether the worker
-    creates them or finds them created by an earlier version ("existing")."""
+    creates them or finds them created by an earlier version ("existing"). An existing one
+    also gets its retention set to keep everything (records between stages are deleted by
+    the job once read; a retention set by hand deleted them before: found by review)."""
     prefix = f"{unique_name}-"
     create_topics(kafka_bootstrap, {f"{prefix}times-in": 1, f"{prefix}times-out": 1})
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    repartition_topic = f"{prefix}times.key_by-1.repartition"
     if repartition == "existing":
         legacy = without_event_time_config(INTERNAL_TOPIC_CONFIG)
-        admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
-        create_topic(admin, f"{prefix}times.key_by-1.repartition", 1, legacy)
+        legacy.update({"retention.ms": "3600000", "retention.bytes": "100000000"})
+        create_topic(admin, repartition_topic, 1, legacy)
     ahead = int(time.time() * 1000) + 2 * 86_400_000
     sent = [0, -1, -5, 1, 5, 1_700_000_000_000, ahead]
     producer = Producer({"bootstrap.servers": kafka_bootstrap})
@@ -458,6 +462,9 @@ def test_every_event_time_crosses_a_repartition_topic_unchanged(
     finally:
         worker.stop()
     assert sorted((o["sent"], o["seen"]) for o in outputs) == sorted((t, t) for t in sent)
+    (described,) = admin.describe_configs([ConfigResource("topic", repartition_topic)]).values()
+    config = described.result(timeout=30)
+    assert (config["retention.ms"].value, config["retention.bytes"].value) == ("-1", "-1")
 
 
 def test_a_window_result_too_large_for_kafka_is_a_dead_letter_with_its_start(

@@ -61,9 +61,13 @@ EVENT_TIME_CONFIG = {
     "message.timestamp.before.max.ms": str((1 << 63) - 1),
     "message.timestamp.after.max.ms": str((1 << 63) - 1),
 }
+#: What an internal topic keeps: everything, until the job deletes what it has read (a broker's
+#: log.retention.bytes, or a retention.ms set by hand, would delete records between stages).
+KEEP_CONFIG = {"retention.ms": "-1", "retention.bytes": "-1"}
+
 INTERNAL_TOPIC_CONFIG = {
     "cleanup.policy": "delete",
-    "retention.ms": "-1",
+    **KEEP_CONFIG,
     "segment.bytes": str(64 * 1024 * 1024),
     "segment.ms": str(10 * 60 * 1000),
     **EVENT_TIME_CONFIG,
@@ -416,18 +420,39 @@ class TopicManager:
         return result
 
     def accept_any_event_time(self, specs: Iterable[TopicSpec]) -> None:
-        """Set EVENT_TIME_CONFIG on the job's internal topics that exist (created before it
-        was part of their config). Best effort: a broker or an ACL that refuses is logged."""
+        """Set KEEP_CONFIG and EVENT_TIME_CONFIG on the job's internal topics that exist
+        (created before they were part of their config, or changed by hand). Best effort: a
+        broker or an ACL that refuses is logged (a record deleted there anyway stops the
+        job: the worker checks its positions against the log)."""
         names = sorted({s.name for s in specs if s.role is Role.INTERNAL})
         if not names:
             return
+        refused = self._set_configs(names, KEEP_CONFIG)
+        if refused is not None:
+            log.warning("cannot set %s on the repartition topics (%s)", KEEP_CONFIG, refused)
+        refused = self._set_configs(names, EVENT_TIME_CONFIG)
+        if refused is None:
+            return
+        if isinstance(refused, KafkaException) and refused_config(refused):
+            log.info("the broker does not know %s: nothing to set", sorted(EVENT_TIME_CONFIG))
+            return
+        log.warning(
+            "cannot set %s on the repartition topics (%s): records with event times more "
+            "than the broker's message.timestamp.after.max.ms ahead (1 h by default on "
+            "Kafka 4) would fail the job's checkpoints",
+            sorted(EVENT_TIME_CONFIG),
+            refused,
+        )
+
+    def _set_configs(self, names: list[str], configs: Mapping[str, str]) -> Exception | None:
+        """Set ``configs`` on topics ``names``; the error if the broker refused or timed out."""
         resources = [
             ConfigResource(
                 ResourceType.TOPIC,
                 name,
                 incremental_configs=[
                     ConfigEntry(key, value, incremental_operation=AlterConfigOpType.SET)
-                    for key, value in EVENT_TIME_CONFIG.items()
+                    for key, value in configs.items()
                 ],
             )
             for name in names
@@ -438,16 +463,8 @@ class TopicManager:
             for future in futures.values():
                 future.result(timeout=timeout + 1)
         except (KafkaException, TimeoutError) as exc:
-            if isinstance(exc, KafkaException) and refused_config(exc):
-                log.info("the broker does not know %s: nothing to set", sorted(EVENT_TIME_CONFIG))
-                return
-            log.warning(
-                "cannot set %s on the repartition topics (%s): records with event times more "
-                "than the broker's message.timestamp.after.max.ms ahead (1 h by default on "
-                "Kafka 4) would fail the job's checkpoints",
-                sorted(EVENT_TIME_CONFIG),
-                exc,
-            )
+            return exc
+        return None
 
     def smallest_record_limit(self, specs: Iterable[TopicSpec]) -> tuple[str, int] | None:
         """The topic the job writes with the smallest ``max.message.bytes``, and that limit;
