@@ -265,3 +265,22 @@ def slow_copy() -> Pipeline:
     pipeline = Pipeline(f"{prefix}job")
     pipeline.source(KafkaSource(f"{prefix}copy-in")).map(slow).sink(KafkaSink(f"{prefix}copy-out"))
     return pipeline
+
+
+def window_counts() -> Pipeline:
+    """Per key a tumbling window of 1 s counting records (event time from ``t``, allowed
+    lateness 0), re-keyed through ``key_by(name="by-k")``: a late record is a dead letter."""
+    from snapline import tumbling
+
+    prefix = os.environ.get("SNAPLINE_TEST_PREFIX", "")
+    pipeline = Pipeline(f"{prefix}win", checkpoint_interval=0.3)
+    (
+        pipeline.source(
+            KafkaSource(f"{prefix}win-in", timestamp=lambda v: v["t"], max_out_of_orderness=0)
+        )
+        .key_by(lambda v: v["k"], name="by-k")
+        .window(tumbling(1000))
+        .count()
+        .sink(KafkaSink(f"{prefix}win-out"))
+    )
+    return pipeline

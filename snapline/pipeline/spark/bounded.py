@@ -73,6 +73,9 @@ class RunConfig:
     #: A run that a version before per-job transactional ids may have run: each task also
     #: fences the transactional id such a version gave it (``_legacy_transactional_id``).
     fence_legacy_ids: bool = False
+    #: Task id (``task_id_for``) -> its clock from savepoint_in (savepoint/restore.py
+    #: ``_clock``): event time goes on from the services' instead of starting over.
+    clocks: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -383,6 +386,7 @@ def run_stage_task(
             plan=plan,
             topic_partitions=partitions,
             source_ends=feed.at_end,
+            time_state=config.clocks.get(task_id_for(stage, partition)),
         )
         if not committed:
             task.recover_sinks(None, {})
@@ -443,6 +447,8 @@ def run_stage_task(
                 )
                 partitioning = "keyed"
             yield ("state", uid, partitioning, orjson.dumps(entry.to_json()))
+        # The task's clock, for the savepoint: the services go on from its event time.
+        yield ("clock", task_id_for(stage, partition), orjson.dumps(task.clock.snapshot()))
         task.close()
         for seq, (topic, target, key, value, ts) in enumerate(output.shuffled):
             yield ("shuffle", topic, target, (stage, partition, seq), key, value, ts)
@@ -514,7 +520,11 @@ def run_bounded(
     from snapline.pipeline.graph import load_pipeline
     from snapline.pipeline.runtime.topics import TopicManager, pipeline_topics
     from snapline.pipeline.savepoint.control import ensure_control_topic
-    from snapline.pipeline.savepoint.export import SNAPLINE_VERSION, default_savepoint_uri
+    from snapline.pipeline.savepoint.export import (
+        SNAPLINE_VERSION,
+        _read_names,
+        default_savepoint_uri,
+    )
     from snapline.pipeline.savepoint.format import (
         METADATA_FILE,
         InFlight,
@@ -548,12 +558,14 @@ def run_bounded(
     probe = Consumer({**kafka_config, "group.id": f"snapline-spark-probe-{run_id}"})
     savepoint_in = None
     mapping: dict[tuple[str, str], Any] = {}
+    clocks: dict[str, Any] = {}
     in_flight: list[tuple[str, bytes, bytes, int, int]] = []
     try:
         if start.startswith("savepoint:"):
             savepoint_in = start.split(":", 1)[1]
             saved = read_metadata(CheckpointStorage(savepoint_in))
             mapping = match_states(pipeline, saved, allow_non_restored=False)
+            clocks = _clocks_from(saved, plan, stage_partitions)
             starts = _offsets("earliest", admin, probe, sources, latest=False)
             for topic, parts in saved.source_offsets.items():
                 for p, offset in parts.items():
@@ -593,6 +605,7 @@ def run_bounded(
         stage_partitions,
         mapping,
         fence_legacy_ids,
+        clocks,
     )
     spark = spark_session(
         master,
@@ -681,10 +694,13 @@ def run_bounded(
         records: dict[int, int] = {}
         files: dict[str, list[SavepointFile]] = {}
         partitioning: dict[str, str] = {}
+        out_clocks: dict[str, dict[str, Any]] = {}
         for k, result in stage_rdds.items():
-            for row in result.filter(lambda r: r[0] in ("state", "count")).collect():
+            for row in result.filter(lambda r: r[0] in ("state", "count", "clock")).collect():
                 if row[0] == "count":
                     records[k] = records.get(k, 0) + row[2]
+                elif row[0] == "clock":
+                    out_clocks[row[1]] = orjson.loads(row[2])
                 else:
                     files.setdefault(row[1], []).append(
                         SavepointFile.from_json(orjson.loads(row[3]))
@@ -711,6 +727,8 @@ def run_bounded(
                 for r in plan.repartitions.values()
             ],
             origin=f"spark:{run_id}",
+            clocks=out_clocks,
+            stage_reads={stage.index: _read_names(plan, stage.reads) for stage in plan.stages},
         )
         CheckpointStorage(savepoint_out).write_bytes(METADATA_FILE, metadata.encode())
         say(f"savepoint at the end offsets: {savepoint_out}")
@@ -719,6 +737,26 @@ def run_bounded(
     finally:
         spark.stop()
     return RunResult(run_id, records, savepoint_out, time.monotonic() - started, total)
+
+
+def _clocks_from(saved: Any, plan: Any, stage_partitions: dict[int, int]) -> dict[str, Any]:
+    """Each task's clock from a services' savepoint, as a restore gives it (``_clock``: with
+    the key-group floors of a rescale)."""
+    from snapline.pipeline.savepoint.restore import _clock, _old_stages, _task_counts
+    from snapline.pipeline.stages import task_id_for
+
+    partitions = {rep.topic: stage_partitions[rep.downstream] for rep in plan.repartitions.values()}
+    counts = _task_counts(saved, plan, partitions)
+    old = _old_stages(saved, plan)
+    clocks = {}
+    for stage in plan.stages:
+        for partition in range(stage_partitions[stage.index]):
+            clock = _clock(
+                saved, stage.index, old.get(stage.index), counts.get(stage.index), partition
+            )
+            if clock is not None:
+                clocks[task_id_for(stage.index, partition)] = clock
+    return clocks
 
 
 def _topic_is(topic: str, column: int) -> Callable[[tuple[Any, ...]], bool]:
