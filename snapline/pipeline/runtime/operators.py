@@ -606,9 +606,9 @@ class ProcessOperator(Operator):
         for ts, group, key_bytes, key in timers.due(domain, limit):
             scope.prefix = state_key_prefix(group, key_bytes)
             scope.key = ctx.key = key
-            if floors:
-                mark = max(self.watermark, floors.get(group, self.watermark))
-                ctx.watermark = timers.watermark = mark
+            if floors:  # the key's event time (watermarks.py), as for its records
+                key_time = max(self.watermark, floors.get(group, self.watermark))
+                ctx.watermark = timers.watermark = key_time
             ctx.timestamp = ts
             mark = len(out)
             try:

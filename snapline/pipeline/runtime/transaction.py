@@ -74,6 +74,17 @@ class TransactionFailedError(CheckpointError):
 RECORD_OVERHEAD = 40
 
 
+def too_large(size: int, limit: int) -> KafkaException:
+    """The error librdkafka's produce raises for a record over ``message.max.bytes``: for
+    records held before they reach the producer, refused as it would refuse them."""
+    return KafkaException(
+        KafkaError(
+            KafkaError.MSG_SIZE_TOO_LARGE,
+            f"Message size {size} exceeds message.max.bytes {limit}",
+        )
+    )
+
+
 def record_size(value: bytes | None, key: bytes | None, headers: Any = None) -> int:
     """The size librdkafka checks against ``message.max.bytes`` (at least: each header counts
     its name and value plus 10 bytes of framing)."""
@@ -292,12 +303,7 @@ class TransactionalOutput:
                     + (0 if key is None else len(key))
                 )
             if size > self.max_message_bytes:  # refused now, as librdkafka would refuse it
-                raise KafkaException(
-                    KafkaError(
-                        KafkaError.MSG_SIZE_TOO_LARGE,
-                        f"Message size {size} exceeds message.max.bytes {self.max_message_bytes}",
-                    )
-                )
+                raise too_large(size, self.max_message_bytes)
             self._buffer.append((epoch, topic, held, key, headers, partition, timestamp))
 
     def _send(

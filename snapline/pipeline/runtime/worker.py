@@ -1786,9 +1786,7 @@ class Worker:
             # seek needs an active fetcher; assigning the same partitions with offsets
             # always sets the positions.
             log.warning("seek after a rebalance failed (%s); assigning the positions", exc)
-            self.consumer.assign(positions)
-            if self._paused is not None:
-                self.consumer.pause(positions)
+            self._fetch_from({})
 
     def _route(self, messages: list[Any]) -> None:
         """Hand the records of one poll (``_consume``'s: no error events) to their tasks'

@@ -46,10 +46,10 @@ from datetime import datetime
 from typing import Any
 
 import orjson
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaException
 
 from snapline.pipeline.errors import CheckpointError, ConfigurationError
-from snapline.pipeline.runtime.transaction import record_size
+from snapline.pipeline.runtime.transaction import record_size, too_large
 from snapline.pipeline.state.compat import state_description
 
 log = logging.getLogger(__name__)
@@ -136,12 +136,7 @@ class _Output:
         elif self.kafka is not None:
             size = record_size(value, key, headers)
             if self.max_message_bytes is not None and size > self.max_message_bytes:
-                raise KafkaException(
-                    KafkaError(
-                        KafkaError.MSG_SIZE_TOO_LARGE,
-                        f"Message size {size} exceeds message.max.bytes {self.max_message_bytes}",
-                    )
-                )
+                raise too_large(size, self.max_message_bytes)
             # A copy: the encoder's buffer behind a small value can be 4 KiB.
             value = None if value is None else b"%b" % value
             self._held.append((topic, value, key, headers, partition, timestamp))
@@ -833,7 +828,7 @@ def _check_range(
     delete-records) were never output while the savepoint claimed the range; an end past the
     partition's end (a topic deleted and recreated, a ``--to`` beyond what was written) read
     what there was, and the services went on from the end the savepoint claimed."""
-    from confluent_kafka import KafkaException, TopicPartition
+    from confluent_kafka import TopicPartition
 
     problems = []
     for (topic, p), end in sorted(ends.items()):
