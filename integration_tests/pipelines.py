@@ -236,6 +236,56 @@ def named_copy() -> Pipeline:
     return pipeline
 
 
+class DelayedEcho(KeyedProcessFunction):
+    """Each record comes out ``$SNAPLINE_TEST_DELAY_MS`` after it was read, from a processing-
+    time timer: output that only a running task produces."""
+
+    pending = ValueState("pending")
+
+    def process(self, value: dict[str, Any], ctx: Context) -> None:
+        assert ctx.timers is not None
+        self.pending.update(value)
+        delay = int(os.environ.get("SNAPLINE_TEST_DELAY_MS", "5000"))
+        ctx.timers.register_processing_time(ctx.timers.current_processing_time() + delay)
+
+    def on_timer(self, timestamp: int, ctx: Context) -> Iterator[dict[str, Any]]:
+        yield self.pending.value()
+        self.pending.clear()
+
+
+def delayed_echo() -> Pipeline:
+    """``<prefix>copy-in`` (keyed by the Kafka key) to ``<prefix>copy-out`` through
+    ``DelayedEcho``, in one stage."""
+    pipeline = Pipeline(f"{PREFIX}job", checkpoint_interval=0.3)
+    (
+        pipeline.source(KafkaSource(f"{PREFIX}copy-in"))
+        .key_by()
+        .process(DelayedEcho())
+        .sink(KafkaSink(f"{PREFIX}copy-out"))
+    )
+    return pipeline
+
+
+def latest_copy() -> Pipeline:
+    """``<prefix>copy-in`` and ``<prefix>copy-in2`` (one task per partition reads both), each
+    from its end when the job starts (``starting_position="latest"``), copied to
+    ``<prefix>copy-out``."""
+    pipeline = Pipeline(f"{PREFIX}job", checkpoint_interval=0.3)
+    source = KafkaSource((f"{PREFIX}copy-in", f"{PREFIX}copy-in2"), starting_position="latest")
+    pipeline.source(source).sink(KafkaSink(f"{PREFIX}copy-out"))
+    return pipeline
+
+
+def two_topic_copy() -> Pipeline:
+    """Records of ``<prefix>copy-in`` and ``<prefix>copy-in2`` (one task per partition reads
+    both) copied to ``<prefix>copy-out``."""
+    pipeline = Pipeline(f"{PREFIX}job", checkpoint_interval=0.3)
+    pipeline.source(KafkaSource((f"{PREFIX}copy-in", f"{PREFIX}copy-in2"))).sink(
+        KafkaSink(f"{PREFIX}copy-out")
+    )
+    return pipeline
+
+
 def named_rekey() -> Pipeline:
     """Orders re-keyed by ``n`` through ``key_by(name=$SNAPLINE_TEST_KEY_BY)`` (default
     ``by-n``) to ``<prefix>copy-out``, as job ``$SNAPLINE_TEST_JOB`` (default ``<prefix>job``):

@@ -738,3 +738,51 @@ def test_source_records_deleted_before_the_job_read_them_stop_it_until_the_user_
     events = read_events(worker.metrics_path)
     skipped = [e for e in events if e.get("event") == "source_records_deleted"]
     assert [(e["from"], e["to"], e["records"]) for e in skipped] == [(100, 150, 50)]
+
+
+def test_a_latest_source_starts_before_a_transaction_still_open_at_its_end(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """A source starting at "latest" took the partition's high watermark as its position: a
+    producer's transaction still open there had written records below it. The consumer
+    itself started at the last stable offset, but a checkpoint taken before the partition
+    brought a record (the task's other topic did) committed the high watermark, and after a
+    restart the transaction's records, committed meanwhile, were skipped. Records 0..4 sit
+    in an open transaction on copy-in when the job starts; copy-in2's records make it
+    checkpoint; the job stops; the transaction commits; 5..9 come; the job starts again. It
+    must output all of 0..9 and copy-in2's records, each once."""
+    prefix = f"{unique_name}-"
+    source, other, out = f"{prefix}copy-in", f"{prefix}copy-in2", f"{prefix}copy-out"
+    create_topics(kafka_bootstrap, {source: 1, other: 1, out: 1})
+    plain = Producer({"bootstrap.servers": kafka_bootstrap})
+    plain.produce(source, orjson.dumps({"n": -1}), partition=0)  # before the start: skipped
+    assert plain.flush(30) == 0
+    open_txn = Producer({"bootstrap.servers": kafka_bootstrap, "transactional.id": f"{prefix}t"})
+    open_txn.init_transactions(30)
+    open_txn.begin_transaction()
+    for n in range(5):
+        open_txn.produce(source, orjson.dumps({"n": n}), partition=0)
+    assert open_txn.flush(30) == 0  # written, not committed: the high watermark is past them
+    worker = _start_worker("latest_copy", kafka_bootstrap, tmp_path, prefix)
+    try:
+        deadline = time.monotonic() + 60  # bounded: a worker restores within seconds
+        while not any(e.get("event") == "restored" for e in read_events(worker.metrics_path)):
+            assert time.monotonic() < deadline, worker.tail()
+            time.sleep(0.1)
+        for n in range(100, 105):
+            plain.produce(other, orjson.dumps({"n": n}), partition=0)
+        assert plain.flush(30) == 0
+        first = read_committed(kafka_bootstrap, out, 5, timeout=60, settle=1)
+    finally:
+        assert worker.stop() == 0, worker.tail()
+    assert sorted(r["n"] for r in first) == list(range(100, 105))
+    open_txn.commit_transaction(30)
+    for n in range(5, 10):
+        plain.produce(source, orjson.dumps({"n": n}), partition=0)
+    assert plain.flush(30) == 0
+    worker.start()
+    try:
+        outputs = read_committed(kafka_bootstrap, out, 15, timeout=60, settle=1)
+    finally:
+        assert worker.stop() == 0, worker.tail()
+    assert sorted(r["n"] for r in outputs) == [*range(10), *range(100, 105)]

@@ -130,6 +130,13 @@ def main() -> None:
     "partition's log start (logged, a source_records_deleted event) instead of stopping.",
 )
 @click.option(
+    "--read-recreated-topics",
+    is_flag=True,
+    help="When a source topic was deleted and created again since the job's checkpoint: "
+    "read the new topic from its start, keeping the job's state (logged, a "
+    "source_topic_recreated event), instead of stopping.",
+)
+@click.option(
     "--from-savepoint",
     default=None,
     help="Start the job from this savepoint (once: a restart continues from the job's own "
@@ -176,6 +183,7 @@ def run(
     restore_latest: bool,
     reset_state: bool,
     skip_deleted_records: bool,
+    read_recreated_topics: bool,
     from_savepoint: str | None,
     allow_non_restored_state: bool,
     metrics_port: int | None,
@@ -255,6 +263,7 @@ def run(
                 local_dir or "",
                 on_missing,
                 skip_deleted_records=skip_deleted_records,
+                read_recreated_topics=read_recreated_topics,
                 metrics_port=metrics_port,
                 liveness_timeout=liveness_timeout,
             )
@@ -288,6 +297,7 @@ def run(
                 *(["--local-dir", local_dir] if local_dir else []),
                 *([f"--{on_missing}"] if on_missing != "fail" else []),
                 *(["--skip-deleted-records"] if skip_deleted_records else []),
+                *(["--read-recreated-topics"] if read_recreated_topics else []),
             ],
             metrics_port=metrics_port,
             # Not on the command line, where any local user reads it (ps): a checkpoint URI

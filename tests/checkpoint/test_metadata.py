@@ -32,6 +32,10 @@ def test_round_trip() -> None:
     assert TaskCheckpoint.decode(meta.encode(), "x") == meta
     keyed = dataclasses.replace(meta, task_id="s1-p3", task_count=4, time={"watermark": 9})
     assert TaskCheckpoint.decode(keyed.encode(), "x") == keyed
+    ids = {"orders": "hXaP3c1sQ0qYn5oT2yBv0w", "refunds": "Zm9vYmFyYmF6cXV4cXV1eA"}
+    with_ids = dataclasses.replace(meta, topic_ids=ids)
+    assert TaskCheckpoint.decode(with_ids.encode(), "x").topic_ids == ids
+    assert b"topic_ids" not in meta.encode()  # none recorded: read back as none
 
 
 def test_flipped_byte_is_detected() -> None:

@@ -152,6 +152,9 @@ class TaskCheckpoint:
     #: The tasks of its keyed stage when taken (None: the source stage, or a version before
     #: it was recorded): its state holds the key-group range that count gives it.
     task_count: int | None = None
+    #: Id of each topic the task read when taken (Kafka gives a topic a new id each time it
+    #: is created; empty: not recorded): its positions are offsets of those topics.
+    topic_ids: dict[str, str] = field(default_factory=dict)
 
     @property
     def checkpoint_id(self) -> int:
@@ -174,6 +177,7 @@ class TaskCheckpoint:
             "triggered_at": self.triggered_at,
             **({"time": self.time} if self.time is not None else {}),
             **({"task_count": self.task_count} if self.task_count is not None else {}),
+            **({"topic_ids": self.topic_ids} if self.topic_ids else {}),
         }
 
     def encode(self) -> bytes:
@@ -200,6 +204,7 @@ class TaskCheckpoint:
             triggered_at=float(body.get("triggered_at", 0.0)),
             time=body.get("time"),
             task_count=body.get("task_count"),
+            topic_ids={str(t): str(i) for t, i in body.get("topic_ids", {}).items()},
         )
 
     def write(self, storage: CheckpointStorage) -> str:

@@ -166,6 +166,7 @@ class CheckpointCoordinator:
             triggered_at=triggered_wall,
             time=snapshot.time,
             task_count=snapshot.task_count,
+            topic_ids=snapshot.topic_ids,
         )
         try:
             meta.write(self.storage)

@@ -102,6 +102,9 @@ class TaskSnapshot:
     time: dict[str, Any] | None = None
     #: The tasks of its keyed stage (None: the source stage), which key-group ranges follow.
     task_count: int | None = None
+    #: Id of each topic the task reads (the worker checked them at restore): its positions
+    #: are offsets of those topics.
+    topic_ids: dict[str, str] = field(default_factory=dict)
 
 
 class Task:
@@ -127,8 +130,11 @@ class Task:
         clock: Callable[[], int] = processing_time_ms,
         ttl_sweep_interval: float = 60.0,
         source_ends: AtEnd = None,
+        topic_ids: dict[str, str] | None = None,
     ) -> None:
         self.task_id = task_id
+        #: Id of each topic it reads, recorded in its checkpoints (worker._check_topic_ids).
+        self.topic_ids = topic_ids or {}
         self.pipeline = pipeline
         self.plan = plan if plan is not None else pipeline.stages()
         self.stage: Stage = self.plan.stages[stage]
@@ -446,6 +452,7 @@ class Task:
                 sync_seconds=time.monotonic() - sync_started,
                 time=self.clock.snapshot(),
                 task_count=self.task_count,
+                topic_ids=self.topic_ids,
             )
         )
         self._time_moved = False

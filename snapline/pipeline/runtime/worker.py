@@ -93,6 +93,7 @@ from snapline.pipeline.runtime.kafka_calls import (
     KafkaClientError,
     backoff,
     classify,
+    is_unavailable,
     kafka_error,
     release_in_background,
     sleep_unless,
@@ -162,6 +163,10 @@ class WorkerSettings:
     #: Go on from a source partition's log start when retention deleted records the job had
     #: not read (logged, an event); otherwise that stops the job (``_checked_position``).
     skip_deleted_records: bool = False
+    #: Read a source topic that was deleted and created again since the task's checkpoint
+    #: from its start, keeping the job's state (logged, an event); otherwise that stops the
+    #: job (``_recreated_topics``).
+    read_recreated_topics: bool = False
     #: Serve Prometheus metrics on this port (None: no endpoint; 0: any free port).
     metrics_port: int | None = None
     #: Seconds the task thread may make no progress before the worker dumps every thread's
@@ -278,6 +283,15 @@ class Worker:
         #: The repartition topics' ids when this worker started: the positions above are
         #: offsets of those topics, not of a topic a savepoint restore created since.
         self._repartition_topic_ids = self._topic_ids(sorted(self._repartitioned))
+        #: Id of every topic the tasks read, as read at their last restore; each checkpoint
+        #: commits only after the ids were read again (started at its trigger) and are the
+        #: same: a topic deleted and created again under the worker is noticed before any
+        #: of its records' effects commit (``_check_read_topics``).
+        self._read_topic_ids: dict[str, str] = {}
+        self._read_topics: set[str] = set()
+        self._id_check: dict[str, Any] | Exception | None = None
+        #: Log start and last stable offset per partition, read at the last restore.
+        self._bounds: dict[tuple[str, int], tuple[int, int]] = {}
         # Tests that read a repartition topic back whole keep every record.
         self._keep_repartition_records = bool(
             os.environ.get("SNAPLINE_TEST_KEEP_REPARTITION_RECORDS")
@@ -320,6 +334,8 @@ class Worker:
         except KafkaException as exc:  # its consumer is the first one the worker creates
             raise invalid_kafka_settings(exc, "consumer") from exc
         self._paused: tuple[str, float] | None = None
+        # Tests shorten the pause limit to watch holds work (seconds).
+        self._pause_limit = float(os.environ.get("SNAPLINE_TEST_PAUSE_LIMIT", PAUSE_LIMIT))
         #: When the current pause began (the holds of a savepoint never extend it past
         #: MAX_PAUSE: a CLI whose export hangs cannot stall the job for good).
         self._paused_at = 0.0
@@ -560,6 +576,10 @@ class Worker:
             by_task[task_id_for(self._stage_of_topic[tp.topic], tp.partition)].append(tp)
         committed = self._committed_offsets(partitions) if partitions else []
         self.faults.point("after_offsets_read")
+        self._read_topics = {tp.topic for tp in partitions}
+        self._read_topic_ids = self._topic_ids(sorted(self._read_topics), "topics the tasks read")
+        self._id_check = None
+        self._bounds = self._log_bounds(partitions)
         committed_by_tp = {(c.topic, c.partition): c for c in committed}
         seek: dict[tuple[str, int], int] = {}
         self._restored_from = {}
@@ -578,6 +598,7 @@ class Worker:
             self.output.begin(self.coordinator.next_id)
             for task in self.tasks.values():
                 task.epoch = self.coordinator.next_id
+        self._bounds = {}
         self._last_trigger = time.monotonic()
         self._records_at_trigger = 0
         self._first_after_restore = True
@@ -655,6 +676,7 @@ class Worker:
             options=self._backend_options,
         )
         meta: TaskCheckpoint | None = None
+        recreated: set[str] = set()
         if ref is not None:
             meta = restore_committed(
                 self.storage,
@@ -666,6 +688,7 @@ class Worker:
             )
             self._check_states(task_id, meta)
             self._check_task_count(task_id, meta, self._stage_of_topic[committed[0].topic])
+            recreated = self._recreated_topics(task_id, meta)
             self._previous_owners.add(meta.worker_id)
             if meta.state is not None:
                 self._restored_bytes[task_id] = sum(f.size for f in meta.state.files)
@@ -689,7 +712,9 @@ class Worker:
         start.update(dict.fromkeys(self._repartitioned, OFFSET_BEGINNING))
         for c in committed:
             tp = (c.topic, c.partition)
-            if meta is not None and tp in meta.positions:
+            if c.topic in recreated:
+                positions[tp] = OFFSET_BEGINNING
+            elif meta is not None and tp in meta.positions:
                 positions[tp] = meta.positions[tp]
             elif c.offset >= 0:
                 positions[tp] = c.offset
@@ -717,6 +742,11 @@ class Worker:
             topic_partitions=self._topic_partitions,
             time_state=meta.time if meta is not None else None,
             source_ends=self._source_ends,
+            topic_ids={
+                c.topic: self._read_topic_ids[c.topic]
+                for c in committed
+                if c.topic in self._read_topic_ids
+            },
         )
         task.recover_sinks(ref.checkpoint_id if ref else None, meta.sinks if meta else {})
         above = task.sink_checkpoint_ids_above()
@@ -740,6 +770,60 @@ class Worker:
             positions,
         )
         return positions, ref
+
+    def _recreated_topics(self, task_id: str, meta: TaskCheckpoint) -> set[str]:
+        """The source topics the checkpoint read that were deleted and created again since
+        (Kafka gives a created topic a new id): its positions are offsets of the old topic,
+        and going on from them would skip the new topic's first records, silently when they
+        fall inside its log. The job stops, unless ``read_recreated_topics`` says to read
+        such a topic from its start with the job's state (logged, an event). A repartition
+        topic recreated under the job (a savepoint restore while this worker was frozen)
+        always stops it."""
+        recreated = {
+            topic
+            for topic, old in meta.topic_ids.items()
+            if topic in self._read_topic_ids and self._read_topic_ids[topic] != old
+        }
+        if not recreated:
+            return recreated
+        now = self._read_topic_ids
+        names = ", ".join(f"{t} (id {meta.topic_ids[t]}, now {now[t]})" for t in sorted(recreated))
+        if recreated & self._repartitioned:
+            raise ConfigurationError(
+                f"task {task_id}: repartition topics {names} were created again since its "
+                f"checkpoint {meta.checkpoint_id} (a savepoint restore while this worker was "
+                "stopped or frozen?): the checkpoint's positions are offsets of the old topics. "
+                "Start the workers again: they restore what the savepoint restore set"
+            )
+        if not self.settings.read_recreated_topics:
+            raise ConfigurationError(
+                f"task {task_id}: source topics {names} were deleted and created again since "
+                f"its checkpoint {meta.checkpoint_id}: the checkpoint's positions are offsets "
+                "of the old topics, and going on from them would skip or repeat records of the "
+                "new ones. Nothing of the new topics was committed. Restart with "
+                "--read-recreated-topics to read them from their start with the job's state, "
+                "with --reset-state to start over with empty state, or run the job under a new "
+                "name"
+            )
+        log.error(
+            "task %s: source topics %s were created again since checkpoint %d: reading them "
+            "from their start with the job's state (--read-recreated-topics)",
+            task_id,
+            names,
+            meta.checkpoint_id,
+        )
+        for topic in sorted(recreated):
+            self._event(
+                {
+                    "event": "source_topic_recreated",
+                    "task": task_id,
+                    "topic": topic,
+                    "checkpoint": meta.checkpoint_id,
+                    "old_id": meta.topic_ids[topic],
+                    "new_id": self._read_topic_ids[topic],
+                }
+            )
+        return recreated
 
     def _check_task_count(self, task_id: str, meta: TaskCheckpoint, stage: int) -> None:
         """Refuse a keyed task's checkpoint taken with another number of tasks in its stage:
@@ -810,11 +894,16 @@ class Worker:
         self, positions: dict[tuple[str, int], int]
     ) -> dict[tuple[str, int], int]:
         """Logical offsets (beginning/end) resolved by the broker, and every restored position
-        checked against the partition's log (``_checked_position``)."""
+        checked against the partition's log (``_checked_position``). The log's bounds come
+        from ``_log_bounds`` (read for every partition of the assignment at once); a partition
+        it could not tell is asked alone."""
         resolved = {}
         for tp, offset in positions.items():
             try:
-                low, high = self.consumer.get_watermark_offsets(TopicPartition(*tp), timeout=30)
+                bounds = self._bounds.get(tp)
+                if bounds is None:
+                    bounds = self.consumer.get_watermark_offsets(TopicPartition(*tp), timeout=30)
+                low, high = bounds
             except KafkaException as exc:
                 if offset < 0:
                     raise
@@ -829,6 +918,39 @@ class Worker:
                 offset = self._checked_position(tp, offset, low, high)
             resolved[tp] = offset
         return resolved
+
+    def _log_bounds(
+        self, partitions: list[TopicPartition]
+    ) -> dict[tuple[str, int], tuple[int, int]]:
+        """Each partition's log start and last stable offset, in two requests for the whole
+        assignment (one per leader) instead of a round trip per partition. The end is the
+        last stable offset, not the high watermark: a job starting at a source's end with
+        "latest" must not start past the records of a transaction still open there, which
+        commit later. Partitions left out (a failed request) are asked alone."""
+        if not partitions:
+            return {}
+        keys = [TopicPartition(tp.topic, tp.partition) for tp in partitions]
+        try:
+            admin = self._background_admin()
+            starts = admin.list_offsets(
+                {tp: OffsetSpec.earliest() for tp in keys}, request_timeout=15
+            )
+            ends = admin.list_offsets(
+                {tp: OffsetSpec.latest() for tp in keys},
+                isolation_level=IsolationLevel.READ_COMMITTED,
+                request_timeout=15,
+            )
+        except (KafkaException, ValueError) as exc:
+            log.info("reading the partitions' log bounds: %s", exc)
+            return {}
+        found: dict[tuple[str, int], list[int]] = defaultdict(list)
+        for answers in (starts, ends):
+            for tp, future in answers.items():
+                try:
+                    found[(tp.topic, tp.partition)].append(future.result(timeout=20).offset)
+                except Exception as exc:
+                    log.info("reading the log bounds of %s[%d]: %s", tp.topic, tp.partition, exc)
+        return {key: (both[0], both[1]) for key, both in found.items() if len(both) == 2}
 
     def _checked_position(self, tp: tuple[str, int], offset: int, low: int, high: int) -> int:
         """``offset`` if the partition's log holds it, else a refusal naming what is missing
@@ -1010,6 +1132,19 @@ class Worker:
             for ref in committed:
                 self.storage.delete_dir(ref.directory(self.pipeline.name, task_id))
             return None
+        recreated = self._recreated_since(task_id, latest)
+        if recreated:
+            raise ConfigurationError(
+                f"task {task_id}: source topics {', '.join(recreated)} were deleted and "
+                f"created again since its checkpoint {latest.checkpoint_id} (their ids "
+                f"differ), and the consumer group {self.pipeline.name!r} lost its committed "
+                "offsets with them. "
+                "Nothing of the new topics was committed. Restart with --restore-latest "
+                "--read-recreated-topics to go on from checkpoint "
+                f"{latest.checkpoint_id} (the newest known committed) and read the new topics "
+                "from their start with the job's state, with --reset-state to start over "
+                "with empty state, or run the job under a new name."
+            )
         raise CheckpointError(
             f"task {task_id}: the consumer group {self.pipeline.name!r} on "
             f"{self.settings.bootstrap_servers} has no committed offsets for its partitions, "
@@ -1022,6 +1157,19 @@ class Worker:
             "delete the stored checkpoints and start from the source's starting position "
             "(the sinks then receive the reprocessed output again)."
         )
+
+    def _recreated_since(self, task_id: str, ref: CheckpointRef) -> list[str]:
+        """The topics checkpoint ``ref`` read whose ids differ now (for the error message
+        only: an unreadable checkpoint says nothing here; its restore reports it)."""
+        try:
+            meta = TaskCheckpoint.read(self.storage, self.pipeline.name, task_id, ref)
+        except Exception as exc:
+            log.info(
+                "task %s: reading checkpoint %d's topic ids: %s", task_id, ref.checkpoint_id, exc
+            )
+            return []
+        now = self._read_topic_ids
+        return sorted(t for t, i in meta.topic_ids.items() if t in now and now[t] != i)
 
     # ------------------------------------------------------------------ checkpoints
     def _on_task_snapshot(self, snapshot: TaskSnapshot) -> None:
@@ -1047,6 +1195,7 @@ class Worker:
         self._first_after_restore = False
         n = self.coordinator.trigger(set(self.tasks))
         self._last_trigger = now
+        self._start_id_check()
         self._records_at_trigger = self._records_in()
         for task in self.tasks.values():
             task.inject_barrier(n)
@@ -1060,6 +1209,7 @@ class Worker:
                 offsets.append(
                     TopicPartition(topic, partition, offset, metadata=meta.ref.offset_metadata())
                 )
+        self._check_read_topics(n)
         commit_start = time.monotonic()
         self._records_at_durable = self._records_in()
         if self.pipeline.exactly_once:
@@ -1131,10 +1281,73 @@ class Worker:
         for topic, future in described.items():
             future.add_done_callback(self._delete_in_same_topic(topic, by_topic[topic]))
 
-    def _topic_ids(self, topics: list[str]) -> dict[str, str]:
+    def _start_id_check(self) -> None:
+        """Ask for the ids of the topics the tasks read, after every record of the checkpoint
+        just triggered was read (answered in the background; ``_check_read_topics``)."""
+        topics = sorted(self._read_topic_ids)
+        if not topics:
+            self._id_check = None
+            return
+        try:
+            self._id_check = self._background_admin().describe_topics(
+                TopicCollection(topics), request_timeout=10
+            )
+        except (KafkaException, ValueError) as exc:
+            self._id_check = exc
+
+    def _check_read_topics(self, checkpoint_id: int) -> None:
+        """Before checkpoint ``checkpoint_id`` commits: the topics its records came from are
+        still the ones the tasks restored from. A topic deleted and created again while the
+        worker ran (or was frozen) keeps its name, and the consumer goes on at the old
+        offsets in the new log, skipping its first records. Then the checkpoint fails, and
+        the tasks restore and meet the new id (``_recreated_topics``). A check that got no
+        answer fails the checkpoint too."""
+        check, self._id_check = self._id_check, None
+        if not self._read_topics:
+            return
+        unknown = self._read_topics - set(self._read_topic_ids)
+        if unknown:
+            raise CheckpointError(
+                f"checkpoint {checkpoint_id}: the ids of topics {sorted(unknown)} were not "
+                "known when the tasks restored; they restore again"
+            )
+        if check is None or isinstance(check, Exception):
+            raise CheckpointError(
+                f"checkpoint {checkpoint_id}: could not read the ids of the topics it read: "
+                f"{check or 'not asked'}"
+            )
+        changed = []
+        deadline = time.monotonic() + 15.0
+        for topic, future in check.items():
+            try:
+                found = str(future.result(timeout=max(0.1, deadline - time.monotonic())).topic_id)
+            except Exception as exc:
+                if _unknown_topic(exc):
+                    changed.append(f"{topic} (deleted)")
+                    continue
+                error = kafka_error(exc)
+                if isinstance(exc, FutureTimeout) or (error is not None and is_unavailable(error)):
+                    # Waited out like a commit that cannot reach the broker, not counted.
+                    raise BrokerOutageError(
+                        f"checkpoint {checkpoint_id}: could not read the id of topic {topic}: {exc}"
+                    ) from exc
+                raise CheckpointError(
+                    f"checkpoint {checkpoint_id}: could not read the id of topic {topic}: {exc}"
+                ) from exc
+            if found != self._read_topic_ids.get(topic, found):
+                changed.append(f"{topic} (id {self._read_topic_ids[topic]}, now {found})")
+        if changed:
+            self._event({"event": "read_topic_recreated", "topics": changed})
+            raise CheckpointError(
+                f"checkpoint {checkpoint_id} does not commit: topics {', '.join(changed)} were "
+                "deleted or created again since the tasks restored; they restore again"
+            )
+
+    def _topic_ids(self, topics: list[str], what: str = "repartition topics") -> dict[str, str]:
         """Topic name -> its id (a new id each time a topic is created). Asked up to three
         times (a topic created a moment ago may not be known everywhere yet); a topic whose
-        id Kafka still does not give gets the id seen at its first deletion (logged)."""
+        id Kafka still does not give is left out (logged): for repartition topics, the id
+        seen at its first deletion is taken; a task reading it records no id."""
         ids: dict[str, str] = {}
         for attempt in range(3):
             missing = [t for t in topics if t not in ids]
@@ -1147,7 +1360,7 @@ class Worker:
                     TopicCollection(missing), request_timeout=10
                 )
             except Exception as exc:
-                log.info("reading the repartition topics' ids: %s", exc)
+                log.info("reading the ids of the %s: %s", what, exc)
                 continue
             for topic, future in futures.items():
                 try:
@@ -1156,11 +1369,7 @@ class Worker:
                     log.info("reading the id of topic %s: %s", topic, exc)
         for topic in topics:
             if topic not in ids:
-                log.warning(
-                    "could not read the id of repartition topic %s at start; the id seen at "
-                    "its first deletion of consumed records is taken",
-                    topic,
-                )
+                log.warning("could not read the id of topic %s (%s)", topic, what)
         return ids
 
     def _delete_in_same_topic(self, topic: str, below: list[TopicPartition]) -> Any:
@@ -1869,11 +2078,12 @@ class Worker:
         if waiting is not None and self._assigned and not self._restore_pending:
             self._savepoint_request = None
             self._take_savepoint(waiting)
-        if self._paused is not None and time.monotonic() - self._paused[1] > PAUSE_LIMIT:
+        limit = self._pause_limit
+        if self._paused is not None and time.monotonic() - self._paused[1] > limit:
             if time.monotonic() - self._paused_at >= MAX_PAUSE:
                 self._resume(f"paused for {MAX_PAUSE:.0f}s, the longest a savepoint may hold it")
             else:
-                self._resume(f"no resume or hold within {PAUSE_LIMIT:.0f}s")
+                self._resume(f"no resume or hold within {limit:g}s")
 
     def _take_savepoint(self, request: Request) -> None:
         """Commit everything read so far, then pause (or, with stop, exit) and acknowledge:
@@ -1949,6 +2159,15 @@ class ConsumerFencedError(KafkaClientError):
 
 class _StopNow(Exception):
     """A stop was requested while the broker is unreachable: exit without a final checkpoint."""
+
+
+def _unknown_topic(exc: Exception) -> bool:
+    """``exc`` says the topic does not exist (a describe of a deleted topic)."""
+    error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+    return isinstance(error, KafkaError) and error.code() in (
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError._UNKNOWN_TOPIC,
+    )
 
 
 def _log_delete_failure(tp: TopicPartition) -> Any:

@@ -1,0 +1,102 @@
+"""A worker paused for a savepoint, on a real broker: it commits nothing while paused, stays
+paused while the CLI's holds come, and resumes by itself once they stop.
+
+While ``snapline savepoint create`` writes the savepoint from the committed checkpoints, the
+job must stand still: a checkpoint committed meanwhile (timers that fired, a worker that
+resumed while a long export ran) moves the job on under the savepoint. Two guards keep it
+still, and this test fails only when both are gone: a paused worker runs no tasks (so no
+timer fires) and triggers no checkpoint."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from examples.orders import create_topics, read_committed
+from examples.workers import WorkerProcess
+from snapline.pipeline.savepoint import control
+
+pytestmark = pytest.mark.integration
+PAUSE_LIMIT = 3.0  # the worker's, shortened (SNAPLINE_TEST_PAUSE_LIMIT); 300 s in a job
+DELAY_MS = 4000  # each record comes out this long after it was read (a processing-time timer)
+
+
+def _committed(bootstrap: str, group: str, topic: str) -> TopicPartition:
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    try:
+        return consumer.committed([TopicPartition(topic, 0)], 10)[0]
+    finally:
+        consumer.close()
+
+
+def test_a_paused_worker_commits_nothing_while_holds_come_and_resumes_when_they_stop(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """Records 1..5 are read and committed, each with a timer due 4 s later; then a savepoint
+    request pauses the worker, and holds come every second for 10 s, more than three times
+    its pause limit (3 s here). No checkpoint may commit until the holds stop: not one with
+    the timers' output (due 4 s in), not one after a resume at the limit (a worker that
+    ignored holds). Then it resumes by itself and every record comes out once."""
+    prefix = f"{unique_name}-"
+    job, source, out = f"{prefix}job", f"{prefix}copy-in", f"{prefix}copy-out"
+    create_topics(kafka_bootstrap, {source: 1, out: 1})
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+
+    def produce(numbers: range) -> None:
+        for n in numbers:
+            producer.produce(source, orjson.dumps({"n": n}), str(n).encode(), partition=0)
+        assert producer.flush(30) == 0
+
+    worker = WorkerProcess(
+        "integration_tests.pipelines:delayed_echo",
+        "w0",
+        kafka_bootstrap,
+        tmp_path / "chk",
+        tmp_path,
+        {
+            "SNAPLINE_TEST_PREFIX": prefix,
+            "SNAPLINE_TEST_DELAY_MS": str(DELAY_MS),
+            "SNAPLINE_TEST_PAUSE_LIMIT": str(PAUSE_LIMIT),
+        },
+    )
+    config = {"bootstrap.servers": kafka_bootstrap}
+    request = control.new_request_id()
+    ack = tmp_path / "chk" / job / "savepoints" / "_requests" / request / "w0.json"
+    worker.start()
+    try:
+        produce(range(1))
+        assert [r["n"] for r in read_committed(kafka_bootstrap, out, 1, timeout=60)] == [0]
+        produce(range(1, 6))
+        deadline = time.monotonic() + 30  # bounded: read and committed within a second or two
+        while _committed(kafka_bootstrap, job, source).offset < 6:
+            assert time.monotonic() < deadline, worker.tail()
+            time.sleep(0.1)
+        read_at = time.monotonic()  # the timers are due DELAY_MS after about now
+        control.ensure_control_topic(config, job)
+        control.send(config, job, "savepoint", request)
+        deadline = time.monotonic() + 30
+        while not ack.exists():
+            assert time.monotonic() < deadline, f"no acknowledgement\n{worker.tail()}"
+            time.sleep(0.05)
+        assert orjson.loads(ack.read_bytes())["status"] == "paused"
+        assert time.monotonic() - read_at < DELAY_MS / 1000, "paused too late for the test"
+        paused = _committed(kafka_bootstrap, job, source)
+
+        with control.holding(config, job, request, every=1.0):
+            time.sleep(10.0)  # the timers came due 4 s in; the pause limit passed three times
+            outputs = read_committed(kafka_bootstrap, out, 6, timeout=1, settle=0.5)
+            assert [r["n"] for r in outputs] == [0], "a paused worker committed output"
+            assert _committed(kafka_bootstrap, job, source).metadata == paused.metadata
+            assert worker.alive, worker.tail()
+            assert "resuming after a savepoint" not in worker.tail(200)
+
+        outputs = read_committed(kafka_bootstrap, out, 6, timeout=30, settle=1)
+        log = worker.tail(200)
+        assert f"resuming after a savepoint: no resume or hold within {PAUSE_LIMIT:g}s" in log
+    finally:
+        assert worker.stop() == 0, worker.tail()
+    assert sorted(r["n"] for r in outputs) == list(range(6))  # each once

@@ -1,0 +1,185 @@
+"""A source topic deleted and created again under a job, on a real broker.
+
+The new topic keeps the name and gets a new id; its offsets start at 0 again. The job's
+checkpoint positions are offsets of the old topic, so going on from them skips the new
+topic's first records, silently when the positions fall inside its log (found by the offsets
+review: the first 100 records of the new topic were never processed, exit 0). Now every
+checkpoint records the ids of the topics it read, a checkpoint commits only after the ids
+were read again and are the same, and a restore refuses a checkpoint of another topic
+(exit 78) unless ``--read-recreated-topics`` says to read the new topic from its start."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient
+
+from examples.orders import create_topics, read_committed
+from examples.workers import WorkerProcess, read_events
+from integration_tests.conftest import create_topic
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parent.parent
+EX_CONFIG = 78
+
+
+def _produce(bootstrap: str, topic: str, numbers: range) -> None:
+    producer = Producer({"bootstrap.servers": bootstrap})
+    for n in numbers:
+        producer.produce(topic, orjson.dumps({"n": n}), partition=0)
+    assert producer.flush(30) == 0
+
+
+def _recreate(bootstrap: str, topic: str) -> None:
+    """Delete ``topic`` and create it again with one partition: it gets a new id."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for future in admin.delete_topics([topic], operation_timeout=30).values():
+        future.result(timeout=35)
+    deadline = time.monotonic() + 60  # bounded: the broker finishes a deletion in seconds
+    while True:
+        try:
+            create_topic(admin, topic)
+            return
+        except Exception as exc:
+            text = str(exc).lower()
+            if time.monotonic() > deadline or not (
+                "already exists" in text or "marked for deletion" in text
+            ):
+                raise
+            time.sleep(0.5)
+
+
+def _worker(spec: str, bootstrap: str, tmp_path: Path, prefix: str) -> WorkerProcess:
+    return WorkerProcess(
+        f"integration_tests.pipelines:{spec}",
+        "w0",
+        bootstrap,
+        tmp_path / "chk",
+        tmp_path,
+        {"SNAPLINE_TEST_PREFIX": prefix},
+    )
+
+
+def _run_refused(spec: str, bootstrap: str, prefix: str, tmp_path: Path, *args: str) -> str:
+    """Run the worker once, expecting it to refuse to start (exit 78); its stderr."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snapline.pipeline.cli",
+            "run",
+            f"integration_tests.pipelines:{spec}",
+            "--bootstrap-servers",
+            bootstrap,
+            "--checkpoint-dir",
+            str(tmp_path / "chk"),
+            "--worker-id",
+            "w0",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "SNAPLINE_TEST_PREFIX": prefix, "PYTHONPATH": str(REPO)},
+    )
+    assert result.returncode == EX_CONFIG, (result.returncode, result.stderr[-3000:])
+    return result.stderr
+
+
+def test_a_topic_recreated_while_the_worker_was_frozen_commits_nothing_of_the_new_topic(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """The review's repro: the worker is frozen (SIGSTOP, shorter than the session timeout)
+    while its source topic is deleted, created again and written with 300 records. Its
+    consumer goes on at offset 100 of the new topic. Before: 200 of the 300 processed and
+    committed, the first 100 never (exit 0). Now the checkpoint after the wake-up does not
+    commit (the topic's id changed), the worker stops naming the topic, and a restart with
+    ``--restore-latest --read-recreated-topics`` (the group's offsets went with the old topic)
+    processes all 300 once, with the job's state."""
+    prefix = f"{unique_name}-"
+    source, out = f"{prefix}copy-in", f"{prefix}copy-out"
+    create_topics(kafka_bootstrap, {source: 1, out: 1})
+    _produce(kafka_bootstrap, source, range(100))
+    worker = _worker("named_copy", kafka_bootstrap, tmp_path, prefix)
+    worker.start()
+    try:
+        first = read_committed(kafka_bootstrap, out, 100, timeout=60, settle=1)
+        assert sorted(r["n"] for r in first) == list(range(100))
+        time.sleep(1.0)  # the checkpoint of the last records has committed (interval 0.3 s)
+        worker.signal(signal.SIGSTOP)
+        _recreate(kafka_bootstrap, source)
+        _produce(kafka_bootstrap, source, range(1000, 1300))
+        worker.signal(signal.SIGCONT)
+        # Bounded: its next checkpoint (0.3 s) fails at the id check, and the restore stops it.
+        code = worker.wait_exit(90)
+        assert code == EX_CONFIG, (code, worker.tail())
+    finally:
+        worker.signal(signal.SIGCONT)
+        worker.kill()
+    log = worker.tail(200)
+    assert f"source topics {source} were deleted and created again" in log, log
+    assert "--restore-latest --read-recreated-topics" in log
+    events = read_events(worker.metrics_path)
+    assert [e for e in events if e.get("event") == "read_topic_recreated"], events[-10:]
+    outputs = read_committed(kafka_bootstrap, out, 100, timeout=10, settle=1)
+    assert sorted(r["n"] for r in outputs) == list(range(100)), "new records committed"
+
+    worker.start(extra_args=["--restore-latest", "--read-recreated-topics"])
+    try:
+        outputs = read_committed(kafka_bootstrap, out, 400, timeout=60, settle=2)
+    finally:
+        assert worker.stop() == 0, worker.tail()
+    assert sorted(r["n"] for r in outputs) == [*range(100), *range(1000, 1300)]  # each once
+    recreated = [
+        e for e in read_events(worker.metrics_path) if e.get("event") == "source_topic_recreated"
+    ]
+    assert [(e["topic"], e["task"]) for e in recreated] == [(source, "p0")]
+
+
+def test_a_topic_recreated_while_the_job_was_stopped_is_refused_until_the_user_chooses(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """One task reads two topics; one of them is deleted and created again (with more records
+    than the job had read of the old one) while the job is stopped. The other topic's
+    committed offsets still name the checkpoint, whose position in the recreated topic (50)
+    lies inside the new log: before, the restart skipped the new topic's first 50 records.
+    Now it is refused (exit 78) naming the topic and both ways on; with
+    ``--read-recreated-topics`` the new topic is read from its start and the other topic
+    goes on where it was: every record once."""
+    prefix = f"{unique_name}-"
+    source, other, out = f"{prefix}copy-in", f"{prefix}copy-in2", f"{prefix}copy-out"
+    create_topics(kafka_bootstrap, {source: 1, other: 1, out: 1})
+    _produce(kafka_bootstrap, source, range(50))
+    _produce(kafka_bootstrap, other, range(500, 550))
+    worker = _worker("two_topic_copy", kafka_bootstrap, tmp_path, prefix)
+    worker.start()
+    try:
+        first = read_committed(kafka_bootstrap, out, 100, timeout=60, settle=1)
+    finally:
+        assert worker.stop() == 0, worker.tail()
+    assert sorted(r["n"] for r in first) == [*range(50), *range(500, 550)]
+
+    _recreate(kafka_bootstrap, source)
+    _produce(kafka_bootstrap, source, range(1000, 1200))
+    _produce(kafka_bootstrap, other, range(550, 600))
+    stderr = _run_refused("two_topic_copy", kafka_bootstrap, prefix, tmp_path)
+    assert f"source topics {source} (id " in stderr, stderr[-3000:]
+    assert "--read-recreated-topics" in stderr and "--reset-state" in stderr
+    assert len(read_committed(kafka_bootstrap, out, 100, timeout=10, settle=1)) == 100
+
+    worker.start(extra_args=["--read-recreated-topics"])
+    try:
+        outputs = read_committed(kafka_bootstrap, out, 350, timeout=60, settle=2)
+    finally:
+        assert worker.stop() == 0, worker.tail()
+    expected = [*range(50), *range(500, 600), *range(1000, 1200)]
+    assert sorted(r["n"] for r in outputs) == expected  # each once, none skipped
