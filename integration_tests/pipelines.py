@@ -276,6 +276,20 @@ def latest_copy() -> Pipeline:
     return pipeline
 
 
+def latest_grow() -> Pipeline:
+    """``<prefix>copy-in`` from its end when the job starts, copied to ``<prefix>copy-out``;
+    the consumer looks for new partitions every second (librdkafka's default: 5 minutes)."""
+    pipeline = Pipeline(
+        f"{PREFIX}job",
+        checkpoint_interval=0.3,
+        kafka_config={"topic.metadata.refresh.interval.ms": 1000},
+    )
+    pipeline.source(KafkaSource(f"{PREFIX}copy-in", starting_position="latest")).sink(
+        KafkaSink(f"{PREFIX}copy-out")
+    )
+    return pipeline
+
+
 def two_topic_copy() -> Pipeline:
     """Records of ``<prefix>copy-in`` and ``<prefix>copy-in2`` (one task per partition reads
     both) copied to ``<prefix>copy-out``."""

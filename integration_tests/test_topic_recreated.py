@@ -126,7 +126,7 @@ def test_a_topic_recreated_while_the_worker_was_frozen_commits_nothing_of_the_ne
         worker.signal(signal.SIGCONT)
         worker.kill()
     log = worker.tail(200)
-    assert f"source topics {source} were deleted and created again" in log, log
+    assert f"topics {source} were deleted and created again" in log, log
     assert "--restore-latest --read-recreated-topics" in log
     events = read_events(worker.metrics_path)
     assert [e for e in events if e.get("event") == "read_topic_recreated"], events[-10:]
@@ -152,7 +152,7 @@ def test_a_topic_recreated_while_the_job_was_stopped_is_refused_until_the_user_c
     than the job had read of the old one) while the job is stopped. The other topic's
     committed offsets still name the checkpoint, whose position in the recreated topic (50)
     lies inside the new log: before, the restart skipped the new topic's first 50 records.
-    Now it is refused (exit 78) naming the topic and both ways on; with
+    Now it is refused (exit 78) naming the topic and the ways on; with
     ``--read-recreated-topics`` the new topic is read from its start and the other topic
     goes on where it was: every record once."""
     prefix = f"{unique_name}-"
@@ -173,7 +173,7 @@ def test_a_topic_recreated_while_the_job_was_stopped_is_refused_until_the_user_c
     _produce(kafka_bootstrap, other, range(550, 600))
     stderr = _run_refused("two_topic_copy", kafka_bootstrap, prefix, tmp_path)
     assert f"source topics {source} (id " in stderr, stderr[-3000:]
-    assert "--read-recreated-topics" in stderr and "--reset-state" in stderr
+    assert "--read-recreated-topics" in stderr and "under a new name" in stderr
     assert len(read_committed(kafka_bootstrap, out, 100, timeout=10, settle=1)) == 100
 
     worker.start(extra_args=["--read-recreated-topics"])

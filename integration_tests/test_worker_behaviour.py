@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, ConfigResource
+from confluent_kafka.admin import AdminClient, ConfigResource, NewPartitions
 
 from examples.orders import create_topics, produce_orders, read_committed, verify_totals
 from examples.workers import WorkerProcess, process_state, read_events
@@ -786,3 +786,51 @@ def test_a_latest_source_starts_before_a_transaction_still_open_at_its_end(
     finally:
         assert worker.stop() == 0, worker.tail()
     assert sorted(r["n"] for r in outputs) == [*range(10), *range(100, 105)]
+
+
+def test_a_partition_added_to_a_latest_source_while_the_job_runs_is_read_from_its_start(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """A source reading from "latest" started a partition added while the job ran at its end
+    when the consumer first saw it: what producers wrote there until then (up to the metadata
+    refresh interval, 5 minutes by default) was never read. Flink reads a partition it
+    discovers from its start, and so does Snapline now: "latest" is the end when the job
+    started (the partition counts then are recorded in the checkpoint directory). Records
+    5..9 go to partition 1 right after it is added: the job must output 0..9 (and not -1,
+    written before it started), each once."""
+    prefix = f"{unique_name}-"
+    source, out = f"{prefix}copy-in", f"{prefix}copy-out"
+    create_topics(kafka_bootstrap, {source: 1, out: 1})
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+
+    def produce(numbers: range, partition: int) -> None:
+        for n in numbers:
+            producer.produce(source, orjson.dumps({"n": n}), partition=partition)
+        assert producer.flush(30) == 0
+
+    produce(range(-1, 0), 0)  # before the start: skipped
+    worker = _start_worker("latest_grow", kafka_bootstrap, tmp_path, prefix)
+    try:
+        deadline = time.monotonic() + 60  # bounded: a worker restores within seconds
+        while not any(e.get("event") == "restored" for e in read_events(worker.metrics_path)):
+            assert time.monotonic() < deadline, worker.tail()
+            time.sleep(0.1)
+        produce(range(5), 0)
+        assert len(read_committed(kafka_bootstrap, out, 5, timeout=60, settle=0.5)) == 5
+        admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+        for future in admin.create_partitions([NewPartitions(source, 2)]).values():
+            future.result(timeout=30)
+        deadline = time.monotonic() + 30  # bounded: the broker knows the partition at once
+        while len(admin.list_topics(source, timeout=10).topics[source].partitions) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})  # knows partition 1
+        produce(range(5, 10), 1)
+        outputs = read_committed(kafka_bootstrap, out, 10, timeout=60, settle=1)
+    finally:
+        assert worker.stop() == 0, worker.tail()
+    assert sorted(r["n"] for r in outputs) == list(range(10))
+    added = [
+        e for e in read_events(worker.metrics_path) if e.get("event") == "source_partition_added"
+    ]
+    assert [(e["topic"], e["partition"]) for e in added] == [(source, 1)]

@@ -118,3 +118,55 @@ def test_an_out_of_range_fetch_below_the_tasks_position_is_stale_not_a_loss() ->
     gone = SimpleNamespace(topic=lambda: "other", partition=lambda: 0, offset=lambda: 1)
     worker._stage_of_topic["other"] = 0
     assert Worker._out_of_range(worker, gone) is None  # not this worker's partition
+
+
+# --- topics deleted and created again (Worker._recreated_topics) ---------------------------
+
+
+def _checkpoint(ids: dict[str, str]) -> Any:
+    return SimpleNamespace(topic_ids=ids, checkpoint_id=7)
+
+
+def _reader(now: dict[str, str], read_recreated: bool = False) -> Any:
+    events: list[dict[str, Any]] = []
+    return SimpleNamespace(
+        settings=SimpleNamespace(read_recreated_topics=read_recreated),
+        _repartitioned={REPARTITION},
+        _read_topic_ids=now,
+        _event=events.append,
+        events=events,
+    )
+
+
+def test_a_topic_with_its_old_id_or_without_ids_is_not_recreated() -> None:
+    same = _reader({"orders": "id-1", "refunds": ""})
+    # the same id; no id now (a describe that failed, a broker without ids); none recorded
+    meta = _checkpoint({"orders": "id-1", "refunds": "id-9", "gone": "id-3"})
+    assert Worker._recreated_topics(same, "p0", meta) == set()
+    no_ids = _reader({"orders": "AAAAAAAAAAAAAAAAAAAAAA"})
+    assert Worker._recreated_topics(no_ids, "p0", _checkpoint({"orders": "id-1"})) == set()
+    zero = _reader({"orders": "id-1"})  # ids given for the first time (an upgraded cluster)
+    assert (
+        Worker._recreated_topics(zero, "p0", _checkpoint({"orders": "AAAAAAAAAAAAAAAAAAAAAA"}))
+        == set()
+    )
+
+
+def test_a_recreated_source_topic_is_refused_unless_the_user_chose_to_read_it_again() -> None:
+    meta = _checkpoint({"orders": "id-1", "refunds": "id-2"})
+    with pytest.raises(
+        ConfigurationError, match=r"source topics orders \(id id-1, now id-5\) were deleted"
+    ) as refused:
+        Worker._recreated_topics(_reader({"orders": "id-5", "refunds": "id-2"}), "p0", meta)
+    assert "--read-recreated-topics" in str(refused.value)
+    worker = _reader({"orders": "id-5", "refunds": "id-2"}, read_recreated=True)
+    assert Worker._recreated_topics(worker, "p0", meta) == {"orders"}
+    assert [(e["event"], e["topic"], e["old_id"], e["new_id"]) for e in worker.events] == [
+        ("source_topic_recreated", "orders", "id-1", "id-5")
+    ]
+
+
+def test_a_recreated_repartition_topic_is_refused_whatever_the_user_chose() -> None:
+    worker = _reader({REPARTITION: "id-8"}, read_recreated=True)
+    with pytest.raises(ConfigurationError, match=r"repartition topics .* were created again"):
+        Worker._recreated_topics(worker, "s1-p0", _checkpoint({REPARTITION: "id-4"}))

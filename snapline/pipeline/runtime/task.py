@@ -133,7 +133,7 @@ class Task:
         topic_ids: dict[str, str] | None = None,
     ) -> None:
         self.task_id = task_id
-        #: Id of each topic it reads, recorded in its checkpoints (worker._check_topic_ids).
+        #: Id of each topic it reads, recorded in its checkpoints (worker._recreated_topics).
         self.topic_ids = topic_ids or {}
         self.pipeline = pipeline
         self.plan = plan if plan is not None else pipeline.stages()

@@ -69,6 +69,8 @@ from snapline.pipeline.checkpoint.metadata import (
     METADATA_FILE,
     CheckpointRef,
     TaskCheckpoint,
+    decode_checked,
+    encode_checked,
     is_marked_committed,
     list_checkpoints,
     mark_committed,
@@ -133,6 +135,9 @@ MAX_HELD_RECORDS = 500_000
 COMMITTED_OFFSETS_WAIT = 90.0
 #: Seconds from a restore to the first checkpoint once input arrived (then the interval).
 FIRST_CHECKPOINT_DELAY = 0.1
+#: In the job's checkpoint directory: the partitions of its "latest" source topics at its first
+#: start (``Worker._latest_partitions_at_start``).
+SOURCE_PARTITIONS_FILE = "source-partitions.json"
 #: SIGTERM ends the worker within this many seconds, broker or not.
 STOP_BOUND = 30.0
 #: After SIGTERM, the final checkpoint gets this long; then the worker exits without it.
@@ -271,6 +276,7 @@ class Worker:
         self.plan = pipeline.stages()
         self._stage_of_topic = self.plan.stage_of_topics(pipeline.source_topics())
         self._repartitioned = {rep.topic for rep in self.plan.repartitions.values()}
+        self._admin: AdminClient | None = None
         self._wait_for_restore()
         #: Partitions per topic the job reads or writes (the topic plan at start), and the
         #: producer settings that keep its batches within the output topics' size limit.
@@ -279,7 +285,6 @@ class Worker:
         #: below the oldest retained one are dead (``_delete_consumed_records``).
         self._repartition_positions: dict[str, list[dict[tuple[str, int], int]]] = {}
         self._last_delete = time.monotonic()
-        self._admin: AdminClient | None = None
         #: The repartition topics' ids when this worker started: the positions above are
         #: offsets of those topics, not of a topic a savepoint restore created since.
         self._repartition_topic_ids = self._topic_ids(sorted(self._repartitioned))
@@ -297,6 +302,12 @@ class Worker:
             os.environ.get("SNAPLINE_TEST_KEEP_REPARTITION_RECORDS")
         )
         self.cluster_id = self._check_identity()
+        #: Partitions of each "latest" source topic when the job first started.
+        self._latest_at_start = self._latest_partitions_at_start()
+        self._added_partitions: set[tuple[str, int]] = set()
+        #: Tasks whose checkpoints --reset-state deleted: they start over at the starting
+        #: position, "latest" included.
+        self._reset_tasks: set[str] = set()
         from snapline.pipeline.runtime.topics import check_repartition_owners
 
         check_repartition_owners(kafka_config, pipeline)
@@ -409,7 +420,18 @@ class Worker:
         )
 
         group = restore_group(self.pipeline.name)
-        admin = AdminClient(self._kafka_config)
+        admin = self._background_admin()
+        try:
+            # librdkafka aborts the process (rd_kafka_enq_once_del_source_return:
+            # eonce->refcnt > 0) when a group request that timed out waiting for an
+            # unreachable broker sees the broker come back: a worker started during an
+            # outage died with -6 in the broker bounce test. A metadata request, which
+            # has no such wait, asks first whether the broker answers.
+            admin.list_topics(timeout=10)
+        except KafkaException as exc:
+            log.warning("could not check for a savepoint restore of this job: %s", exc)
+            check_no_interrupted_restore(self.storage, self.pipeline.name)
+            return
         started = said = time.monotonic()
         while True:
             try:
@@ -719,7 +741,11 @@ class Worker:
             elif c.offset >= 0:
                 positions[tp] = c.offset
             else:
-                positions[tp] = start[c.topic]
+                positions[tp] = (
+                    start[c.topic]
+                    if task_id in self._reset_tasks
+                    else self._added_partition_start(tp, start[c.topic])
+                )
         task_epoch = self.coordinator.next_id
         self.coordinator.observe_restored(ref.checkpoint_id if ref else None)
         channels = self._channel_positions(positions)
@@ -745,7 +771,7 @@ class Worker:
             topic_ids={
                 c.topic: self._read_topic_ids[c.topic]
                 for c in committed
-                if c.topic in self._read_topic_ids
+                if self._read_topic_ids.get(c.topic)
             },
         )
         task.recover_sinks(ref.checkpoint_id if ref else None, meta.sinks if meta else {})
@@ -771,6 +797,55 @@ class Worker:
         )
         return positions, ref
 
+    def _latest_partitions_at_start(self) -> dict[str, int]:
+        """The partitions each source topic read from "latest" had when the job first started,
+        recorded by its first worker in ``<job>/source-partitions.json`` (a topic the code
+        reads since is recorded when first read). A partition beyond them was added while the
+        job ran: ``_added_partition_start``."""
+        latest = sorted(
+            {
+                t
+                for s in self.pipeline.sources()
+                if s.starting_position == "latest"
+                for t in s.topic_list
+            }
+        )
+        if not latest:
+            return {}
+        path = f"{self.pipeline.name}/{SOURCE_PARTITIONS_FILE}"
+        recorded: dict[str, int] = {}
+        if self.storage.exists(path):
+            body = decode_checked(self.storage.read_bytes(path), self.storage.full_path(path))
+            recorded = {str(t): int(n) for t, n in body.get("partitions", {}).items()}
+        missing = [t for t in latest if t not in recorded and t in self._topic_partitions]
+        if missing:
+            recorded.update({t: self._topic_partitions[t] for t in missing})
+            self.storage.write_bytes(path, encode_checked({"partitions": recorded}))
+        return {t: recorded[t] for t in latest if t in recorded}
+
+    def _added_partition_start(self, tp: tuple[str, int], start: int) -> int:
+        """Where a partition with no committed offset starts: the source's starting position,
+        except that a partition added to a "latest" source after the job started is read from
+        its beginning (as Flink reads the partitions it discovers): "latest" means the end
+        when the job started, and every record of a partition added since came after that.
+        Before, such a partition started at its end when first assigned, and what producers
+        wrote to it until the consumer noticed it (up to topic.metadata.refresh.interval.ms,
+        5 minutes by default) was never read."""
+        topic, partition = tp
+        if start != OFFSET_END or partition < self._latest_at_start.get(topic, partition + 1):
+            return start
+        if tp not in self._added_partitions:
+            self._added_partitions.add(tp)
+            log.info(
+                "%s[%d] was added after the job started (it had %d partitions then): read from "
+                "its beginning",
+                topic,
+                partition,
+                self._latest_at_start[topic],
+            )
+            self._event({"event": "source_partition_added", "topic": topic, "partition": partition})
+        return OFFSET_BEGINNING
+
     def _recreated_topics(self, task_id: str, meta: TaskCheckpoint) -> set[str]:
         """The source topics the checkpoint read that were deleted and created again since
         (Kafka gives a created topic a new id): its positions are offsets of the old topic,
@@ -782,7 +857,7 @@ class Worker:
         recreated = {
             topic
             for topic, old in meta.topic_ids.items()
-            if topic in self._read_topic_ids and self._read_topic_ids[topic] != old
+            if _ids_differ(old, self._read_topic_ids.get(topic, ""))
         }
         if not recreated:
             return recreated
@@ -802,8 +877,7 @@ class Worker:
                 "of the old topics, and going on from them would skip or repeat records of the "
                 "new ones. Nothing of the new topics was committed. Restart with "
                 "--read-recreated-topics to read them from their start with the job's state, "
-                "with --reset-state to start over with empty state, or run the job under a new "
-                "name"
+                "or run the job under a new name to start over"
             )
         log.error(
             "task %s: source topics %s were created again since checkpoint %d: reading them "
@@ -896,12 +970,15 @@ class Worker:
         """Logical offsets (beginning/end) resolved by the broker, and every restored position
         checked against the partition's log (``_checked_position``). The log's bounds come
         from ``_log_bounds`` (read for every partition of the assignment at once); a partition
-        it could not tell is asked alone."""
+        it could not tell is asked alone, and so is one whose position lies past that end: the
+        bounds may be older than the position (offsets read again during the restore can name
+        a newer owner's checkpoint), and their end is the last stable offset, while a refusal
+        needs the log's end (the high watermark) as it is now."""
         resolved = {}
         for tp, offset in positions.items():
             try:
                 bounds = self._bounds.get(tp)
-                if bounds is None:
+                if bounds is None or offset > bounds[1]:
                     bounds = self.consumer.get_watermark_offsets(TopicPartition(*tp), timeout=30)
                 low, high = bounds
             except KafkaException as exc:
@@ -1131,11 +1208,12 @@ class Worker:
             raise_id_floor(self.storage, self.pipeline.name, stored[-1].checkpoint_id)
             for ref in committed:
                 self.storage.delete_dir(ref.directory(self.pipeline.name, task_id))
+            self._reset_tasks.add(task_id)  # starts over: "latest" is now, for every partition
             return None
         recreated = self._recreated_since(task_id, latest)
         if recreated:
             raise ConfigurationError(
-                f"task {task_id}: source topics {', '.join(recreated)} were deleted and "
+                f"task {task_id}: topics {', '.join(recreated)} were deleted and "
                 f"created again since its checkpoint {latest.checkpoint_id} (their ids "
                 f"differ), and the consumer group {self.pipeline.name!r} lost its committed "
                 "offsets with them. "
@@ -1169,7 +1247,7 @@ class Worker:
             )
             return []
         now = self._read_topic_ids
-        return sorted(t for t, i in meta.topic_ids.items() if t in now and now[t] != i)
+        return sorted(t for t, i in meta.topic_ids.items() if _ids_differ(i, now.get(t, "")))
 
     # ------------------------------------------------------------------ checkpoints
     def _on_task_snapshot(self, snapshot: TaskSnapshot) -> None:
@@ -1307,22 +1385,26 @@ class Worker:
             return
         unknown = self._read_topics - set(self._read_topic_ids)
         if unknown:
-            raise CheckpointError(
-                f"checkpoint {checkpoint_id}: the ids of topics {sorted(unknown)} were not "
-                "known when the tasks restored; they restore again"
+            # Waited out like an outage (the restore after it reads them again): a describe
+            # that failed right after a broker came back must not count against the job.
+            raise BrokerOutageError(
+                f"checkpoint {checkpoint_id} does not commit: Kafka did not describe topics "
+                f"{sorted(unknown)} when the tasks restored (unreachable, or the topics are "
+                "gone), so records read from them cannot be checked to come from the topics "
+                "the checkpoint's positions belong to"
             )
         if check is None or isinstance(check, Exception):
             raise CheckpointError(
-                f"checkpoint {checkpoint_id}: could not read the ids of the topics it read: "
-                f"{check or 'not asked'}"
+                f"checkpoint {checkpoint_id}: asking Kafka for the ids of the topics it read "
+                f"failed: {check or 'no request was made at its trigger'}"
             )
         changed = []
         deadline = time.monotonic() + 15.0
         for topic, future in check.items():
             try:
-                found = str(future.result(timeout=max(0.1, deadline - time.monotonic())).topic_id)
+                found = future.result(timeout=max(0.1, deadline - time.monotonic()))
             except Exception as exc:
-                if _unknown_topic(exc):
+                if _unknown_topic(exc) and self._still_unknown(topic):
                     changed.append(f"{topic} (deleted)")
                     continue
                 error = kafka_error(exc)
@@ -1334,14 +1416,29 @@ class Worker:
                 raise CheckpointError(
                     f"checkpoint {checkpoint_id}: could not read the id of topic {topic}: {exc}"
                 ) from exc
-            if found != self._read_topic_ids.get(topic, found):
-                changed.append(f"{topic} (id {self._read_topic_ids[topic]}, now {found})")
+            else:
+                expected = self._read_topic_ids.get(topic, "")
+                if _ids_differ(expected, _topic_id(found)):
+                    changed.append(f"{topic} (id {expected}, now {_topic_id(found)})")
         if changed:
             self._event({"event": "read_topic_recreated", "topics": changed})
             raise CheckpointError(
                 f"checkpoint {checkpoint_id} does not commit: topics {', '.join(changed)} were "
                 "deleted or created again since the tasks restored; they restore again"
             )
+
+    def _still_unknown(self, topic: str) -> bool:
+        """A topic one broker did not know (deleted, or that broker's metadata lags: it is
+        restarting) is asked once more, a second later, before a checkpoint fails for it."""
+        time.sleep(1.0)
+        try:
+            futures = self._background_admin().describe_topics(
+                TopicCollection([topic]), request_timeout=10
+            )
+            futures[topic].result(timeout=15)
+        except Exception as exc:
+            return _unknown_topic(exc)
+        return False
 
     def _topic_ids(self, topics: list[str], what: str = "repartition topics") -> dict[str, str]:
         """Topic name -> its id (a new id each time a topic is created). Asked up to three
@@ -1364,7 +1461,7 @@ class Worker:
                 continue
             for topic, future in futures.items():
                 try:
-                    ids[topic] = str(future.result(timeout=15).topic_id)
+                    ids[topic] = _topic_id(future.result(timeout=15))
                 except Exception as exc:
                     log.info("reading the id of topic %s: %s", topic, exc)
         for topic in topics:
@@ -1378,7 +1475,7 @@ class Worker:
 
         def done(future: Any) -> None:
             try:
-                found = str(future.result().topic_id)
+                found = _topic_id(future.result())
             except Exception as exc:
                 log.info("deleting consumed records of %s: %s", topic, exc)
                 return
@@ -2159,6 +2256,22 @@ class ConsumerFencedError(KafkaClientError):
 
 class _StopNow(Exception):
     """A stop was requested while the broker is unreachable: exit without a final checkpoint."""
+
+
+#: What Kafka answers for a topic without an id (brokers before 2.8, or a cluster that
+#: never gave its topics ids): no recreation can be told from it.
+_NO_ID = "AAAAAAAAAAAAAAAAAAAAAA"
+
+
+def _topic_id(description: Any) -> str:
+    """The id of a described topic ("" when Kafka gives none)."""
+    found = str(getattr(description, "topic_id", None) or "")
+    return "" if found in (_NO_ID, "None") else found
+
+
+def _ids_differ(old: str, new: str) -> bool:
+    """Two ids of one topic name tell a recreation only when both are real ids."""
+    return old not in ("", _NO_ID) and new not in ("", _NO_ID) and old != new
 
 
 def _unknown_topic(exc: Exception) -> bool:
