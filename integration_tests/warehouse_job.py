@@ -206,12 +206,16 @@ class WarehouseJob:
         if not self.table.exists():
             return []
         dataset = ds.dataset(self.table, format="parquet", partitioning="hive")
+        if not dataset.files:  # the directory exists, no file published yet: no schema
+            return []
         return dataset.to_table(columns=["customer", "total", "count", "order_id"]).to_pylist()
 
     def table_rows_with_checkpoint(self) -> list[dict[str, Any]]:
         if not self.table.exists():
             return []
         dataset = ds.dataset(self.table, format="parquet", partitioning="hive")
+        if not dataset.files:
+            return []
         return dataset.to_table(
             columns=["customer", "total", "count", "order_id", "checkpoint"]
         ).to_pylist()
