@@ -39,10 +39,24 @@ class WorkerProcess:
         self.metrics_path = workdir / "metrics.jsonl"
         self.fault_log = workdir / "faults.log"
 
-    def start(
-        self, extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None
-    ) -> None:
-        env = {
+    def _command(self, extra_args: list[str] | None) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "snapline.pipeline.cli",
+            "run",
+            self.spec,
+            "--bootstrap-servers",
+            self.bootstrap,
+            "--checkpoint-dir",
+            str(self.checkpoint_dir),
+            "--worker-id",
+            self.worker_id,
+            *(extra_args or []),
+        ]
+
+    def _env(self, extra_env: dict[str, str] | None) -> dict[str, str]:
+        return {
             **os.environ,
             **self.env,
             **(extra_env or {}),
@@ -50,31 +64,36 @@ class WorkerProcess:
             "SNAPLINE_FAULT_LOG": str(self.fault_log),
             "PYTHONPATH": str(REPO),
         }
+
+    def start(
+        self, extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None
+    ) -> None:
         with open(self.log_path, "ab") as log:
             log.write(f"\n===== start {self.starts} at {time.time():.3f}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "snapline.pipeline.cli",
-                    "run",
-                    self.spec,
-                    "--bootstrap-servers",
-                    self.bootstrap,
-                    "--checkpoint-dir",
-                    str(self.checkpoint_dir),
-                    "--worker-id",
-                    self.worker_id,
-                    *(extra_args or []),
-                ],
+                self._command(extra_args),
                 cwd=str(self.workdir),
-                env=env,
+                env=self._env(extra_env),
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
         log.close()
         self.starts += 1
+
+    def run_once(
+        self, extra_args: list[str] | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        """Run the worker in the foreground, its output captured: for a worker expected to
+        refuse to start (bounded by ``timeout`` s, so a test never waits forever)."""
+        return subprocess.run(
+            self._command(extra_args),
+            cwd=str(self.workdir),
+            env=self._env(None),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     @property
     def alive(self) -> bool:

@@ -10,10 +10,7 @@ were read again and are the same, and a restore refuses a checkpoint of another 
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,7 +24,6 @@ from examples.workers import WorkerProcess, read_events
 from integration_tests.conftest import create_topic
 
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parent.parent
 EX_CONFIG = 78
 
 
@@ -68,29 +64,9 @@ def _worker(spec: str, bootstrap: str, tmp_path: Path, prefix: str) -> WorkerPro
     )
 
 
-def _run_refused(spec: str, bootstrap: str, prefix: str, tmp_path: Path, *args: str) -> str:
+def _run_refused(worker: WorkerProcess, *args: str) -> str:
     """Run the worker once, expecting it to refuse to start (exit 78); its stderr."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snapline.pipeline.cli",
-            "run",
-            f"integration_tests.pipelines:{spec}",
-            "--bootstrap-servers",
-            bootstrap,
-            "--checkpoint-dir",
-            str(tmp_path / "chk"),
-            "--worker-id",
-            "w0",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env={**os.environ, "SNAPLINE_TEST_PREFIX": prefix, "PYTHONPATH": str(REPO)},
-    )
+    result = worker.run_once(list(args))
     assert result.returncode == EX_CONFIG, (result.returncode, result.stderr[-3000:])
     return result.stderr
 
@@ -171,7 +147,7 @@ def test_a_topic_recreated_while_the_job_was_stopped_is_refused_until_the_user_c
     _recreate(kafka_bootstrap, source)
     _produce(kafka_bootstrap, source, range(1000, 1200))
     _produce(kafka_bootstrap, other, range(550, 600))
-    stderr = _run_refused("two_topic_copy", kafka_bootstrap, prefix, tmp_path)
+    stderr = _run_refused(worker)
     assert f"source topics {source} (id " in stderr, stderr[-3000:]
     assert "--read-recreated-topics" in stderr and "under a new name" in stderr
     assert len(read_committed(kafka_bootstrap, out, 100, timeout=10, settle=1)) == 100

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +19,6 @@ from integration_tests.conftest import create_topic
 from snapline.pipeline.runtime.topics import INTERNAL_TOPIC_CONFIG, without_event_time_config
 
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _committed(bootstrap: str, group: str, topic: str, partitions: int) -> list[TopicPartition]:
@@ -316,27 +312,19 @@ def _committed_sum(bootstrap: str, group: str, prefix: str) -> int:
     return sum(max(c.offset, 0) for c in _committed(bootstrap, group, f"{prefix}orders", 4))
 
 
+def _wait_restored(worker: WorkerProcess) -> None:
+    """Until the worker has restored its tasks (60 s at most: a restore takes seconds)."""
+    deadline = time.monotonic() + 60
+    while not any(e.get("event") == "restored" for e in read_events(worker.metrics_path)):
+        assert time.monotonic() < deadline, worker.tail()
+        time.sleep(0.1)
+
+
 def _run_expecting_failure(spec: str, bootstrap: str, prefix: str, tmp_path: Path) -> str:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snapline.pipeline.cli",
-            "run",
-            spec,
-            "--bootstrap-servers",
-            bootstrap,
-            "--checkpoint-dir",
-            str(tmp_path / "chk"),
-            "--worker-id",
-            "w0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env={**os.environ, "SNAPLINE_TEST_PREFIX": prefix, "PYTHONPATH": str(REPO)},
+    worker = WorkerProcess(
+        spec, "w0", bootstrap, tmp_path / "chk", tmp_path, {"SNAPLINE_TEST_PREFIX": prefix}
     )
+    result = worker.run_once()
     assert result.returncode != 0
     return result.stderr
 
@@ -765,10 +753,7 @@ def test_a_latest_source_starts_before_a_transaction_still_open_at_its_end(
     assert open_txn.flush(30) == 0  # written, not committed: the high watermark is past them
     worker = _start_worker("latest_copy", kafka_bootstrap, tmp_path, prefix)
     try:
-        deadline = time.monotonic() + 60  # bounded: a worker restores within seconds
-        while not any(e.get("event") == "restored" for e in read_events(worker.metrics_path)):
-            assert time.monotonic() < deadline, worker.tail()
-            time.sleep(0.1)
+        _wait_restored(worker)
         for n in range(100, 105):
             plain.produce(other, orjson.dumps({"n": n}), partition=0)
         assert plain.flush(30) == 0
@@ -811,10 +796,7 @@ def test_a_partition_added_to_a_latest_source_while_the_job_runs_is_read_from_it
     produce(range(-1, 0), 0)  # before the start: skipped
     worker = _start_worker("latest_grow", kafka_bootstrap, tmp_path, prefix)
     try:
-        deadline = time.monotonic() + 60  # bounded: a worker restores within seconds
-        while not any(e.get("event") == "restored" for e in read_events(worker.metrics_path)):
-            assert time.monotonic() < deadline, worker.tail()
-            time.sleep(0.1)
+        _wait_restored(worker)
         produce(range(5), 0)
         assert len(read_committed(kafka_bootstrap, out, 5, timeout=60, settle=0.5)) == 5
         admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
