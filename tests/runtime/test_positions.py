@@ -2,17 +2,23 @@
 (Worker._checked_position): within it, kept; past its end (a truncated log, a recreated topic)
 and below its start in a repartition topic, refused; below its start in a source topic,
 refused unless --skip-deleted-records, which goes on from the start with an event. And a keyed
-task's checkpoint against its stage's task count now (Worker._check_task_count). Pure logic:
+task's checkpoint against its stage's task count now (Worker._check_task_count). Topics
+deleted and created again: at restore (Worker._recreated_topics) and before a checkpoint
+commits (Worker._check_read_topics); and where a partition added to a "latest" source starts
+(Worker._added_partition_start). Pure logic:
 the worker's methods on a stand-in with the fields they read."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, KafkaError, KafkaException
 
-from snapline.pipeline.errors import ConfigurationError
+from snapline.pipeline.errors import CheckpointError, ConfigurationError
+from snapline.pipeline.runtime.kafka_calls import BrokerOutageError
 from snapline.pipeline.runtime.worker import Worker
 
 REPARTITION = "job.by-k.repartition"
@@ -170,3 +176,78 @@ def test_a_recreated_repartition_topic_is_refused_whatever_the_user_chose() -> N
     worker = _reader({REPARTITION: "id-8"}, read_recreated=True)
     with pytest.raises(ConfigurationError, match=r"repartition topics .* were created again"):
         Worker._recreated_topics(worker, "s1-p0", _checkpoint({REPARTITION: "id-4"}))
+
+
+# --- the id check before a checkpoint commits (Worker._check_read_topics) -------------------
+
+
+def _answer(topic_id: str | None = None, unknown: bool = False) -> Future[Any]:
+    future: Future[Any] = Future()
+    if unknown:
+        future.set_exception(KafkaException(KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART)))
+    else:
+        future.set_result(SimpleNamespace(topic_id=topic_id))
+    return future
+
+
+def _committer(
+    asked: dict[str, Future[Any]], again: dict[str, Future[Any]] | None = None, **over: Any
+) -> Any:
+    events: list[dict[str, Any]] = []
+    admin = SimpleNamespace(describe_topics=lambda topics, request_timeout: again or {})
+    fields = {
+        "_id_check": asked,
+        "_read_topics": {"orders"},
+        "_read_topic_ids": {"orders": "id-1"},
+        "_broker_reachable": lambda: True,
+        "liveness": SimpleNamespace(beat=lambda: None),
+        "_background_admin": lambda: admin,
+        "_event": events.append,
+        "events": events,
+    }
+    return SimpleNamespace(**{**fields, **over})
+
+
+def test_a_checkpoint_commits_when_its_topics_kept_their_ids() -> None:
+    Worker._check_read_topics(_committer({"orders": _answer("id-1")}), 5)
+    # a broker that did not know the topic, then did, with the same id (it was restarting)
+    lagging = _committer({"orders": _answer(unknown=True)}, again={"orders": _answer("id-1")})
+    Worker._check_read_topics(lagging, 5)
+    assert lagging.events == []
+
+
+def test_a_checkpoint_of_a_recreated_or_deleted_topic_does_not_commit() -> None:
+    worker = _committer({"orders": _answer("id-2")})
+    with pytest.raises(CheckpointError, match=r"orders \(id id-1, now id-2\) were deleted"):
+        Worker._check_read_topics(worker, 5)
+    assert [e["event"] for e in worker.events] == ["read_topic_recreated"]
+    gone = _committer({"orders": _answer(unknown=True)}, again={"orders": _answer(unknown=True)})
+    with pytest.raises(CheckpointError, match=r"orders \(deleted\)"):
+        Worker._check_read_topics(gone, 5)
+
+
+def test_ids_unknown_at_restore_are_waited_out_only_while_the_broker_is_unreachable() -> None:
+    unknown = {"_read_topic_ids": {}}
+    with pytest.raises(BrokerOutageError, match="did not describe topics"):
+        Worker._check_read_topics(_committer({}, _broker_reachable=lambda: False, **unknown), 5)
+    with pytest.raises(CheckpointError, match="did not describe topics") as counted:
+        Worker._check_read_topics(_committer({}, **unknown), 5)
+    assert not isinstance(counted.value, BrokerOutageError)  # counts against the job
+
+
+# --- a partition added to a "latest" source (Worker._added_partition_start) -----------------
+
+
+def test_only_a_partition_added_to_a_latest_source_after_the_start_is_read_from_its_start() -> None:
+    events: list[dict[str, Any]] = []
+    worker = SimpleNamespace(
+        _latest_at_start={"orders": 4}, _added_partitions=set(), _event=events.append
+    )
+    assert Worker._added_partition_start(worker, ("orders", 3), OFFSET_END) == OFFSET_END
+    assert (
+        Worker._added_partition_start(worker, ("orders", 0), OFFSET_BEGINNING) == OFFSET_BEGINNING
+    )
+    assert Worker._added_partition_start(worker, ("other", 9), OFFSET_END) == OFFSET_END
+    for _ in range(2):
+        assert Worker._added_partition_start(worker, ("orders", 4), OFFSET_END) == OFFSET_BEGINNING
+    assert events == [{"event": "source_partition_added", "topic": "orders", "partition": 4}]

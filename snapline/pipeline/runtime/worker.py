@@ -435,8 +435,10 @@ class Worker:
         started = said = time.monotonic()
         while True:
             try:
-                future = admin.describe_consumer_groups([group], request_timeout=10)[group]
-                members = future.result(timeout=15).members
+                # A request timeout well above the broker's usual answer: a timed-out group
+                # request is what the abort above follows (librdkafka issue #4605).
+                future = admin.describe_consumer_groups([group], request_timeout=30)[group]
+                members = future.result(timeout=35).members
             except Exception as exc:
                 log.warning("could not check for a savepoint restore of this job: %s", exc)
                 break
@@ -797,11 +799,13 @@ class Worker:
         )
         return positions, ref
 
-    def _latest_partitions_at_start(self) -> dict[str, int]:
+    def _latest_partitions_at_start(self, start_over: bool = False) -> dict[str, int]:
         """The partitions each source topic read from "latest" had when the job first started,
-        recorded by its first worker in ``<job>/source-partitions.json`` (a topic the code
-        reads since is recorded when first read). A partition beyond them was added while the
-        job ran: ``_added_partition_start``."""
+        recorded by its first worker in ``<job>/source-partitions.json`` with the topic's id
+        (a topic the code reads since, or one created again since, is recorded when first
+        seen). A partition beyond them was added while the job ran:
+        ``_added_partition_start``. ``start_over`` (--reset-state) records the counts now:
+        the job starts again, and its start is now."""
         latest = sorted(
             {
                 t
@@ -813,15 +817,24 @@ class Worker:
         if not latest:
             return {}
         path = f"{self.pipeline.name}/{SOURCE_PARTITIONS_FILE}"
-        recorded: dict[str, int] = {}
+        counts: dict[str, int] = {}
+        ids: dict[str, str] = {}
         if self.storage.exists(path):
             body = decode_checked(self.storage.read_bytes(path), self.storage.full_path(path))
-            recorded = {str(t): int(n) for t, n in body.get("partitions", {}).items()}
-        missing = [t for t in latest if t not in recorded and t in self._topic_partitions]
-        if missing:
-            recorded.update({t: self._topic_partitions[t] for t in missing})
-            self.storage.write_bytes(path, encode_checked({"partitions": recorded}))
-        return {t: recorded[t] for t in latest if t in recorded}
+            counts = {str(t): int(n) for t, n in body.get("partitions", {}).items()}
+            ids = {str(t): str(i) for t, i in body.get("ids", {}).items()}
+        now = self._topic_ids(latest, "latest source topics")
+        stale = [
+            t
+            for t in latest
+            if t in self._topic_partitions
+            and (start_over or t not in counts or _ids_differ(ids.get(t, ""), now.get(t, "")))
+        ]
+        if stale:
+            counts.update({t: self._topic_partitions[t] for t in stale})
+            ids.update({t: now[t] for t in stale if now.get(t)})
+            self.storage.write_bytes(path, encode_checked({"partitions": counts, "ids": ids}))
+        return {t: counts[t] for t in latest if t in counts}
 
     def _added_partition_start(self, tp: tuple[str, int], start: int) -> int:
         """Where a partition with no committed offset starts: the source's starting position,
@@ -989,12 +1002,36 @@ class Worker:
                 )
                 resolved[tp] = offset
                 continue
-            if offset < 0:
-                offset = low if offset == OFFSET_BEGINNING else high
+            if offset == OFFSET_BEGINNING:
+                offset = low
+            elif offset < 0:  # the end: the last stable offset, asked alone if need be
+                offset = self._bounds[tp][1] if tp in self._bounds else self._stable_end(tp, high)
             else:
                 offset = self._checked_position(tp, offset, low, high)
             resolved[tp] = offset
         return resolved
+
+    def _stable_end(self, tp: tuple[str, int], high: int) -> int:
+        """The partition's last stable offset (``_log_bounds`` for one partition). If Kafka
+        does not tell it, the high watermark ``high`` is taken, logged: as before the last
+        stable offset was asked, records of a transaction open there are then skipped."""
+        key = TopicPartition(*tp)
+        try:
+            found = self._background_admin().list_offsets(
+                {key: OffsetSpec.latest()},
+                isolation_level=IsolationLevel.READ_COMMITTED,
+                request_timeout=15,
+            )
+            return int(next(iter(found.values())).result(timeout=20).offset)
+        except Exception as exc:
+            log.warning(
+                "%s[%d]: its last stable offset is unknown (%s); starting at the log's end, "
+                "%d: records of a transaction still open below it are not read",
+                *tp,
+                exc,
+                high,
+            )
+            return high
 
     def _log_bounds(
         self, partitions: list[TopicPartition]
@@ -1209,6 +1246,8 @@ class Worker:
             for ref in committed:
                 self.storage.delete_dir(ref.directory(self.pipeline.name, task_id))
             self._reset_tasks.add(task_id)  # starts over: "latest" is now, for every partition
+            if self._latest_at_start:  # and so for its later owners
+                self._latest_at_start = self._latest_partitions_at_start(start_over=True)
             return None
         recreated = self._recreated_since(task_id, latest)
         if recreated:
@@ -1385,14 +1424,17 @@ class Worker:
             return
         unknown = self._read_topics - set(self._read_topic_ids)
         if unknown:
-            # Waited out like an outage (the restore after it reads them again): a describe
-            # that failed right after a broker came back must not count against the job.
-            raise BrokerOutageError(
+            message = (
                 f"checkpoint {checkpoint_id} does not commit: Kafka did not describe topics "
                 f"{sorted(unknown)} when the tasks restored (unreachable, or the topics are "
                 "gone), so records read from them cannot be checked to come from the topics "
                 "the checkpoint's positions belong to"
             )
+            # A broker that did not answer is waited out (the restore after it reads the ids
+            # again); one that answers and still does not describe them counts.
+            if not self._broker_reachable():
+                raise BrokerOutageError(message)
+            raise CheckpointError(message)
         if check is None or isinstance(check, Exception):
             raise CheckpointError(
                 f"checkpoint {checkpoint_id}: asking Kafka for the ids of the topics it read "
@@ -1402,11 +1444,27 @@ class Worker:
         deadline = time.monotonic() + 15.0
         for topic, future in check.items():
             try:
-                found = future.result(timeout=max(0.1, deadline - time.monotonic()))
+                try:
+                    found = future.result(timeout=max(0.1, deadline - time.monotonic()))
+                except KafkaException as exc:
+                    if not _unknown_topic(exc):
+                        raise
+                    # One broker did not know it: deleted, or that broker's metadata lags
+                    # (it is restarting). Asked once more, a second later.
+                    self.liveness.beat()
+                    time.sleep(1.0)
+                    try:
+                        found = (
+                            self._background_admin()
+                            .describe_topics(TopicCollection([topic]), request_timeout=10)[topic]
+                            .result(timeout=15)
+                        )
+                    except KafkaException as again:
+                        if not _unknown_topic(again):
+                            raise
+                        changed.append(f"{topic} (deleted)")
+                        continue
             except Exception as exc:
-                if _unknown_topic(exc) and self._still_unknown(topic):
-                    changed.append(f"{topic} (deleted)")
-                    continue
                 error = kafka_error(exc)
                 if isinstance(exc, FutureTimeout) or (error is not None and is_unavailable(error)):
                     # Waited out like a commit that cannot reach the broker, not counted.
@@ -1426,19 +1484,6 @@ class Worker:
                 f"checkpoint {checkpoint_id} does not commit: topics {', '.join(changed)} were "
                 "deleted or created again since the tasks restored; they restore again"
             )
-
-    def _still_unknown(self, topic: str) -> bool:
-        """A topic one broker did not know (deleted, or that broker's metadata lags: it is
-        restarting) is asked once more, a second later, before a checkpoint fails for it."""
-        time.sleep(1.0)
-        try:
-            futures = self._background_admin().describe_topics(
-                TopicCollection([topic]), request_timeout=10
-            )
-            futures[topic].result(timeout=15)
-        except Exception as exc:
-            return _unknown_topic(exc)
-        return False
 
     def _topic_ids(self, topics: list[str], what: str = "repartition topics") -> dict[str, str]:
         """Topic name -> its id (a new id each time a topic is created). Asked up to three
