@@ -22,7 +22,7 @@ from snapline.pipeline.savepoint import control
 
 pytestmark = pytest.mark.integration
 PAUSE_LIMIT = 3.0  # the worker's, shortened (SNAPLINE_TEST_PAUSE_LIMIT); 300 s in a job
-DELAY_MS = 4000  # each record comes out this long after it was read (a processing-time timer)
+DELAY_MS = 6000  # each record comes out this long after it was read (a processing-time timer)
 
 
 def _committed(bootstrap: str, group: str, topic: str) -> TopicPartition:
@@ -37,9 +37,9 @@ def test_a_paused_worker_commits_nothing_while_holds_come_and_resumes_when_they_
     kafka_bootstrap: str, tmp_path: Path, unique_name: str
 ) -> None:
     """Records 1..5 are read and committed, each with a timer due 4 s later; then a savepoint
-    request pauses the worker, and holds come every second for 10 s, more than three times
-    its pause limit (3 s here). No checkpoint may commit until the holds stop: not one with
-    the timers' output (due 4 s in), not one after a resume at the limit (a worker that
+    request pauses the worker, and holds come every second for 12 s, four times its pause
+    limit (3 s here). No checkpoint may commit until the holds stop: not one with
+    the timers' output (due 6 s in), not one after a resume at the limit (a worker that
     ignored holds). Then it resumes by itself and every record comes out once."""
     prefix = f"{unique_name}-"
     job, source, out = f"{prefix}job", f"{prefix}copy-in", f"{prefix}copy-out"
@@ -87,7 +87,7 @@ def test_a_paused_worker_commits_nothing_while_holds_come_and_resumes_when_they_
         paused = _committed(kafka_bootstrap, job, source)
 
         with control.holding(config, job, request, every=1.0):
-            time.sleep(10.0)  # the timers came due 4 s in; the pause limit passed three times
+            time.sleep(12.0)  # the timers came due 6 s in; the pause limit passed four times
             outputs = read_committed(kafka_bootstrap, out, 6, timeout=1, settle=0.5)
             assert [r["n"] for r in outputs] == [0], "a paused worker committed output"
             assert _committed(kafka_bootstrap, job, source).metadata == paused.metadata

@@ -104,8 +104,8 @@ def test_a_topic_recreated_while_the_worker_was_frozen_commits_nothing_of_the_ne
     log = worker.tail(200)
     assert f"topics {source} were deleted and created again" in log, log
     assert "--restore-latest --read-recreated-topics" in log
-    events = read_events(worker.metrics_path)
-    assert [e for e in events if e.get("event") == "read_topic_recreated"], events[-10:]
+    # Which check stopped it depends on the freeze: the id check before the commit, or (a
+    # freeze past the session timeout) the restore after the rebalance. Either commits nothing.
     outputs = read_committed(kafka_bootstrap, out, 100, timeout=10, settle=1)
     assert sorted(r["n"] for r in outputs) == list(range(100)), "new records committed"
 
