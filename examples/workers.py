@@ -15,6 +15,22 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 
 
+def run_snapline(
+    *args: str, cwd: Path, env: dict[str, str], timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """``snapline ARGS`` (the CLI of this checkout) in the foreground, its output captured,
+    with ``env`` over this process's environment; bounded by ``timeout`` s, so a test never
+    waits forever."""
+    return subprocess.run(
+        [sys.executable, "-m", "snapline.pipeline.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(REPO), **env},
+    )
+
+
 class WorkerProcess:
     """One ``snapline run`` worker with a stable worker id; restartable after a kill."""
 
@@ -39,11 +55,8 @@ class WorkerProcess:
         self.metrics_path = workdir / "metrics.jsonl"
         self.fault_log = workdir / "faults.log"
 
-    def _command(self, extra_args: list[str] | None) -> list[str]:
+    def _args(self, extra_args: list[str] | None) -> list[str]:
         return [
-            sys.executable,
-            "-m",
-            "snapline.pipeline.cli",
             "run",
             self.spec,
             "--bootstrap-servers",
@@ -72,7 +85,7 @@ class WorkerProcess:
             log.write(f"\n===== start {self.starts} at {time.time():.3f}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
-                self._command(extra_args),
+                [sys.executable, "-m", "snapline.pipeline.cli", *self._args(extra_args)],
                 cwd=str(self.workdir),
                 env=self._env(extra_env),
                 stdout=log,
@@ -86,13 +99,8 @@ class WorkerProcess:
     ) -> subprocess.CompletedProcess[str]:
         """Run the worker in the foreground, its output captured: for a worker expected to
         refuse to start (bounded by ``timeout`` s, so a test never waits forever)."""
-        return subprocess.run(
-            self._command(extra_args),
-            cwd=str(self.workdir),
-            env=self._env(None),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
+        return run_snapline(
+            *self._args(extra_args), cwd=self.workdir, env=self._env(None), timeout=timeout
         )
 
     @property

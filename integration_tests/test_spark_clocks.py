@@ -6,9 +6,7 @@ Real broker, a real worker, real PySpark (``local[1]``)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import orjson
@@ -16,12 +14,11 @@ import pytest
 from confluent_kafka import Producer
 
 from examples.orders import create_topics, read_committed
-from examples.workers import WorkerProcess
+from examples.workers import WorkerProcess, run_snapline
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.savepoint.format import read_metadata
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.slow]
-REPO = Path(__file__).resolve().parent.parent
 SPEC = "integration_tests.pipelines:window_counts"
 
 
@@ -38,21 +35,14 @@ def test_a_spark_run_from_a_savepoint_goes_on_at_the_services_event_time(
             producer.produce(source, orjson.dumps({"k": key, "t": t}))
         producer.flush(30)
 
+    cli_env = {
+        "SNAPLINE_TEST_PREFIX": prefix,
+        "SNAPLINE_BOOTSTRAP_SERVERS": kafka_bootstrap,
+        "SNAPLINE_CHECKPOINT_DIR": str(tmp_path / "chk"),
+    }
+
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "snapline.pipeline.cli", *args],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=tmp_path,
-            env={
-                **os.environ,
-                "PYTHONPATH": str(REPO),
-                "SNAPLINE_TEST_PREFIX": prefix,
-                "SNAPLINE_BOOTSTRAP_SERVERS": kafka_bootstrap,
-                "SNAPLINE_CHECKPOINT_DIR": str(tmp_path / "chk"),
-            },
-        )
+        return run_snapline(*args, cwd=tmp_path, env=cli_env)
 
     # The services: window [0, 1000) of key a fires (count 2) once t=5000 passes; purged.
     produce(("a", 100), ("a", 200), ("z", 5000))

@@ -6,9 +6,7 @@ aborted the other job's open transaction (its task failed, and its retry fenced 
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import orjson
@@ -17,11 +15,11 @@ from confluent_kafka import Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from examples.orders import create_topics, read_committed
+from examples.workers import run_snapline
 from snapline.pipeline.spark.bounded import _transactional_id
 from snapline.pipeline.stages import SOURCE_STAGE, task_id_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.slow]
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_two_jobs_spark_runs_with_one_run_id_do_not_fence_each_other_and_reruns_see_the_run(
@@ -101,27 +99,17 @@ def test_a_range_that_retention_deleted_in_part_is_refused_before_spark_runs(
 def _spark_run(
     bootstrap: str, tmp_path: Path, prefix: str, *args: str
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snapline.pipeline.cli",
-            "spark",
-            "run",
-            "integration_tests.pipelines:named_copy",
-            "--run-id",
-            "backfill",
-            "--master",
-            "local[1]",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    return run_snapline(
+        "spark",
+        "run",
+        "integration_tests.pipelines:named_copy",
+        "--run-id",
+        "backfill",
+        "--master",
+        "local[1]",
+        *args,
         cwd=tmp_path,
         env={
-            **os.environ,
-            "PYTHONPATH": str(REPO),
             "SNAPLINE_TEST_PREFIX": prefix,
             "SNAPLINE_BOOTSTRAP_SERVERS": bootstrap,
             "SNAPLINE_CHECKPOINT_DIR": str(tmp_path / "checkpoints"),

@@ -11,6 +11,7 @@ the worker's methods on a stand-in with the fields they read."""
 from __future__ import annotations
 
 from concurrent.futures import Future
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
@@ -135,13 +136,15 @@ def _checkpoint(ids: dict[str, str]) -> Any:
 
 def _reader(now: dict[str, str], read_recreated: bool = False) -> Any:
     events: list[dict[str, Any]] = []
-    return SimpleNamespace(
+    worker = SimpleNamespace(
         settings=SimpleNamespace(read_recreated_topics=read_recreated),
         _repartitioned={REPARTITION},
         _read_topic_ids=now,
         _event=events.append,
         events=events,
     )
+    worker._changed_ids = partial(Worker._changed_ids, worker)
+    return worker
 
 
 def test_a_topic_with_its_old_id_or_without_ids_is_not_recreated() -> None:
@@ -205,7 +208,9 @@ def _committer(
         "_event": events.append,
         "events": events,
     }
-    return SimpleNamespace(**{**fields, **over})
+    worker = SimpleNamespace(**{**fields, **over})
+    worker._described = partial(Worker._described, worker)
+    return worker
 
 
 def test_a_checkpoint_commits_when_its_topics_kept_their_ids() -> None:
@@ -241,13 +246,19 @@ def test_ids_unknown_at_restore_are_waited_out_only_while_the_broker_is_unreacha
 def test_only_a_partition_added_to_a_latest_source_after_the_start_is_read_from_its_start() -> None:
     events: list[dict[str, Any]] = []
     worker = SimpleNamespace(
-        _latest_at_start={"orders": 4}, _added_partitions=set(), _event=events.append
+        _latest_at_start={"orders": 4},
+        _added_partitions=set(),
+        _reset_tasks={"p5"},
+        _event=events.append,
     )
-    assert Worker._added_partition_start(worker, ("orders", 3), OFFSET_END) == OFFSET_END
-    assert (
-        Worker._added_partition_start(worker, ("orders", 0), OFFSET_BEGINNING) == OFFSET_BEGINNING
-    )
-    assert Worker._added_partition_start(worker, ("other", 9), OFFSET_END) == OFFSET_END
+
+    def start(tp: tuple[str, int], position: int, task: str = "p0") -> int:
+        return int(Worker._added_partition_start(worker, task, tp, position))
+
+    assert start(("orders", 3), OFFSET_END) == OFFSET_END
+    assert start(("orders", 0), OFFSET_BEGINNING) == OFFSET_BEGINNING
+    assert start(("other", 9), OFFSET_END) == OFFSET_END
+    assert start(("orders", 5), OFFSET_END, task="p5") == OFFSET_END  # --reset-state: now
     for _ in range(2):
-        assert Worker._added_partition_start(worker, ("orders", 4), OFFSET_END) == OFFSET_BEGINNING
+        assert start(("orders", 4), OFFSET_END) == OFFSET_BEGINNING
     assert events == [{"event": "source_partition_added", "topic": "orders", "partition": 4}]

@@ -295,8 +295,6 @@ class Worker:
         self._read_topic_ids: dict[str, str] = {}
         self._read_topics: set[str] = set()
         self._id_check: dict[str, Any] | Exception | None = None
-        #: Log start and last stable offset per partition, read at the last restore.
-        self._bounds: dict[tuple[str, int], tuple[int, int]] = {}
         # Tests that read a repartition topic back whole keep every record.
         self._keep_repartition_records = bool(
             os.environ.get("SNAPLINE_TEST_KEEP_REPARTITION_RECORDS")
@@ -428,12 +426,12 @@ class Worker:
             # outage died with -6 in the broker bounce test. A metadata request, which
             # has no such wait, asks first whether the broker answers.
             admin.list_topics(timeout=10)
+            answers = True
         except KafkaException as exc:
             log.warning("could not check for a savepoint restore of this job: %s", exc)
-            check_no_interrupted_restore(self.storage, self.pipeline.name)
-            return
+            answers = False
         started = said = time.monotonic()
-        while True:
+        while answers:
             try:
                 # A request timeout well above the broker's usual answer: a timed-out group
                 # request is what the abort above follows (librdkafka issue #4605).
@@ -603,7 +601,7 @@ class Worker:
         self._read_topics = {tp.topic for tp in partitions}
         self._read_topic_ids = self._topic_ids(sorted(self._read_topics), "topics the tasks read")
         self._id_check = None
-        self._bounds = self._log_bounds(partitions)
+        bounds = self._log_bounds(partitions)
         committed_by_tp = {(c.topic, c.partition): c for c in committed}
         seek: dict[tuple[str, int], int] = {}
         self._restored_from = {}
@@ -614,7 +612,7 @@ class Worker:
         for task_id, tps in sorted(by_task.items()):
             self.liveness.beat()  # one task's files restored per beat
             positions, ref = self._restore_task(
-                task_id, [committed_by_tp[(t.topic, t.partition)] for t in tps]
+                task_id, [committed_by_tp[(t.topic, t.partition)] for t in tps], bounds
             )
             seek.update(positions)
             self._restored_from[task_id] = ref.checkpoint_id if ref else None
@@ -622,7 +620,6 @@ class Worker:
             self.output.begin(self.coordinator.next_id)
             for task in self.tasks.values():
                 task.epoch = self.coordinator.next_id
-        self._bounds = {}
         self._last_trigger = time.monotonic()
         self._records_at_trigger = 0
         self._first_after_restore = True
@@ -664,7 +661,10 @@ class Worker:
                 attempt += 1
 
     def _restore_task(
-        self, task_id: str, committed: list[TopicPartition]
+        self,
+        task_id: str,
+        committed: list[TopicPartition],
+        bounds: dict[tuple[str, int], tuple[int, int]],
     ) -> tuple[dict[tuple[str, int], int], CheckpointRef | None]:
         ref = self._named_checkpoint(task_id, committed)
         for _ in range(3):
@@ -743,14 +743,10 @@ class Worker:
             elif c.offset >= 0:
                 positions[tp] = c.offset
             else:
-                positions[tp] = (
-                    start[c.topic]
-                    if task_id in self._reset_tasks
-                    else self._added_partition_start(tp, start[c.topic])
-                )
+                positions[tp] = self._added_partition_start(task_id, tp, start[c.topic])
         task_epoch = self.coordinator.next_id
         self.coordinator.observe_restored(ref.checkpoint_id if ref else None)
-        channels = self._channel_positions(positions)
+        channels = self._channel_positions(positions, bounds)
         # The consumer starts where the channels do (a position checked against the log may
         # move to its start: --skip-deleted-records); logical offsets stay for the broker.
         positions = {tp: channels[tp] if o >= 0 else o for tp, o in positions.items()}
@@ -836,16 +832,21 @@ class Worker:
             self.storage.write_bytes(path, encode_checked({"partitions": counts, "ids": ids}))
         return {t: counts[t] for t in latest if t in counts}
 
-    def _added_partition_start(self, tp: tuple[str, int], start: int) -> int:
+    def _added_partition_start(self, task_id: str, tp: tuple[str, int], start: int) -> int:
         """Where a partition with no committed offset starts: the source's starting position,
         except that a partition added to a "latest" source after the job started is read from
         its beginning (as Flink reads the partitions it discovers): "latest" means the end
         when the job started, and every record of a partition added since came after that.
         Before, such a partition started at its end when first assigned, and what producers
         wrote to it until the consumer noticed it (up to topic.metadata.refresh.interval.ms,
-        5 minutes by default) was never read."""
+        5 minutes by default) was never read. A task --reset-state started over starts at
+        the starting position, "latest" included."""
         topic, partition = tp
-        if start != OFFSET_END or partition < self._latest_at_start.get(topic, partition + 1):
+        if (
+            start != OFFSET_END
+            or task_id in self._reset_tasks
+            or partition < self._latest_at_start.get(topic, partition + 1)
+        ):
             return start
         if tp not in self._added_partitions:
             self._added_partitions.add(tp)
@@ -867,11 +868,7 @@ class Worker:
         such a topic from its start with the job's state (logged, an event). A repartition
         topic recreated under the job (a savepoint restore while this worker was frozen)
         always stops it."""
-        recreated = {
-            topic
-            for topic, old in meta.topic_ids.items()
-            if _ids_differ(old, self._read_topic_ids.get(topic, ""))
-        }
+        recreated = set(self._changed_ids(meta))
         if not recreated:
             return recreated
         now = self._read_topic_ids
@@ -978,10 +975,12 @@ class Worker:
         return refs.pop() if refs else None
 
     def _channel_positions(
-        self, positions: dict[tuple[str, int], int]
+        self,
+        positions: dict[tuple[str, int], int],
+        bounds: dict[tuple[str, int], tuple[int, int]],
     ) -> dict[tuple[str, int], int]:
         """Logical offsets (beginning/end) resolved by the broker, and every restored position
-        checked against the partition's log (``_checked_position``). The log's bounds come
+        checked against the partition's log (``_checked_position``). The log's ``bounds`` come
         from ``_log_bounds`` (read for every partition of the assignment at once); a partition
         it could not tell is asked alone, and so is one whose position lies past that end: the
         bounds may be older than the position (offsets read again during the restore can name
@@ -990,10 +989,10 @@ class Worker:
         resolved = {}
         for tp, offset in positions.items():
             try:
-                bounds = self._bounds.get(tp)
-                if bounds is None or offset > bounds[1]:
-                    bounds = self.consumer.get_watermark_offsets(TopicPartition(*tp), timeout=30)
-                low, high = bounds
+                known = bounds.get(tp)
+                if known is None or offset > known[1]:
+                    known = self.consumer.get_watermark_offsets(TopicPartition(*tp), timeout=30)
+                low, high = known
             except KafkaException as exc:
                 if offset < 0:
                     raise
@@ -1005,7 +1004,7 @@ class Worker:
             if offset == OFFSET_BEGINNING:
                 offset = low
             elif offset < 0:  # the end: the last stable offset, asked alone if need be
-                offset = self._bounds[tp][1] if tp in self._bounds else self._stable_end(tp, high)
+                offset = bounds[tp][1] if tp in bounds else self._stable_end(tp, high)
             else:
                 offset = self._checked_position(tp, offset, low, high)
             resolved[tp] = offset
@@ -1285,6 +1284,10 @@ class Worker:
                 "task %s: reading checkpoint %d's topic ids: %s", task_id, ref.checkpoint_id, exc
             )
             return []
+        return self._changed_ids(meta)
+
+    def _changed_ids(self, meta: TaskCheckpoint) -> list[str]:
+        """The topics ``meta`` read whose ids differ from the ones read at this restore."""
         now = self._read_topic_ids
         return sorted(t for t, i in meta.topic_ids.items() if _ids_differ(i, now.get(t, "")))
 
@@ -1444,26 +1447,7 @@ class Worker:
         deadline = time.monotonic() + 15.0
         for topic, future in check.items():
             try:
-                try:
-                    found = future.result(timeout=max(0.1, deadline - time.monotonic()))
-                except KafkaException as exc:
-                    if not _unknown_topic(exc):
-                        raise
-                    # One broker did not know it: deleted, or that broker's metadata lags
-                    # (it is restarting). Asked once more, a second later.
-                    self.liveness.beat()
-                    time.sleep(1.0)
-                    try:
-                        found = (
-                            self._background_admin()
-                            .describe_topics(TopicCollection([topic]), request_timeout=10)[topic]
-                            .result(timeout=15)
-                        )
-                    except KafkaException as again:
-                        if not _unknown_topic(again):
-                            raise
-                        changed.append(f"{topic} (deleted)")
-                        continue
+                found = self._described(topic, future, deadline)
             except Exception as exc:
                 error = kafka_error(exc)
                 if isinstance(exc, FutureTimeout) or (error is not None and is_unavailable(error)):
@@ -1474,16 +1458,40 @@ class Worker:
                 raise CheckpointError(
                     f"checkpoint {checkpoint_id}: could not read the id of topic {topic}: {exc}"
                 ) from exc
-            else:
-                expected = self._read_topic_ids.get(topic, "")
-                if _ids_differ(expected, _topic_id(found)):
-                    changed.append(f"{topic} (id {expected}, now {_topic_id(found)})")
+            if found is None:
+                changed.append(f"{topic} (deleted)")
+                continue
+            expected = self._read_topic_ids.get(topic, "")
+            if _ids_differ(expected, _topic_id(found)):
+                changed.append(f"{topic} (id {expected}, now {_topic_id(found)})")
         if changed:
             self._event({"event": "read_topic_recreated", "topics": changed})
             raise CheckpointError(
                 f"checkpoint {checkpoint_id} does not commit: topics {', '.join(changed)} were "
                 "deleted or created again since the tasks restored; they restore again"
             )
+
+    def _described(self, topic: str, future: Any, deadline: float) -> Any | None:
+        """The description ``future`` answers for ``topic`` (None: the topic does not exist).
+        A topic one broker did not know (deleted, or that broker's metadata lags: it is
+        restarting) is asked once more, a second later."""
+        try:
+            return future.result(timeout=max(0.1, deadline - time.monotonic()))
+        except KafkaException as exc:
+            if not _unknown_topic(exc):
+                raise
+        self.liveness.beat()
+        time.sleep(1.0)
+        try:
+            return (
+                self._background_admin()
+                .describe_topics(TopicCollection([topic]), request_timeout=10)[topic]
+                .result(timeout=15)
+            )
+        except KafkaException as exc:
+            if not _unknown_topic(exc):
+                raise
+        return None
 
     def _topic_ids(self, topics: list[str], what: str = "repartition topics") -> dict[str, str]:
         """Topic name -> its id (a new id each time a topic is created). Asked up to three
@@ -2321,8 +2329,8 @@ def _ids_differ(old: str, new: str) -> bool:
 
 def _unknown_topic(exc: Exception) -> bool:
     """``exc`` says the topic does not exist (a describe of a deleted topic)."""
-    error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
-    return isinstance(error, KafkaError) and error.code() in (
+    error = kafka_error(exc)
+    return error is not None and error.code() in (
         KafkaError.UNKNOWN_TOPIC_OR_PART,
         KafkaError._UNKNOWN_TOPIC,
     )

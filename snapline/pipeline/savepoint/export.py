@@ -656,7 +656,7 @@ def export_savepoint(
             origin=origin,
             clocks=clocks,
             highest_checkpoint_id=highest,
-            stage_reads={stage.index: _read_names(plan, stage.reads) for stage in plan.stages},
+            stage_reads=stage_reads(plan),
         )
         out.write_bytes(METADATA_FILE, metadata.encode())  # last: the savepoint is complete
         return metadata
@@ -745,6 +745,11 @@ def publish_committed_sinks(pipeline: Pipeline, storage: CheckpointStorage, admi
                     task_id,
                     name,
                 )
+
+
+def stage_reads(plan: StagePlan) -> dict[int, list[str]]:
+    """What each stage reads, as a savepoint records it (``_read_names``)."""
+    return {stage.index: _read_names(plan, stage.reads) for stage in plan.stages}
 
 
 def _read_names(plan: StagePlan, topics: Any) -> list[str]:

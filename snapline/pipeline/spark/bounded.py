@@ -517,8 +517,8 @@ def run_bounded(
     from snapline.pipeline.savepoint.control import ensure_control_topic
     from snapline.pipeline.savepoint.export import (
         SNAPLINE_VERSION,
-        _read_names,
         default_savepoint_uri,
+        stage_reads,
     )
     from snapline.pipeline.savepoint.format import (
         METADATA_FILE,
@@ -723,7 +723,7 @@ def run_bounded(
             ],
             origin=f"spark:{run_id}",
             clocks=out_clocks,
-            stage_reads={stage.index: _read_names(plan, stage.reads) for stage in plan.stages},
+            stage_reads=stage_reads(plan),
         )
         CheckpointStorage(savepoint_out).write_bytes(METADATA_FILE, metadata.encode())
         say(f"savepoint at the end offsets: {savepoint_out}")
