@@ -226,6 +226,19 @@ def ttl_counts() -> Pipeline:
     return pipeline
 
 
+def keyed_count() -> Pipeline:
+    """``<prefix>copy-in`` keyed by the Kafka key, a count per key (``_Count``, uid
+    ``count``) to ``<prefix>copy-out``: output that shows the state a restore started from."""
+    pipeline = Pipeline(f"{PREFIX}job", checkpoint_interval=0.3)
+    (
+        pipeline.source(KafkaSource(f"{PREFIX}copy-in"))
+        .key_by()
+        .process(_Count(), uid="count")
+        .sink(KafkaSink(f"{PREFIX}copy-out"))
+    )
+    return pipeline
+
+
 def named_copy() -> Pipeline:
     """Orders copied to ``<prefix>copy-out``, as job ``$SNAPLINE_TEST_JOB`` (default
     ``<prefix>job``): two jobs of one code under names that differ."""

@@ -20,7 +20,7 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
 from examples.orders import create_topics, read_committed
-from examples.workers import WorkerProcess, read_events
+from examples.workers import WorkerProcess, read_events, run_snapline
 from integration_tests.conftest import create_topic
 
 pytestmark = pytest.mark.integration
@@ -159,3 +159,70 @@ def test_a_topic_recreated_while_the_job_was_stopped_is_refused_until_the_user_c
         assert worker.stop() == 0, worker.tail()
     expected = [*range(50), *range(500, 600), *range(1000, 1200)]
     assert sorted(r["n"] for r in outputs) == expected  # each once, none skipped
+
+
+@pytest.mark.spark
+def test_a_savepoint_of_a_recreated_topic_is_refused_until_the_user_chooses(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """A savepoint is taken (stop with savepoint); its source topic is then deleted and
+    created again with more records than the job had read of the old one. Before, the restore
+    committed the savepoint's offset (50) in the new topic: its first 50 records were skipped,
+    silently. Now the savepoint records the topic's id and the restore refuses before changing
+    Kafka (exit 78), and so does a Spark run from the savepoint; with
+    ``--read-recreated-topics`` the services read the new topic from its start with the
+    savepoint's state: the count per key goes on from 50, every record once."""
+    prefix = f"{unique_name}-"
+    source, out = f"{prefix}copy-in", f"{prefix}copy-out"
+    create_topics(kafka_bootstrap, {source: 1, out: 1})
+
+    def produce(count: int) -> None:
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})
+        for n in range(count):
+            producer.produce(source, orjson.dumps({"n": n}), b"k", partition=0)
+        assert producer.flush(30) == 0
+
+    produce(50)
+    worker = _worker("keyed_count", kafka_bootstrap, tmp_path, prefix)
+    worker.start()
+    try:
+        first = read_committed(kafka_bootstrap, out, 50, timeout=60, settle=1)
+    except BaseException:
+        worker.kill()
+        raise
+    assert sorted(r["n"] for r in first) == list(range(1, 51))
+    cli_env = {
+        "SNAPLINE_TEST_PREFIX": prefix,
+        "SNAPLINE_BOOTSTRAP_SERVERS": kafka_bootstrap,
+        "SNAPLINE_CHECKPOINT_DIR": str(tmp_path / "chk"),
+    }
+    spec = "integration_tests.pipelines:keyed_count"
+    created = run_snapline("savepoint", "create", spec, "--stop", cwd=tmp_path, env=cli_env)
+    assert created.returncode == 0, created.stderr[-3000:]
+    savepoint = created.stdout.strip().splitlines()[-1]
+    assert worker.wait_exit(60) == 0, worker.tail()
+
+    _recreate(kafka_bootstrap, source)
+    produce(80)
+    stderr = _run_refused(worker, "--from-savepoint", savepoint)
+    assert f"source topics {source} (id " in stderr, stderr[-3000:]
+    assert "since the savepoint" in stderr and "Nothing was changed" in stderr
+    assert not (tmp_path / "chk" / f"{prefix}job" / "restored-from-savepoint.json").exists()
+    # A Spark run from the savepoint is refused too, before Spark starts.
+    spark = run_snapline(
+        "spark", "run", spec, "--from", f"savepoint:{savepoint}", cwd=tmp_path, env=cli_env
+    )
+    assert spark.returncode != 0
+    assert f"source topics {source} were deleted and created again" in spark.stderr, spark.stderr
+
+    worker.start(extra_args=["--from-savepoint", savepoint, "--read-recreated-topics"])
+    try:
+        outputs = read_committed(kafka_bootstrap, out, 130, timeout=90, settle=2)
+    finally:
+        assert worker.stop() == 0, worker.tail()
+    # 1..50 before the savepoint; the new topic's 80 records counted on from its state
+    assert sorted(r["n"] for r in outputs) == [*range(1, 51), *range(51, 131)]
+    recreated = [
+        e for e in read_events(worker.metrics_path) if e.get("event") == "source_topic_recreated"
+    ]
+    assert [(e["topic"], e["task"]) for e in recreated] == [(source, "p0")]

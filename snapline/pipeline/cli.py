@@ -132,7 +132,8 @@ def main() -> None:
 @click.option(
     "--read-recreated-topics",
     is_flag=True,
-    help="When a source topic was deleted and created again since the job's checkpoint: "
+    help="When a source topic was deleted and created again since the job's checkpoint "
+    "(or the savepoint of --from-savepoint was taken): "
     "read the new topic from its start, keeping the job's state (logged, a "
     "source_topic_recreated event), instead of stopping.",
 )
@@ -248,6 +249,7 @@ def run(
                     from_savepoint,
                     allow_non_restored=allow_non_restored_state,
                     progress=bar,
+                    read_recreated_topics=read_recreated_topics,
                 )
         except ConfigurationError as exc:
             _configuration_error(exc)

@@ -168,6 +168,58 @@ _TRANSIENT = {
 }
 
 
+#: What Kafka answers for a topic without an id (brokers before 2.8, or a cluster that
+#: never gave its topics ids): no recreation can be told from it.
+NO_TOPIC_ID = "AAAAAAAAAAAAAAAAAAAAAA"
+
+
+def topic_id(description: Any) -> str:
+    """The id of a described topic ("" when Kafka gives none)."""
+    found = str(getattr(description, "topic_id", None) or "")
+    return "" if found in (NO_TOPIC_ID, "None") else found
+
+
+def ids_differ(old: str, new: str) -> bool:
+    """Two ids of one topic name tell a recreation only when both are real ids."""
+    return old not in ("", NO_TOPIC_ID) and new not in ("", NO_TOPIC_ID) and old != new
+
+
+def recreated_since(saved: Mapping[str, str], now: Mapping[str, str]) -> list[str]:
+    """The topics of ``saved`` (name -> id when it was read) whose id ``now`` differs: each
+    was deleted and created again since, and offsets of the old topic mean nothing in it."""
+    return sorted(t for t, i in saved.items() if ids_differ(i, now.get(t, "")))
+
+
+def describe_topic_ids(admin: Any, topics: Iterable[str], what: str) -> dict[str, str]:
+    """Topic name -> its id (a new id each time a topic is created). Asked up to three
+    times (a topic created a moment ago may not be known everywhere yet); a topic whose
+    id Kafka still does not give is left out and logged (``what`` names the topics)."""
+    from confluent_kafka import TopicCollection
+
+    wanted = sorted(set(topics))
+    ids: dict[str, str] = {}
+    for attempt in range(3):
+        missing = [t for t in wanted if t not in ids]
+        if not missing:
+            break
+        if attempt:
+            time.sleep(1.0)
+        try:
+            futures = admin.describe_topics(TopicCollection(missing), request_timeout=10)
+        except Exception as exc:
+            log.info("reading the ids of the %s: %s", what, exc)
+            continue
+        for topic, future in futures.items():
+            try:
+                ids[topic] = topic_id(future.result(timeout=15))
+            except Exception as exc:
+                log.info("reading the id of topic %s: %s", topic, exc)
+    for topic in wanted:
+        if topic not in ids:
+            log.warning("could not read the id of topic %s (%s)", topic, what)
+    return ids
+
+
 class KafkaUnavailableError(SnaplineError):
     """The cluster did not answer (or not in time): a later attempt may succeed. Not a
     ConfigurationError, so a supervised worker is restarted instead of stopping the job."""

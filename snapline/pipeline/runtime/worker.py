@@ -106,6 +106,12 @@ from snapline.pipeline.runtime.local_lock import lock_local_dir, lock_wait
 from snapline.pipeline.runtime.metrics import WorkerMetrics
 from snapline.pipeline.runtime.source_ends import SourceEnds
 from snapline.pipeline.runtime.task import Task, TaskSnapshot
+from snapline.pipeline.runtime.topics import (
+    describe_topic_ids,
+    ids_differ,
+    recreated_since,
+    topic_id,
+)
 from snapline.pipeline.runtime.transaction import (
     FencedError,
     TransactionalOutput,
@@ -824,7 +830,7 @@ class Worker:
             t
             for t in latest
             if t in self._topic_partitions
-            and (start_over or t not in counts or _ids_differ(ids.get(t, ""), now.get(t, "")))
+            and (start_over or t not in counts or ids_differ(ids.get(t, ""), now.get(t, "")))
         ]
         if stale:
             counts.update({t: self._topic_partitions[t] for t in stale})
@@ -1288,8 +1294,7 @@ class Worker:
 
     def _changed_ids(self, meta: TaskCheckpoint) -> list[str]:
         """The topics ``meta`` read whose ids differ from the ones read at this restore."""
-        now = self._read_topic_ids
-        return sorted(t for t, i in meta.topic_ids.items() if _ids_differ(i, now.get(t, "")))
+        return recreated_since(meta.topic_ids, self._read_topic_ids)
 
     # ------------------------------------------------------------------ checkpoints
     def _on_task_snapshot(self, snapshot: TaskSnapshot) -> None:
@@ -1462,8 +1467,8 @@ class Worker:
                 changed.append(f"{topic} (deleted)")
                 continue
             expected = self._read_topic_ids.get(topic, "")
-            if _ids_differ(expected, _topic_id(found)):
-                changed.append(f"{topic} (id {expected}, now {_topic_id(found)})")
+            if ids_differ(expected, topic_id(found)):
+                changed.append(f"{topic} (id {expected}, now {topic_id(found)})")
         if changed:
             self._event({"event": "read_topic_recreated", "topics": changed})
             raise CheckpointError(
@@ -1494,33 +1499,10 @@ class Worker:
         return None
 
     def _topic_ids(self, topics: list[str], what: str = "repartition topics") -> dict[str, str]:
-        """Topic name -> its id (a new id each time a topic is created). Asked up to three
-        times (a topic created a moment ago may not be known everywhere yet); a topic whose
-        id Kafka still does not give is left out (logged): for repartition topics, the id
-        seen at its first deletion is taken; a task reading it records no id."""
-        ids: dict[str, str] = {}
-        for attempt in range(3):
-            missing = [t for t in topics if t not in ids]
-            if not missing:
-                break
-            if attempt:
-                time.sleep(1.0)
-            try:
-                futures = self._background_admin().describe_topics(
-                    TopicCollection(missing), request_timeout=10
-                )
-            except Exception as exc:
-                log.info("reading the ids of the %s: %s", what, exc)
-                continue
-            for topic, future in futures.items():
-                try:
-                    ids[topic] = _topic_id(future.result(timeout=15))
-                except Exception as exc:
-                    log.info("reading the id of topic %s: %s", topic, exc)
-        for topic in topics:
-            if topic not in ids:
-                log.warning("could not read the id of topic %s (%s)", topic, what)
-        return ids
+        """Topic name -> its id (``describe_topic_ids``): for repartition topics, the id seen
+        at its first deletion is taken when Kafka gives none now; a task reading a topic
+        without an id records none."""
+        return describe_topic_ids(self._background_admin(), topics, what)
 
     def _delete_in_same_topic(self, topic: str, below: list[TopicPartition]) -> Any:
         """Callback of ``describe_topics`` (a librdkafka thread): delete the records below
@@ -1528,7 +1510,7 @@ class Worker:
 
         def done(future: Any) -> None:
             try:
-                found = _topic_id(future.result())
+                found = topic_id(future.result())
             except Exception as exc:
                 log.info("deleting consumed records of %s: %s", topic, exc)
                 return
@@ -2309,22 +2291,6 @@ class ConsumerFencedError(KafkaClientError):
 
 class _StopNow(Exception):
     """A stop was requested while the broker is unreachable: exit without a final checkpoint."""
-
-
-#: What Kafka answers for a topic without an id (brokers before 2.8, or a cluster that
-#: never gave its topics ids): no recreation can be told from it.
-_NO_ID = "AAAAAAAAAAAAAAAAAAAAAA"
-
-
-def _topic_id(description: Any) -> str:
-    """The id of a described topic ("" when Kafka gives none)."""
-    found = str(getattr(description, "topic_id", None) or "")
-    return "" if found in (_NO_ID, "None") else found
-
-
-def _ids_differ(old: str, new: str) -> bool:
-    """Two ids of one topic name tell a recreation only when both are real ids."""
-    return old not in ("", _NO_ID) and new not in ("", _NO_ID) and old != new
 
 
 def _unknown_topic(exc: Exception) -> bool:

@@ -274,11 +274,17 @@ def inspect(uri: str) -> None:
     out.print(table)
     offsets = Table(title="source offsets (next to read)")
     offsets.add_column("topic")
+    offsets.add_column("topic id")
     offsets.add_column("partition", justify="right")
     offsets.add_column("offset", justify="right")
     for topic, parts in sorted(meta.source_offsets.items()):
         for partition, offset in sorted(parts.items()):
-            offsets.add_row(topic, str(partition), str(offset))
+            offsets.add_row(
+                topic,
+                meta.source_topic_ids.get(topic, "") if partition == min(parts) else "",
+                str(partition),
+                str(offset),
+            )
     out.print(offsets)
     for flight in meta.in_flight:
         out.print(

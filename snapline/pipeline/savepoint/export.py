@@ -46,6 +46,7 @@ from snapline.pipeline.errors import CheckpointError, ConfigurationError
 from snapline.pipeline.graph import Pipeline
 from snapline.pipeline.keygroups import key_group_range
 from snapline.pipeline.runtime import departed
+from snapline.pipeline.runtime.topics import ids_differ
 from snapline.pipeline.runtime.watermarks import WATERMARK_KEY_TAG
 from snapline.pipeline.savepoint.format import (
     ENTRY_SCHEMA,
@@ -562,6 +563,8 @@ def export_savepoint(
     states: dict[str, list[dict[str, Any]]] = {}
     positions: dict[tuple[str, int], int] = {}
     clocks: dict[str, dict[str, Any]] = {}
+    sources = set(pipeline.source_topics())
+    topic_ids: dict[str, str] = {}
     scratch = tempfile.mkdtemp(prefix="snapline-savepoint-")
     try:
         jobs: list[ExportJob] = []
@@ -606,6 +609,7 @@ def export_savepoint(
         for exported in run_jobs(export_task, jobs, processes, tell):
             meta = exported.meta
             positions.update(meta.positions)
+            _merge_topic_ids(topic_ids, meta.topic_ids, sources, meta.task_id)
             if meta.time:
                 clocks[meta.task_id] = meta.time
             for uid, entry in exported.files.items():
@@ -657,11 +661,32 @@ def export_savepoint(
             clocks=clocks,
             highest_checkpoint_id=highest,
             stage_reads=stage_reads(plan),
+            source_topic_ids=topic_ids,
         )
         out.write_bytes(METADATA_FILE, metadata.encode())  # last: the savepoint is complete
         return metadata
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _merge_topic_ids(
+    ids: dict[str, str], found: dict[str, str], sources: set[str], task_id: str
+) -> None:
+    """Add the source topic ids a task's checkpoint recorded to ``ids``. Two checkpoints
+    that name two ids of one topic read two topics of that name: the savepoint's offsets
+    would mix them."""
+    for topic, found_id in found.items():
+        if topic not in sources or not found_id:
+            continue
+        known = ids.setdefault(topic, found_id)
+        if ids_differ(known, found_id):
+            raise CheckpointError(
+                f"the job's checkpoints read two topics named {topic} (ids {known} and "
+                f"{found_id}, task {task_id}): it was deleted and created again while the "
+                "job ran, and some tasks have not committed since. Let every task commit a "
+                "checkpoint (restart the job with --read-recreated-topics), then take the "
+                "savepoint again"
+            )
 
 
 def publish_committed_sinks(pipeline: Pipeline, storage: CheckpointStorage, admin: Any) -> None:

@@ -156,6 +156,10 @@ class SavepointMetadata:
     #: renumbers the ones after it). Empty in savepoints of earlier versions (the numbers are
     #: taken as they are).
     stage_reads: dict[int, list[str]] = field(default_factory=dict)
+    #: Each source topic's id (Kafka gives a topic created again a new one) when the
+    #: savepoint's offsets were read: a restore refuses offsets of a topic since recreated.
+    #: Empty in savepoints of earlier versions and of topics without ids (not checked).
+    source_topic_ids: dict[str, str] = field(default_factory=dict)
 
     def encode(self) -> bytes:
         body = {
@@ -184,6 +188,7 @@ class SavepointMetadata:
             "clocks": self.clocks,
             "highest_checkpoint_id": self.highest_checkpoint_id,
             "stage_reads": {str(k): v for k, v in sorted(self.stage_reads.items())},
+            "source_topic_ids": dict(sorted(self.source_topic_ids.items())),
         }
         raw = orjson.dumps(body, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
         return orjson.dumps(
@@ -231,6 +236,7 @@ class SavepointMetadata:
             clocks=dict(body.get("clocks", {})),
             highest_checkpoint_id=int(body.get("highest_checkpoint_id", 0)),
             stage_reads={int(k): list(v) for k, v in body.get("stage_reads", {}).items()},
+            source_topic_ids={str(t): str(i) for t, i in body.get("source_topic_ids", {}).items()},
         )
 
 

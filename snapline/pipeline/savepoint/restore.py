@@ -66,7 +66,9 @@ from snapline.pipeline.runtime.topics import (
     INTERNAL_TOPIC_CONFIG,
     TopicManager,
     check_repartition_owners,
+    describe_topic_ids,
     pipeline_topics,
+    recreated_since,
     refused_config,
     without_event_time_config,
 )
@@ -206,10 +208,13 @@ def seed_from_savepoint(
     *,
     allow_non_restored: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
+    read_recreated_topics: bool = False,
 ) -> int | None:
     """Make ``savepoint_uri`` the job's starting point (see module). Returns the checkpoint
     id the tasks start from, or None when the job was already restored from this savepoint.
-    ``progress(what, done, total)`` is told how many tasks' state is written."""
+    ``progress(what, done, total)`` is told how many tasks' state is written.
+    ``read_recreated_topics``: a source topic deleted and created again since the savepoint
+    was taken is read from its start with the savepoint's state (else refused)."""
     # The records in flight are copied here, checksum verified, before Kafka is changed: once
     # the repartition topics are recreated, nothing may depend on the savepoint's storage.
     flight_dir = tempfile.mkdtemp(prefix="snapline-restore-in-flight-")
@@ -227,6 +232,7 @@ def seed_from_savepoint(
             progress,
             CheckpointStorage(flight_dir),
             lock,
+            read_recreated_topics,
         )
     finally:
         lock.release()
@@ -339,6 +345,7 @@ def _seed(
     progress: Callable[[str, int, int], None] | None,
     flight_copies: CheckpointStorage,
     lock: RestoreLock,
+    read_recreated_topics: bool,
 ) -> int | None:
     where = str(kafka_config.get("bootstrap.servers"))
     pipeline.validate()
@@ -395,6 +402,7 @@ def _seed(
                 f"and has {topic_plan.partitions[topic]} now; the source stage's state and "
                 "offsets are per partition and cannot move"
             )
+    topic_ids = _source_topic_ids(admin, pipeline, savepoint, savepoint_uri, read_recreated_topics)
     default = max((topic_plan.partitions[t] for t in pipeline.source_topics()), default=1)
     partitions = {t: topic_plan.partitions[t] for t in pipeline.source_topics()}
     for rep in plan.repartitions.values():
@@ -529,6 +537,7 @@ def _seed(
                     if task.stage == SOURCE_STAGE
                     else partitions[plan.stages[task.stage].reads[0]]
                 ),
+                topic_ids={t: topic_ids[t] for t, _ in positions if t in topic_ids},
             ).write(storage)
             mark_committed(storage, pipeline.name, task.task_id, ref)
             offsets += [
@@ -572,6 +581,42 @@ def _seed(
         len(offsets),
     )
     return checkpoint_id
+
+
+def _source_topic_ids(
+    admin: Any,
+    pipeline: Pipeline,
+    savepoint: SavepointMetadata,
+    savepoint_uri: str,
+    read_recreated_topics: bool,
+) -> dict[str, str]:
+    """The ids the seeded checkpoints record for the source topics: the ones the savepoint's
+    offsets were read in, else (savepoints of earlier versions) the topics' ids now. A topic
+    deleted and created again since the savepoint was taken is refused here, before Kafka is
+    changed: the savepoint's offsets are offsets of the old topic, and going on from them
+    would skip or repeat the new topic's records. ``read_recreated_topics`` lets it through;
+    the worker then reads it from its start (its restore meets the old id in the seeded
+    checkpoint: an ERROR line and a ``source_topic_recreated`` event per task)."""
+    sources = pipeline.source_topics()
+    now = describe_topic_ids(admin, sources, "source topics")
+    saved = {t: i for t, i in savepoint.source_topic_ids.items() if t in sources and i}
+    recreated = recreated_since(saved, now)
+    if recreated:
+        names = ", ".join(f"{t} (id {saved[t]}, now {now[t]})" for t in recreated)
+        if not read_recreated_topics:
+            raise ConfigurationError(
+                f"source topics {names} were deleted and created again since the savepoint "
+                f"{redact_text(savepoint_uri)} was taken: its offsets are offsets of the old "
+                "topics, and going on from them would skip or repeat records of the new ones. "
+                "Nothing was changed. Add --read-recreated-topics to read them from their "
+                "start with the savepoint's state"
+            )
+        log.error(
+            "source topics %s were created again since the savepoint was taken: the job "
+            "reads them from their start with the savepoint's state (--read-recreated-topics)",
+            names,
+        )
+    return {**{t: i for t, i in now.items() if i}, **saved}
 
 
 def _old_stages(savepoint: SavepointMetadata, plan: Any) -> dict[int, int]:

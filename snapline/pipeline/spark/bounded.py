@@ -513,7 +513,12 @@ def run_bounded(
 
     from snapline.pipeline.checkpoint.storage import CheckpointStorage
     from snapline.pipeline.graph import load_pipeline
-    from snapline.pipeline.runtime.topics import TopicManager, pipeline_topics
+    from snapline.pipeline.runtime.topics import (
+        TopicManager,
+        describe_topic_ids,
+        pipeline_topics,
+        recreated_since,
+    )
     from snapline.pipeline.savepoint.control import ensure_control_topic
     from snapline.pipeline.savepoint.export import (
         SNAPLINE_VERSION,
@@ -550,6 +555,7 @@ def run_bounded(
     for rep in plan.repartitions.values():
         stage_partitions[rep.downstream] = topic_plan.partitions.get(rep.topic, default)
     admin = AdminClient(kafka_config)
+    topic_ids = describe_topic_ids(admin, sources, "source topics")
     probe = Consumer({**kafka_config, "group.id": f"snapline-spark-probe-{run_id}"})
     savepoint_in = None
     mapping: dict[tuple[str, str], Any] = {}
@@ -559,6 +565,15 @@ def run_bounded(
         if start.startswith("savepoint:"):
             savepoint_in = start.split(":", 1)[1]
             saved = read_metadata(CheckpointStorage(savepoint_in))
+            recreated = recreated_since(saved.source_topic_ids, topic_ids)
+            if recreated:
+                raise ConfigurationError(
+                    f"source topics {', '.join(recreated)} were deleted and created again "
+                    "since the savepoint was taken: its offsets are offsets of the old "
+                    "topics, and a run from them would skip or repeat records of the new "
+                    "ones. Restore the savepoint into the services with --from-savepoint "
+                    "--read-recreated-topics (they read the new topics from their start)"
+                )
             mapping = match_states(pipeline, saved, allow_non_restored=False)
             clocks = _clocks_from(saved, plan, stage_partitions)
             starts = _offsets("earliest", admin, probe, sources, latest=False)
@@ -724,6 +739,7 @@ def run_bounded(
             origin=f"spark:{run_id}",
             clocks=out_clocks,
             stage_reads=stage_reads(plan),
+            source_topic_ids=topic_ids,
         )
         CheckpointStorage(savepoint_out).write_bytes(METADATA_FILE, metadata.encode())
         say(f"savepoint at the end offsets: {savepoint_out}")
