@@ -347,10 +347,20 @@ def slow_copy() -> Pipeline:
 def window_counts() -> Pipeline:
     """Per key a tumbling window of 1 s counting records (event time from ``t``, allowed
     lateness 0), re-keyed through ``key_by(name="by-k")``: a late record is a dead letter."""
+    return _window_counts({})
+
+
+def window_counts_grow() -> Pipeline:
+    """``window_counts`` whose consumer looks for new partitions every second (librdkafka's
+    default: 5 minutes)."""
+    return _window_counts({"topic.metadata.refresh.interval.ms": 1000})
+
+
+def _window_counts(kafka_config: dict[str, Any]) -> Pipeline:
     from snapline import tumbling
 
     prefix = os.environ.get("SNAPLINE_TEST_PREFIX", "")
-    pipeline = Pipeline(f"{prefix}win", checkpoint_interval=0.3)
+    pipeline = Pipeline(f"{prefix}win", checkpoint_interval=0.3, kafka_config=kafka_config)
     (
         pipeline.source(
             KafkaSource(f"{prefix}win-in", timestamp=lambda v: v["t"], max_out_of_orderness=0)

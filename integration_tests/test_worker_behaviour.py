@@ -816,3 +816,53 @@ def test_a_partition_added_to_a_latest_source_while_the_job_runs_is_read_from_it
         e for e in read_events(worker.metrics_path) if e.get("event") == "source_partition_added"
     ]
     assert [(e["topic"], e["partition"]) for e in added] == [(source, 1)]
+
+
+def test_a_partition_added_to_a_source_holds_the_keyed_stages_watermark_back(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """The keyed stage's watermark is the minimum over the source stage's tasks, one per
+    source partition, counted when the worker started. A partition added while the job ran
+    got a task whose watermarks the keyed stage ignored (until every worker restarted): the
+    other partitions' watermark fired window [0, 1000) without a's record 300 of the new
+    partition, which then came late (a dead letter). Now the counts are read again at every
+    restore (the group rebalances when the consumer sees the new partition), and the window
+    waits for the new partition's task: it fires once, with all three of a's records."""
+    prefix = f"{unique_name}-"
+    source, out = f"{prefix}win-in", f"{prefix}win-out"
+    create_topics(kafka_bootstrap, {source: 1, out: 1})
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+
+    def produce(partition: int, *events: tuple[str, int]) -> None:
+        for key, t in events:
+            producer.produce(source, orjson.dumps({"k": key, "t": t}), partition=partition)
+        assert producer.flush(30) == 0
+
+    produce(0, ("a", 100), ("a", 200))
+    worker = _start_worker("window_counts_grow", kafka_bootstrap, tmp_path, prefix)
+    try:
+        _wait_restored(worker)
+        admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+        for future in admin.create_partitions([NewPartitions(source, 2)]).values():
+            future.result(timeout=30)
+        # Bounded: the consumer sees the partition within its 1 s metadata refresh, and the
+        # rebalance and restore take seconds.
+        deadline = time.monotonic() + 60
+        while not any(
+            "p1" in e.get("checkpoints", {})
+            for e in read_events(worker.metrics_path)
+            if e.get("event") == "restored"
+        ):
+            assert time.monotonic() < deadline, worker.tail()
+            time.sleep(0.2)
+        produce(0, ("z", 5000))
+        # Ten checkpoint intervals (0.3 s) for partition 0's watermark to reach the keyed
+        # stage: before the fix, window [0, 1000) fired here without record 300.
+        time.sleep(3)
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})  # knows partition 1
+        produce(1, ("a", 300), ("z", 6000))
+        outputs = read_committed(kafka_bootstrap, out, 1, timeout=60, settle=3)
+    finally:
+        assert worker.stop() == 0, worker.tail()
+    fired = [(o["key"], o["start"], o["value"]) for o in outputs]
+    assert fired == [("a", 0, 3)], fired

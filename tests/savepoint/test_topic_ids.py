@@ -89,7 +89,7 @@ def test_a_restore_refuses_a_savepoint_of_a_recreated_source_topic(
         restore._source_topic_ids(None, _pipeline(), savepoint, "file:///sp", False)
     message = str(refused.value)
     assert f"source topics in (id {OLD}, now {NEW}) were deleted and created again" in message
-    assert "Nothing was changed" in message and "--read-recreated-topics" in message
+    assert "stopped before changing" in message and "--read-recreated-topics" in message
 
     # Allowed: logged, and the seeded checkpoints keep the savepoint's ids, so the worker's
     # restore meets the new id and reads the topic from its start.
@@ -106,3 +106,39 @@ def test_a_savepoint_without_ids_seeds_the_ids_of_now(monkeypatch: pytest.Monkey
     _ids_now(monkeypatch, {"in": NEW, "in2": ""})
     ids = restore._source_topic_ids(None, _pipeline(), _savepoint({}), "file:///sp", False)
     assert ids == {"in": NEW}
+
+
+def test_ids_of_another_cluster_are_not_compared(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job moved to another cluster (a savepoint's documented use): Kafka gives every topic
+    there another id, whatever its records. Compared, every source topic would look created
+    again, and --read-recreated-topics would send everything to the sinks again."""
+    _ids_now(monkeypatch, {"in": NEW, "in2": NEW})
+    monkeypatch.setattr(restore, "cluster_id_of", lambda _admin: "cluster-b")
+    savepoint = _savepoint({"in": OLD, "in2": OLD})
+    moved = SavepointMetadata(**{**savepoint.__dict__, "cluster_id": "cluster-a"})
+    ids = restore._source_topic_ids(None, _pipeline(), moved, "file:///sp", False)
+    assert ids == {"in": NEW, "in2": NEW}  # the seeded checkpoints get this cluster's ids
+    same = SavepointMetadata(**{**savepoint.__dict__, "cluster_id": "cluster-b"})
+    with pytest.raises(ConfigurationError, match="deleted and created again"):
+        restore._source_topic_ids(None, _pipeline(), same, "file:///sp", False)
+
+
+def test_a_savepoint_of_a_task_whose_offsets_vanished_is_refused(tmp_path: Path) -> None:
+    """The job is stopped and its group's offsets vanish (expired, or a source topic created
+    again: Kafka deletes the group's offsets of a deleted topic). A task that committed a
+    checkpoint then has no offsets, and the export used to leave it out: the restore
+    started it with empty state, silently. A task that never committed is left out as
+    before (it starts like a new one)."""
+    from snapline.pipeline.checkpoint.metadata import CheckpointRef, mark_committed
+    from snapline.pipeline.savepoint.export import _check_offsets_not_lost
+
+    storage = CheckpointStorage(str(tmp_path / "chk"))
+    never = CheckpointRef(3, "aaaa0000")
+    storage.write_bytes(f"{never.directory('job', 'p0')}/_metadata", b"{}")
+    _check_offsets_not_lost(storage, "job", "p0")  # stored, never committed: a fresh start
+    _check_offsets_not_lost(storage, "job", "p1")  # nothing stored
+    committed = CheckpointRef(4, "bbbb1111")
+    storage.write_bytes(f"{committed.directory('job', 'p0')}/_metadata", b"{}")
+    mark_committed(storage, "job", "p0", committed)
+    with pytest.raises(CheckpointError, match="task p0 committed checkpoint 4, but the consumer"):
+        _check_offsets_not_lost(storage, "job", "p0")

@@ -190,16 +190,25 @@ def recreated_since(saved: Mapping[str, str], now: Mapping[str, str]) -> list[st
     return sorted(t for t, i in saved.items() if ids_differ(i, now.get(t, "")))
 
 
-def describe_topic_ids(admin: Any, topics: Iterable[str], what: str) -> dict[str, str]:
-    """Topic name -> its id (a new id each time a topic is created). Asked up to three
-    times (a topic created a moment ago may not be known everywhere yet); a topic whose
-    id Kafka still does not give is left out and logged (``what`` names the topics)."""
+def cluster_id_of(admin: Any) -> str:
+    """The Kafka cluster's id ("" when it cannot be read): topic ids are per cluster."""
+    try:
+        return str(admin.list_topics(timeout=10).cluster_id or "")
+    except Exception as exc:
+        log.info("reading the cluster id: %s", exc)
+        return ""
+
+
+def describe_topics(admin: Any, topics: Iterable[str], what: str) -> dict[str, Any]:
+    """Topic name -> its description (id, partitions). Asked up to three times (a topic
+    created a moment ago may not be known everywhere yet); a topic Kafka still does not
+    describe is left out and logged (``what`` names the topics)."""
     from confluent_kafka import TopicCollection
 
     wanted = sorted(set(topics))
-    ids: dict[str, str] = {}
+    found: dict[str, Any] = {}
     for attempt in range(3):
-        missing = [t for t in wanted if t not in ids]
+        missing = [t for t in wanted if t not in found]
         if not missing:
             break
         if attempt:
@@ -207,17 +216,22 @@ def describe_topic_ids(admin: Any, topics: Iterable[str], what: str) -> dict[str
         try:
             futures = admin.describe_topics(TopicCollection(missing), request_timeout=10)
         except Exception as exc:
-            log.info("reading the ids of the %s: %s", what, exc)
+            log.info("describing the %s: %s", what, exc)
             continue
         for topic, future in futures.items():
             try:
-                ids[topic] = topic_id(future.result(timeout=15))
+                found[topic] = future.result(timeout=15)
             except Exception as exc:
-                log.info("reading the id of topic %s: %s", topic, exc)
+                log.info("describing topic %s: %s", topic, exc)
     for topic in wanted:
-        if topic not in ids:
+        if topic not in found:
             log.warning("could not read the id of topic %s (%s)", topic, what)
-    return ids
+    return found
+
+
+def describe_topic_ids(admin: Any, topics: Iterable[str], what: str) -> dict[str, str]:
+    """Topic name -> its id (a new id each time a topic is created): ``describe_topics``."""
+    return {t: topic_id(d) for t, d in describe_topics(admin, topics, what).items()}
 
 
 class KafkaUnavailableError(SnaplineError):

@@ -108,6 +108,7 @@ from snapline.pipeline.runtime.source_ends import SourceEnds
 from snapline.pipeline.runtime.task import Task, TaskSnapshot
 from snapline.pipeline.runtime.topics import (
     describe_topic_ids,
+    describe_topics,
     ids_differ,
     recreated_since,
     topic_id,
@@ -605,7 +606,15 @@ class Worker:
         committed = self._committed_offsets(partitions) if partitions else []
         self.faults.point("after_offsets_read")
         self._read_topics = {tp.topic for tp in partitions}
-        self._read_topic_ids = self._topic_ids(sorted(self._read_topics), "topics the tasks read")
+        described = describe_topics(
+            self._background_admin(),
+            self._read_topics | set(self.pipeline.source_topics()),
+            "topics the tasks read",
+        )
+        self._read_topic_ids = {
+            t: topic_id(d) for t, d in described.items() if t in self._read_topics
+        }
+        self._grow_source_partitions(described)
         self._id_check = None
         bounds = self._log_bounds(partitions)
         committed_by_tp = {(c.topic, c.partition): c for c in committed}
@@ -630,6 +639,34 @@ class Worker:
         self._records_at_trigger = 0
         self._first_after_restore = True
         return seek
+
+    def _grow_source_partitions(self, described: dict[str, Any]) -> None:
+        """Partitions added to a source topic while the job runs make the source stage one
+        task per new partition (the consumer group rebalances when it notices them, and every
+        task is restored). The keyed stages' tasks take the watermarks of the source stage's
+        tasks from their repartition partitions and wait for each of those writers
+        (``Task._upstream_writers``, counted from the source topics' partitions): counted at
+        start only, a new partition's task was ignored until every worker restarted, so its
+        records could come after the watermark had passed them (late: dead letters, or a
+        window fired without them). Source topics only: a repartition topic's partitions are
+        fixed (``_check_task_count``)."""
+        grown = {
+            t: len(d.partitions)
+            for t, d in described.items()
+            if t in self.pipeline.source_topics()
+            and len(getattr(d, "partitions", ()) or ()) > self._topic_partitions.get(t, 0)
+        }
+        if not grown:
+            return
+        for topic, count in sorted(grown.items()):
+            log.info(
+                "source topic %s has %d partitions now (%d when this worker started)",
+                topic,
+                count,
+                self._topic_partitions.get(topic, 0),
+            )
+        # A new dict: tasks restored before keep the counts they were built with.
+        self._topic_partitions = {**self._topic_partitions, **grown}
 
     def _committed_offsets(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
         """The committed offsets (and checkpoint names) of ``partitions``.

@@ -39,6 +39,8 @@ from snapline.pipeline.checkpoint.metadata import (
     CheckpointRef,
     TaskCheckpoint,
     highest_checkpoint_id,
+    is_marked_committed,
+    list_checkpoints,
 )
 from snapline.pipeline.checkpoint.restore import restore_committed
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
@@ -46,7 +48,7 @@ from snapline.pipeline.errors import CheckpointError, ConfigurationError
 from snapline.pipeline.graph import Pipeline
 from snapline.pipeline.keygroups import key_group_range
 from snapline.pipeline.runtime import departed
-from snapline.pipeline.runtime.topics import ids_differ
+from snapline.pipeline.runtime.topics import cluster_id_of, ids_differ
 from snapline.pipeline.runtime.watermarks import WATERMARK_KEY_TAG
 from snapline.pipeline.savepoint.format import (
     ENTRY_SCHEMA,
@@ -548,6 +550,8 @@ def export_savepoint(
     committed = committed_offsets(
         kafka_config, pipeline.name, [tp for t in tasks for tp in t.inputs]
     )
+    # Topic ids are per cluster: a restore compares them only on the cluster they are of.
+    cluster_id = cluster_id or cluster_id_of(admin)
     storage = CheckpointStorage(checkpoint_dir)
     out = CheckpointStorage(target)
     if out.exists(METADATA_FILE):
@@ -576,6 +580,7 @@ def export_savepoint(
                 if c.offset >= 0:
                     positions[(c.topic, c.partition)] = c.offset
             if ref is None:
+                _check_offsets_not_lost(storage, pipeline.name, task.task_id)
                 continue
             count = stage_partitions[task.stage]
             groups = (
@@ -667,6 +672,29 @@ def export_savepoint(
         return metadata
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _check_offsets_not_lost(storage: CheckpointStorage, job: str, task_id: str) -> None:
+    """A task whose partitions have no committed offsets starts like a new task: right when
+    it never committed a checkpoint, but not when one is marked committed. Then the group's
+    offsets vanished (expired while the job was stopped, or a source topic deleted and created
+    again), and a savepoint without the task would restore it with empty state, silently. The
+    worker's restore refuses the same case and names the choices (``--restore-latest``,
+    ``--reset-state``, ``--read-recreated-topics``)."""
+    marked = [
+        ref
+        for ref in list_checkpoints(storage, job, task_id)
+        if is_marked_committed(storage, job, task_id, ref)
+    ]
+    if marked:
+        raise CheckpointError(
+            f"task {task_id} committed checkpoint {marked[-1].checkpoint_id}, but the consumer "
+            f"group {job!r} has no committed offsets of its partitions any more (expired while "
+            "the job was stopped, or a source topic deleted and created again): a savepoint "
+            "would lose its state. Start the job once; its restore names the choices "
+            "(--restore-latest, --reset-state, --read-recreated-topics). Then take the "
+            "savepoint"
+        )
 
 
 def _merge_topic_ids(

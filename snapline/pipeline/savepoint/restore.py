@@ -66,6 +66,7 @@ from snapline.pipeline.runtime.topics import (
     INTERNAL_TOPIC_CONFIG,
     TopicManager,
     check_repartition_owners,
+    cluster_id_of,
     describe_topic_ids,
     pipeline_topics,
     recreated_since,
@@ -394,6 +395,7 @@ def _seed(
             if s.name not in {r.topic for r in plan.repartitions.values()}
         ]
     )
+    topic_ids = _source_topic_ids(admin, pipeline, savepoint, savepoint_uri, read_recreated_topics)
     for topic in pipeline.source_topics():
         before = savepoint.source_partitions.get(topic)
         if before is not None and before != topic_plan.partitions[topic]:
@@ -402,7 +404,6 @@ def _seed(
                 f"and has {topic_plan.partitions[topic]} now; the source stage's state and "
                 "offsets are per partition and cannot move"
             )
-    topic_ids = _source_topic_ids(admin, pipeline, savepoint, savepoint_uri, read_recreated_topics)
     default = max((topic_plan.partitions[t] for t in pipeline.source_topics()), default=1)
     partitions = {t: topic_plan.partitions[t] for t in pipeline.source_topics()}
     for rep in plan.repartitions.values():
@@ -600,6 +601,17 @@ def _source_topic_ids(
     sources = pipeline.source_topics()
     now = describe_topic_ids(admin, sources, "source topics")
     saved = {t: i for t, i in savepoint.source_topic_ids.items() if t in sources and i}
+    here = cluster_id_of(admin)
+    if saved and savepoint.cluster_id and here and savepoint.cluster_id != here:
+        # A job moved to another cluster: its topics have other ids there, whatever their
+        # records. The savepoint's offsets are taken as the user's (a copy that kept them).
+        log.info(
+            "the savepoint was taken on Kafka cluster %s, this is %s: topic ids are per "
+            "cluster and are not compared",
+            savepoint.cluster_id,
+            here,
+        )
+        saved = {}
     recreated = recreated_since(saved, now)
     if recreated:
         names = ", ".join(f"{t} (id {saved[t]}, now {now[t]})" for t in recreated)
@@ -608,8 +620,9 @@ def _source_topic_ids(
                 f"source topics {names} were deleted and created again since the savepoint "
                 f"{redact_text(savepoint_uri)} was taken: its offsets are offsets of the old "
                 "topics, and going on from them would skip or repeat records of the new ones. "
-                "Nothing was changed. Add --read-recreated-topics to read them from their "
-                "start with the savepoint's state"
+                "The restore stopped before changing the job's offsets and repartition topics. "
+                "Add --read-recreated-topics to read them from their start with the "
+                "savepoint's state"
             )
         log.error(
             "source topics %s were created again since the savepoint was taken: the job "

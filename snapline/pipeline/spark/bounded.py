@@ -515,6 +515,7 @@ def run_bounded(
     from snapline.pipeline.graph import load_pipeline
     from snapline.pipeline.runtime.topics import (
         TopicManager,
+        cluster_id_of,
         describe_topic_ids,
         pipeline_topics,
         recreated_since,
@@ -556,6 +557,7 @@ def run_bounded(
         stage_partitions[rep.downstream] = topic_plan.partitions.get(rep.topic, default)
     admin = AdminClient(kafka_config)
     topic_ids = describe_topic_ids(admin, sources, "source topics")
+    cluster = cluster_id_of(admin)
     probe = Consumer({**kafka_config, "group.id": f"snapline-spark-probe-{run_id}"})
     savepoint_in = None
     mapping: dict[tuple[str, str], Any] = {}
@@ -565,7 +567,8 @@ def run_bounded(
         if start.startswith("savepoint:"):
             savepoint_in = start.split(":", 1)[1]
             saved = read_metadata(CheckpointStorage(savepoint_in))
-            recreated = recreated_since(saved.source_topic_ids, topic_ids)
+            same_cluster = not (saved.cluster_id and cluster and saved.cluster_id != cluster)
+            recreated = recreated_since(saved.source_topic_ids, topic_ids) if same_cluster else []
             if recreated:
                 raise ConfigurationError(
                     f"source topics {', '.join(recreated)} were deleted and created again "
@@ -740,6 +743,7 @@ def run_bounded(
             clocks=out_clocks,
             stage_reads=stage_reads(plan),
             source_topic_ids=topic_ids,
+            cluster_id=cluster,
         )
         CheckpointStorage(savepoint_out).write_bytes(METADATA_FILE, metadata.encode())
         say(f"savepoint at the end offsets: {savepoint_out}")
