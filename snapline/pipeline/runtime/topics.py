@@ -225,7 +225,7 @@ def describe_topics(admin: Any, topics: Iterable[str], what: str) -> dict[str, A
                 log.info("describing topic %s: %s", topic, exc)
     for topic in wanted:
         if topic not in found:
-            log.warning("could not read the id of topic %s (%s)", topic, what)
+            log.warning("could not describe topic %s (%s)", topic, what)
     return found
 
 

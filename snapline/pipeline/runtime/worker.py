@@ -606,10 +606,16 @@ class Worker:
         committed = self._committed_offsets(partitions) if partitions else []
         self.faults.point("after_offsets_read")
         self._read_topics = {tp.topic for tp in partitions}
-        described = describe_topics(
-            self._background_admin(),
-            self._read_topics | set(self.pipeline.source_topics()),
-            "topics the tasks read",
+        # The source topics too (their partition counts), in the same request; nothing
+        # when the worker was given no partitions.
+        described = (
+            describe_topics(
+                self._background_admin(),
+                self._read_topics | set(self.pipeline.source_topics()),
+                "topics the tasks read, and the source topics",
+            )
+            if partitions
+            else {}
         )
         self._read_topic_ids = {
             t: topic_id(d) for t, d in described.items() if t in self._read_topics
