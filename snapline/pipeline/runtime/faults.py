@@ -25,6 +25,7 @@ KILL_POINTS = (
     "after_namesake_check",  # start: no other job's worker has this transactional id
     "restore_before_kafka_changes",  # a savepoint restore: checks done, Kafka not changed yet
     "after_offsets_read",  # recovery read the committed offsets, restored nothing yet
+    "before_restore_state",  # a task's checkpoint found in storage, its files not read yet
     "after_repartition_produce",  # an epoch's repartition records produced, not committed
     "sync_snapshot",  # right after the synchronous part of a task's snapshot
     "mid_materialization",  # state written to storage, metadata not yet

@@ -646,6 +646,56 @@ class Worker:
         self._first_after_restore = True
         return seek
 
+    def _restore_state(
+        self,
+        task_id: str,
+        ref: CheckpointRef,
+        committed: list[TopicPartition],
+        backend: Any,
+    ) -> tuple[TaskCheckpoint, CheckpointRef, list[TopicPartition]]:
+        """Restore ``backend`` from checkpoint ``ref``; returns its metadata, the checkpoint
+        restored and the committed offsets that name it.
+
+        ``_restore_task`` found ``ref`` in storage, but its new owner's retention may delete
+        it while its files are read: this worker read the offsets, then froze or stalled
+        (its session expiring meanwhile), and the task's new owner committed newer
+        checkpoints since. The long chaos test met it: the worker exited with "checkpoint
+        file … is missing". Retention deletes a checkpoint only after a newer one committed,
+        so when the restore fails and the group's offsets now name a newer checkpoint, the
+        first read was stale: that one is restored (the commit protocol fences this worker
+        if it does not own the task any more). Otherwise the error stands."""
+        for attempt in range(3):
+            self.faults.point("before_restore_state")
+            try:
+                meta = restore_committed(
+                    self.storage,
+                    self.pipeline.name,
+                    task_id,
+                    ref,
+                    backend,
+                    on_corrupt=self.pipeline.on_corrupt_checkpoint,
+                )
+                return meta, ref, committed
+            except CheckpointError as exc:
+                if attempt == 2:
+                    raise
+                fresh_offsets = self._committed_offsets(
+                    [TopicPartition(c.topic, c.partition) for c in committed]
+                )
+                fresh = self._named_checkpoint(task_id, fresh_offsets)
+                if fresh is None or fresh.checkpoint_id <= ref.checkpoint_id:
+                    raise
+                log.warning(
+                    "task %s: restoring checkpoint %d failed (%s), and the committed offsets "
+                    "read named it: they were stale; now they name %d",
+                    task_id,
+                    ref.checkpoint_id,
+                    exc,
+                    fresh.checkpoint_id,
+                )
+                ref, committed = fresh, fresh_offsets
+        raise AssertionError("unreachable")
+
     def _grow_source_partitions(self, described: dict[str, Any]) -> None:
         """Partitions added to a source topic while the job runs make the source stage one
         task per new partition (the consumer group rebalances when it notices them, and every
@@ -751,14 +801,7 @@ class Worker:
         meta: TaskCheckpoint | None = None
         recreated: set[str] = set()
         if ref is not None:
-            meta = restore_committed(
-                self.storage,
-                self.pipeline.name,
-                task_id,
-                ref,
-                backend,
-                on_corrupt=self.pipeline.on_corrupt_checkpoint,
-            )
+            meta, ref, committed = self._restore_state(task_id, ref, committed, backend)
             self._check_states(task_id, meta)
             self._check_task_count(task_id, meta, self._stage_of_topic[committed[0].topic])
             recreated = self._recreated_topics(task_id, meta)
