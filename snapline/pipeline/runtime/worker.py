@@ -679,10 +679,7 @@ class Worker:
             except CheckpointError as exc:
                 if attempt == 2:
                     raise
-                fresh_offsets = self._committed_offsets(
-                    [TopicPartition(c.topic, c.partition) for c in committed]
-                )
-                fresh = self._named_checkpoint(task_id, fresh_offsets)
+                fresh, fresh_offsets = self._read_again(task_id, committed)
                 if fresh is None or fresh.checkpoint_id <= ref.checkpoint_id:
                     raise
                 log.warning(
@@ -696,6 +693,14 @@ class Worker:
                 ref, committed = fresh, fresh_offsets
         raise AssertionError("unreachable")
 
+    def _read_again(
+        self, task_id: str, committed: list[TopicPartition]
+    ) -> tuple[CheckpointRef | None, list[TopicPartition]]:
+        """The committed offsets of ``committed``'s partitions read again, and the checkpoint
+        they name: a first read may be stale (this worker froze or stalled after it)."""
+        fresh = self._committed_offsets([TopicPartition(c.topic, c.partition) for c in committed])
+        return self._named_checkpoint(task_id, fresh), fresh
+
     def _grow_source_partitions(self, described: dict[str, Any]) -> None:
         """Partitions added to a source topic while the job runs make the source stage one
         task per new partition (the consumer group rebalances when it notices them, and every
@@ -706,10 +711,11 @@ class Worker:
         records could come after the watermark had passed them (late: dead letters, or a
         window fired without them). Source topics only: a repartition topic's partitions are
         fixed (``_check_task_count``)."""
+        sources = self.pipeline.source_topics()
         grown = {
             t: len(d.partitions)
             for t, d in described.items()
-            if t in self.pipeline.source_topics()
+            if t in sources
             and len(getattr(d, "partitions", ()) or ()) > self._topic_partitions.get(t, 0)
         }
         if not grown:
@@ -774,10 +780,7 @@ class Worker:
             # Retention deletes a checkpoint only after a newer one committed, so offsets that
             # name a deleted checkpoint were stale when read (this worker may be a zombie
             # that read them before freezing). Read them again rather than fail.
-            committed = self._committed_offsets(
-                [TopicPartition(c.topic, c.partition) for c in committed]
-            )
-            fresh = self._named_checkpoint(task_id, committed)
+            fresh, committed = self._read_again(task_id, committed)
             if fresh == ref or fresh is None:
                 break  # really missing: restore_committed below says so
             log.warning(
@@ -1240,10 +1243,7 @@ class Worker:
         ]
         if not newer:
             return ref
-        fresh = self._named_checkpoint(
-            task_id,
-            self._committed_offsets([TopicPartition(c.topic, c.partition) for c in committed]),
-        )
+        fresh, _ = self._read_again(task_id, committed)
         if fresh is not None and fresh.checkpoint_id >= newer[-1].checkpoint_id:
             # The first read was stale (another worker committed meanwhile): nothing lost.
             log.warning(
@@ -1293,10 +1293,7 @@ class Worker:
         ]
         if not committed:
             return None  # only checkpoints that never committed: a fresh start is right
-        fresh = self._named_checkpoint(
-            task_id,
-            self._committed_offsets([TopicPartition(c.topic, c.partition) for c in offsets]),
-        )
+        fresh, _ = self._read_again(task_id, offsets)
         if fresh is not None:
             log.warning(
                 "task %s: the committed offsets read had none, but checkpoint %d is marked "

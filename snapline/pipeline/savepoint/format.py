@@ -161,6 +161,14 @@ class SavepointMetadata:
     #: Empty in savepoints of earlier versions and of topics without ids (not checked).
     source_topic_ids: dict[str, str] = field(default_factory=dict)
 
+    def topic_ids_on(self, cluster_id: str) -> dict[str, str]:
+        """The source topic ids to compare with the topics on cluster ``cluster_id``: none
+        when the savepoint records another cluster (ids are per cluster: a job moved there
+        keeps the savepoint's offsets); ids Kafka did not give are left out."""
+        if self.cluster_id and cluster_id and self.cluster_id != cluster_id:
+            return {}
+        return {t: i for t, i in self.source_topic_ids.items() if i}
+
     def encode(self) -> bytes:
         body = {
             "format": FORMAT_VERSION,

@@ -600,18 +600,15 @@ def _source_topic_ids(
     checkpoint: an ERROR line and a ``source_topic_recreated`` event per task)."""
     sources = pipeline.source_topics()
     now = describe_topic_ids(admin, sources, "source topics")
-    saved = {t: i for t, i in savepoint.source_topic_ids.items() if t in sources and i}
     here = cluster_id_of(admin)
-    if saved and savepoint.cluster_id and here and savepoint.cluster_id != here:
-        # A job moved to another cluster: its topics have other ids there, whatever their
-        # records. The savepoint's offsets are taken as the user's (a copy that kept them).
+    saved = {t: i for t, i in savepoint.topic_ids_on(here).items() if t in sources}
+    if here and savepoint.cluster_id not in ("", here):
         log.info(
             "the savepoint was taken on Kafka cluster %s, this is %s: topic ids are per "
             "cluster and are not compared",
             savepoint.cluster_id,
             here,
         )
-        saved = {}
     recreated = recreated_since(saved, now)
     if recreated:
         names = ", ".join(f"{t} (id {saved[t]}, now {now[t]})" for t in recreated)

@@ -567,8 +567,7 @@ def run_bounded(
         if start.startswith("savepoint:"):
             savepoint_in = start.split(":", 1)[1]
             saved = read_metadata(CheckpointStorage(savepoint_in))
-            same_cluster = not (saved.cluster_id and cluster and saved.cluster_id != cluster)
-            recreated = recreated_since(saved.source_topic_ids, topic_ids) if same_cluster else []
+            recreated = recreated_since(saved.topic_ids_on(cluster), topic_ids)
             if recreated:
                 raise ConfigurationError(
                     f"source topics {', '.join(recreated)} were deleted and created again "
