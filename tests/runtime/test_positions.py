@@ -5,7 +5,8 @@ refused unless --skip-deleted-records, which goes on from the start with an even
 task's checkpoint against its stage's task count now (Worker._check_task_count). Topics
 deleted and created again: at restore (Worker._recreated_topics) and before a checkpoint
 commits (Worker._check_read_topics); and where a partition added to a "latest" source starts
-(Worker._added_partition_start). Pure logic:
+(Worker._added_partition_start); and a consumer that sees no broker a fresh client reaches
+(Worker._await_broker). Pure logic:
 the worker's methods on a stand-in with the fields they read."""
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, KafkaError, KafkaException
 
 from snapline.pipeline.errors import CheckpointError, ConfigurationError
+from snapline.pipeline.runtime import worker as worker_module
+from snapline.pipeline.runtime.consumer_watch import ConsumerStuckError
 from snapline.pipeline.runtime.kafka_calls import BrokerOutageError
 from snapline.pipeline.runtime.worker import Worker
 
@@ -262,3 +265,39 @@ def test_only_a_partition_added_to_a_latest_source_after_the_start_is_read_from_
     for _ in range(2):
         assert start(("orders", 4), OFFSET_END) == OFFSET_BEGINNING
     assert events == [{"event": "source_partition_added", "topic": "orders", "partition": 4}]
+
+
+# --- waiting for the broker (Worker._await_broker) ------------------------------------------
+
+
+def _waiting(consumer_sees: Any, fresh_sees: Any) -> Any:
+    events: list[dict[str, Any]] = []
+    return SimpleNamespace(
+        _broker_reachable=lambda fresh_client=False: (
+            fresh_sees if fresh_client else consumer_sees
+        )(),
+        _stopping=False,
+        liveness=SimpleNamespace(beat=lambda: None),
+        settings=SimpleNamespace(bootstrap_servers="b:9092"),
+        _event=events.append,
+        events=events,
+    )
+
+
+def test_a_consumer_blind_to_a_broker_a_fresh_client_reaches_is_replaced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(worker_module, "CONSUMER_BLIND_AFTER", 0.3)
+    monkeypatch.setattr(worker_module, "backoff", lambda attempt, cap: 0.05)
+    # Without the check it would wait until the consumer saw the broker (here: after ~2 s).
+    blind = iter([False] * 40 + [True])
+    stuck = _waiting(lambda: next(blind), lambda: True)
+    with pytest.raises(ConsumerStuckError, match="a new client reaches the broker"):
+        Worker._await_broker(stuck, BrokerOutageError("commit timed out"))
+    # The broker is away for everyone: the worker waits on (and asks the fresh client again).
+    asked: list[float] = []
+    answers = iter([False] * 20 + [True])
+    away = _waiting(lambda: next(answers), lambda: asked.append(1.0) or False)
+    Worker._await_broker(away, BrokerOutageError("commit timed out"))
+    assert len(asked) >= 2, "a fresh client was not asked again"
+    assert [e["event"] for e in away.events] == ["broker_unavailable", "broker_back"]

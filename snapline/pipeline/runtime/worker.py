@@ -151,6 +151,9 @@ STOP_BOUND = 30.0
 FINAL_CHECKPOINT_BOUND = 15.0
 #: A worker waits this long for an unreachable broker before it exits with EX_TEMPFAIL.
 BROKER_OUTAGE_LIMIT = 900.0
+#: While the worker's consumer sees no broker this long (seconds), a fresh client is asked too:
+#: if it reaches the cluster, the consumer is stuck and replaced (see ``_await_broker``).
+CONSUMER_BLIND_AFTER = 20.0
 #: Records of repartition topics consumed by every retained checkpoint are deleted at most this
 #: often (seconds).
 REPARTITION_DELETE_INTERVAL = 5.0
@@ -1836,16 +1839,29 @@ class Worker:
         return True
 
     def _await_broker(self, exc: Exception) -> None:
-        """Wait (up to BROKER_OUTAGE_LIMIT, or until a stop) until the broker answers again."""
+        """Wait (up to BROKER_OUTAGE_LIMIT, or until a stop) until the broker answers again.
+
+        Raises ConsumerStuckError (the run loop replaces the consumer) when a fresh client
+        reaches the cluster while the consumer has not for CONSUMER_BLIND_AFTER."""
         started = time.monotonic()
         self._event({"event": "broker_unavailable", "error": str(exc)[:300]})
         attempt = 0
         last_log = started
+        ask_fresh_client = started + CONSUMER_BLIND_AFTER
         while not self._broker_reachable():
             self.liveness.beat()  # a wait that BROKER_OUTAGE_LIMIT bounds
             waited = time.monotonic() - started
             if self._stopping:
                 raise _StopNow(f"stop requested while the broker is unreachable ({exc})")
+            if time.monotonic() >= ask_fresh_client:
+                # A bounce test's worker asked its consumer for 200 s after the cluster came
+                # back (its peer committed all along): the consumer never saw the broker again.
+                if self._broker_reachable(fresh_client=True):
+                    raise ConsumerStuckError(
+                        f"a new client reaches the broker, but this worker's consumer has not "
+                        f"for {waited:.0f}s since the outage ({exc})"
+                    )
+                ask_fresh_client = time.monotonic() + CONSUMER_BLIND_AFTER
             if waited > BROKER_OUTAGE_LIMIT:
                 raise KafkaClientError(
                     f"Kafka at {self.settings.bootstrap_servers} unreachable for "
