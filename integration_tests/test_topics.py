@@ -95,3 +95,32 @@ def test_missing_source_topic_fails_at_start_naming_the_fix(
     # nothing was created on the way to that error: not the output, not the dead-letter topic
     assert _partitions(admin, f"{prefix}out") is None
     assert _partitions(admin, f"{prefix}job.dead-letter") is None
+
+
+def test_listed_groups_tells_groups_with_members_from_empty_ones_without_describing(
+    kafka_bootstrap: str, admin: AdminClient, unique_name: str
+) -> None:
+    """listed_groups (ListGroups, no coordinator lookup: librdkafka #4605) is what the worker's
+    start-up checks ask before any group request: a savepoint restore's lock group with its
+    member, then without; an unknown group is absent."""
+    from confluent_kafka import Consumer
+
+    from snapline.pipeline.runtime.kafka_calls import listed_groups
+
+    topic = f"{unique_name}-lock"
+    create_topics(kafka_bootstrap, {topic: 1})
+    group = f"{unique_name}/restore"
+    consumer = Consumer(
+        {"bootstrap.servers": kafka_bootstrap, "group.id": group, "session.timeout.ms": 6000}
+    )
+    try:
+        consumer.subscribe([topic])
+        deadline = time.monotonic() + 30  # a join takes ~3 s (group.initial.rebalance.delay)
+        while not consumer.assignment():
+            assert time.monotonic() < deadline, "the consumer never joined its group"
+            consumer.poll(0.2)
+        assert listed_groups(admin, 10).get(group) is True
+    finally:
+        consumer.close()  # leaves the group: it is empty now
+    assert listed_groups(admin, 10).get(group) is False
+    assert f"{unique_name}/no-such-group" not in listed_groups(admin, 10)

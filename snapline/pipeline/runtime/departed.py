@@ -43,6 +43,7 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
 from snapline.pipeline.errors import ConfigurationError
+from snapline.pipeline.runtime.kafka_calls import listed_groups
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,13 @@ def running_namesake(
     if not pairs:
         return None
     admin = AdminClient(kafka_config)
+    # Only groups with members are described: a describe looks up each group's coordinator,
+    # which can abort the process when it times out while the cluster comes up
+    # (listed_groups), and the candidates are rarely groups at all.
+    groups = listed_groups(admin, timeout)
+    pairs = [(other, other_worker) for other, other_worker in pairs if groups.get(other)]
+    if not pairs:
+        return None
     futures = admin.describe_consumer_groups([other for other, _ in pairs], request_timeout=timeout)
     me = instance_id(job, worker_id)
     for other, other_worker in pairs:

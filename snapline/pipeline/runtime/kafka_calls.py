@@ -21,11 +21,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import ConsumerGroupState, KafkaError, KafkaException
 
 from snapline.pipeline.errors import CheckpointError, SnaplineError
 
 if TYPE_CHECKING:
+    from confluent_kafka.admin import AdminClient
+
     from snapline.pipeline.runtime.liveness import Liveness
 
 log = logging.getLogger(__name__)
@@ -187,3 +189,24 @@ def _release(holder: list[Any]) -> None:
     """Runs on the helper thread, which takes and drops the last reference."""
     client = holder.pop()
     del client
+
+
+#: Group states without members (UNKNOWN, from a broker that does not say, may have some).
+_MEMBERLESS = {ConsumerGroupState.EMPTY, ConsumerGroupState.DEAD}
+
+
+def listed_groups(admin: AdminClient, timeout: float) -> dict[str, bool]:
+    """Every consumer group of the cluster, and whether it may have members now, by
+    ListGroups: each broker answers for the groups it coordinates, with no coordinator lookup.
+
+    A group request that looks a coordinator up (DescribeGroups, OffsetFetch) and times out
+    while the lookup is in flight can abort the process later (librdkafka #4605:
+    ``rd_kafka_enq_once_del_source_return: Assertion `eonce->refcnt > 0' failed``; workers
+    started while a cluster was coming up died with -6 in the bounce tests). So a check asks
+    this first and sends such requests only for the groups it names. Raises KafkaException
+    when a broker did not answer (a group could live there)."""
+    result = admin.list_consumer_groups(request_timeout=timeout).result(timeout=timeout + 5)
+    if result.errors:
+        error = result.errors[0]
+        raise error if isinstance(error, KafkaException) else KafkaException(error)
+    return {g.group_id: g.state not in _MEMBERLESS for g in result.valid}

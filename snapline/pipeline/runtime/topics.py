@@ -41,7 +41,7 @@ from confluent_kafka.admin import (
 
 from snapline.pipeline.errors import ConfigurationError, SnaplineError
 from snapline.pipeline.graph import Pipeline
-from snapline.pipeline.runtime.kafka_calls import kafka_error
+from snapline.pipeline.runtime.kafka_calls import kafka_error, listed_groups
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,10 @@ def check_repartition_owners(kafka_config: dict[str, Any], pipeline: Pipeline) -
         return
     admin = AdminClient(kafka_config)
     try:
+        # Only groups that exist are asked for offsets (an offset fetch looks up the group's
+        # coordinator, which can abort the process when it times out: listed_groups).
+        existing = listed_groups(admin, 30)
+        groups = [g for g in groups if g in existing]
         offsets = {}
         for group in groups:  # one group per request (the client's limit)
             futures = admin.list_consumer_group_offsets(
@@ -119,7 +123,9 @@ def check_repartition_owners(kafka_config: dict[str, Any], pipeline: Pipeline) -
         return
     for topic, others in candidates.items():
         for other in others:
-            if any(tp.topic == topic and tp.offset >= 0 for tp in offsets[other].topic_partitions):
+            if other in offsets and any(
+                tp.topic == topic and tp.offset >= 0 for tp in offsets[other].topic_partitions
+            ):
                 raise ConfigurationError(
                     f"repartition topic {topic!r} of job {pipeline.name!r} is also job "
                     f"{other!r}'s (its consumer group has offsets in it): each would delete "

@@ -97,6 +97,7 @@ from snapline.pipeline.runtime.kafka_calls import (
     classify,
     is_unavailable,
     kafka_error,
+    listed_groups,
     release_in_background,
     sleep_unless,
 )
@@ -429,28 +430,16 @@ class Worker:
 
         group = restore_group(self.pipeline.name)
         admin = self._background_admin()
-        try:
-            # librdkafka aborts the process (rd_kafka_enq_once_del_source_return:
-            # eonce->refcnt > 0) when a group request that timed out waiting for an
-            # unreachable broker sees the broker come back: a worker started during an
-            # outage died with -6 in the broker bounce test. A metadata request, which
-            # has no such wait, asks first whether the broker answers.
-            admin.list_topics(timeout=10)
-            answers = True
-        except KafkaException as exc:
-            log.warning("could not check for a savepoint restore of this job: %s", exc)
-            answers = False
         started = said = time.monotonic()
-        while answers:
+        while True:
             try:
-                # A request timeout well above the broker's usual answer: a timed-out group
-                # request is what the abort above follows (librdkafka issue #4605).
-                future = admin.describe_consumer_groups([group], request_timeout=30)[group]
-                members = future.result(timeout=35).members
+                # ListGroups, not DescribeGroups: no coordinator lookup, which can abort the
+                # process when it times out while the cluster comes up (listed_groups).
+                running = listed_groups(admin, 30).get(group, False)
             except Exception as exc:
                 log.warning("could not check for a savepoint restore of this job: %s", exc)
                 break
-            if not members:
+            if not running:
                 break
             if time.monotonic() - said >= 30:
                 said = time.monotonic()
