@@ -80,7 +80,9 @@ def test_bad_records_go_to_dead_letter_topic(
             good += 1
         if i % 50 in (10, 20):
             bad.append(value)
-        producer.produce(f"{prefix}orders", value, customer.encode())
+        # The input's own headers (a trace id) go with its dead letter, before Snapline's.
+        headers = [("trace-id", f"t{i}".encode()), ("empty", None)]
+        producer.produce(f"{prefix}orders", value, customer.encode(), headers=headers)
     producer.flush(30)
     worker = _start_worker("dead_letters", kafka_bootstrap, tmp_path, prefix)
     try:
@@ -90,12 +92,20 @@ def test_bad_records_go_to_dead_letter_topic(
         worker.stop()
     assert len(outputs) == good and len({o["order_id"] for o in outputs}) == good
     assert sorted(m.value() for m in letters) == sorted(bad)
+    traces = []
     for message in letters:
-        headers = dict(message.headers())
+        listed = message.headers()
+        assert [name for name, _ in listed[:2]] == ["trace-id", "empty"], listed
+        assert listed[1][1] is None, listed
+        headers = dict(listed)
         assert headers["snapline.topic"] == f"{prefix}orders".encode()
         assert int(headers["snapline.offset"]) >= 0 and b"snapline.partition" not in b""
         reason = headers["snapline.error"].decode()
         assert ("cannot decode" in reason) or ("amount must be an int" in reason)
+        order = int(headers["trace-id"].decode()[1:])  # the input's, with its own letter
+        assert order % 50 == (10 if "cannot decode" in reason else 20), (reason, listed)
+        traces.append(order)
+    assert sorted(traces) == [i for i in range(300) if i % 50 in (10, 20)]
 
 
 @pytest.mark.parametrize("limit", ["producer", "topic", "lowered"])

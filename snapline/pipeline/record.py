@@ -24,6 +24,7 @@ class Record:
         "offset",
         "raw",
         "raw_key",
+        "message",
     )
 
     def __init__(
@@ -38,6 +39,7 @@ class Record:
         key_group: int = -1,
         raw: bytes | None = None,
         raw_key: bytes | None = None,
+        message: Any = None,
     ) -> None:
         self.value = value
         self.timestamp = timestamp
@@ -50,6 +52,9 @@ class Record:
         #: The original Kafka value and key bytes, for dead letters and partitioning checks.
         self.raw = raw
         self.raw_key = raw_key
+        #: The source topic's Kafka message it came from (None past a repartition topic, for
+        #: timers and windows): a dead letter carries the input's headers.
+        self.message = message
 
     def with_value(self, value: Any) -> Record:
         return Record(
@@ -63,6 +68,7 @@ class Record:
             self.key_group,
             self.raw,
             self.raw_key,
+            self.message,
         )
 
     def __repr__(self) -> str:

@@ -165,6 +165,7 @@ class SourceOperator(Operator):
                     msg.offset(),
                     raw=raw,
                     raw_key=raw_key,
+                    message=msg,
                 )
                 self.task.dead_letter(record, f"{self.name}: cannot decode: {exc!r}")
                 continue
@@ -174,7 +175,14 @@ class SourceOperator(Operator):
                     ts = timestamp_ms(timestamp_of(value))
                 except Exception as exc:
                     record = Record(
-                        value, ts, topic, partition, msg.offset(), raw=raw, raw_key=raw_key
+                        value,
+                        ts,
+                        topic,
+                        partition,
+                        msg.offset(),
+                        raw=raw,
+                        raw_key=raw_key,
+                        message=msg,
                     )
                     self.task.dead_letter(record, f"{self.name}: timestamp raised {exc!r}")
                     continue
@@ -192,6 +200,7 @@ class SourceOperator(Operator):
                     -1,
                     raw,
                     raw_key,
+                    msg,
                 )
             )
         self.emit(out)

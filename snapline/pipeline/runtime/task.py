@@ -526,7 +526,8 @@ class Task:
         """Send ``record`` to the dead-letter topic (in this epoch's transaction) or fail.
 
         The dead letter carries the original Kafka bytes (or ``value``, e.g. the row a sink
-        rejected) and headers naming the error and the source position.
+        rejected), the input's own headers (of a record read from a source topic), then
+        headers naming the error and the source position.
         """
         if self._fail_on_error:
             raise UserCodeError(
@@ -542,6 +543,14 @@ class Task:
         )
         if value is None:
             value = record.raw
+        message = record.message
+        given = None if message is None else message.headers()
+        if given:
+            if self._fits(value, record.raw_key, given + headers):
+                headers = given + headers  # Snapline's last: a reader taking the last wins
+            else:
+                omitted = f"{len(given)} input headers, over the producer's message.max.bytes"
+                headers.append(("snapline.headers-omitted", omitted.encode()))
         if not self._fits(value, record.raw_key, headers):
             # Even the input is too large for the producer: the dead letter names its
             # source position (where the input still is) and leaves the bytes out.
