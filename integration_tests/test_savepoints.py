@@ -7,8 +7,11 @@ check every sink: a read_committed consumer, pyarrow on the Parquet table, SQL.
 
 from __future__ import annotations
 
+import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -18,11 +21,12 @@ import orjson
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, Producer, TopicPartition
 
 from examples.orders import read_committed, verify_totals
 from examples.workers import process_state
 from integration_tests.warehouse_job import (
+    REPO,
     SPEC,
     WarehouseJob,
     kill_randomly,
@@ -569,3 +573,106 @@ def test_paused_workers_hear_holds_while_the_savepoint_is_written(
         assert [(r.id, r.action) for r in got[:3]] == [("req", "hold")] * 3
     finally:
         channel.close()
+
+
+def test_a_worker_started_while_a_savepoint_waits_finds_the_request_and_takes_part(
+    kafka_bootstrap: str, unique_name: str
+) -> None:
+    """A worker's control channel reads the topic back at start for a savepoint still in
+    progress: a request without a resume whose last record (the request, or a hold) is
+    younger than the pause limit. It comes with the first poll, once; a resumed request, one
+    the CLI stopped speaking of and a --stop request are not for it."""
+    from snapline.pipeline.savepoint import control
+
+    config = {"bootstrap.servers": kafka_bootstrap}
+    control.ensure_control_topic(config, unique_name)
+    control.send(config, unique_name, "savepoint", "done")
+    control.send(config, unique_name, "resume", "done")
+    # Its CLI died 3 minutes ago (the record's time is the CLI's clock): past 1.5 × HOLD_EVERY.
+    producer = Producer(config)
+    stale = orjson.dumps({"id": "abandoned", "action": "savepoint", "stop": False})
+    producer.produce(
+        control.control_topic(unique_name), stale, timestamp=int(time.time() * 1000) - 180_000
+    )
+    producer.flush(10)
+    control.send(config, unique_name, "savepoint", "open")
+    control.send(config, unique_name, "hold", "open")
+    control.send(config, unique_name, "savepoint", "stopping", stop=True)  # never joined
+    channel = control.ControlChannel(config, unique_name)
+    try:
+        got = channel.poll(every=0)
+        assert [(r.id, r.action, r.stop) for r in got] == [("open", "savepoint", False)]
+        assert 0 <= got[0].age < 60
+        control.send(config, unique_name, "resume", "open")
+        later: list[control.Request] = []
+        deadline = time.monotonic() + 20
+        while not later and time.monotonic() < deadline:
+            later = channel.poll(every=0)
+            time.sleep(0.1)
+        assert [(r.id, r.action) for r in later] == [("open", "resume")]  # not again
+    finally:
+        channel.close()
+
+
+def test_a_savepoint_completes_when_a_worker_restarts_while_it_waits(
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list[Any]
+) -> None:
+    """w1 is SIGKILLed; `savepoint create` asks the job, w0 commits and pauses, and w1 is
+    restarted while the CLI waits for its acknowledgement (a supervisor restarting a crashed
+    worker). The restarted w1 started after the request was sent: it used to never hear it,
+    and the CLI waited its whole timeout and failed. Now it finds the request in progress,
+    restores paused, commits and acknowledges; the savepoint is written and the job goes on,
+    every order once in every sink."""
+    job = WarehouseJob(kafka_bootstrap, unique_name, tmp_path, postgres_dsn, interval=0.3)
+    jobs.append(job)
+    w0, w1 = job.workers
+    for worker in job.workers:
+        worker.start()
+    job.produce(4_000)
+    wait_running(job)
+    w1.kill()
+    env = {
+        **os.environ,
+        **job.env,
+        "PYTHONPATH": str(REPO),
+        "SNAPLINE_BOOTSTRAP_SERVERS": job.bootstrap,
+        "SNAPLINE_CHECKPOINT_DIR": str(job.checkpoint_dir),
+    }
+    cli = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "snapline.pipeline.cli",
+            "savepoint",
+            "create",
+            SPEC,
+            "--timeout",
+            "60",
+        ],
+        cwd=job.workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        requests = job.checkpoint_dir / job.name / "savepoints" / "_requests"
+        wait_for(
+            "w0's acknowledgement",
+            lambda: any(requests.glob("*/w0.json")),
+            60,  # w0 commits and pauses within its checkpoint timeout
+            job.logs,
+        )
+        w1.start()
+        # Bounded: the CLI's own --timeout (60 s) plus the export.
+        out, err = cli.communicate(timeout=180)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    assert cli.returncode == 0, f"savepoint create failed: {err}\n{job.logs()}"
+    assert "was requested before this worker started" in w1.log_path.read_text(), w1.tail()
+    path = out.strip().splitlines()[-1]
+    assert Path(path, "_savepoint.json").exists()
+    job.produce(2_000)
+    job.verify()  # every order once in Kafka, Parquet and PostgreSQL
+    job.stop_all()

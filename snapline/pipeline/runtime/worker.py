@@ -349,13 +349,13 @@ class Worker:
         self._consumer_fatal: str | None = None
         #: Savepoint requests (snapline savepoint create) arrive on the control channel; while
         #: a savepoint is written the worker is paused: (request id, since).
+        # Tests shorten the pause limit to watch holds work (seconds).
+        self._pause_limit = float(os.environ.get("SNAPLINE_TEST_PAUSE_LIMIT", PAUSE_LIMIT))
         try:
-            self._control = ControlChannel(kafka_config, pipeline.name)
+            self._control = ControlChannel(kafka_config, pipeline.name, self._pause_limit)
         except KafkaException as exc:  # its consumer is the first one the worker creates
             raise invalid_kafka_settings(exc, "consumer") from exc
         self._paused: tuple[str, float] | None = None
-        # Tests shorten the pause limit to watch holds work (seconds).
-        self._pause_limit = float(os.environ.get("SNAPLINE_TEST_PAUSE_LIMIT", PAUSE_LIMIT))
         #: When the current pause began (the holds of a savepoint never extend it past
         #: MAX_PAUSE: a CLI whose export hangs cannot stall the job for good).
         self._paused_at = 0.0
@@ -515,7 +515,9 @@ class Worker:
         restored = self._restore(partitions)
         assigned = [TopicPartition(t, p, off) for (t, p), off in restored.items()]
         consumer.assign(assigned)
-        if self._paused is not None:  # a savepoint is being written: read nothing new
+        if self._paused is not None or self._savepoint_request is not None:
+            # A savepoint is being written (or asked for, and this worker commits and pauses
+            # at its next step): read nothing new.
             consumer.pause(assigned)
         self._remove_moved_task_dirs()
         self._event(
@@ -2312,11 +2314,14 @@ class Worker:
         ok = self._final_checkpoint(reason="savepoint")
         status = "failed"
         if ok:
-            self._paused = (request.id, time.monotonic())
-            self._paused_at = time.monotonic()
+            # A request found in progress at start: its pause counts from the CLI's last word.
+            self._paused = (request.id, time.monotonic() - request.age)
+            self._paused_at = time.monotonic() - request.age
             self.consumer.pause(self.consumer.assignment())
             status = "stopped" if request.stop else "paused"
             self._exit_after_savepoint = request.stop
+        else:  # paused at the assignment while the request waited (_on_assign)
+            self.consumer.resume(self.consumer.assignment())
         self._event(
             {
                 "event": "savepoint",

@@ -156,7 +156,9 @@ def create(
     except SnaplineError as exc:
         raise click.ClickException(str(exc)) from exc
     finally:
-        if not stop and not resumed:
+        if not resumed:
+            # With --stop too: it closes the request, so that a worker started from here on
+            # (the job restarted from this savepoint) does not take it as in progress.
             control.send(config, pipeline.name, "resume", request)
     _summary(metadata)
     click.echo(target)

@@ -7,7 +7,10 @@ joins its group, so no request sent to a member is missed). On a savepoint reque
 commits a checkpoint of everything read so far, then pauses reading (or, with ``stop``, exits)
 and acknowledges by writing ``<job>/savepoints/_requests/<id>/<worker>.json`` to checkpoint storage;
 the CLI writes the savepoint from the committed checkpoints once every member has
-acknowledged, then sends ``resume``. A paused worker resumes by itself after
+acknowledged, then sends ``resume`` (with ``stop`` too: it closes the request). A worker
+that starts while a request without ``stop`` is in progress (no ``resume`` yet, the CLI heard
+from within 1.5 × ``HOLD_EVERY``) finds it at start and takes part
+(``ControlChannel._in_progress``). A paused worker resumes by itself after
 ``PAUSE_LIMIT`` seconds without hearing from the CLI, so a CLI that died never stalls a job
 for long; while it writes the savepoint the CLI sends ``{"id", "action": "hold"}`` every
 ``HOLD_EVERY`` seconds (``holding``), so an export that takes longer keeps the job paused,
@@ -60,11 +63,17 @@ def ack_directory(job: str, request_id: str) -> str:
     return f"{job}/savepoints/_requests/{request_id}"
 
 
+#: Records of the control topic a starting worker reads back for a savepoint in progress.
+LOOKBACK = 200
+
+
 @dataclass(frozen=True)
 class Request:
     id: str
     action: str
     stop: bool = False
+    #: Seconds since the CLI last spoke of it (a request found in progress at start), else 0.
+    age: float = 0.0
 
 
 def ensure_control_topic(kafka_config: dict[str, Any], job: str) -> None:
@@ -94,7 +103,9 @@ def ensure_control_topic(kafka_config: dict[str, Any], job: str) -> None:
 class ControlChannel:
     """A worker's reader of the control topic (no consumer group: every worker reads all)."""
 
-    def __init__(self, kafka_config: dict[str, Any], job: str) -> None:
+    def __init__(
+        self, kafka_config: dict[str, Any], job: str, pause_limit: float = PAUSE_LIMIT
+    ) -> None:
         ensure_control_topic(kafka_config, job)
         self._consumer = Consumer(
             {
@@ -104,8 +115,67 @@ class ControlChannel:
                 "isolation.level": "read_committed",
             }
         )
-        self._consumer.assign([TopicPartition(control_topic(job), 0, self._end(job))])
+        end = self._end(job)
+        #: A savepoint in progress when this worker started: the first poll returns it.
+        self._pending: list[Request] = []
+        if end != OFFSET_END:
+            try:
+                self._pending = self._in_progress(job, end, pause_limit)
+            except KafkaException as exc:
+                log.warning("control topic %s: could not read it back (%s)", job, exc)
+        self._consumer.assign([TopicPartition(control_topic(job), 0, end)])
         self._last_poll = 0.0
+
+    def _in_progress(self, job: str, end: int, pause_limit: float) -> list[Request]:
+        """The savepoint request sent before this worker started that is still in progress:
+        no ``resume`` for it since (the CLI sends one when it is done, --stop too), and its
+        last record (the request, or a ``hold``, which a live CLI sends every HOLD_EVERY)
+        younger than 1.5 × HOLD_EVERY (at most ``pause_limit``). A worker started while
+        ``snapline savepoint create`` waited for acknowledgements (restarted after a crash,
+        or a new member) never heard the request: the CLI waited its whole timeout for it,
+        or failed on the tasks it took over. A ``stop`` request is not joined: taken for
+        in progress by mistake (its CLI died before its ``resume``), it would end a job just
+        restarted, where a pause ends by itself."""
+        topic = control_topic(job)
+        low, _ = self._consumer.get_watermark_offsets(
+            TopicPartition(topic, 0), timeout=10, cached=False
+        )
+        start = max(low, end - LOOKBACK)
+        if start >= end:
+            return []
+        self._consumer.assign([TopicPartition(topic, 0, start)])
+        open_: dict[str, tuple[Request, int]] = {}  # id -> (request, last record's time, ms)
+        deadline = time.monotonic() + 10
+        seen = start
+        while seen < end and time.monotonic() < deadline:
+            for msg in self._consumer.consume(LOOKBACK, 0.5):
+                if msg.error() is not None:
+                    continue
+                seen = msg.offset() + 1
+                request = _parse(msg.value())
+                if request is None or msg.offset() >= end:
+                    continue
+                sent = msg.timestamp()[1]
+                if request.action == "savepoint" and not request.stop:
+                    open_[request.id] = (request, sent)
+                elif request.action == "hold" and request.id in open_:
+                    open_[request.id] = (open_[request.id][0], sent)
+                elif request.action == "resume":
+                    open_.pop(request.id, None)
+        now_ms = time.time() * 1000
+        fresh_ms = min(pause_limit, 1.5 * HOLD_EVERY) * 1000
+        young = [(sent, r) for r, sent in open_.values() if now_ms - sent < fresh_ms]
+        if not young:
+            return []
+        sent, request = max(young, key=lambda found: found[0])
+        age = max(0.0, (now_ms - sent) / 1000)
+        log.info(
+            "savepoint %s was requested before this worker started and is in progress (last "
+            "heard of %.0f s ago): it takes part",
+            request.id,
+            age,
+        )
+        return [Request(request.id, request.action, request.stop, age)]
 
     def _end(self, job: str) -> int:
         """The control topic's end offset, asked of the broker now. Assigned at ``OFFSET_END``
@@ -134,22 +204,27 @@ class ControlChannel:
         if now - self._last_poll < every:
             return []
         self._last_poll = now
-        requests = []
+        requests, self._pending = self._pending, []
         for msg in self._consumer.consume(10, 0):
             if msg.error() is not None:
                 continue
-            try:
-                body = orjson.loads(msg.value())
-                requests.append(
-                    Request(str(body["id"]), str(body["action"]), bool(body.get("stop")))
-                )
-            except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
-                log.warning("ignoring a malformed control record: %s", exc)
+            request = _parse(msg.value())
+            if request is not None:
+                requests.append(request)
         return requests
 
     def close(self) -> None:
         with contextlib.suppress(KafkaException):
             self._consumer.close()
+
+
+def _parse(value: bytes | None) -> Request | None:
+    try:
+        body = orjson.loads(value or b"")
+        return Request(str(body["id"]), str(body["action"]), bool(body.get("stop")))
+    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        log.warning("ignoring a malformed control record: %s", exc)
+        return None
 
 
 def send(
