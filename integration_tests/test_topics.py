@@ -119,8 +119,8 @@ def test_listed_groups_tells_groups_with_members_from_empty_ones_without_describ
         while not consumer.assignment():
             assert time.monotonic() < deadline, "the consumer never joined its group"
             consumer.poll(0.2)
-        assert listed_groups(admin, 10).get(group) is True
+        assert listed_groups(admin, 10, [group]).get(group) is True
     finally:
         consumer.close()  # leaves the group: it is empty now
-    assert listed_groups(admin, 10).get(group) is False
-    assert f"{unique_name}/no-such-group" not in listed_groups(admin, 10)
+    assert listed_groups(admin, 10, [group]).get(group) is False
+    assert f"{unique_name}/no-such-group" not in listed_groups(admin, 10, [])

@@ -56,6 +56,24 @@ class Record:
         #: timers and windows): a dead letter carries the input's headers.
         self.message = message
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled and copied without ``message`` (a librdkafka message pickles not)."""
+        return (
+            Record,
+            (
+                self.value,
+                self.timestamp,
+                self.topic,
+                self.partition,
+                self.offset,
+                self.key,
+                self.key_bytes,
+                self.key_group,
+                self.raw,
+                self.raw_key,
+            ),
+        )
+
     def with_value(self, value: Any) -> Record:
         return Record(
             value,

@@ -273,9 +273,9 @@ def test_only_a_partition_added_to_a_latest_source_after_the_start_is_read_from_
 def _waiting(consumer_sees: Any, fresh_sees: Any) -> Any:
     events: list[dict[str, Any]] = []
     return SimpleNamespace(
-        _broker_reachable=lambda fresh_client=False: (
-            fresh_sees if fresh_client else consumer_sees
-        )(),
+        _broker_reachable=lambda fresh_client=False, timeout=2.0: (
+            fresh_sees() if fresh_client else consumer_sees(timeout)
+        ),
         _stopping=False,
         liveness=SimpleNamespace(beat=lambda: None),
         settings=SimpleNamespace(bootstrap_servers="b:9092"),
@@ -291,13 +291,17 @@ def test_a_consumer_blind_to_a_broker_a_fresh_client_reaches_is_replaced(
     monkeypatch.setattr(worker_module, "backoff", lambda attempt, cap: 0.05)
     # Without the check it would wait until the consumer saw the broker (here: after ~2 s).
     blind = iter([False] * 40 + [True])
-    stuck = _waiting(lambda: next(blind), lambda: True)
+    stuck = _waiting(lambda timeout: next(blind), lambda: True)
     with pytest.raises(ConsumerStuckError, match="a new client reaches the broker"):
         Worker._await_broker(stuck, BrokerOutageError("commit timed out"))
+    # A consumer that answers within the fresh client's longer timeout is slow, not stuck.
+    slow = _waiting(lambda timeout: timeout > 2.0, lambda: True)
+    Worker._await_broker(slow, BrokerOutageError("commit timed out"))
+    assert [e["event"] for e in slow.events] == ["broker_unavailable", "broker_back"]
     # The broker is away for everyone: the worker waits on (and asks the fresh client again).
     asked: list[float] = []
     answers = iter([False] * 20 + [True])
-    away = _waiting(lambda: next(answers), lambda: asked.append(1.0) or False)
+    away = _waiting(lambda timeout: next(answers), lambda: asked.append(1.0) or False)
     Worker._await_broker(away, BrokerOutageError("commit timed out"))
     assert len(asked) >= 2, "a fresh client was not asked again"
     assert [e["event"] for e in away.events] == ["broker_unavailable", "broker_back"]

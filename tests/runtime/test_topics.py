@@ -23,11 +23,7 @@ WHERE = "kafka:9092"
 
 def readme_pipeline(**kwargs: object) -> Pipeline:
     pipeline = Pipeline("orders", **kwargs)  # type: ignore[arg-type]
-    (
-        pipeline.source(KafkaSource("orders"))
-        .key_by()
-        .sink(KafkaSink("customer-totals"))
-    )
+    (pipeline.source(KafkaSource("orders")).key_by().sink(KafkaSink("customer-totals")))
     return pipeline
 
 

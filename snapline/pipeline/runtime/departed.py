@@ -114,7 +114,7 @@ def running_namesake(
     # Only groups with members are described: a describe looks up each group's coordinator,
     # which can abort the process when it times out while the cluster comes up
     # (listed_groups), and the candidates are rarely groups at all.
-    groups = listed_groups(admin, timeout)
+    groups = listed_groups(admin, timeout, [other for other, _ in pairs])
     pairs = [(other, other_worker) for other, other_worker in pairs if groups.get(other)]
     if not pairs:
         return None

@@ -18,7 +18,7 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from confluent_kafka import ConsumerGroupState, KafkaError, KafkaException
@@ -195,8 +195,8 @@ def _release(holder: list[Any]) -> None:
 _MEMBERLESS = {ConsumerGroupState.EMPTY, ConsumerGroupState.DEAD}
 
 
-def listed_groups(admin: AdminClient, timeout: float) -> dict[str, bool]:
-    """Every consumer group of the cluster, and whether it may have members now, by
+def listed_groups(admin: AdminClient, timeout: float, wanted: Iterable[str]) -> dict[str, bool]:
+    """The consumer groups of the cluster, and whether each may have members now, by
     ListGroups: each broker answers for the groups it coordinates, with no coordinator lookup.
 
     A group request that looks a coordinator up (DescribeGroups, OffsetFetch) and times out
@@ -204,9 +204,11 @@ def listed_groups(admin: AdminClient, timeout: float) -> dict[str, bool]:
     ``rd_kafka_enq_once_del_source_return: Assertion `eonce->refcnt > 0' failed``; workers
     started while a cluster was coming up died with -6 in the bounce tests). So a check asks
     this first and sends such requests only for the groups it names. Raises KafkaException
-    when a broker did not answer (a group could live there)."""
+    when a broker did not answer and one of the ``wanted`` groups was not listed (it could
+    live on that broker)."""
     result = admin.list_consumer_groups(request_timeout=timeout).result(timeout=timeout + 5)
-    if result.errors:
+    listed = {g.group_id: g.state not in _MEMBERLESS for g in result.valid}
+    if result.errors and any(group not in listed for group in wanted):
         error = result.errors[0]
         raise error if isinstance(error, KafkaException) else KafkaException(error)
-    return {g.group_id: g.state not in _MEMBERLESS for g in result.valid}
+    return listed

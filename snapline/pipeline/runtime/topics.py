@@ -108,7 +108,7 @@ def check_repartition_owners(kafka_config: dict[str, Any], pipeline: Pipeline) -
     try:
         # Only groups that exist are asked for offsets (an offset fetch looks up the group's
         # coordinator, which can abort the process when it times out: listed_groups).
-        existing = listed_groups(admin, 30)
+        existing = listed_groups(admin, 10, groups)
         groups = [g for g in groups if g in existing]
         offsets = {}
         for group in groups:  # one group per request (the client's limit)

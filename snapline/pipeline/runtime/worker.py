@@ -435,7 +435,7 @@ class Worker:
             try:
                 # ListGroups, not DescribeGroups: no coordinator lookup, which can abort the
                 # process when it times out while the cluster comes up (listed_groups).
-                running = listed_groups(admin, 30).get(group, False)
+                running = listed_groups(admin, 10, [group]).get(group, False)
             except Exception as exc:
                 log.warning("could not check for a savepoint restore of this job: %s", exc)
                 break
@@ -1797,7 +1797,7 @@ class Worker:
         for (topic, partition), offset in restored.items():
             self.consumer.seek(TopicPartition(topic, partition, offset))
 
-    def _broker_reachable(self, fresh_client: bool = False) -> bool:
+    def _broker_reachable(self, fresh_client: bool = False, timeout: float = 2.0) -> bool:
         """The broker answers a metadata request and every source partition has a leader.
 
         Asked through the worker's consumer, or with ``fresh_client`` through a new admin
@@ -1817,7 +1817,7 @@ class Worker:
                     return False
             else:
                 metadata = self._consumer_call(
-                    "list_topics", 2 + HANG_GRACE, self.consumer.list_topics, None, 2
+                    "list_topics", timeout + HANG_GRACE, self.consumer.list_topics, None, timeout
                 )
         except KafkaException:
             return False
@@ -1847,7 +1847,11 @@ class Worker:
             if time.monotonic() >= ask_fresh_client:
                 # A bounce test's worker asked its consumer for 200 s after the cluster came
                 # back (its peer committed all along): the consumer never saw the broker again.
+                # The consumer is asked once more with the fresh client's 5 s: a slow answer
+                # is not a stuck consumer.
                 if self._broker_reachable(fresh_client=True):
+                    if self._broker_reachable(timeout=5.0):
+                        break
                     raise ConsumerStuckError(
                         f"a new client reaches the broker, but this worker's consumer has not "
                         f"for {waited:.0f}s since the outage ({exc})"
@@ -2290,6 +2294,17 @@ class Worker:
             elif request.action == "resume" and self._paused and self._paused[0] == request.id:
                 self._resume("the savepoint is written")
             elif (
+                request.action == "resume"
+                and self._savepoint_request is not None
+                and self._savepoint_request.id == request.id
+            ):
+                # Found in progress at start, written before this worker had its tasks: not
+                # taken, and the partitions paused at the assignment go on (_on_assign).
+                log.info("savepoint %s was written before this worker took part", request.id)
+                self._savepoint_request = None
+                if self._paused is None:
+                    self.consumer.resume(self.consumer.assignment())
+            elif (
                 request.action == "hold"
                 and self._paused
                 and self._paused[0] == request.id
@@ -2315,12 +2330,13 @@ class Worker:
         status = "failed"
         if ok:
             # A request found in progress at start: its pause counts from the CLI's last word.
-            self._paused = (request.id, time.monotonic() - request.age)
-            self._paused_at = time.monotonic() - request.age
+            since = time.monotonic() if request.heard is None else request.heard
+            self._paused = (request.id, since)
+            self._paused_at = since
             self.consumer.pause(self.consumer.assignment())
             status = "stopped" if request.stop else "paused"
             self._exit_after_savepoint = request.stop
-        else:  # paused at the assignment while the request waited (_on_assign)
+        elif self._paused is None:  # paused at the assignment while the request waited
             self.consumer.resume(self.consumer.assignment())
         self._event(
             {

@@ -159,7 +159,10 @@ def create(
         if not resumed:
             # With --stop too: it closes the request, so that a worker started from here on
             # (the job restarted from this savepoint) does not take it as in progress.
-            control.send(config, pipeline.name, "resume", request)
+            try:
+                control.send(config, pipeline.name, "resume", request)
+            except Exception as exc:  # a cleanup: never hides the outcome or the error
+                console.print(f"warning: could not send resume for savepoint {request}: {exc}")
     _summary(metadata)
     click.echo(target)
 

@@ -72,8 +72,9 @@ class Request:
     id: str
     action: str
     stop: bool = False
-    #: Seconds since the CLI last spoke of it (a request found in progress at start), else 0.
-    age: float = 0.0
+    #: A request found in progress at start: when the CLI last spoke of it (monotonic time,
+    #: what its pause counts from); None for a request heard as it came.
+    heard: float | None = None
 
 
 def ensure_control_topic(kafka_config: dict[str, Any], job: str) -> None:
@@ -115,18 +116,34 @@ class ControlChannel:
                 "isolation.level": "read_committed",
             }
         )
+        topic = control_topic(job)
         end = self._end(job)
-        #: A savepoint in progress when this worker started: the first poll returns it.
-        self._pending: list[Request] = []
+        #: Records below it were sent before this worker started: never taken as requests.
+        self._live_from = -1 if end == OFFSET_END else end
+        start = end
         if end != OFFSET_END:
             try:
-                self._pending = self._in_progress(job, end, pause_limit)
+                low = self._consumer.get_watermark_offsets(
+                    TopicPartition(topic, 0), timeout=10, cached=False
+                )[0]
+                start = max(low, end - LOOKBACK, 0)
             except KafkaException as exc:
-                log.warning("control topic %s: could not read it back (%s)", job, exc)
-        self._consumer.assign([TopicPartition(control_topic(job), 0, end)])
+                log.warning("control topic %s: could not read it back (%s)", topic, exc)
+        # Assigned once: assigned again, the partition's fetcher can abort the process at
+        # close (rd_kafka_assignment_partition_stopped: rktp_started, seen in a test).
+        self._consumer.assign([TopicPartition(topic, 0, start)])
+        #: A savepoint in progress when this worker started: the first poll returns it.
+        self._pending: list[Request] = []
+        #: Live records the read-back consumed with the old ones (the first poll has them).
+        self._early: list[Any] = []
+        if start < end:
+            try:
+                self._pending = self._in_progress(end, pause_limit)
+            except KafkaException as exc:
+                log.warning("control topic %s: could not read it back (%s)", topic, exc)
         self._last_poll = 0.0
 
-    def _in_progress(self, job: str, end: int, pause_limit: float) -> list[Request]:
+    def _in_progress(self, end: int, pause_limit: float) -> list[Request]:
         """The savepoint request sent before this worker started that is still in progress:
         no ``resume`` for it since (the CLI sends one when it is done, --stop too), and its
         last record (the request, or a ``hold``, which a live CLI sends every HOLD_EVERY)
@@ -136,24 +153,19 @@ class ControlChannel:
         or failed on the tasks it took over. A ``stop`` request is not joined: taken for
         in progress by mistake (its CLI died before its ``resume``), it would end a job just
         restarted, where a pause ends by itself."""
-        topic = control_topic(job)
-        low, _ = self._consumer.get_watermark_offsets(
-            TopicPartition(topic, 0), timeout=10, cached=False
-        )
-        start = max(low, end - LOOKBACK)
-        if start >= end:
-            return []
-        self._consumer.assign([TopicPartition(topic, 0, start)])
         open_: dict[str, tuple[Request, int]] = {}  # id -> (request, last record's time, ms)
         deadline = time.monotonic() + 10
-        seen = start
+        seen = -1
         while seen < end and time.monotonic() < deadline:
             for msg in self._consumer.consume(LOOKBACK, 0.5):
                 if msg.error() is not None:
                     continue
                 seen = msg.offset() + 1
+                if msg.offset() >= end:  # sent since this worker started: a live one
+                    self._early.append(msg)
+                    continue
                 request = _parse(msg.value())
-                if request is None or msg.offset() >= end:
+                if request is None:
                     continue
                 sent = msg.timestamp()[1]
                 if request.action == "savepoint" and not request.stop:
@@ -175,7 +187,7 @@ class ControlChannel:
             request.id,
             age,
         )
-        return [Request(request.id, request.action, request.stop, age)]
+        return [Request(request.id, request.action, request.stop, time.monotonic() - age)]
 
     def _end(self, job: str) -> int:
         """The control topic's end offset, asked of the broker now. Assigned at ``OFFSET_END``
@@ -205,8 +217,9 @@ class ControlChannel:
             return []
         self._last_poll = now
         requests, self._pending = self._pending, []
-        for msg in self._consumer.consume(10, 0):
-            if msg.error() is not None:
+        messages, self._early = self._early + self._consumer.consume(10, 0), []
+        for msg in messages:
+            if msg.error() is not None or msg.offset() < self._live_from:
                 continue
             request = _parse(msg.value())
             if request is not None:
