@@ -33,6 +33,11 @@ def test_benchmark_harness_quick_run(kafka_bootstrap: str, tmp_path: Path) -> No
             "benchmarks",
             "run",
             "--quick",
+            # smaller than --quick's 50k: each of the 11 systems' runs is a smoke test here
+            "--records",
+            "20000",
+            "--keys",
+            "500",
             "--latency-only",
             ",".join(LATENCY_SYSTEMS),
             "--bootstrap-servers",

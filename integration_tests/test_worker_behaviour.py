@@ -148,7 +148,7 @@ def test_an_output_too_large_for_the_producer_goes_to_the_dead_letters(
     # ``lowered``: the first 5 (none padded) go through before the limit changes.
     first = 5 if limit == "lowered" else 300
     for i, value in enumerate(values[:first]):
-        producer.produce(f"{prefix}orders", value, f"c{i % 7}".encode())
+        producer.produce(f"{prefix}orders", value, f"c{i % 7}".encode(), headers=_trace(i))
     producer.flush(30)
     env = {"SNAPLINE_TEST_PREFIX": prefix}
     if limit != "producer":
@@ -162,7 +162,7 @@ def test_an_output_too_large_for_the_producer_goes_to_the_dead_letters(
             read_committed(kafka_bootstrap, f"{prefix}totals", first, timeout=60, settle=0)
             _set_topic_config(kafka_bootstrap, f"{prefix}totals", "max.message.bytes", "65536")
             for i, value in enumerate(values[first:], first):
-                producer.produce(f"{prefix}orders", value, f"c{i % 7}".encode())
+                producer.produce(f"{prefix}orders", value, f"c{i % 7}".encode(), headers=_trace(i))
             producer.flush(30)
         outputs = read_committed(kafka_bootstrap, f"{prefix}totals", good, timeout=60, settle=2)
         letters = _dead_letters(kafka_bootstrap, f"{prefix}job.dead-letter", len(padded) + 1)
@@ -180,6 +180,7 @@ def test_an_output_too_large_for_the_producer_goes_to_the_dead_letters(
     headers = dict(omitted.headers())
     assert headers["snapline.topic"] == f"{prefix}orders".encode()
     assert f"{len(huge)} bytes".encode() in headers["snapline.value-omitted"]
+    assert headers["trace-id"] == b"t120"  # the input's own headers stay when its bytes go
     log = worker.log_path.read_text(errors="replace")
     assert "exit 75" not in log
     if limit == "topic":
@@ -187,6 +188,10 @@ def test_an_output_too_large_for_the_producer_goes_to_the_dead_letters(
     if limit == "lowered":
         assert "now accepts record batches of at most 65536 bytes" in log, log[-3000:]
         assert f"producer message.max.bytes={65536 - 256}" in log, log[-3000:]
+
+
+def _trace(i: int) -> list[tuple[str, bytes]]:
+    return [("trace-id", f"t{i}".encode())]
 
 
 def _set_topic_config(bootstrap: str, topic: str, name: str, value: str) -> None:

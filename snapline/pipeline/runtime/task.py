@@ -546,8 +546,13 @@ class Task:
         message = record.message
         given = None if message is None else message.headers()
         if given:
-            if self._fits(value, record.raw_key, given + headers):
-                headers = given + headers  # Snapline's last: a reader taking the last wins
+            whole = given + headers  # Snapline's last: a reader taking the last wins
+            if self._fits(value, record.raw_key, whole) or (
+                # the value is left out anyway (below): the input's headers still go
+                not self._fits(value, record.raw_key, headers)
+                and self._fits(None, record.raw_key, whole)
+            ):
+                headers = whole
             else:
                 omitted = f"{len(given)} input headers, over the producer's message.max.bytes"
                 headers.append(("snapline.headers-omitted", omitted.encode()))
