@@ -7,7 +7,6 @@ check every sink: a read_committed consumer, pyarrow on the Parquet table, SQL.
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
@@ -26,9 +25,9 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from examples.orders import read_committed, verify_totals
 from examples.workers import process_state
 from integration_tests.warehouse_job import (
-    REPO,
     SPEC,
     WarehouseJob,
+    cli_env,
     kill_randomly,
     snapline,
     start_from_savepoint,
@@ -527,6 +526,16 @@ def test_an_upgraded_pipeline_goes_through_a_savepoint_and_an_incompatible_one_i
     job.stop_all()
 
 
+def _first_requests(channel: Any) -> list[Any]:
+    """The first non-empty poll of a control channel (bounded: 20 s)."""
+    got: list[Any] = []
+    deadline = time.monotonic() + 20
+    while not got and time.monotonic() < deadline:
+        got = channel.poll(every=0)
+        time.sleep(0.1)
+    return got
+
+
 def test_a_request_sent_as_soon_as_a_worker_listens_reaches_it(
     kafka_bootstrap: str, unique_name: str
 ) -> None:
@@ -542,12 +551,7 @@ def test_a_request_sent_as_soon_as_a_worker_listens_reaches_it(
     channel = control.ControlChannel(config, unique_name)
     try:
         control.send(config, unique_name, "savepoint", "now")
-        got: list[control.Request] = []
-        deadline = time.monotonic() + 20
-        while not got and time.monotonic() < deadline:
-            got = channel.poll(every=0)
-            time.sleep(0.1)
-        assert [r.id for r in got] == ["now"]
+        assert [r.id for r in _first_requests(channel)] == ["now"]
     finally:
         channel.close()
 
@@ -604,11 +608,7 @@ def test_a_worker_started_while_a_savepoint_waits_finds_the_request_and_takes_pa
         assert [(r.id, r.action, r.stop) for r in got] == [("open", "savepoint", False)]
         assert got[0].heard is not None and time.monotonic() - got[0].heard < 60
         control.send(config, unique_name, "resume", "open")
-        later: list[control.Request] = []
-        deadline = time.monotonic() + 20
-        while not later and time.monotonic() < deadline:
-            later = channel.poll(every=0)
-            time.sleep(0.1)
+        later = _first_requests(channel)
         assert [(r.id, r.action) for r in later] == [("open", "resume")]  # not again
     finally:
         channel.close()
@@ -631,26 +631,11 @@ def test_a_savepoint_completes_when_a_worker_restarts_while_it_waits(
     job.produce(4_000)
     wait_running(job)
     w1.kill()
-    env = {
-        **os.environ,
-        **job.env,
-        "PYTHONPATH": str(REPO),
-        "SNAPLINE_BOOTSTRAP_SERVERS": job.bootstrap,
-        "SNAPLINE_CHECKPOINT_DIR": str(job.checkpoint_dir),
-    }
+    create = ["savepoint", "create", SPEC, "--timeout", "60"]
     cli = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "snapline.pipeline.cli",
-            "savepoint",
-            "create",
-            SPEC,
-            "--timeout",
-            "60",
-        ],
+        [sys.executable, "-m", "snapline.pipeline.cli", *create],
         cwd=job.workdir,
-        env=env,
+        env=cli_env(job),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

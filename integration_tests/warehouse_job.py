@@ -275,6 +275,18 @@ class WarehouseJob:
                 worker.stop()
 
 
+def cli_env(job: WarehouseJob, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment the snapline CLI runs with for the job."""
+    return {
+        **os.environ,
+        **job.env,
+        **(env or {}),
+        "PYTHONPATH": str(REPO),
+        "SNAPLINE_BOOTSTRAP_SERVERS": job.bootstrap,
+        "SNAPLINE_CHECKPOINT_DIR": str(job.checkpoint_dir),
+    }
+
+
 def snapline(job: WarehouseJob, *args: str, env: dict[str, str] | None = None) -> str:
     """Run the snapline CLI for the job; its stdout (the savepoint path for create)."""
     result = subprocess.run(
@@ -283,14 +295,7 @@ def snapline(job: WarehouseJob, *args: str, env: dict[str, str] | None = None) -
         text=True,
         timeout=300,
         cwd=job.workdir,
-        env={
-            **os.environ,
-            **job.env,
-            **(env or {}),
-            "PYTHONPATH": str(REPO),
-            "SNAPLINE_BOOTSTRAP_SERVERS": job.bootstrap,
-            "SNAPLINE_CHECKPOINT_DIR": str(job.checkpoint_dir),
-        },
+        env=cli_env(job, env),
     )
     assert result.returncode == 0, f"snapline {args}: {result.stderr}\n{job.logs()}"
     (job.workdir / "cli-stderr.log").write_text(result.stderr)  # the last command's, for checks

@@ -4,6 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
+#: Record's constructor arguments but ``message``, in order.
+_ARGS = (
+    "value",
+    "timestamp",
+    "topic",
+    "partition",
+    "offset",
+    "key",
+    "key_bytes",
+    "key_group",
+    "raw",
+    "raw_key",
+)
+
 
 class Record:
     """One element of a stream: a value plus where it came from.
@@ -58,21 +72,7 @@ class Record:
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled and copied without ``message`` (a librdkafka message pickles not)."""
-        return (
-            Record,
-            (
-                self.value,
-                self.timestamp,
-                self.topic,
-                self.partition,
-                self.offset,
-                self.key,
-                self.key_bytes,
-                self.key_group,
-                self.raw,
-                self.raw_key,
-            ),
-        )
+        return (Record, tuple(getattr(self, name) for name in _ARGS))
 
     def with_value(self, value: Any) -> Record:
         return Record(

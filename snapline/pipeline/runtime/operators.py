@@ -132,6 +132,13 @@ class Operator:
         """The task goes away."""
 
 
+def _bad_input(msg: Any, topic: str, partition: int, value: Any, ts: int) -> Record:
+    """The record of a source message on its way to the dead letters (with its headers)."""
+    return Record(
+        value, ts, topic, partition, msg.offset(), raw=msg.value(), raw_key=msg.key(), message=msg
+    )
+
+
 class SourceOperator(Operator):
     """Decodes raw Kafka messages into records."""
 
@@ -157,34 +164,16 @@ class SourceOperator(Operator):
                 value = None if raw is None else decode_value(raw)
                 key = None if raw_key is None else decode_key(raw_key)
             except Exception as exc:
-                record = Record(
-                    None,
-                    msg.timestamp()[1],
-                    topic,
-                    partition,
-                    msg.offset(),
-                    raw=raw,
-                    raw_key=raw_key,
-                    message=msg,
-                )
-                self.task.dead_letter(record, f"{self.name}: cannot decode: {exc!r}")
+                bad = _bad_input(msg, topic, partition, None, msg.timestamp()[1])
+                self.task.dead_letter(bad, f"{self.name}: cannot decode: {exc!r}")
                 continue
             ts = msg.timestamp()[1]
             if timestamp_of is not None:
                 try:
                     ts = timestamp_ms(timestamp_of(value))
                 except Exception as exc:
-                    record = Record(
-                        value,
-                        ts,
-                        topic,
-                        partition,
-                        msg.offset(),
-                        raw=raw,
-                        raw_key=raw_key,
-                        message=msg,
-                    )
-                    self.task.dead_letter(record, f"{self.name}: timestamp raised {exc!r}")
+                    bad = _bad_input(msg, topic, partition, value, ts)
+                    self.task.dead_letter(bad, f"{self.name}: timestamp raised {exc!r}")
                     continue
             if max_ts is None or ts > max_ts:
                 max_ts = ts
