@@ -347,10 +347,10 @@ class Worker:
                 kafka_config, pipeline.name, settings.worker_id, timeout=REFENCE_CHECK_TIMEOUT
             )
         self._consumer_fatal: str | None = None
-        #: Savepoint requests (snapline savepoint create) arrive on the control channel; while
-        #: a savepoint is written the worker is paused: (request id, since).
         # Tests shorten the pause limit to watch holds work (seconds).
         self._pause_limit = float(os.environ.get("SNAPLINE_TEST_PAUSE_LIMIT", PAUSE_LIMIT))
+        #: Savepoint requests (snapline savepoint create) arrive on the control channel; while
+        #: a savepoint is written the worker is paused: (request id, since).
         try:
             self._control = ControlChannel(kafka_config, pipeline.name, self._pause_limit)
         except KafkaException as exc:  # its consumer is the first one the worker creates
