@@ -41,6 +41,19 @@ def dead_letters() -> Pipeline:
     return pipeline
 
 
+def dead_letters_rekeyed() -> Pipeline:
+    """``dead_letters`` with a re-keying ``key_by``: the orders cross a repartition topic, and
+    the ones StrictTotal raises on are dead letters of the keyed stage."""
+    pipeline = Pipeline(f"{PREFIX}job", checkpoint_interval=0.3)
+    (
+        pipeline.source(KafkaSource(f"{PREFIX}orders"))
+        .key_by(lambda v: v["customer"], name="by-customer", partitions=2)
+        .process(StrictTotal())
+        .sink(KafkaSink(f"{PREFIX}totals"))
+    )
+    return pipeline
+
+
 #: Bytes of padding that make an output too large (default: over the producer's 1 MB limit).
 PAD = int(os.environ.get("SNAPLINE_TEST_PAD", "1100000"))
 

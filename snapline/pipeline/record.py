@@ -66,8 +66,9 @@ class Record:
         #: The original Kafka value and key bytes, for dead letters and partitioning checks.
         self.raw = raw
         self.raw_key = raw_key
-        #: The source topic's Kafka message it came from (None past a repartition topic, for
-        #: timers and windows): a dead letter carries the input's headers.
+        #: The Kafka message it came from, of a source or a repartition topic (None for
+        #: timers and windows): a dead letter carries the input's headers, and a repartition
+        #: writer sends them on.
         self.message = message
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -79,6 +79,7 @@ class OperatorContext(Protocol):
         key: bytes | None,
         partition: int,
         timestamp: int,
+        headers: Any = None,
     ) -> None: ...
 
     def direct_producer(self) -> Any: ...
@@ -372,15 +373,20 @@ class RepartitionWriter(KeyByOperator):
             ts = r.timestamp
             if ts <= 0:  # sent one lower: see from_wire_timestamp
                 ts -= 1
+            # The input's own headers cross with it: a dead letter of the next stage has them.
+            message = r.message
+            headers = None if message is None else message.headers()
             if producer is not None:
                 try:
-                    producer.produce(topic, value, tagged, partition=partition, timestamp=ts)
+                    producer.produce(
+                        topic, value, tagged, partition=partition, timestamp=ts, headers=headers
+                    )
                     sent += 1
                     continue
                 except (BufferError, KafkaException):
                     pass  # the output waits for room, or says why the producer cannot go on
             try:
-                produce(topic, value, tagged, partition, ts)
+                produce(topic, value, tagged, partition, ts, headers)
             except KafkaException as exc:
                 error = kafka_error(exc)
                 if error is None or error.code() != KafkaError.MSG_SIZE_TOO_LARGE:
@@ -459,6 +465,7 @@ class RepartitionSource(Operator):
                     msg.offset(),
                     raw=raw,
                     raw_key=raw_key,
+                    message=msg,
                 )
                 self.task.dead_letter(record, f"{self.name}: cannot decode: {exc!r}")
                 continue
@@ -477,6 +484,7 @@ class RepartitionSource(Operator):
                     crc(key_bytes) % maxp,
                     raw,
                     raw_key,
+                    msg,
                 )
             )
         self.emit(out)

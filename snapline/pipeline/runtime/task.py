@@ -504,10 +504,16 @@ class Task:
 
     # ------------------------------------------------------------------ operator context
     def produce(
-        self, topic: str, value: bytes | None, key: bytes | None, partition: int, timestamp: int
+        self,
+        topic: str,
+        value: bytes | None,
+        key: bytes | None,
+        partition: int,
+        timestamp: int,
+        headers: Any = None,
     ) -> None:
         """A record into this epoch's transaction (repartition topics)."""
-        self.output.produce(self.epoch, topic, value, key, None, partition, timestamp)
+        self.output.produce(self.epoch, topic, value, key, headers, partition, timestamp)
 
     def direct_producer(self) -> Any:
         """The Kafka producer when this epoch's records may go straight to it (see
