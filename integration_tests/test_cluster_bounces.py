@@ -19,8 +19,9 @@ the documented mitigation, so the test holds it to exactly once.
 It prints the time from broker-back (the bounced node, or the last node of the cluster,
 serving again) to each surviving worker's first commit (p50, max).
 
-CI runs the short schedule (each kind of outage once and both of w0's actions, two of them
-whole-cluster bounces); the long one, with repeats, runs with ``bash scripts/test -m long``.
+CI runs the short schedule (one node SIGKILLed, the whole cluster SIGKILLed and the whole
+cluster stopped, and both of w0's actions); the long one, with repeats and single nodes
+stopped cleanly, runs with ``bash scripts/test -m long``.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ LONG: Schedule = [
     ("all-kill", None, 1.0, None),
     ("node-kill", 1, 1.0, None),
 ]
+# A node's controlled shutdown, the gentlest outage, runs in the long schedule only (CI
+# time: each outage is ~35 s); the one-broker test stops its broker cleanly in CI.
 SHORT: Schedule = [
-    ("node-stop", 2, 1.0, None),
     ("all-kill", None, 2.0, None),
     ("node-kill", 3, 3.0, "kill"),
     ("all-stop", None, 2.0, "term"),
