@@ -94,8 +94,10 @@ def record_size(value: bytes | None, key: bytes | None, headers: Any = None) -> 
     return size
 
 
-#: Seconds the check before a fenced producer is replaced may take (``may_refence``: a
-#: describe call of 10 s at most, plus its result's wait), for the liveness watchdog.
+#: Seconds the check before a fenced producer is replaced may take, for the liveness
+#: watchdog. ``may_refence`` (``departed.check_no_namesake``) lists the groups (up to 15 s:
+#: 10 s for the request, 5 s more for its result), then describes the ones with members
+#: (up to 10 s).
 REFENCE_CHECK_BOUND = 30.0
 
 
