@@ -34,15 +34,15 @@ def _produce(bootstrap: str, topic: str, numbers: range) -> None:
     assert producer.flush(30) == 0
 
 
-def _recreate(bootstrap: str, topic: str) -> None:
-    """Delete ``topic`` and create it again with one partition: it gets a new id."""
+def _recreate(bootstrap: str, topic: str, partitions: int = 1) -> None:
+    """Delete ``topic`` and create it again with ``partitions``: it gets a new id."""
     admin = AdminClient({"bootstrap.servers": bootstrap})
     for future in admin.delete_topics([topic], operation_timeout=30).values():
         future.result(timeout=35)
     deadline = time.monotonic() + 60  # bounded: the broker finishes a deletion in seconds
     while True:
         try:
-            create_topic(admin, topic)
+            create_topic(admin, topic, partitions)
             return
         except Exception as exc:
             text = str(exc).lower()
@@ -119,6 +119,62 @@ def test_a_topic_recreated_while_the_worker_was_frozen_commits_nothing_of_the_ne
         e for e in read_events(worker.metrics_path) if e.get("event") == "source_topic_recreated"
     ]
     assert [(e["topic"], e["task"]) for e in recreated] == [(source, "p0")]
+
+
+def test_a_latest_topic_created_again_with_more_partitions_is_read_from_its_start(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """A source read from "latest" is deleted while the job is stopped and created again with
+    a second partition; records go to both partitions. With ``--read-recreated-topics`` the
+    job reads the new topic from its start: partition 0, which its checkpoint read (offsets
+    of the old topic), and partition 1, which no checkpoint names. Before, partition 1 was
+    taken for a partition the job had when it started and began at its end: its records were
+    never read. All of the new topic came after the job started."""
+    prefix = f"{unique_name}-"
+    source, out = f"{prefix}copy-in", f"{prefix}copy-out"
+    create_topics(kafka_bootstrap, {source: 1, out: 1})
+
+    def produce(numbers: range, partition: int) -> None:
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})
+        for n in numbers:
+            producer.produce(source, orjson.dumps({"n": n}), partition=partition)
+        assert producer.flush(30) == 0
+
+    produce(range(-1, 0), 0)  # before the job started: never read
+    worker = _worker("latest_grow", kafka_bootstrap, tmp_path, prefix)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 60  # bounded: a first start restores in seconds
+        while not any(e.get("event") == "restored" for e in read_events(worker.metrics_path)):
+            assert time.monotonic() < deadline, worker.tail()
+            time.sleep(0.1)
+        produce(range(5), 0)
+        first = read_committed(kafka_bootstrap, out, 5, timeout=60, settle=1)
+    finally:
+        assert worker.stop() == 0, worker.tail()
+    assert sorted(r["n"] for r in first) == list(range(5))
+
+    # A static member back within the session timeout gets its old assignment without a
+    # rebalance (KAFKA-13435), which would leave partition 1 unassigned: wait until the
+    # group has let the stopped worker go (bounded: the session timeout is 10 s).
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    group = f"{prefix}job"
+    deadline = time.monotonic() + 40
+    while admin.describe_consumer_groups([group])[group].result(timeout=10).members:
+        assert time.monotonic() < deadline, "the stopped worker is still a member"
+        time.sleep(0.5)
+    _recreate(kafka_bootstrap, source, partitions=2)
+    produce(range(10, 15), 0)
+    produce(range(15, 20), 1)
+    # The group's offsets went with the old topic: --restore-latest names the checkpoint.
+    worker.start(extra_args=["--restore-latest", "--read-recreated-topics"])
+    try:
+        outputs = read_committed(kafka_bootstrap, out, 15, timeout=60, settle=2)
+    finally:
+        assert worker.stop() == 0, worker.tail()
+    assert sorted(r["n"] for r in outputs) == [*range(5), *range(10, 20)]  # each once
+    log = worker.tail(200)
+    assert f"source topic {source} was created again since the job started" in log, log
 
 
 def test_a_topic_recreated_while_the_job_was_stopped_is_refused_until_the_user_chooses(

@@ -887,10 +887,16 @@ class Worker:
     def _latest_partitions_at_start(self, start_over: bool = False) -> dict[str, int]:
         """The partitions each source topic read from "latest" had when the job first started,
         recorded by its first worker in ``<job>/source-partitions.json`` with the topic's id
-        (a topic the code reads since, or one created again since, is recorded when first
-        seen). A partition beyond them was added while the job ran:
-        ``_added_partition_start``. ``start_over`` (--reset-state) records the counts now:
-        the job starts again, and its start is now."""
+        (a topic the code reads since is recorded when first seen). A partition beyond them
+        was added while the job ran: ``_added_partition_start``. ``start_over``
+        (--reset-state) records the counts now: the job starts again, and its start is now.
+
+        A topic recorded with another id was deleted and created again after the job
+        started: all of it came after that start, so it is recorded with no partitions, and
+        its partitions with no committed offset are read from their beginning (with
+        ``--read-recreated-topics`` the ones the job's checkpoints read start there too).
+        Before, they started at their end: what producers wrote to the new topic before the
+        job's first checkpoint of it was never read."""
         latest = sorted(
             {
                 t
@@ -916,7 +922,20 @@ class Worker:
             and (start_over or t not in counts or ids_differ(ids.get(t, ""), now.get(t, "")))
         ]
         if stale:
-            counts.update({t: self._topic_partitions[t] for t in stale})
+            recreated = {
+                t
+                for t in stale
+                if not start_over and t in counts and ids_differ(ids.get(t, ""), now.get(t, ""))
+            }
+            for topic in sorted(recreated):
+                log.info(
+                    "source topic %s was created again since the job started (id %s, now %s): "
+                    "its partitions with no committed offset are read from their beginning",
+                    topic,
+                    ids[topic],
+                    now[topic],
+                )
+            counts.update({t: 0 if t in recreated else self._topic_partitions[t] for t in stale})
             ids.update({t: now[t] for t in stale if now.get(t)})
             self.storage.write_bytes(path, encode_checked({"partitions": counts, "ids": ids}))
         return {t: counts[t] for t in latest if t in counts}
