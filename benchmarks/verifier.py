@@ -178,6 +178,8 @@ class Verifier:
         self._consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING)
                                for p in range(partitions)])
         self._lock = threading.Lock()
+        #: Passes of the reading loop begun (``drain``: a batch consumed is also tallied).
+        self._passes = 0
         self._reached: list[tuple[int, threading.Event, list[float]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"verifier-{topic}",
@@ -192,6 +194,7 @@ class Verifier:
         on_output = self._on_output
         try:
             while not self._stop.is_set():
+                self._passes += 1
                 messages = consume(num_messages=10_000, timeout=0.05)
                 if not messages:
                     continue
@@ -271,17 +274,52 @@ class Verifier:
         return when[0], ""
 
     def drain(self, quiet: float = 1.5, timeout: float = 20.0) -> bool:
-        """After the system stopped: read on until nothing new arrives for ``quiet`` seconds,
-        so late duplicates are counted. False if output kept arriving for ``timeout``."""
+        """After the system stopped: read on until every partition is read to its end as it
+        is now, or else until nothing new arrives for ``quiet`` seconds, so late duplicates
+        are counted. False if output kept arriving for ``timeout``.
+
+        The system is gone, so nothing is written after the ends are read: a transaction it
+        committed whose markers are not written yet holds this reader below its end until
+        they are, and one left open (the quiet rule then ends the wait) holds it there."""
         deadline = time.monotonic() + timeout
+        ends = self._ends()
         last_count, quiet_since = self.count, time.monotonic()
         while time.monotonic() < deadline:
             time.sleep(0.1)
+            if ends is not None and self._read_to(ends):
+                # The pass that consumed the last outputs tallies them before the next one.
+                current = self._passes
+                while self._passes <= current and self._thread.is_alive():
+                    time.sleep(0.01)
+                return True
             if self.count != last_count:
                 last_count, quiet_since = self.count, time.monotonic()
             elif time.monotonic() - quiet_since >= quiet:
                 return True
         return False
+
+    def _ends(self) -> list[int] | None:
+        """Each partition's end (high watermark) now, or None if a broker did not say."""
+        try:
+            return [
+                self._consumer.get_watermark_offsets(
+                    TopicPartition(self._topic, p), timeout=5, cached=False
+                )[1]
+                for p in range(self._partitions)
+            ]
+        except Exception:  # noqa: BLE001 - the quiet rule still ends the drain
+            return None
+
+    def _read_to(self, ends: list[int]) -> bool:
+        """Whether the reader's position reached ``ends`` in every partition (a
+        read_committed position moves past transaction markers)."""
+        try:
+            positions = self._consumer.position(
+                [TopicPartition(self._topic, p) for p in range(self._partitions)]
+            )
+        except Exception:  # noqa: BLE001 - the consumer is closing: the quiet rule decides
+            return False
+        return all(end <= 0 or tp.offset >= end for tp, end in zip(positions, ends, strict=True))
 
     def stop(self) -> None:
         self._stop.set()
