@@ -388,9 +388,13 @@ class RepartitionWriter(KeyByOperator):
             try:
                 produce(topic, value, tagged, partition, ts, headers)
             except KafkaException as exc:
-                error = kafka_error(exc)
-                if error is None or error.code() != KafkaError.MSG_SIZE_TOO_LARGE:
-                    raise
+                error = _too_large(exc)
+                if headers:  # the input's headers may make it too large: it goes without
+                    try:
+                        produce(topic, value, tagged, partition, ts)
+                        continue
+                    except KafkaException as again:
+                        error = _too_large(again)
                 self.task.dead_letter(
                     r,
                     f"{self.name}: the record is too large for the repartition topic "
@@ -411,6 +415,14 @@ class RepartitionWriter(KeyByOperator):
             self._sent = current
         # The epoch's records are handed to the producer; the commit has not happened yet.
         self.task.fault_point("after_repartition_produce")
+
+
+def _too_large(exc: KafkaException) -> KafkaError:
+    """The error of a record over ``message.max.bytes``; any other is raised again."""
+    error = kafka_error(exc)
+    if error is None or error.code() != KafkaError.MSG_SIZE_TOO_LARGE:
+        raise exc
+    return error
 
 
 def from_wire_timestamp(timestamp: int) -> int:

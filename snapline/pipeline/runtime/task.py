@@ -532,7 +532,8 @@ class Task:
         """Send ``record`` to the dead-letter topic (in this epoch's transaction) or fail.
 
         The dead letter carries the original Kafka bytes (or ``value``, e.g. the row a sink
-        rejected), the input's own headers (of a record read from a source topic), then
+        rejected), the input's own headers (of a record read from a source topic, or from a
+        repartition topic, which carries its input's), then
         headers naming the error and the source position.
         """
         if self._fail_on_error:
