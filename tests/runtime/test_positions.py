@@ -13,12 +13,15 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, KafkaError, KafkaException
 
+from snapline.pipeline.checkpoint.metadata import encode_checked
+from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.errors import CheckpointError, ConfigurationError
 from snapline.pipeline.runtime import worker as worker_module
 from snapline.pipeline.runtime.consumer_watch import ConsumerStuckError
@@ -249,7 +252,9 @@ def test_ids_unknown_at_restore_are_waited_out_only_while_the_broker_is_unreacha
 def test_only_a_partition_added_to_a_latest_source_after_the_start_is_read_from_its_start() -> None:
     events: list[dict[str, Any]] = []
     worker = SimpleNamespace(
-        _latest_at_start={"orders": 4},
+        _latest_at_start={"orders": 4, "clicks": 2},
+        _latest_ids={"orders": "id-orders", "clicks": "id-clicks-1"},
+        _read_topic_ids={"orders": "id-orders", "clicks": "id-clicks-2"},
         _added_partitions=set(),
         _reset_tasks={"p5"},
         _event=events.append,
@@ -264,7 +269,54 @@ def test_only_a_partition_added_to_a_latest_source_after_the_start_is_read_from_
     assert start(("orders", 5), OFFSET_END, task="p5") == OFFSET_END  # --reset-state: now
     for _ in range(2):
         assert start(("orders", 4), OFFSET_END) == OFFSET_BEGINNING
-    assert events == [{"event": "source_partition_added", "topic": "orders", "partition": 4}]
+    # "clicks" was deleted and created again while the worker ran (its id at this restore is
+    # not the one its counts are of): all of it came after the job started.
+    assert start(("clicks", 0), OFFSET_END) == OFFSET_BEGINNING
+    assert start(("clicks", 0), OFFSET_END, task="p5") == OFFSET_END  # --reset-state: now
+    assert events == [
+        {"event": "source_partition_added", "topic": "orders", "partition": 4},
+        {"event": "source_partition_added", "topic": "clicks", "partition": 0},
+    ]
+
+
+def test_a_latest_topic_created_again_is_recorded_with_no_partitions_unless_state_is_reset(
+    tmp_path: Path,
+) -> None:
+    """source-partitions.json records a "latest" topic whose id changed since with no
+    partitions (all of the new topic came after the job started: its partitions with no
+    committed offset are read from their beginning), except in a --reset-state run, which
+    starts over now; an id missing from a file of an earlier version is filled in."""
+    storage = CheckpointStorage(str(tmp_path))
+    ids = {"orders": "id-1", "clicks": "id-c"}
+
+    def recorded(on_missing_offsets: str = "fail") -> tuple[dict[str, int], dict[str, str]]:
+        worker = SimpleNamespace(
+            pipeline=SimpleNamespace(
+                name="job",
+                sources=lambda: [
+                    SimpleNamespace(starting_position="latest", topic_list=["orders", "clicks"])
+                ],
+            ),
+            storage=storage,
+            settings=SimpleNamespace(on_missing_offsets=on_missing_offsets),
+            _topic_partitions={"orders": 3, "clicks": 2},
+            _topic_ids=lambda topics, what: {t: ids[t] for t in topics},
+        )
+        counts = Worker._latest_partitions_at_start(worker)
+        return counts, worker._latest_ids
+
+    assert recorded() == ({"orders": 3, "clicks": 2}, ids)
+    ids["orders"] = "id-2"  # deleted and created again with more partitions
+    assert recorded() == ({"orders": 0, "clicks": 2}, ids)
+    assert recorded() == ({"orders": 0, "clicks": 2}, ids)  # and so for the next starts
+    ids["orders"] = "id-3"
+    assert recorded("reset-state") == ({"orders": 3, "clicks": 2}, ids)
+    # A file of an earlier version, without ids: they are filled in, the counts kept.
+    earlier = {"partitions": {"orders": 1, "clicks": 1}}
+    storage.write_bytes("job/source-partitions.json", encode_checked(earlier))
+    assert recorded() == ({"orders": 1, "clicks": 1}, ids)
+    ids["orders"] = "id-4"
+    assert recorded() == ({"orders": 0, "clicks": 1}, ids)
 
 
 # --- waiting for the broker (Worker._await_broker) ------------------------------------------

@@ -887,16 +887,20 @@ class Worker:
     def _latest_partitions_at_start(self, start_over: bool = False) -> dict[str, int]:
         """The partitions each source topic read from "latest" had when the job first started,
         recorded by its first worker in ``<job>/source-partitions.json`` with the topic's id
-        (a topic the code reads since is recorded when first seen). A partition beyond them
-        was added while the job ran: ``_added_partition_start``. ``start_over``
-        (--reset-state) records the counts now: the job starts again, and its start is now.
+        (a topic the code reads since is recorded when first seen; an id missing from a file
+        of an earlier version is filled in). A partition beyond them was added while the job
+        ran: ``_added_partition_start``. ``start_over`` (--reset-state) records the counts
+        now: the job starts again, and its start is now. Sets ``_latest_ids``, the ids the
+        counts are of.
 
         A topic recorded with another id was deleted and created again after the job
         started: all of it came after that start, so it is recorded with no partitions, and
         its partitions with no committed offset are read from their beginning (with
         ``--read-recreated-topics`` the ones the job's checkpoints read start there too).
         Before, they started at their end: what producers wrote to the new topic before the
-        job's first checkpoint of it was never read."""
+        job's first checkpoint of it was never read. A ``--reset-state`` run starts over:
+        such a topic is recorded with its partitions now."""
+        self._latest_ids: dict[str, str] = {}
         latest = sorted(
             {
                 t
@@ -915,13 +919,15 @@ class Worker:
             counts = {str(t): int(n) for t, n in body.get("partitions", {}).items()}
             ids = {str(t): str(i) for t, i in body.get("ids", {}).items()}
         now = self._topic_ids(latest, "latest source topics")
+        start_over = start_over or self.settings.on_missing_offsets == "reset-state"
         stale = [
             t
             for t in latest
             if t in self._topic_partitions
             and (start_over or t not in counts or ids_differ(ids.get(t, ""), now.get(t, "")))
         ]
-        if stale:
+        unnamed = [t for t in latest if t in counts and t not in stale and not ids.get(t)]
+        if stale or any(now.get(t) for t in unnamed):
             recreated = {
                 t
                 for t in stale
@@ -936,8 +942,9 @@ class Worker:
                     now[topic],
                 )
             counts.update({t: 0 if t in recreated else self._topic_partitions[t] for t in stale})
-            ids.update({t: now[t] for t in stale if now.get(t)})
+            ids.update({t: now[t] for t in [*stale, *unnamed] if now.get(t)})
             self.storage.write_bytes(path, encode_checked({"partitions": counts, "ids": ids}))
+        self._latest_ids = {t: ids[t] for t in latest if t in counts and ids.get(t)}
         return {t: counts[t] for t in latest if t in counts}
 
     def _added_partition_start(self, task_id: str, tp: tuple[str, int], start: int) -> int:
@@ -947,24 +954,34 @@ class Worker:
         when the job started, and every record of a partition added since came after that.
         Before, such a partition started at its end when first assigned, and what producers
         wrote to it until the consumer noticed it (up to topic.metadata.refresh.interval.ms,
-        5 minutes by default) was never read. A task --reset-state started over starts at
-        the starting position, "latest" included."""
+        5 minutes by default) was never read. So is every partition of a topic created
+        again since the counts were read (its id at this restore differs from theirs: the
+        worker ran while it was deleted and created). A task --reset-state started over
+        starts at the starting position, "latest" included."""
         topic, partition = tp
-        if (
-            start != OFFSET_END
-            or task_id in self._reset_tasks
-            or partition < self._latest_at_start.get(topic, partition + 1)
-        ):
+        if start != OFFSET_END or task_id in self._reset_tasks:
+            return start
+        recreated = ids_differ(self._latest_ids.get(topic, ""), self._read_topic_ids.get(topic, ""))
+        if not recreated and partition < self._latest_at_start.get(topic, partition + 1):
             return start
         if tp not in self._added_partitions:
             self._added_partitions.add(tp)
-            log.info(
-                "%s[%d] was added after the job started (it had %d partitions then): read from "
-                "its beginning",
-                topic,
-                partition,
-                self._latest_at_start[topic],
-            )
+            if recreated or not self._latest_at_start.get(topic):
+                log.info(
+                    "%s was created again since the job started: %s[%d] is read from its "
+                    "beginning",
+                    topic,
+                    topic,
+                    partition,
+                )
+            else:
+                log.info(
+                    "%s[%d] was added after the job started (it had %d partitions then): read "
+                    "from its beginning",
+                    topic,
+                    partition,
+                    self._latest_at_start[topic],
+                )
             self._event({"event": "source_partition_added", "topic": topic, "partition": partition})
         return OFFSET_BEGINNING
 
