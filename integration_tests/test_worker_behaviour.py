@@ -839,6 +839,72 @@ def test_a_partition_added_to_a_latest_source_while_the_job_runs_is_read_from_it
     assert [(e["topic"], e["partition"]) for e in added] == [(source, 1)]
 
 
+def test_partitions_added_while_the_workers_restart_are_assigned_and_read(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """Both workers are stopped and started again within the session timeout (a deploy)
+    while the source grows from 2 to 4 partitions. Each rejoins as the same static member and
+    gets its old assignment back, without a rebalance (KAFKA-13435), so partitions 2 and 3
+    belonged to nobody: their records were never read, with both workers running. Now a
+    worker that finds partitions no member holds after its assignment joins the group again,
+    and the leader's rejoin rebalances it: every record is read, once."""
+    prefix = f"{unique_name}-"
+    source, out = f"{prefix}copy-in", f"{prefix}copy-out"
+    create_topics(kafka_bootstrap, {source: 2, out: 1})
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+
+    def produce(numbers: range, partitions: int) -> None:
+        for n in numbers:
+            producer.produce(source, orjson.dumps({"n": n}), partition=n % partitions)
+        assert producer.flush(30) == 0
+
+    workers = [
+        WorkerProcess(
+            "integration_tests.pipelines:named_copy",
+            worker_id,
+            kafka_bootstrap,
+            tmp_path / "chk",
+            tmp_path,
+            {"SNAPLINE_TEST_PREFIX": prefix},
+        )
+        for worker_id in ("w0", "w1")
+    ]
+    try:
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            _wait_restored(worker)
+        produce(range(10), 2)
+        assert len(read_committed(kafka_bootstrap, out, 10, timeout=60, settle=0.5)) == 10
+        for worker in workers:
+            assert worker.stop() == 0, worker.tail()
+        admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+        for future in admin.create_partitions([NewPartitions(source, 4)]).values():
+            future.result(timeout=30)
+        deadline = time.monotonic() + 30  # bounded: the broker knows the partitions at once
+        while len(admin.list_topics(source, timeout=10).topics[source].partitions) < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        for worker in workers:  # well within the 10 s session timeout: the same members
+            worker.start()
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})  # knows partitions 2, 3
+        produce(range(10, 30), 4)
+        # Bounded: the check runs 5 s after w0's first checkpoint under its assignment, and
+        # the rebalance and restore take seconds.
+        outputs = read_committed(kafka_bootstrap, out, 30, timeout=90, settle=2)
+    finally:
+        for worker in workers:
+            assert worker.stop() == 0, worker.tail()
+    assert sorted(r["n"] for r in outputs) == list(range(30))  # each once
+    rejoins = [
+        e
+        for worker in workers
+        for e in read_events(worker.metrics_path)
+        if e.get("event") == "rejoined_for_unassigned"
+    ]
+    assert rejoins and all(e["partitions"] == 2 for e in rejoins), rejoins
+
+
 def test_a_partition_added_to_a_source_holds_the_keyed_stages_watermark_back(
     kafka_bootstrap: str, tmp_path: Path, unique_name: str
 ) -> None:

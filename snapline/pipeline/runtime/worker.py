@@ -81,7 +81,7 @@ from snapline.pipeline.checkpoint.restore import restore_committed
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.errors import CheckpointError, CheckpointStorageError, ConfigurationError
 from snapline.pipeline.graph import Pipeline
-from snapline.pipeline.runtime import departed
+from snapline.pipeline.runtime import coverage, departed
 from snapline.pipeline.runtime.consumer_watch import LIMIT as WATCH_LIMIT
 from snapline.pipeline.runtime.consumer_watch import ConsumerStuckError, ConsumerWatch
 from snapline.pipeline.runtime.coordinator import CheckpointCoordinator, CompletedCheckpoint
@@ -163,6 +163,11 @@ REFENCE_CHECK_TIMEOUT = 10.0
 #: A fenced consumer is replaced in place at most this often per 10 minutes; more means two
 #: live workers share an id, and the worker exits with EX_TEMPFAIL.
 MAX_CONSUMER_REPLACEMENTS = 5
+#: Seconds after an assignment (and its first committed checkpoint) at which the worker
+#: checks that every partition the job reads belongs to some worker (runtime/coverage.py).
+COVERAGE_CHECK_DELAY = 5.0
+#: Rejoins for partitions assigned to nobody at most this often per 10 minutes; then an error.
+MAX_COVERAGE_REJOINS = 3
 
 
 @dataclass(frozen=True)
@@ -364,6 +369,13 @@ class Worker:
         #: or is in a rebalance): its acknowledgement names the tasks it covers.
         self._savepoint_request: Request | None = None
         self._assigned = False
+        #: Assignments so far; the coverage check due after the last one (when, and the
+        #: checkpoints committed before it), and what a check found (the assignment it was
+        #: made under, the partitions no worker holds); rejoins for them (runtime/coverage.py).
+        self._assignments = 0
+        self._coverage_due: tuple[float, int] | None = None
+        self._uncovered: tuple[int, list[tuple[str, int]]] | None = None
+        self._coverage_rejoins: list[float] = []
         self.consumer = self._new_consumer()
         self._consumer_call = BoundedCall("consumer", self.liveness)
         self._outage: BrokerOutageError | None = None
@@ -507,6 +519,8 @@ class Worker:
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         log.info("assigned %s", sorted((p.topic, p.partition) for p in partitions))
         self._assigned = True
+        self._assignments += 1
+        self._coverage_due = (time.monotonic() + COVERAGE_CHECK_DELAY, self.checkpoints_committed)
         self._watch.assigned()
         self._event({"event": "assigned", "partitions": len(partitions)})
         self._drop_tasks()
@@ -968,8 +982,7 @@ class Worker:
             self._added_partitions.add(tp)
             if recreated or not self._latest_at_start.get(topic):
                 log.info(
-                    "%s was created again since the job started: %s[%d] is read from its "
-                    "beginning",
+                    "%s was created again since the job started: %s[%d] is read from its beginning",
                     topic,
                     topic,
                     partition,
@@ -2077,6 +2090,66 @@ class Worker:
         finally:
             self._close()
 
+    def _check_coverage(self, now: float) -> None:
+        """Once after each assignment, when a checkpoint committed under it: are partitions
+        the job reads assigned to no worker (a static member's restart hid them,
+        runtime/coverage.py)? The check runs in a daemon thread; when it found some, this
+        worker subscribes again, and the group's leader's rejoin rebalances the group."""
+        due = self._coverage_due
+        if (
+            due is not None
+            and now >= due[0]
+            and self.checkpoints_committed > due[1]
+            and self._outage is None
+        ):
+            self._coverage_due = None
+            assignment = self._assignments
+            topics = self.plan.input_topics(self.pipeline.source_topics())
+
+            def check() -> None:
+                try:
+                    missing = coverage.unassigned_partitions(
+                        self._kafka_config, self.pipeline.name, topics
+                    )
+                except Exception as exc:  # a courtesy check: the next assignment checks again
+                    log.info("could not compare the group's assignment with the topics: %s", exc)
+                    return
+                if missing:
+                    self._uncovered = (assignment, missing)
+
+            threading.Thread(target=check, name="coverage-check", daemon=True).start()
+        uncovered = self._uncovered
+        if uncovered is None or uncovered[0] != self._assignments:
+            return  # nothing found, or a rebalance came since the check
+        if self._paused is not None or self._savepoint_request is not None:
+            return  # after the savepoint
+        self._uncovered = None
+        missing = uncovered[1]
+        names = ", ".join(f"{t}[{p}]" for t, p in missing[:10]) + (
+            f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        )
+        self._coverage_rejoins = [t for t in self._coverage_rejoins if now - t < 600]
+        if len(self._coverage_rejoins) >= MAX_COVERAGE_REJOINS:
+            log.error(
+                "partitions %s belong to no worker of group %s after %d rejoins in 10 minutes: "
+                "nothing reads them. Restart the workers one at a time, each down for longer "
+                "than session.timeout.ms, so that the group rebalances",
+                names,
+                self.pipeline.name,
+                MAX_COVERAGE_REJOINS,
+            )
+            return
+        self._coverage_rejoins.append(now)
+        log.warning(
+            "partitions %s belong to no worker of group %s: partitions were added while a "
+            "worker restarted within the session timeout, and the group kept its old "
+            "assignment (KAFKA-13435). Joining the group again, so that it rebalances",
+            names,
+            self.pipeline.name,
+        )
+        self._event({"event": "rejoined_for_unassigned", "partitions": len(missing)})
+        self._subscribe()
+
     def _step(self) -> None:
         self._poll_control()
         if self._restore_pending:
@@ -2094,6 +2167,7 @@ class Worker:
         now = time.monotonic()
         if messages:
             self._watch.fetched(now)
+        self._check_coverage(now)
         self._watch.check(
             now,
             bool(self.tasks) and self._paused is None and held < MAX_HELD_RECORDS,
