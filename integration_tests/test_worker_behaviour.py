@@ -341,6 +341,17 @@ def _wait_restored(worker: WorkerProcess) -> None:
         time.sleep(0.1)
 
 
+def _add_partitions(bootstrap: str, topic: str, count: int) -> None:
+    """Grow ``topic`` to ``count`` partitions; returns once the broker lists them all."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for future in admin.create_partitions([NewPartitions(topic, count)]).values():
+        future.result(timeout=30)
+    deadline = time.monotonic() + 30  # bounded: the broker knows the partitions at once
+    while len(admin.list_topics(topic, timeout=10).topics[topic].partitions) < count:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
 def _run_expecting_failure(spec: str, bootstrap: str, prefix: str, tmp_path: Path) -> str:
     worker = WorkerProcess(
         spec, "w0", bootstrap, tmp_path / "chk", tmp_path, {"SNAPLINE_TEST_PREFIX": prefix}
@@ -820,13 +831,7 @@ def test_a_partition_added_to_a_latest_source_while_the_job_runs_is_read_from_it
         _wait_restored(worker)
         produce(range(5), 0)
         assert len(read_committed(kafka_bootstrap, out, 5, timeout=60, settle=0.5)) == 5
-        admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
-        for future in admin.create_partitions([NewPartitions(source, 2)]).values():
-            future.result(timeout=30)
-        deadline = time.monotonic() + 30  # bounded: the broker knows the partition at once
-        while len(admin.list_topics(source, timeout=10).topics[source].partitions) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        _add_partitions(kafka_bootstrap, source, 2)
         producer = Producer({"bootstrap.servers": kafka_bootstrap})  # knows partition 1
         produce(range(5, 10), 1)
         outputs = read_committed(kafka_bootstrap, out, 10, timeout=60, settle=1)
@@ -878,13 +883,7 @@ def test_partitions_added_while_the_workers_restart_are_assigned_and_read(
         assert len(read_committed(kafka_bootstrap, out, 10, timeout=60, settle=0.5)) == 10
         for worker in workers:
             assert worker.stop() == 0, worker.tail()
-        admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
-        for future in admin.create_partitions([NewPartitions(source, 4)]).values():
-            future.result(timeout=30)
-        deadline = time.monotonic() + 30  # bounded: the broker knows the partitions at once
-        while len(admin.list_topics(source, timeout=10).topics[source].partitions) < 4:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        _add_partitions(kafka_bootstrap, source, 4)
         for worker in workers:  # well within the 10 s session timeout: the same members
             worker.start()
         producer = Producer({"bootstrap.servers": kafka_bootstrap})  # knows partitions 2, 3
@@ -929,9 +928,7 @@ def test_a_partition_added_to_a_source_holds_the_keyed_stages_watermark_back(
     worker = _start_worker("window_counts_grow", kafka_bootstrap, tmp_path, prefix)
     try:
         _wait_restored(worker)
-        admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
-        for future in admin.create_partitions([NewPartitions(source, 2)]).values():
-            future.result(timeout=30)
+        _add_partitions(kafka_bootstrap, source, 2)
         # Bounded: the consumer sees the partition within its 1 s metadata refresh, and the
         # rebalance and restore take seconds.
         deadline = time.monotonic() + 60
