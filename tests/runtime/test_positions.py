@@ -288,6 +288,7 @@ def test_a_latest_topic_created_again_is_recorded_with_no_partitions_unless_stat
     starts over now; an id missing from a file of an earlier version is filled in."""
     storage = CheckpointStorage(str(tmp_path))
     ids = {"orders": "id-1", "clicks": "id-c"}
+    partitions = {"orders": 3, "clicks": 2}
 
     def recorded(on_missing_offsets: str = "fail") -> tuple[dict[str, int], dict[str, str]]:
         worker = SimpleNamespace(
@@ -299,7 +300,7 @@ def test_a_latest_topic_created_again_is_recorded_with_no_partitions_unless_stat
             ),
             storage=storage,
             settings=SimpleNamespace(on_missing_offsets=on_missing_offsets),
-            _topic_partitions={"orders": 3, "clicks": 2},
+            _topic_partitions=partitions,
             _topic_ids=lambda topics, what: {t: ids[t] for t in topics},
         )
         counts = Worker._latest_partitions_at_start(worker)
@@ -310,7 +311,8 @@ def test_a_latest_topic_created_again_is_recorded_with_no_partitions_unless_stat
     assert recorded() == ({"orders": 0, "clicks": 2}, ids)
     assert recorded() == ({"orders": 0, "clicks": 2}, ids)  # and so for the next starts
     ids["orders"] = "id-3"
-    assert recorded("reset-state") == ({"orders": 3, "clicks": 2}, ids)
+    partitions["clicks"] = 4  # grew while the job was down: still added after its start
+    assert recorded("reset-state") == ({"orders": 3, "clicks": 2}, {})
     # A file of an earlier version, without ids: they are filled in, the counts kept.
     earlier = {"partitions": {"orders": 1, "clicks": 1}}
     storage.write_bytes("job/source-partitions.json", encode_checked(earlier))

@@ -913,7 +913,8 @@ class Worker:
         ``--read-recreated-topics`` the ones the job's checkpoints read start there too).
         Before, they started at their end: what producers wrote to the new topic before the
         job's first checkpoint of it was never read. A ``--reset-state`` run starts over:
-        such a topic is recorded with its partitions now."""
+        such a topic is recorded with its partitions now (only such a topic: the partitions
+        others gained while the job was down were still added after its start)."""
         self._latest_ids: dict[str, str] = {}
         latest = sorted(
             {
@@ -933,7 +934,9 @@ class Worker:
             counts = {str(t): int(n) for t, n in body.get("partitions", {}).items()}
             ids = {str(t): str(i) for t, i in body.get("ids", {}).items()}
         now = self._topic_ids(latest, "latest source topics")
-        start_over = start_over or self.settings.on_missing_offsets == "reset-state"
+        # Only a recreated topic is taken as new by a --reset-state run: the partitions other
+        # topics gained while the job was down were still added after its start.
+        reset_run = start_over or self.settings.on_missing_offsets == "reset-state"
         stale = [
             t
             for t in latest
@@ -945,7 +948,7 @@ class Worker:
             recreated = {
                 t
                 for t in stale
-                if not start_over and t in counts and ids_differ(ids.get(t, ""), now.get(t, ""))
+                if not reset_run and t in counts and ids_differ(ids.get(t, ""), now.get(t, ""))
             }
             for topic in sorted(recreated):
                 log.info(
@@ -958,7 +961,10 @@ class Worker:
             counts.update({t: 0 if t in recreated else self._topic_partitions[t] for t in stale})
             ids.update({t: now[t] for t in [*stale, *unnamed] if now.get(t)})
             self.storage.write_bytes(path, encode_checked({"partitions": counts, "ids": ids}))
-        self._latest_ids = {t: ids[t] for t in latest if t in counts and ids.get(t)}
+        # A --reset-state run takes a topic created again while it runs as new too.
+        self._latest_ids = (
+            {} if reset_run else {t: ids[t] for t in latest if t in counts and ids.get(t)}
+        )
         return {t: counts[t] for t in latest if t in counts}
 
     def _added_partition_start(self, task_id: str, tp: tuple[str, int], start: int) -> int:
