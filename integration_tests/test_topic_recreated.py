@@ -27,10 +27,10 @@ pytestmark = pytest.mark.integration
 EX_CONFIG = 78
 
 
-def _produce(bootstrap: str, topic: str, numbers: range) -> None:
+def _produce(bootstrap: str, topic: str, numbers: range, partition: int = 0) -> None:
     producer = Producer({"bootstrap.servers": bootstrap})
     for n in numbers:
-        producer.produce(topic, orjson.dumps({"n": n}), partition=0)
+        producer.produce(topic, orjson.dumps({"n": n}), partition=partition)
     assert producer.flush(30) == 0
 
 
@@ -133,14 +133,7 @@ def test_a_latest_topic_created_again_with_more_partitions_is_read_from_its_star
     prefix = f"{unique_name}-"
     source, out = f"{prefix}copy-in", f"{prefix}copy-out"
     create_topics(kafka_bootstrap, {source: 1, out: 1})
-
-    def produce(numbers: range, partition: int) -> None:
-        producer = Producer({"bootstrap.servers": kafka_bootstrap})
-        for n in numbers:
-            producer.produce(source, orjson.dumps({"n": n}), partition=partition)
-        assert producer.flush(30) == 0
-
-    produce(range(-1, 0), 0)  # before the job started: never read
+    _produce(kafka_bootstrap, source, range(-1, 0))  # before the job started: never read
     worker = _worker("latest_grow", kafka_bootstrap, tmp_path, prefix)
     worker.start()
     try:
@@ -148,7 +141,7 @@ def test_a_latest_topic_created_again_with_more_partitions_is_read_from_its_star
         while not any(e.get("event") == "restored" for e in read_events(worker.metrics_path)):
             assert time.monotonic() < deadline, worker.tail()
             time.sleep(0.1)
-        produce(range(5), 0)
+        _produce(kafka_bootstrap, source, range(5))
         first = read_committed(kafka_bootstrap, out, 5, timeout=60, settle=1)
     finally:
         assert worker.stop() == 0, worker.tail()
@@ -164,8 +157,8 @@ def test_a_latest_topic_created_again_with_more_partitions_is_read_from_its_star
         assert time.monotonic() < deadline, "the stopped worker is still a member"
         time.sleep(0.5)
     _recreate(kafka_bootstrap, source, partitions=2)
-    produce(range(10, 15), 0)
-    produce(range(15, 20), 1)
+    _produce(kafka_bootstrap, source, range(10, 15))
+    _produce(kafka_bootstrap, source, range(15, 20), partition=1)
     # The group's offsets went with the old topic: --restore-latest names the checkpoint.
     worker.start(extra_args=["--restore-latest", "--read-recreated-topics"])
     try:
