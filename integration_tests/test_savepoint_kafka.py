@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -80,21 +81,28 @@ def _count(bootstrap: str, topic: str) -> int:
 
 
 def _savepoint_of_counts_job(
-    path: Path, job: str, source: str, rows: int, key_by: str = "by-k"
+    path: Path,
+    job: str,
+    source: str,
+    rows: int,
+    key_by: str = "by-k",
+    table: pa.Table | None = None,
 ) -> SavepointFile:
     """A savepoint of ``_counts_job(..., key_by)`` at source offset 0 with ``rows`` records in
-    flight; returns their file's entry."""
+    flight, or those of ``table``; returns their file's entry. The default file has the
+    columns of savepoints before headers were kept (no ``headers``): restores read those too."""
     storage = CheckpointStorage(str(path))
-    table = pa.table(
-        {
-            "partition": [0] * rows,
-            "offset": list(range(rows)),
-            "key": [b"sk%d" % i for i in range(rows)],
-            "value": [b"{}"] * rows,
-            "timestamp": [1] * rows,
-        },
-        schema=IN_FLIGHT_SCHEMA,
-    )
+    if table is None:
+        table = pa.table(
+            {
+                "partition": [0] * rows,
+                "offset": list(range(rows)),
+                "key": [b"sk%d" % i for i in range(rows)],
+                "value": [b"{}"] * rows,
+                "timestamp": [1] * rows,
+            },
+            schema=pa.schema([f for f in IN_FLIGHT_SCHEMA if f.name != "headers"]),
+        )
     entry = write_table(storage, f"in-flight/{key_by}.parquet", table)
     flight = InFlight(key_by, f"{job}.{key_by}.repartition", 1, [entry])
     meta = SavepointMetadata(job, "0.1.0", 128, {source: {0: 0}}, {source: 1}, [], [flight])
@@ -181,6 +189,48 @@ def test_a_restore_needs_nothing_of_the_savepoint_storage_once_kafka_is_changed(
     assert restored is not None
     assert not (path / entry.path).exists()
     assert _count(kafka_bootstrap, repartition) == rows, "records in flight were not restored"
+
+
+def test_records_in_flight_keep_their_headers_through_a_savepoint(
+    kafka_bootstrap: str, admin: AdminClient, unique_name: str, tmp_path: Path
+) -> None:
+    """A record's headers cross a re-keying key_by's repartition topic with it, so a later
+    stage's dead letter carries the input's trace id; records in flight when a savepoint was
+    taken were saved and written back without them. Each record must come back with its own
+    headers, in order, a repeated name and a null value included, and one without headers
+    without any."""
+    job = unique_name
+    config = {"bootstrap.servers": kafka_bootstrap}
+    pipeline, source = _counts_job(admin, job, "by-k")
+    repartition = create_topic(admin, f"{job}.by-k.repartition")
+    sent: dict[bytes, list[tuple[str, bytes | None]]] = {
+        b"sk0": [("trace-id", b"t-0"), ("tag", b"a"), ("tag", None)],
+        b"sk1": [],
+        b"sk2": [("trace-id", b"t-2")],
+    }
+    producer = Producer(config)
+    for key, headers in sent.items():
+        producer.produce(repartition, b"{}", key, partition=0, headers=headers or None)
+    producer.flush(10)
+    table = export.read_in_flight(config, repartition, {0: 0})
+    path = tmp_path / "sp"
+    _savepoint_of_counts_job(path, job, source, table.num_rows, table=table)
+    restored = seed_from_savepoint(pipeline, config, str(tmp_path / "checkpoints"), str(path))
+    assert restored is not None
+    consumer = Consumer({**config, "group.id": f"{job}-check", "auto.offset.reset": "earliest"})
+    got: dict[bytes, list[tuple[str, bytes | None]]] = {}
+    try:
+        consumer.assign([TopicPartition(repartition, 0, 0)])
+        deadline = time.monotonic() + 30  # the restore flushed them: they are there
+        while len(got) < len(sent) and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is not None and msg.error() is None:
+                assert msg.key() not in got, f"{msg.key()!r} restored twice"
+                got[msg.key()] = list(msg.headers() or [])
+    finally:
+        consumer.close()
+    assert got == sent
+    assert _count(kafka_bootstrap, repartition) == len(sent), "the topic was not recreated"
 
 
 def test_records_in_flight_that_kafka_deleted_are_an_error_not_skipped(

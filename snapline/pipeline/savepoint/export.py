@@ -400,6 +400,10 @@ def read_in_flight(
                 columns["key"].append(msg.key())
                 columns["value"].append(msg.value())
                 columns["timestamp"].append(msg.timestamp()[1])
+                headers = msg.headers()
+                columns["headers"].append(
+                    [{"name": name, "value": value} for name, value in headers] if headers else None
+                )
             for tp in consumer.position([TopicPartition(topic, p) for p in sorted(todo)]):
                 if tp.offset >= ends[tp.partition]:
                     todo.discard(tp.partition)

@@ -46,7 +46,11 @@ ENTRY_SCHEMA = pa.schema(
         ("value_json", pa.string()),
     ]
 )
+#: A record's Kafka headers, in order (a name may repeat; a value may be null).
+HEADERS_TYPE = pa.list_(pa.struct([("name", pa.string()), ("value", pa.binary())]))
 #: Records of a repartition topic that upstream committed and downstream had not read yet.
+#: ``headers``: the record's Kafka headers (the input's, which a later stage's dead letter
+#: carries); null for a record without any. Files of earlier versions have no such column.
 IN_FLIGHT_SCHEMA = pa.schema(
     [
         ("partition", pa.int32()),
@@ -54,6 +58,7 @@ IN_FLIGHT_SCHEMA = pa.schema(
         ("key", pa.binary()),
         ("value", pa.binary()),
         ("timestamp", pa.int64()),
+        ("headers", HEADERS_TYPE),
     ]
 )
 

@@ -892,8 +892,10 @@ def _produce_in_flight(
         count = partitions[rep.topic]
         table = read_table(copies, entry)
         cols = table.sort_by([("partition", "ascending"), ("offset", "ascending")]).to_pydict()
-        for key, value, timestamp in zip(
-            cols["key"], cols["value"], cols["timestamp"], strict=True
+        # Files of savepoints before headers were kept have no "headers" column.
+        all_headers = cols.get("headers") or [None] * len(cols["key"])
+        for key, value, timestamp, headers in zip(
+            cols["key"], cols["value"], cols["timestamp"], all_headers, strict=True
         ):
             group = zlib.crc32(key[1:]) % maxp  # the key's first byte tags its type
             while True:
@@ -904,6 +906,7 @@ def _produce_in_flight(
                         key,
                         partition=repartition_partition(group, count, maxp),
                         timestamp=timestamp,
+                        headers=[(h["name"], h["value"]) for h in headers] if headers else None,
                     )
                     break
                 except BufferError:
