@@ -63,10 +63,32 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"kafka: {wanted}local broker {kafka_version()} (launched on first use)"
 
 
+_WORKER_KAFKA_KEY = pytest.StashKey[list[str]]()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A pytest-xdist worker hands the broker it used to the controller, which reports it."""
+    info = session.config.stash.get(_KAFKA_KEY, None)
+    output = getattr(session.config, "workeroutput", None)
+    if info is not None and output is not None:
+        output["snapline_kafka"] = info.description
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    description = getattr(node, "workeroutput", {}).get("snapline_kafka")
+    if description:
+        node.config.stash.setdefault(_WORKER_KAFKA_KEY, []).append(
+            f"{description} ({node.gateway.id})"
+        )
+
+
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     info = config.stash.get(_KAFKA_KEY, None)
     if info is not None:
         terminalreporter.write_line(f"kafka: tests ran against {info.description}")
+    for description in sorted(config.stash.get(_WORKER_KAFKA_KEY, [])):
+        terminalreporter.write_line(f"kafka: tests ran against {description}")
 
 
 # --------------------------------------------------------------------------- the broker
@@ -129,7 +151,10 @@ def _launched_kafka(request: pytest.FixtureRequest) -> Iterator[KafkaInfo]:
         yield KafkaInfo(broker.bootstrap_servers, description)
         if request.session.testsfailed and getattr(config, "cache", None) is not None:
             # The temporary data dir goes away with the broker; its log may explain a failure.
-            kept = config.cache.mkdir("snapline") / "kafka-server.log"
+            worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1: one broker each
+            kept = config.cache.mkdir("snapline") / (
+                f"kafka-server-{worker}.log" if worker else "kafka-server.log"
+            )
             shutil.copyfile(broker.log_path, kept)
             say(f"kafka: some tests failed; the broker's log is kept in {kept}")
 
