@@ -124,3 +124,48 @@ def test_listed_groups_tells_groups_with_members_from_empty_ones_without_describ
         consumer.close()  # leaves the group: it is empty now
     assert listed_groups(admin, 10, [group]).get(group) is False
     assert f"{unique_name}/no-such-group" not in listed_groups(admin, 10, [])
+
+
+def test_a_group_is_described_only_when_listed_with_members(
+    kafka_bootstrap: str, admin: AdminClient, unique_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The departed-worker abort (group_instances) and the savepoint CLI (active_members)
+    described the job's group whatever its state: a describe looks the coordinator up and can
+    abort the process (librdkafka #4605). Now only a group ListGroups names with members is
+    described; one without members has none, and one not listed is none of the job's
+    (the abort, whose worker is a member, fences nobody: an error)."""
+    from confluent_kafka import Consumer, KafkaException
+
+    from snapline.pipeline.runtime.departed import group_instances
+    from snapline.pipeline.savepoint.export import active_members
+
+    described: list[str] = []
+    describe = AdminClient.describe_consumer_groups
+
+    def counted(self: AdminClient, groups: list[str], **kwargs: object) -> object:
+        described.extend(groups)
+        return describe(self, groups, **kwargs)
+
+    monkeypatch.setattr(AdminClient, "describe_consumer_groups", counted)
+    config = {"bootstrap.servers": kafka_bootstrap}
+    topic = f"{unique_name}-in"
+    create_topics(kafka_bootstrap, {topic: 1})
+    group = f"{unique_name}-job"
+    consumer = Consumer({**config, "group.id": group, "session.timeout.ms": 6000})
+    try:
+        consumer.subscribe([topic])
+        deadline = time.monotonic() + 30  # a join takes ~3 s (group.initial.rebalance.delay)
+        while not consumer.assignment():
+            assert time.monotonic() < deadline, "the consumer never joined its group"
+            consumer.poll(0.2)
+        assert active_members(admin, group) == 1
+        assert group_instances(config, group) == set()  # a dynamic member: no instance id
+        assert described == [group, group]
+    finally:
+        consumer.close()  # leaves the group: it is empty now
+    assert active_members(admin, group) == 0
+    assert group_instances(config, group) == set()
+    assert active_members(admin, f"{unique_name}-none") == 0
+    with pytest.raises(KafkaException, match="is not listed"):
+        group_instances(config, f"{unique_name}-none")
+    assert described == [group, group]

@@ -48,6 +48,7 @@ from snapline.pipeline.errors import CheckpointError, ConfigurationError
 from snapline.pipeline.graph import Pipeline
 from snapline.pipeline.keygroups import key_group_range
 from snapline.pipeline.runtime import departed
+from snapline.pipeline.runtime.kafka_calls import listed_groups
 from snapline.pipeline.runtime.topics import cluster_id_of, ids_differ
 from snapline.pipeline.runtime.watermarks import WATERMARK_KEY_TAG
 from snapline.pipeline.savepoint.format import (
@@ -112,7 +113,11 @@ def topic_partitions(admin: AdminClient, topics: list[str], where: str) -> dict[
 
 
 def active_members(admin: AdminClient, group: str) -> int:
-    """Members of the job's consumer group right now (0: the job is not running)."""
+    """Members of the job's consumer group right now (0: the job is not running). Only a
+    group that ListGroups names with members is described: a describe looks the group's
+    coordinator up, which can abort the process when it times out (``listed_groups``)."""
+    if not listed_groups(admin, 30, [group]).get(group):
+        return 0
     future = admin.describe_consumer_groups([group], request_timeout=30)[group]
     return len(future.result(timeout=35).members)
 
