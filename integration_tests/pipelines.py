@@ -302,6 +302,19 @@ def latest_copy() -> Pipeline:
     return pipeline
 
 
+def latest_copy_parquet() -> Pipeline:
+    """``<prefix>copy-in`` from its end when the job starts, copied to ``<prefix>copy-out``
+    and to the Parquet table ``$SNAPLINE_TEST_TABLE`` (staged before Kafka commits, published
+    after)."""
+    from snapline.sinks import ParquetSink
+
+    pipeline = Pipeline(f"{PREFIX}job", checkpoint_interval=0.3)
+    stream = pipeline.source(KafkaSource(f"{PREFIX}copy-in", starting_position="latest"))
+    stream.sink(KafkaSink(f"{PREFIX}copy-out"))
+    stream.sink(ParquetSink(os.environ["SNAPLINE_TEST_TABLE"], name="table"))
+    return pipeline
+
+
 def latest_grow() -> Pipeline:
     """``<prefix>copy-in`` from its end when the job starts, copied to ``<prefix>copy-out``;
     the consumer looks for new partitions every second (librdkafka's default: 5 minutes)."""

@@ -583,3 +583,88 @@ def test_a_zombie_woken_after_a_savepoint_restore_deletes_no_record_of_the_new_t
     zombie.kill()
     job.verify()
     job.stop_all()
+
+
+def _table_ns(table: Path) -> list[int]:
+    """The ``n`` of every row the Parquet table publishes (staging and commit logs are in
+    ``_``-prefixed directories, which readers skip)."""
+    import pyarrow.parquet as pq
+
+    files = sorted(table.glob("*.parquet"))
+    return sorted(n for f in files for n in pq.read_table(f).column("n").to_pylist())
+
+
+def test_reset_state_publishes_what_the_newest_committed_checkpoint_staged(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """Found by review: a worker died between Kafka's commit of checkpoint c and its Parquet
+    sink's publish; its restart restored c (marking it committed) and died before the sinks'
+    recovery; the job's offsets then expired. --reset-state deleted c, and the fresh task's
+    first commit discarded what c had staged as an uncommitted epoch's: Kafka held c's
+    records, the table never did (a "latest" source does not read them again). The table must
+    hold exactly the records Kafka's output holds, each once, c's among them."""
+    import orjson
+    from confluent_kafka import Producer
+
+    from examples.orders import create_topics, read_committed
+
+    prefix = f"{unique_name}-"
+    source, out = f"{prefix}copy-in", f"{prefix}copy-out"
+    create_topics(kafka_bootstrap, {source: 1, out: 1})
+    table = tmp_path / "table"
+    env = {"SNAPLINE_TEST_PREFIX": prefix, "SNAPLINE_TEST_TABLE": str(table)}
+    worker = WorkerProcess(
+        "integration_tests.pipelines:latest_copy_parquet",
+        "w0",
+        kafka_bootstrap,
+        tmp_path / "chk",
+        tmp_path,
+        env,
+    )
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+
+    def produce(numbers: range) -> None:
+        for n in numbers:
+            producer.produce(source, orjson.dumps({"n": n}), partition=0)
+        assert producer.flush(30) == 0
+
+    worker.start()
+    try:
+        deadline = time.monotonic() + 60  # a restore takes seconds
+        while not any(e.get("event") == "restored" for e in read_events(worker.metrics_path)):
+            assert time.monotonic() < deadline, worker.tail()
+            time.sleep(0.1)
+        produce(range(0, 20))
+        read_committed(kafka_bootstrap, out, 20, timeout=60, settle=1)
+        time.sleep(1.0)  # the checkpoint of the last records has committed (interval 0.3 s)
+    finally:
+        assert worker.stop() == 0, worker.tail()
+    # c: the next checkpoint commits in Kafka, and the worker dies before its sinks hear it.
+    produce(range(100, 120))
+    worker.start({"SNAPLINE_FAULT": "after_kafka_commit:1"})
+    assert worker.wait_exit(90) == -signal.SIGKILL, worker.tail()
+    # The restart restores c and marks it committed, then dies before the sinks' recovery.
+    worker.start({"SNAPLINE_FAULT": "before_sink_recovery:1"})
+    assert worker.wait_exit(90) == -signal.SIGKILL, worker.tail()
+    before = sorted(r["n"] for r in read_committed(kafka_bootstrap, out, 21, timeout=10))
+    from_c = [n for n in before if n >= 100]
+    assert from_c, f"checkpoint c committed nothing: the test proves nothing ({before})"
+    published = [n for n in _table_ns(table) if n >= 100]
+    assert published == [], f"c's records were published before the reset: {published}"
+    _delete_group(kafka_bootstrap, f"{prefix}job")  # as if offsets.retention.minutes had passed
+    worker.start(extra_args=["--reset-state"])
+    try:
+        deadline = time.monotonic() + 60  # a restore takes seconds
+        while sum(e.get("event") == "restored" for e in read_events(worker.metrics_path)) < 3:
+            assert time.monotonic() < deadline, worker.tail()
+            time.sleep(0.1)
+        produce(range(200, 220))  # the fresh task's first commits
+        expected = len(before) + 20
+        kafka = sorted(r["n"] for r in read_committed(kafka_bootstrap, out, expected, timeout=60))
+        time.sleep(1.0)  # the checkpoint of the last records has committed (interval 0.3 s)
+    finally:
+        assert worker.stop() == 0, worker.tail()
+    assert "--reset-state deletes its" in worker.tail(400), worker.tail()
+    assert kafka == sorted(set(kafka)), "a record twice in Kafka"
+    assert [*range(20), *range(200, 220)] == [n for n in kafka if not 100 <= n < 120]
+    assert _table_ns(table) == kafka

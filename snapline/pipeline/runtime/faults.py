@@ -26,6 +26,7 @@ KILL_POINTS = (
     "restore_before_kafka_changes",  # a savepoint restore: checks done, Kafka not changed yet
     "after_offsets_read",  # recovery read the committed offsets, restored nothing yet
     "before_restore_state",  # a task's checkpoint found in storage, its files not read yet
+    "before_sink_recovery",  # a task's checkpoint restored and marked, its sinks not recovered
     "after_repartition_produce",  # an epoch's repartition records produced, not committed
     "sync_snapshot",  # right after the synchronous part of a task's snapshot
     "mid_materialization",  # state written to storage, metadata not yet

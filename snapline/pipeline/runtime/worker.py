@@ -105,6 +105,7 @@ from snapline.pipeline.runtime.liveness import DEFAULT_TIMEOUT as DEFAULT_LIVENE
 from snapline.pipeline.runtime.liveness import Liveness, Watchdog
 from snapline.pipeline.runtime.local_lock import lock_local_dir, lock_wait
 from snapline.pipeline.runtime.metrics import WorkerMetrics
+from snapline.pipeline.runtime.sink_recovery import publish_staged
 from snapline.pipeline.runtime.source_ends import SourceEnds
 from snapline.pipeline.runtime.task import Task, TaskSnapshot
 from snapline.pipeline.runtime.topics import (
@@ -875,6 +876,7 @@ class Worker:
                 if self._read_topic_ids.get(c.topic)
             },
         )
+        self.faults.point("before_sink_recovery")
         task.recover_sinks(ref.checkpoint_id if ref else None, meta.sinks if meta else {})
         above = task.sink_checkpoint_ids_above()
         if above is not None and above >= self.coordinator.next_id:
@@ -897,6 +899,35 @@ class Worker:
             positions,
         )
         return positions, ref
+
+    def _publish_before_reset(self, task_id: str, latest: CheckpointRef) -> None:
+        """Publish what ``latest``, the task's newest checkpoint marked committed, staged in
+        its Parquet and PostgreSQL sinks (with every older one it still lists), before
+        --reset-state deletes it. Kafka committed its records; a worker that died between
+        that commit and the sinks' publish left them staged, and with the checkpoint gone
+        the fresh task took them for an uncommitted epoch's and discarded them at its first
+        commit: Kafka had the records, the table and the database never did. A failed
+        publish fails the restore with the checkpoints kept, for the next try. A checkpoint
+        whose metadata cannot be read is logged: its output cannot be found."""
+        try:
+            meta = TaskCheckpoint.read(self.storage, self.pipeline.name, task_id, latest)
+        except CheckpointError as exc:
+            log.error(
+                "task %s: cannot read checkpoint %d (%s): what it staged in Parquet and "
+                "PostgreSQL sinks, if anything, is not published",
+                task_id,
+                latest.checkpoint_id,
+                exc,
+            )
+            return
+        publish_staged(
+            self.pipeline,
+            task_id,
+            self.settings.worker_id,
+            latest.checkpoint_id,
+            meta.sinks,
+            self.cluster_id,
+        )
 
     def _latest_partitions_at_start(self, start_over: bool = False) -> dict[str, int]:
         """The partitions each source topic read from "latest" had when the job first started,
@@ -1380,6 +1411,7 @@ class Worker:
             # Ids go on above the deleted ones, even if the job stops before its next
             # checkpoint is stored: the PostgreSQL sink's rows carry them (ID_FLOOR_FILE).
             raise_id_floor(self.storage, self.pipeline.name, stored[-1].checkpoint_id)
+            self._publish_before_reset(task_id, latest)
             for ref in committed:
                 self.storage.delete_dir(ref.directory(self.pipeline.name, task_id))
             self._reset_tasks.add(task_id)  # starts over: "latest" is now, for every partition

@@ -49,6 +49,7 @@ from snapline.pipeline.graph import Pipeline
 from snapline.pipeline.keygroups import key_group_range
 from snapline.pipeline.runtime import departed
 from snapline.pipeline.runtime.kafka_calls import listed_groups
+from snapline.pipeline.runtime.sink_recovery import publish_staged
 from snapline.pipeline.runtime.topics import cluster_id_of, ids_differ
 from snapline.pipeline.runtime.watermarks import WATERMARK_KEY_TAG
 from snapline.pipeline.savepoint.format import (
@@ -64,7 +65,6 @@ from snapline.pipeline.savepoint.format import (
     write_table,
 )
 from snapline.pipeline.savepoint.pool import pool_size, run_jobs, scratch_options
-from snapline.pipeline.sink import SinkContext
 from snapline.pipeline.stages import SOURCE_STAGE, StagePlan, task_id_for
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.columns import StoredKeys, split_stored_keys
@@ -765,9 +765,6 @@ def publish_committed_sinks(pipeline: Pipeline, storage: CheckpointStorage, admi
         if ref is not None:
             named[(tp.topic, tp.partition)] = ref
 
-    def refuse(record: Any, reason: str, epoch: int) -> None:
-        raise CheckpointError(f"a sink's recovery sent a record to the dead letters: {reason}")
-
     refs = set(named.values())
     for task_id in storage.list_dir(f"{pipeline.name}/tasks"):
         for ref in refs:
@@ -776,37 +773,7 @@ def publish_committed_sinks(pipeline: Pipeline, storage: CheckpointStorage, admi
             meta = TaskCheckpoint.read(storage, pipeline.name, task_id, ref)
             if not meta.positions or any(named.get(tp) != ref for tp in meta.positions):
                 continue  # not the checkpoint Kafka names for this task
-            for name, metadata in meta.sinks.items():
-                sink = sinks.get(name)
-                if not metadata or sink is None:
-                    if metadata:
-                        log.warning(
-                            "checkpoint %d of task %s staged output in sink %s, which the code "
-                            "no longer has: it is not published",
-                            ref.checkpoint_id,
-                            task_id,
-                            name,
-                        )
-                    continue
-                context = SinkContext(
-                    pipeline.name,
-                    task_id,
-                    departed.SEEDED,
-                    name,
-                    None,  # type: ignore[arg-type]  # Parquet and PostgreSQL produce nothing here
-                    refuse,
-                )
-                writer = sink.open(context)
-                try:
-                    writer.recover(ref.checkpoint_id, metadata)
-                finally:
-                    writer.close()
-                log.info(
-                    "published what checkpoint %d of task %s staged in sink %s",
-                    ref.checkpoint_id,
-                    task_id,
-                    name,
-                )
+            publish_staged(pipeline, task_id, departed.SEEDED, ref.checkpoint_id, meta.sinks)
 
 
 def stage_reads(plan: StagePlan) -> dict[int, list[str]]:
