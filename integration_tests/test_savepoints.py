@@ -23,7 +23,7 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from examples.orders import read_committed, verify_totals
-from examples.workers import process_state
+from examples.workers import process_state, read_events
 from integration_tests.warehouse_job import (
     SPEC,
     WarehouseJob,
@@ -312,6 +312,71 @@ def test_workers_started_from_one_savepoint_at_once_restore_it_once(
         time.sleep(0.2)
     first.signal(signal.SIGCONT)
     job.produce(2_000)
+    job.verify()  # every order once in Kafka, Parquet and PostgreSQL
+    restores = sum(w.log_path.read_text().count("restored job ") for w in job.workers)
+    assert restores == 1, job.logs()
+    job.stop_all()
+
+
+def test_a_restore_that_stalls_past_its_lock_changes_nothing_once_another_finished(
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list[Any]
+) -> None:
+    """Found by review: the restore lock is a lease. A restore frozen after its marker and
+    before it recreated the repartition topics, for longer than the lock's session (10 s),
+    lost the lock without knowing; the other worker's restore took it and finished, and the
+    job ran on. The first, woken, deleted and recreated the repartition topics under the
+    running job and wrote the savepoint's records in flight back a second time. It must stop
+    without changing anything more: every order once in Kafka, Parquet and PostgreSQL."""
+    job = WarehouseJob(
+        kafka_bootstrap,
+        unique_name,
+        tmp_path,
+        postgres_dsn,
+        partitions=2,
+        interval=0.3,
+        keyed_by_order=True,
+        extra_env={"SNAPLINE_EXAMPLE_STAGES": "2", "SNAPLINE_EXAMPLE_VARIANT": "slow"},
+    )
+    jobs.append(job)
+    for worker in job.workers:
+        worker.start()
+    job.produce(10_000)
+    wait_running(job)
+    job.produce(10_000)
+    path = snapline(job, "savepoint", "create", SPEC, "--stop")
+    for worker in job.workers:
+        assert worker.wait_exit(60) == 0, worker.tail()
+    assert _in_flight_orders(path), "no record in flight at the savepoint: nothing to check"
+    for worker in job.workers:
+        worker.env["SNAPLINE_EXAMPLE_VARIANT"] = ""
+    first, second = job.workers
+    first.start({"SNAPLINE_FAULT": "restore_before_topics:1:stop"}, ["--from-savepoint", path])
+    assert first.proc is not None
+    wait_for(
+        "the first restore frozen before it recreates the repartition topics",
+        lambda: process_state(first.proc.pid) == "T",  # type: ignore[union-attr]
+        120,
+        job.logs,
+    )
+
+    def restores_of_second() -> int:
+        events = read_events(second.metrics_path)
+        return sum(e.get("event") == "restored" and e["worker"] == second.worker_id for e in events)
+
+    before = restores_of_second()
+    second.start(extra_args=["--from-savepoint", path])
+    # The lock's session (10 s) expires; the second restores the job and runs it.
+    wait_for(
+        "the second restoring the job and running it",
+        lambda: "restored job " in second.log_path.read_text() and restores_of_second() > before,
+        120,
+        job.logs,
+    )
+    job.produce(2_000)
+    first.signal(signal.SIGCONT)
+    assert first.wait_exit(60) != 0, first.tail()  # bounded: its next step is a check
+    assert "it stops without changing anything more" in first.tail(100), first.tail(100)
+    first.start()  # joins the job as a plain worker
     job.verify()  # every order once in Kafka, Parquet and PostgreSQL
     restores = sum(w.log_path.read_text().count("restored job ") for w in job.workers)
     assert restores == 1, job.logs()

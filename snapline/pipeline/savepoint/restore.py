@@ -76,6 +76,7 @@ from snapline.pipeline.runtime.topics import (
 from snapline.pipeline.runtime.watermarks import decode_floors, encode_floors
 from snapline.pipeline.savepoint.export import (
     JobTask,
+    active_members,
     job_tasks,
     publish_committed_sinks,
     wait_until_stopped,
@@ -267,6 +268,67 @@ def restore_group(job: str) -> str:
     return f"{job}/restore"
 
 
+class _RestoreGuard:
+    """Asked before each change a restore makes: is this restore still the job's only one?
+
+    The lock is a lease (``RestoreLock``): a restore that stalls past its session (a paused
+    VM, SIGSTOP) loses it without knowing, and its consumer may still show the assignment
+    for a moment after it wakes. Meanwhile another restore can take the lock, finish, and
+    the job's workers start and commit; the stalled one then deleted and recreated the
+    repartition topics under them (committed records in flight lost, the savepoint's written
+    back twice). So before each step that changes Kafka or the job's checkpoints it also
+    asks what another restore leaves behind: the ``RESTORING`` marker it wrote is still there
+    and still its own (another restore rewrites it with its token, a finished one deletes
+    it), the job's ``RESTORED_FROM`` marker is as it was when this restore began (a finished
+    restore rewrites it), and the job's group has no members (its workers run). Each answer
+    is read right before the step, so only a stall between the two can slip through."""
+
+    def __init__(self, storage: CheckpointStorage, job: str, lock: RestoreLock, marker: str):
+        self._storage = storage
+        self._job = job
+        self._lock = lock
+        self._marker = marker
+        self._restoring = f"{job}/{RESTORING}"
+        self._marker_at_start = self._read(marker)
+        self.token = uuid.uuid4().hex
+
+    def _read(self, path: str) -> bytes | None:
+        return self._storage.read_bytes(path) if self._storage.exists(path) else None
+
+    def check(self, admin: Any, step: str, restoring: bool = False) -> None:
+        """Raise CheckpointError naming ``step`` when another restore or the job went on;
+        ``restoring``: this restore has written its ``RESTORING`` marker."""
+        self._lock.check()
+        if self._read(self._marker) != self._marker_at_start:
+            self._stop(
+                step,
+                "another restore of the job finished meanwhile; the job goes on "
+                "from what that restore seeded",
+            )
+        if restoring and self._token_now() != self.token:
+            self._stop(step, "another restore of the job took over meanwhile and finishes it")
+        members = active_members(admin, self._job)
+        if members:
+            self._stop(step, f"the job runs ({members} members in its consumer group)")
+
+    def _token_now(self) -> str | None:
+        body = self._read(self._restoring)
+        if body is None:
+            return None
+        try:
+            return decode_checked(body, self._storage.full_path(self._restoring), "savepoint").get(
+                "token"
+            )
+        except CheckpointError:
+            return None
+
+    def _stop(self, step: str, why: str) -> None:
+        raise CheckpointError(
+            f"the restore of job {self._job} {step}, but {why} (this restore stalled past "
+            "its lock's session?): it stops without changing anything more"
+        )
+
+
 class RestoreLock:
     """Held by the member of consumer group ``<job>/restore`` that Kafka assigns the job's
     control partition: one restore of a job at a time, across hosts. Two restores at once
@@ -354,6 +416,7 @@ def _seed(
     savepoint = read_metadata(sp_storage)
     storage = CheckpointStorage(checkpoint_dir)
     marker = f"{pipeline.name}/{RESTORED_FROM}"
+    guard = _RestoreGuard(storage, pipeline.name, lock, marker)
     # A restore that died after changing Kafka is finished by any restore, also one of the
     # savepoint the job was restored from before (the marker names that one).
     if storage.exists(marker) and not storage.exists(f"{pipeline.name}/{RESTORING}"):
@@ -497,7 +560,7 @@ def _seed(
                 f"({members} members in its consumer group); stop it and restore again"
             )
         FaultInjector().point("restore_before_kafka_changes")
-        lock.check()
+        guard.check(admin, "was about to change Kafka")
         storage.write_bytes(
             f"{pipeline.name}/{RESTORING}",
             encode_checked(
@@ -505,6 +568,7 @@ def _seed(
                     "savepoint": redact_text(savepoint_uri),
                     "created_at": savepoint.created_at,
                     "started_at": time.time(),
+                    "token": guard.token,
                 }
             ),
         )
@@ -513,9 +577,13 @@ def _seed(
         # nothing seeded (source partitions without offsets in the savepoint).
         raise_id_floor(storage, pipeline.name, checkpoint_id)
         lock.check()
+        FaultInjector().point("restore_before_topics")
         for rep in plan.repartitions.values():
+            guard.check(admin, f"was about to recreate {rep.topic}", restoring=True)
             _recreate_topic(admin, rep.topic, partitions[rep.topic], INTERNAL_TOPIC_CONFIG)
+        guard.check(admin, "was about to write the records in flight back", restoring=True)
         _produce_in_flight(pipeline, kafka_config, flight_copies, flights, partitions)
+        guard.check(admin, "was about to write the seeded checkpoints", restoring=True)
         for (task, positions), (handle, _) in zip(chosen, loaded, strict=True):
             TaskCheckpoint(
                 job=pipeline.name,
@@ -549,7 +617,7 @@ def _seed(
         shutil.rmtree(scratch, ignore_errors=True)
     # Offsets committed after the savepoint (the job ran on) must not survive: the group is
     # empty (checked above), so it is deleted and its offsets committed anew.
-    lock.check()
+    guard.check(admin, "was about to reset the job's offsets", restoring=True)
     try:
         admin.delete_consumer_groups([pipeline.name], request_timeout=30)[pipeline.name].result(
             timeout=35
