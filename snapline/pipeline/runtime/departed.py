@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
 from snapline.pipeline.errors import ConfigurationError
@@ -161,16 +161,8 @@ def instance_id(job: str, worker_id: str) -> str:
 
 
 def group_instances(kafka_config: dict[str, Any], group: str) -> set[str]:
-    """The static member ids of the group's current members (raises on failure, and when
-    ListGroups does not name the group: the worker asking is a member of it). A group
-    listed without members is not described: a describe looks the coordinator up, which
-    can abort the process (``listed_groups``)."""
+    """The static member ids of the group's current members (raises on failure)."""
     admin = AdminClient(kafka_config)
-    listed = listed_groups(admin, CALL_TIMEOUT, [group])
-    if group not in listed:
-        raise KafkaException(KafkaError(KafkaError.GROUP_ID_NOT_FOUND, f"{group} is not listed"))
-    if not listed[group]:
-        return set()
     future = admin.describe_consumer_groups([group], request_timeout=CALL_TIMEOUT)[group]
     description = future.result(timeout=CALL_TIMEOUT)
     return {m.group_instance_id for m in description.members if m.group_instance_id}

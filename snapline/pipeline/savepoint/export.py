@@ -48,7 +48,6 @@ from snapline.pipeline.errors import CheckpointError, ConfigurationError
 from snapline.pipeline.graph import Pipeline
 from snapline.pipeline.keygroups import key_group_range
 from snapline.pipeline.runtime import departed
-from snapline.pipeline.runtime.kafka_calls import listed_groups
 from snapline.pipeline.runtime.sink_recovery import publish_staged
 from snapline.pipeline.runtime.topics import cluster_id_of, ids_differ
 from snapline.pipeline.runtime.watermarks import WATERMARK_KEY_TAG
@@ -113,11 +112,11 @@ def topic_partitions(admin: AdminClient, topics: list[str], where: str) -> dict[
 
 
 def active_members(admin: AdminClient, group: str) -> int:
-    """Members of the job's consumer group right now (0: the job is not running). Only a
-    group that ListGroups names with members is described: a describe looks the group's
-    coordinator up, which can abort the process when it times out (``listed_groups``)."""
-    if not listed_groups(admin, 30, [group]).get(group):
-        return 0
+    """Members of the job's consumer group right now (0: the job is not running). Described,
+    not asked of ListGroups first (``listed_groups``, the guard against librdkafka #4605): a
+    group that moves between coordinators can be missing from ListGroups' answer, or listed
+    empty by its old one, and a restore that took a running job for stopped would recreate
+    its repartition topics under it. A describe looks the coordinator up and retries."""
     future = admin.describe_consumer_groups([group], request_timeout=30)[group]
     return len(future.result(timeout=35).members)
 
