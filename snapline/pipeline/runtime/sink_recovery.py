@@ -15,24 +15,28 @@ from typing import Any
 
 from snapline.pipeline.errors import CheckpointError
 from snapline.pipeline.graph import Pipeline
-from snapline.pipeline.sink import SinkContext
+from snapline.pipeline.runtime.transaction import TransactionalOutput
+from snapline.pipeline.sink import Sink, SinkContext
 
 log = logging.getLogger(__name__)
 
 
 def publish_staged(
     pipeline: Pipeline,
+    sinks: dict[str, Sink],
     task_id: str,
     worker_id: str,
     checkpoint_id: int,
     staged: dict[str, Any],
+    output: TransactionalOutput | None,
     cluster_id: str = "",
 ) -> None:
-    """Publish what committed checkpoint ``checkpoint_id`` of ``task_id`` staged in each sink
-    (``staged``: its metadata's ``sinks``), as a restore from it does: idempotent, so a
-    live owner's own publish may meet it. A sink with nothing staged is not opened; one the
-    code no longer has is logged, its output not published. Raises if a publish fails."""
-    sinks = {sink.name: sink for sink in pipeline.sinks()}
+    """Publish what committed checkpoint ``checkpoint_id`` of ``task_id`` staged in each of
+    ``sinks`` (by name; ``staged``: the checkpoint metadata's ``sinks``), as a restore from
+    it does: idempotent, so a live owner's own publish may meet it. Each writer opens with
+    ``output`` (a worker's transactional output; None where only sinks that produce nothing
+    to Kafka are given). A sink with nothing staged is not opened; one not in ``sinks`` is
+    logged, its output not published. Raises if a publish fails."""
 
     def refuse(record: Any, reason: str, epoch: int) -> None:
         raise CheckpointError(f"a sink's recovery sent a record to the dead letters: {reason}")
@@ -54,7 +58,7 @@ def publish_staged(
             task_id,
             worker_id,
             name,
-            None,  # type: ignore[arg-type]  # staging sinks produce nothing to Kafka
+            output,  # type: ignore[arg-type]  # None: the sinks given produce nothing to Kafka
             refuse,
             cluster_id,
         )

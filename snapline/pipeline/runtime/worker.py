@@ -922,10 +922,12 @@ class Worker:
             return
         publish_staged(
             self.pipeline,
+            {sink.name: sink for sink in self.pipeline.sinks()},
             task_id,
             self.settings.worker_id,
             latest.checkpoint_id,
             meta.sinks,
+            self.output,
             self.cluster_id,
         )
 

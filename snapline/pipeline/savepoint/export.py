@@ -772,7 +772,9 @@ def publish_committed_sinks(pipeline: Pipeline, storage: CheckpointStorage, admi
             meta = TaskCheckpoint.read(storage, pipeline.name, task_id, ref)
             if not meta.positions or any(named.get(tp) != ref for tp in meta.positions):
                 continue  # not the checkpoint Kafka names for this task
-            publish_staged(pipeline, task_id, departed.SEEDED, ref.checkpoint_id, meta.sinks)
+            publish_staged(
+                pipeline, sinks, task_id, departed.SEEDED, ref.checkpoint_id, meta.sinks, None
+            )
 
 
 def stage_reads(plan: StagePlan) -> dict[int, list[str]]:
