@@ -318,15 +318,23 @@ def test_workers_started_from_one_savepoint_at_once_restore_it_once(
     job.stop_all()
 
 
+@pytest.mark.parametrize("stall", ["restore_before_topics", "restore_before_marker"])
 def test_a_restore_that_stalls_past_its_lock_changes_nothing_once_another_finished(
-    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list[Any]
+    stall: str,
+    kafka_bootstrap: str,
+    postgres_dsn: str,
+    tmp_path: Path,
+    unique_name: str,
+    jobs: list[Any],
 ) -> None:
     """Found by review: the restore lock is a lease. A restore frozen after its marker and
     before it recreated the repartition topics, for longer than the lock's session (10 s),
     lost the lock without knowing; the other worker's restore took it and finished, and the
     job ran on. The first, woken, deleted and recreated the repartition topics under the
     running job and wrote the savepoint's records in flight back a second time. It must stop
-    without changing anything more: every order once in Kafka, Parquet and PostgreSQL."""
+    without changing anything more: every order once in Kafka, Parquet and PostgreSQL. One
+    frozen right before it wrote its marker must not leave the marker behind either: every
+    later start of a worker would be refused until the savepoint was restored again."""
     job = WarehouseJob(
         kafka_bootstrap,
         unique_name,
@@ -350,7 +358,7 @@ def test_a_restore_that_stalls_past_its_lock_changes_nothing_once_another_finish
     for worker in job.workers:
         worker.env["SNAPLINE_EXAMPLE_VARIANT"] = ""
     first, second = job.workers
-    first.start({"SNAPLINE_FAULT": "restore_before_topics:1:stop"}, ["--from-savepoint", path])
+    first.start({"SNAPLINE_FAULT": f"{stall}:1:stop"}, ["--from-savepoint", path])
     assert first.proc is not None
     wait_for(
         "the first restore frozen before it recreates the repartition topics",
@@ -375,11 +383,13 @@ def test_a_restore_that_stalls_past_its_lock_changes_nothing_once_another_finish
     job.produce(2_000)
     first.signal(signal.SIGCONT)
     assert first.wait_exit(60) != 0, first.tail()  # bounded: its next step is a check
-    assert "it stops without changing anything more" in first.tail(100), first.tail(100)
+    assert "stops before changing anything more" in first.tail(100), first.tail(100)
+    assert not (job.checkpoint_dir / job.name / "restore-in-progress.json").exists()
     first.start()  # joins the job as a plain worker
     job.verify()  # every order once in Kafka, Parquet and PostgreSQL
     restores = sum(w.log_path.read_text().count("restored job ") for w in job.workers)
     assert restores == 1, job.logs()
+    assert first.alive, first.tail()  # not refused as a half-done restore's job
     job.stop_all()
 
 

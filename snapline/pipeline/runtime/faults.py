@@ -24,6 +24,7 @@ from collections.abc import Callable
 KILL_POINTS = (
     "after_namesake_check",  # start: no other job's worker has this transactional id
     "restore_before_kafka_changes",  # a savepoint restore: checks done, Kafka not changed yet
+    "restore_before_marker",  # a savepoint restore: checked, its marker not written yet
     "restore_before_topics",  # a savepoint restore: marker written, topics not recreated yet
     "after_offsets_read",  # recovery read the committed offsets, restored nothing yet
     "before_restore_state",  # a task's checkpoint found in storage, its files not read yet

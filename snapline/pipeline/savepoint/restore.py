@@ -62,6 +62,7 @@ from snapline.pipeline.graph import Pipeline
 from snapline.pipeline.keygroups import key_group_range, operator_index_for_key_group
 from snapline.pipeline.runtime import departed
 from snapline.pipeline.runtime.faults import FaultInjector
+from snapline.pipeline.runtime.kafka_calls import kafka_error
 from snapline.pipeline.runtime.topics import (
     INTERNAL_TOPIC_CONFIG,
     TopicManager,
@@ -297,19 +298,34 @@ class _RestoreGuard:
 
     def check(self, admin: Any, step: str, restoring: bool = False) -> None:
         """Raise CheckpointError naming ``step`` when another restore or the job went on;
-        ``restoring``: this restore has written its ``RESTORING`` marker."""
-        self._lock.check()
-        if self._read(self._marker) != self._marker_at_start:
-            self._stop(
-                step,
-                "another restore of the job finished meanwhile; the job goes on "
-                "from what that restore seeded",
-            )
-        if restoring and self._token_now() != self.token:
-            self._stop(step, "another restore of the job took over meanwhile and finishes it")
+        ``restoring``: this restore has written its ``RESTORING`` marker. The slow question
+        (the group's members, a Kafka round trip) comes first, the storage reads last, so
+        that they describe the moment right before the step."""
         members = active_members(admin, self._job)
         if members:
             self._stop(step, f"the job runs ({members} members in its consumer group)")
+        self._lock.check()
+        if self.superseded():
+            self._stop(
+                step,
+                "another restore of the job finished meanwhile; the job goes on from what "
+                "that restore seeded",
+            )
+        if restoring and self._token_now() != self.token:
+            self._stop(step, "another restore of the job took over meanwhile and finishes it")
+
+    def superseded(self) -> bool:
+        """Another restore of the job finished since this one began (it rewrote the
+        ``RESTORED_FROM`` marker)."""
+        return self._read(self._marker) != self._marker_at_start
+
+    def withdraw(self) -> None:
+        """Delete this restore's ``RESTORING`` marker, written after another restore had
+        finished (``superseded``): this one changed nothing yet, and a marker left behind
+        would refuse every worker's start, asking to restore again (a rewind to the
+        savepoint). Only a marker with this restore's token: another's stays."""
+        if self._token_now() == self.token:
+            self._storage.delete_file(self._restoring)
 
     def _token_now(self) -> str | None:
         body = self._read(self._restoring)
@@ -323,9 +339,12 @@ class _RestoreGuard:
             return None
 
     def _stop(self, step: str, why: str) -> None:
-        raise CheckpointError(
+        raise CheckpointError(self._why(step, why))
+
+    def _why(self, step: str, why: str) -> str:
+        return (
             f"the restore of job {self._job} {step}, but {why} (this restore stalled past "
-            "its lock's session?): it stops without changing anything more"
+            "its lock's session?): it stops before changing anything more"
         )
 
 
@@ -561,6 +580,7 @@ def _seed(
             )
         FaultInjector().point("restore_before_kafka_changes")
         guard.check(admin, "was about to change Kafka")
+        FaultInjector().point("restore_before_marker")
         storage.write_bytes(
             f"{pipeline.name}/{RESTORING}",
             encode_checked(
@@ -572,6 +592,12 @@ def _seed(
                 }
             ),
         )
+        try:  # a stall between the check and the write: the marker must not be left behind
+            guard.check(admin, "wrote its marker", restoring=True)
+        except CheckpointError:
+            if guard.superseded():
+                guard.withdraw()
+            raise
         publish_committed_sinks(pipeline, storage, admin)
         # Every worker's ids go on above the seeded checkpoint, also one whose tasks have
         # nothing seeded (source partitions without offsets in the savepoint).
@@ -954,6 +980,7 @@ def _produce_in_flight(
     repartition topics, each to the partition of its key-group (old partitions in order:
     per-key order is kept)."""
     producer = Producer({**kafka_config, "enable.idempotence": True, "linger.ms": 20})
+    failed: list[Any] = []  # delivery errors: a record the broker refused is not silently lost
     maxp = pipeline.max_parallelism
     sent = 0
     for rep, entry in flights:
@@ -966,6 +993,7 @@ def _produce_in_flight(
             cols["key"], cols["value"], cols["timestamp"], all_headers, strict=True
         ):
             group = zlib.crc32(key[1:]) % maxp  # the key's first byte tags its type
+            kept = [(h["name"], h["value"]) for h in headers] if headers else None
             while True:
                 try:
                     producer.produce(
@@ -974,14 +1002,26 @@ def _produce_in_flight(
                         key,
                         partition=repartition_partition(group, count, maxp),
                         timestamp=timestamp,
-                        headers=[(h["name"], h["value"]) for h in headers] if headers else None,
+                        headers=kept,
+                        on_delivery=lambda err, _msg: failed.append(err) if err else None,
                     )
                     break
                 except BufferError:
                     producer.poll(0.1)
+                except KafkaException as exc:
+                    # As the repartition writer does: a record its headers take over this
+                    # producer's message.max.bytes goes without them.
+                    error = kafka_error(exc)
+                    if not kept or error is None or error.code() != KafkaError.MSG_SIZE_TOO_LARGE:
+                        raise
+                    kept = None
             sent += 1
     if producer.flush(60):
         raise CheckpointError("records in flight could not be written back within 60 s")
+    if failed:
+        raise CheckpointError(
+            f"{len(failed)} records in flight could not be written back: {failed[0]}"
+        )
     log.info("restored %d records in flight to the repartition topics", sent)
 
 
