@@ -63,32 +63,41 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"kafka: {wanted}local broker {kafka_version()} (launched on first use)"
 
 
-_WORKER_KAFKA_KEY = pytest.StashKey[list[str]]()
+_WORKER_LINES_KEY = pytest.StashKey[list[str]]()
+_KEPT_LOG_KEY = pytest.StashKey[str]()
+
+
+def _kafka_lines(config: pytest.Config) -> list[str]:
+    """The summary's lines about the broker this process used."""
+    lines = []
+    info = config.stash.get(_KAFKA_KEY, None)
+    if info is not None:
+        lines.append(f"kafka: tests ran against {info.description}")
+    kept = config.stash.get(_KEPT_LOG_KEY, None)
+    if kept is not None:
+        lines.append(f"kafka: some tests failed; the broker's log is kept in {kept}")
+    return lines
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """A pytest-xdist worker hands the broker it used to the controller, which reports it."""
-    info = session.config.stash.get(_KAFKA_KEY, None)
+    """A pytest-xdist worker hands its summary lines to the controller, which prints them
+    (a worker's own output is not shown)."""
     output = getattr(session.config, "workeroutput", None)
-    if info is not None and output is not None:
-        output["snapline_kafka"] = info.description
+    if output is not None:
+        output["snapline_kafka"] = _kafka_lines(session.config)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: Any) -> None:
-    description = getattr(node, "workeroutput", {}).get("snapline_kafka")
-    if description:
-        node.config.stash.setdefault(_WORKER_KAFKA_KEY, []).append(
-            f"{description} ({node.gateway.id})"
-        )
+    lines = getattr(node, "workeroutput", {}).get("snapline_kafka") or []
+    node.config.stash.setdefault(_WORKER_LINES_KEY, []).extend(
+        f"{line} ({node.gateway.id})" for line in lines
+    )
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    info = config.stash.get(_KAFKA_KEY, None)
-    if info is not None:
-        terminalreporter.write_line(f"kafka: tests ran against {info.description}")
-    for description in sorted(config.stash.get(_WORKER_KAFKA_KEY, [])):
-        terminalreporter.write_line(f"kafka: tests ran against {description}")
+    for line in _kafka_lines(config) + sorted(config.stash.get(_WORKER_LINES_KEY, [])):
+        terminalreporter.write_line(line)
 
 
 # --------------------------------------------------------------------------- the broker
@@ -156,7 +165,7 @@ def _launched_kafka(request: pytest.FixtureRequest) -> Iterator[KafkaInfo]:
                 f"kafka-server-{worker}.log" if worker else "kafka-server.log"
             )
             shutil.copyfile(broker.log_path, kept)
-            say(f"kafka: some tests failed; the broker's log is kept in {kept}")
+            config.stash[_KEPT_LOG_KEY] = str(kept)  # the summary says where
 
 
 def _kafka_for_session(request: pytest.FixtureRequest) -> AbstractContextManager[KafkaInfo]:

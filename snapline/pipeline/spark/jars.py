@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from snapline.connectors.local.broker import cache_dir, find_java, find_maven
+from snapline.connectors.local.broker import _exclusive_lock, cache_dir, find_java, find_maven
 from snapline.pipeline.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,15 @@ def ensure_spark_kafka_jars(version: str | None = None) -> list[Path]:
     if marker.exists() and all((libs / name).is_file() for name in wanted):
         return [libs / name for name in wanted]
     home.mkdir(parents=True, exist_ok=True)
+    # Concurrent callers (the test suite's parallel processes on a fresh cache) wait for each
+    # other: two Mavens writing one directory can leave a truncated jar.
+    with _exclusive_lock(home / ".lock"):
+        if marker.exists() and all((libs / name).is_file() for name in wanted):
+            return [libs / name for name in wanted]
+        return _download(version, home, libs, marker, wanted)
+
+
+def _download(version: str, home: Path, libs: Path, marker: Path, wanted: list[str]) -> list[Path]:
     deps = "\n".join(
         f"    <dependency><groupId>{g}</groupId><artifactId>{a}</artifactId>"
         f"<version>{v}</version></dependency>"
