@@ -261,14 +261,11 @@ def test_a_savepoint_restored_into_another_checkpoint_storage_goes_on_above_its_
     job.stop_all()
 
 
-def test_workers_started_from_one_savepoint_at_once_restore_it_once(
+def _stopped_with_records_in_flight(
     kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list[Any]
-) -> None:
-    """Both workers start with the same --from-savepoint at the same moment (a deployment's
-    replicas). Each recreated the repartition topics and wrote the records in flight back:
-    twice, or one's copy deleted after the other's checkpoints named it. Now one restores
-    while the other waits for it, then continues from the job's checkpoints. The overlap is
-    forced: the first restore is frozen (SIGSTOP) while the second starts."""
+) -> tuple[WarehouseJob, str]:
+    """A 2-worker, 2-stage job stopped with a savepoint (--stop) that has records in flight in
+    its repartition topic; the job and the savepoint's path."""
     job = WarehouseJob(
         kafka_bootstrap,
         unique_name,
@@ -292,6 +289,20 @@ def test_workers_started_from_one_savepoint_at_once_restore_it_once(
     assert _in_flight_orders(path), "no record in flight at the savepoint: nothing to check"
     for worker in job.workers:
         worker.env["SNAPLINE_EXAMPLE_VARIANT"] = ""
+    return job, path
+
+
+def test_workers_started_from_one_savepoint_at_once_restore_it_once(
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list[Any]
+) -> None:
+    """Both workers start with the same --from-savepoint at the same moment (a deployment's
+    replicas). Each recreated the repartition topics and wrote the records in flight back:
+    twice, or one's copy deleted after the other's checkpoints named it. Now one restores
+    while the other waits for it, then continues from the job's checkpoints. The overlap is
+    forced: the first restore is frozen (SIGSTOP) while the second starts."""
+    job, path = _stopped_with_records_in_flight(
+        kafka_bootstrap, postgres_dsn, tmp_path, unique_name, jobs
+    )
     first, second = job.workers
     # The first restore freezes after its checks, before it changes Kafka; the second starts.
     first.start(
@@ -335,28 +346,9 @@ def test_a_restore_that_stalls_past_its_lock_changes_nothing_once_another_finish
     without changing anything more: every order once in Kafka, Parquet and PostgreSQL. One
     frozen right before it wrote its marker must not leave the marker behind either: every
     later start of a worker would be refused until the savepoint was restored again."""
-    job = WarehouseJob(
-        kafka_bootstrap,
-        unique_name,
-        tmp_path,
-        postgres_dsn,
-        partitions=2,
-        interval=0.3,
-        keyed_by_order=True,
-        extra_env={"SNAPLINE_EXAMPLE_STAGES": "2", "SNAPLINE_EXAMPLE_VARIANT": "slow"},
+    job, path = _stopped_with_records_in_flight(
+        kafka_bootstrap, postgres_dsn, tmp_path, unique_name, jobs
     )
-    jobs.append(job)
-    for worker in job.workers:
-        worker.start()
-    job.produce(10_000)
-    wait_running(job)
-    job.produce(10_000)
-    path = snapline(job, "savepoint", "create", SPEC, "--stop")
-    for worker in job.workers:
-        assert worker.wait_exit(60) == 0, worker.tail()
-    assert _in_flight_orders(path), "no record in flight at the savepoint: nothing to check"
-    for worker in job.workers:
-        worker.env["SNAPLINE_EXAMPLE_VARIANT"] = ""
     first, second = job.workers
     first.start({"SNAPLINE_FAULT": f"{stall}:1:stop"}, ["--from-savepoint", path])
     assert first.proc is not None
