@@ -628,12 +628,15 @@ def test_reset_state_publishes_what_the_newest_committed_checkpoint_staged(
             producer.produce(source, orjson.dumps({"n": n}), partition=0)
         assert producer.flush(30) == 0
 
-    worker.start()
-    try:
+    def wait_restores(count: int) -> None:
         deadline = time.monotonic() + 60  # a restore takes seconds
-        while not any(e.get("event") == "restored" for e in read_events(worker.metrics_path)):
+        while sum(e.get("event") == "restored" for e in read_events(worker.metrics_path)) < count:
             assert time.monotonic() < deadline, worker.tail()
             time.sleep(0.1)
+
+    worker.start()
+    try:
+        wait_restores(1)
         produce(range(0, 20))
         read_committed(kafka_bootstrap, out, 20, timeout=60, settle=1)
         time.sleep(1.0)  # the checkpoint of the last records has committed (interval 0.3 s)
@@ -654,10 +657,7 @@ def test_reset_state_publishes_what_the_newest_committed_checkpoint_staged(
     _delete_group(kafka_bootstrap, f"{prefix}job")  # as if offsets.retention.minutes had passed
     worker.start(extra_args=["--reset-state"])
     try:
-        deadline = time.monotonic() + 60  # a restore takes seconds
-        while sum(e.get("event") == "restored" for e in read_events(worker.metrics_path)) < 3:
-            assert time.monotonic() < deadline, worker.tail()
-            time.sleep(0.1)
+        wait_restores(3)  # two earlier starts finished a restore (not the one killed in it)
         produce(range(200, 220))  # the fresh task's first commits
         expected = len(before) + 20
         kafka = sorted(r["n"] for r in read_committed(kafka_bootstrap, out, expected, timeout=60))

@@ -284,13 +284,13 @@ class _RestoreGuard:
     restore rewrites it), and the job's group has no members (its workers run). Each answer
     is read right before the step, so only a stall between the two can slip through."""
 
-    def __init__(self, storage: CheckpointStorage, job: str, lock: RestoreLock, marker: str):
+    def __init__(self, storage: CheckpointStorage, job: str, lock: RestoreLock):
         self._storage = storage
         self._job = job
         self._lock = lock
-        self._marker = marker
+        self._marker = f"{job}/{RESTORED_FROM}"
         self._restoring = f"{job}/{RESTORING}"
-        self._marker_at_start = self._read(marker)
+        self._marker_at_start = self._read(self._marker)
         self.token = uuid.uuid4().hex
 
     def _read(self, path: str) -> bytes | None:
@@ -339,10 +339,7 @@ class _RestoreGuard:
             return None
 
     def _stop(self, step: str, why: str) -> None:
-        raise CheckpointError(self._why(step, why))
-
-    def _why(self, step: str, why: str) -> str:
-        return (
+        raise CheckpointError(
             f"the restore of job {self._job} {step}, but {why} (this restore stalled past "
             "its lock's session?): it stops before changing anything more"
         )
@@ -435,7 +432,7 @@ def _seed(
     savepoint = read_metadata(sp_storage)
     storage = CheckpointStorage(checkpoint_dir)
     marker = f"{pipeline.name}/{RESTORED_FROM}"
-    guard = _RestoreGuard(storage, pipeline.name, lock, marker)
+    guard = _RestoreGuard(storage, pipeline.name, lock)
     # A restore that died after changing Kafka is finished by any restore, also one of the
     # savepoint the job was restored from before (the marker names that one).
     if storage.exists(marker) and not storage.exists(f"{pipeline.name}/{RESTORING}"):
@@ -602,7 +599,6 @@ def _seed(
         # Every worker's ids go on above the seeded checkpoint, also one whose tasks have
         # nothing seeded (source partitions without offsets in the savepoint).
         raise_id_floor(storage, pipeline.name, checkpoint_id)
-        lock.check()
         FaultInjector().point("restore_before_topics")
         for rep in plan.repartitions.values():
             guard.check(admin, f"was about to recreate {rep.topic}", restoring=True)
