@@ -153,7 +153,7 @@ def test_a_refused_restore_leaves_the_repartition_topics_as_they_were(
     assert _count(kafka_bootstrap, repartition) == 20, "the refused restore emptied the topic"
     restored = seed_from_savepoint(pipeline, config, checkpoints, savepoint(0))
     assert restored is not None
-    assert _count(kafka_bootstrap, repartition) == 0  # recreated for the restored job
+    assert _count(kafka_bootstrap, repartition) == 0  # emptied for the restored job
 
 
 def test_a_restore_needs_nothing_of_the_savepoint_storage_once_kafka_is_changed(
@@ -164,7 +164,7 @@ def test_a_restore_needs_nothing_of_the_savepoint_storage_once_kafka_is_changed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The files of records in flight were checksummed before Kafka was changed but read from
-    the savepoint's storage again after the repartition topics were recreated empty: a
+    the savepoint's storage again after the repartition topics were emptied: a
     storage error then (an object store's hiccup, a file removed meanwhile) stopped the
     restore halfway, and a restart from the job's own checkpoints found nothing of what had
     been in flight. They are now copied to local disk with the check, and produced from there."""
@@ -178,13 +178,14 @@ def test_a_restore_needs_nothing_of_the_savepoint_storage_once_kafka_is_changed(
 
     from snapline.pipeline.savepoint import restore
 
-    recreate = restore._recreate_topic
+    empty = restore._empty_repartition_topic
 
-    def recreate_then_lose_the_savepoint(*args: object, **kwargs: object) -> None:
-        recreate(*args, **kwargs)  # type: ignore[arg-type]
+    def empty_then_lose_the_savepoint(*args: object, **kwargs: object) -> dict[int, int]:
+        starts = empty(*args, **kwargs)  # type: ignore[arg-type]
         (path / entry.path).unlink(missing_ok=True)  # the savepoint's storage fails from here
+        return starts
 
-    monkeypatch.setattr(restore, "_recreate_topic", recreate_then_lose_the_savepoint)
+    monkeypatch.setattr(restore, "_empty_repartition_topic", empty_then_lose_the_savepoint)
     restored = seed_from_savepoint(pipeline, config, str(tmp_path / "checkpoints"), str(path))
     assert restored is not None
     assert not (path / entry.path).exists()
@@ -236,7 +237,66 @@ def test_records_in_flight_keep_their_headers_through_a_savepoint(
     finally:
         consumer.close()
     assert got == {**sent, b"sk3": []}
-    assert _count(kafka_bootstrap, repartition) == len(sent), "the topic was not recreated"
+    assert _count(kafka_bootstrap, repartition) == len(sent), "the topic was not emptied"
+
+
+def test_a_zombies_delete_by_its_old_positions_after_a_restore_deletes_nothing_restored(
+    kafka_bootstrap: str, admin: AdminClient, unique_name: str, tmp_path: Path
+) -> None:
+    """Found by the audit of destructive actions: a worker frozen past its session between its
+    topic id check and its DeleteRecords call (which addresses a topic by name) woke after a
+    restore had deleted and created the repartition topic again, with offsets from 0, and
+    deleted the records in flight the restore had written there, below its old position.
+    Now the restore empties the topic and its offsets go on: every old position lies below
+    the restored records. Here the code also declares 2 partitions where the topic had 1
+    (a rescale): the partition added starts at 0, where no old position points. Every record
+    in flight must be read from the positions the restore committed."""
+    job = unique_name
+    config = {"bootstrap.servers": kafka_bootstrap}
+    pipeline = Pipeline(job)
+    source = create_topic(admin, f"{job}-in")
+    create_topic(admin, f"{job}-out")
+    (
+        pipeline.source(KafkaSource(source, value_format="json"))
+        .key_by(lambda v: v["k"], name="by-k", partitions=2)
+        .count(uid="counts")
+        .sink(KafkaSink(f"{job}-out"))
+    )
+    repartition = create_topic(admin, f"{job}.by-k.repartition")
+    producer = Producer(config)
+    for i in range(50):  # what the job before the restore wrote
+        producer.produce(repartition, b"{}", b"sold%d" % i, partition=0)
+    producer.flush(10)
+    rows = 12
+    _savepoint_of_counts_job(tmp_path / "sp", job, source, rows, key_by="by-k")
+    restored = seed_from_savepoint(
+        pipeline, config, str(tmp_path / "checkpoints"), str(tmp_path / "sp")
+    )
+    assert restored is not None
+    # The zombie wakes: it had read 10 records of partition 0 and deletes below that.
+    for future in admin.delete_records(
+        [TopicPartition(repartition, 0, 10)], request_timeout=30
+    ).values():
+        future.result(timeout=35)
+    consumer = Consumer(
+        {**config, "group.id": job, "enable.auto.commit": False, "auto.offset.reset": "error"}
+    )
+    keys: list[bytes] = []
+    try:
+        committed = consumer.committed(
+            [TopicPartition(repartition, p) for p in range(2)], timeout=30
+        )
+        consumer.assign(committed)
+        deadline = time.monotonic() + 30  # the restore flushed them: they are there
+        while len(keys) < rows and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is not None and msg.error() is None:
+                keys.append(msg.key())
+    finally:
+        consumer.close()
+    assert sorted(keys) == sorted(b"sk%d" % i for i in range(rows)), "records in flight lost"
+    # Where the restored tasks start: past every old record in partition 0, at 0 in the new one.
+    assert [tp.offset for tp in committed] == [50, 0]
 
 
 def test_records_in_flight_that_kafka_deleted_are_an_error_not_skipped(
@@ -321,14 +381,14 @@ def test_a_restore_that_died_after_changing_kafka_keeps_workers_out_until_it_is_
 
     from snapline.pipeline.savepoint import restore
 
-    recreate = restore._recreate_topic
+    empty = restore._empty_repartition_topic
 
-    def recreate_then_die(*args: object, **kwargs: object) -> None:
-        recreate(*args, **kwargs)  # type: ignore[arg-type]
+    def empty_then_die(*args: object, **kwargs: object) -> None:
+        empty(*args, **kwargs)  # type: ignore[arg-type]
         raise SystemExit("killed after the first change to Kafka")
 
     with monkeypatch.context() as patch:
-        patch.setattr(restore, "_recreate_topic", recreate_then_die)
+        patch.setattr(restore, "_empty_repartition_topic", empty_then_die)
         with pytest.raises(SystemExit):
             seed_from_savepoint(pipeline, config, str(checkpoints), str(path))
 

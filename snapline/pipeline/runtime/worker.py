@@ -1557,8 +1557,12 @@ class Worker:
         if not below:
             return
         # Only in the topics this worker's positions are offsets of: a worker frozen past its
-        # session while a savepoint restore recreated them would delete the new topics' unread
-        # records. The ids are asked first (in the background too), then the records deleted.
+        # session while a topic was deleted and created again (by hand, or by a restore that
+        # lowered its partition count) would delete the new topic's unread records. The ids
+        # are asked first (in the background too), then the records deleted. A restore that
+        # keeps the topic empties it and its offsets go on, so such a delete that comes after
+        # the id check (two steps: DeleteRecords addresses topics by name) deletes nothing
+        # the restored job reads (restore._empty_repartition_topic).
         by_topic: dict[str, list[TopicPartition]] = {}
         for tp in below:
             by_topic.setdefault(tp.topic, []).append(tp)
@@ -1683,8 +1687,9 @@ class Worker:
             known = self._repartition_topic_ids.setdefault(topic, found)
             if found != known:
                 log.warning(
-                    "repartition topic %s was created again since this worker started (a "
-                    "savepoint restore while it was frozen?): none of its records are "
+                    "repartition topic %s was created again since this worker started (by "
+                    "hand, or by a savepoint restore that lowered its partition count while "
+                    "this worker was frozen?): none of its records are "
                     "deleted by this worker, whose positions are offsets of the old topic",
                     topic,
                 )

@@ -5,12 +5,14 @@ The savepoint is turned into the job's starting point once, before any worker pr
 1. its operators and states are matched to the pipeline's by operator uid and state name (a
    new state or operator starts empty; savepoint state with no place in the code is refused
    unless ``allow_non_restored``; a kind or serde mismatch is refused, naming the state);
-2. every repartition topic is recreated with the partition count the code declares (its
-   records in flight come from the savepoint, so a keyed stage can change its parallelism)
-   and the in-flight records are produced into it, each to the partition of its key-group;
+2. every repartition topic is emptied (its records are deleted up to its end; its offsets go
+   on) and given the partition count the code declares (its records in flight come from the
+   savepoint, so a keyed stage can change its parallelism), and the in-flight records are
+   produced into it, each to the partition of its key-group (``_empty_repartition_topic``);
 3. each task of the new layout gets a checkpoint in the normal format: a keyed-stage task takes
    exactly the entries of its key-group range, a source-stage task the entries of its
-   partition; positions are the savepoint's source offsets (0 for repartition topics);
+   partition; positions are the savepoint's source offsets (for repartition topics: where
+   each partition starts after it was emptied);
 4. the consumer group's offsets are committed naming those checkpoints. Workers then start
    as after any restart: recovery restores the checkpoints the committed offsets name.
 
@@ -31,6 +33,7 @@ import uuid
 import zlib
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,13 +41,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from confluent_kafka import (
+    OFFSET_END,
     Consumer,
     KafkaError,
     KafkaException,
     Producer,
     TopicPartition,
 )
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic
 
 from snapline.connectors.config import redact_text
 from snapline.pipeline.checkpoint.metadata import (
@@ -62,7 +66,7 @@ from snapline.pipeline.graph import Pipeline
 from snapline.pipeline.keygroups import key_group_range, operator_index_for_key_group
 from snapline.pipeline.runtime import departed
 from snapline.pipeline.runtime.faults import FaultInjector
-from snapline.pipeline.runtime.kafka_calls import kafka_error
+from snapline.pipeline.runtime.kafka_calls import is_unavailable, kafka_error
 from snapline.pipeline.runtime.topics import (
     INTERNAL_TOPIC_CONFIG,
     TopicManager,
@@ -159,6 +163,86 @@ def match_states(
     return mapping
 
 
+def _empty_repartition_topic(
+    admin: AdminClient, topic: str, partitions: int, config: dict[str, str]
+) -> dict[int, int]:
+    """Make ``topic`` an empty repartition topic of ``partitions`` partitions; returns where
+    each partition starts now (its tasks' positions: the in-flight records go in from there).
+
+    Offsets in a topic go on, never back: an existing topic keeps its offsets, its records are
+    deleted up to its end (DeleteRecords) and it gains the partitions it lacks. A worker of the
+    job before the restore, frozen past its session and woken after it (a zombie), may still
+    delete the records below its old positions in this topic (DeleteRecords addresses topics
+    by name; its topic id check and the delete are two steps): all of them lie below the
+    restored job's records, so it deletes nothing the restored job reads. Deleting the topic
+    and creating it again started its offsets at 0 again, where such a delete removed records
+    in flight the restored job had not read. Only a topic with more partitions than the code
+    declares is deleted and created again (Kafka cannot remove partitions); its new offsets
+    start at 0, and a zombie's delete is then guarded only by its topic id check."""
+    metadata = admin.list_topics(timeout=30).topics.get(topic)
+    if metadata is None or len(metadata.partitions) > partitions:
+        if metadata is not None:
+            log.warning(
+                "repartition topic %s has %d partitions and the code declares %d: it is "
+                "deleted and created again",
+                topic,
+                len(metadata.partitions),
+                partitions,
+            )
+        _recreate_topic(admin, topic, partitions, config)
+        return dict.fromkeys(range(partitions), 0)
+    if len(metadata.partitions) < partitions:
+        try:
+            admin.create_partitions([NewPartitions(topic, partitions)], operation_timeout=30)[
+                topic
+            ].result(timeout=35)
+        except KafkaException as exc:
+            raise CheckpointError(
+                f"cannot give repartition topic {topic} {partitions} partitions: {exc}"
+            ) from exc
+        _wait_for_leaders(admin, topic, partitions, time.monotonic() + 60)
+    starts: dict[int, int] = {}
+    deadline = time.monotonic() + 60
+    while len(starts) < partitions:
+        # A partition just added, or one whose leader moved, answers "not leader" until the
+        # admin client's metadata catches up: asked again, within a minute.
+        retry: Exception | None = None
+        try:
+            deleted = admin.delete_records(
+                [
+                    TopicPartition(topic, p, OFFSET_END)
+                    for p in range(partitions)
+                    if p not in starts
+                ],
+                request_timeout=30,
+                operation_timeout=30,
+            )
+        except KafkaException as exc:
+            raise CheckpointError(f"cannot delete the records of {topic}: {exc}") from exc
+        for tp, future in deleted.items():
+            try:
+                starts[tp.partition] = future.result(timeout=35).low_watermark
+            except KafkaException as exc:
+                error = kafka_error(exc)
+                if error is None or not (
+                    error.retriable()
+                    or is_unavailable(error)
+                    or error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART
+                ):
+                    raise CheckpointError(
+                        f"cannot delete the records of {topic} [{tp.partition}]: {exc}"
+                    ) from exc
+                retry = exc
+            except FutureTimeout as exc:
+                retry = exc
+        if retry is not None and time.monotonic() > deadline:
+            raise CheckpointError(f"cannot delete the records of {topic}: {retry}")
+        if retry is not None:
+            time.sleep(0.5)
+    log.info("emptied repartition topic %s (it now starts at %s)", topic, starts)
+    return starts
+
+
 def _recreate_topic(
     admin: AdminClient, topic: str, partitions: int, config: dict[str, str]
 ) -> None:
@@ -189,6 +273,11 @@ def _recreate_topic(
             ):
                 raise CheckpointError(f"cannot recreate topic {topic}: {exc}") from exc
             time.sleep(0.5)
+    _wait_for_leaders(admin, topic, partitions, deadline)
+
+
+def _wait_for_leaders(admin: AdminClient, topic: str, partitions: int, deadline: float) -> None:
+    """Until ``topic`` has ``partitions`` partitions, each with a leader (or ``deadline``)."""
     while True:
         topic_meta = admin.list_topics(topic, timeout=30).topics.get(topic)
         if (
@@ -219,7 +308,7 @@ def seed_from_savepoint(
     ``read_recreated_topics``: a source topic deleted and created again since the savepoint
     was taken is read from its start with the savepoint's state (else refused)."""
     # The records in flight are copied here, checksum verified, before Kafka is changed: once
-    # the repartition topics are recreated, nothing may depend on the savepoint's storage.
+    # the repartition topics are emptied, nothing may depend on the savepoint's storage.
     flight_dir = tempfile.mkdtemp(prefix="snapline-restore-in-flight-")
     # One restore of a job at a time: a worker on another host started with the same
     # --from-savepoint waits here, then finds the job restored (the marker) and goes on.
@@ -237,6 +326,15 @@ def seed_from_savepoint(
             lock,
             read_recreated_topics,
         )
+    except KafkaException as exc:
+        # A check or change that Kafka refused or did not answer (a broker restarting): one
+        # line, not a traceback. The RESTORING marker, once written, keeps workers out until
+        # a restore completes; starting one again retries every step.
+        raise CheckpointError(
+            f"the restore of job {pipeline.name!r} from {redact_text(savepoint_uri)} stopped: "
+            f"a Kafka request failed: {exc}; start it again (the same --from-savepoint) once "
+            "the cluster answers"
+        ) from exc
     finally:
         lock.release()
         shutil.rmtree(flight_dir, ignore_errors=True)
@@ -244,7 +342,7 @@ def seed_from_savepoint(
 
 def check_no_interrupted_restore(storage: CheckpointStorage, job: str) -> None:
     """Refuse (ConfigurationError) a job whose last savepoint restore changed Kafka and did not
-    complete: its repartition topics were recreated, and its offsets may still name the old
+    complete: its repartition topics were emptied, and its offsets may still name the old
     checkpoints, whose positions in them mean nothing now (records would be skipped or read
     twice)."""
     path = f"{job}/{RESTORING}"
@@ -275,8 +373,8 @@ class _RestoreGuard:
     The lock is a lease (``RestoreLock``): a restore that stalls past its session (a paused
     VM, SIGSTOP) loses it without knowing, and its consumer may still show the assignment
     for a moment after it wakes. Meanwhile another restore can take the lock, finish, and
-    the job's workers start and commit; the stalled one then deleted and recreated the
-    repartition topics under them (committed records in flight lost, the savepoint's written
+    the job's workers start and commit; the stalled one then emptied the repartition
+    topics under them (committed records in flight lost, the savepoint's written
     back twice). So before each step that changes Kafka or the job's checkpoints it also
     asks what another restore leaves behind: the ``RESTORING`` marker it wrote is still there
     and still its own (another restore rewrites it with its token, a finished one deletes
@@ -465,7 +563,7 @@ def _seed(
             f"the job {pipeline.name!r} is running ({members} members in its consumer group); "
             "stop it before restoring a savepoint (snapline savepoint create --stop does both)"
         )
-    check_repartition_owners(kafka_config, pipeline)  # it recreates them
+    check_repartition_owners(kafka_config, pipeline)  # it empties them
     plan = pipeline.stages()
     topic_plan = TopicManager(kafka_config, where).ensure(
         [
@@ -600,13 +698,19 @@ def _seed(
         # nothing seeded (source partitions without offsets in the savepoint).
         raise_id_floor(storage, pipeline.name, checkpoint_id)
         FaultInjector().point("restore_before_topics")
+        starts: dict[tuple[str, int], int] = {}
         for rep in plan.repartitions.values():
-            guard.check(admin, f"was about to recreate {rep.topic}", restoring=True)
-            _recreate_topic(admin, rep.topic, partitions[rep.topic], INTERNAL_TOPIC_CONFIG)
+            guard.check(admin, f"was about to empty {rep.topic}", restoring=True)
+            emptied = _empty_repartition_topic(
+                admin, rep.topic, partitions[rep.topic], INTERNAL_TOPIC_CONFIG
+            )
+            starts.update(((rep.topic, p), o) for p, o in emptied.items())
         guard.check(admin, "was about to write the records in flight back", restoring=True)
         _produce_in_flight(pipeline, kafka_config, flight_copies, flights, partitions)
         guard.check(admin, "was about to write the seeded checkpoints", restoring=True)
-        for (task, positions), (handle, _) in zip(chosen, loaded, strict=True):
+        for (task, seeded), (handle, _) in zip(chosen, loaded, strict=True):
+            # A repartition partition's task starts where the emptied partition starts.
+            positions = {tp: starts.get(tp, o) for tp, o in seeded.items()}
             TaskCheckpoint(
                 job=pipeline.name,
                 task_id=task.task_id,
@@ -937,7 +1041,7 @@ def _read_in_flight(
     each read and checksummed before anything is changed and copied into ``copies`` (local
     disk), which the produce reads: in-flight records can be many, so they are not held in
     memory, and once Kafka is changed a failing savepoint storage must not stop the restore
-    halfway (the repartition topics recreated empty). Records in flight in a repartition
+    halfway (the repartition topics emptied). Records in flight in a repartition
     the pipeline no longer has are refused; an empty one is nothing to place."""
     by_name = {rep.name: rep for rep in pipeline.stages().repartitions.values()}
     flights = []
@@ -972,7 +1076,7 @@ def _produce_in_flight(
     flights: list[tuple[Repartition, SavepointFile]],
     partitions: dict[str, int],
 ) -> None:
-    """The savepoint's in-flight records (their local ``copies``) into the recreated
+    """The savepoint's in-flight records (their local ``copies``) into the emptied
     repartition topics, each to the partition of its key-group (old partitions in order:
     per-key order is kept)."""
     producer = Producer({**kafka_config, "enable.idempotence": True, "linger.ms": 20})
