@@ -71,8 +71,10 @@ def test_records_in_flight_behind_an_open_transaction_are_waited_for_not_skipped
     assert sorted(table.column("key").to_pylist()) == [b"sk%d" % i for i in range(5)]
 
 
-def _count(bootstrap: str, topic: str) -> int:
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "count"})
+def _count(bootstrap: str, topic: str, isolation: str = "read_committed") -> int:
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": "count", "isolation.level": isolation}
+    )
     try:
         low, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)
         return int(high - low)
@@ -297,6 +299,78 @@ def test_a_zombies_delete_by_its_old_positions_after_a_restore_deletes_nothing_r
     assert sorted(keys) == sorted(b"sk%d" % i for i in range(rows)), "records in flight lost"
     # Where the restored tasks start: past every old record in partition 0, at 0 in the new one.
     assert [tp.offset for tp in committed] == [50, 0]
+
+
+def test_a_restore_waits_for_a_transaction_left_open_in_a_repartition_topic(
+    kafka_bootstrap: str,
+    admin: AdminClient,
+    unique_name: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: the restore keeps each repartition topic and empties it, but a
+    transaction a killed worker left open there survives the emptying, and the restored
+    stage's read_committed tasks read nothing past it, the records in flight included, until
+    Kafka aborts it (transaction.timeout.ms, which may be minutes). The restore now waits for
+    it before changing anything: past the job's transaction.timeout.ms (here 2 s, no grace)
+    it refuses and the topic is as it was; aborted meanwhile, the restore goes on and every
+    record in flight is read committed from where the restore committed."""
+    from snapline.pipeline.savepoint import restore
+
+    job = unique_name
+    config = {"bootstrap.servers": kafka_bootstrap}
+    pipeline, source = _counts_job(admin, job, "by-k")
+    pipeline.kafka_config["transaction.timeout.ms"] = 2000
+    repartition = create_topic(admin, f"{job}.by-k.repartition")
+    zombie = Producer({**config, "transactional.id": f"{job}-killed-worker"})
+    zombie.init_transactions(30)
+    zombie.begin_transaction()
+    for i in range(3):
+        zombie.produce(repartition, b"{}", b"sold%d" % i, partition=0)
+    assert zombie.flush(10) == 0
+    rows = 5
+    _savepoint_of_counts_job(tmp_path / "sp", job, source, rows)
+    checkpoints = str(tmp_path / "checkpoints")
+    monkeypatch.setattr(restore, "OPEN_TRANSACTION_GRACE", 0.0)
+    with pytest.raises(CheckpointError, match=r"a transaction is still open .*\[0\] at 0 of 3"):
+        seed_from_savepoint(pipeline, config, checkpoints, str(tmp_path / "sp"))
+    written = _count(kafka_bootstrap, repartition, "read_uncommitted")
+    assert written == 3, "the refused restore changed the topic"
+
+    pipeline.kafka_config["transaction.timeout.ms"] = 60000
+    aborting: list[float] = []
+
+    def abort_it() -> None:
+        aborting.append(time.monotonic())
+        zombie.abort_transaction(30)
+
+    abort = threading.Timer(2.0, abort_it)
+    abort.start()
+    try:
+        assert seed_from_savepoint(pipeline, config, checkpoints, str(tmp_path / "sp"))
+        returned = time.monotonic()
+    finally:
+        abort.join(35)
+    assert aborting and returned > aborting[0], "the restore did not wait for the transaction"
+    reader = Consumer(
+        {
+            **config,
+            "group.id": job,
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+        }
+    )
+    keys: list[bytes] = []
+    try:
+        reader.assign(reader.committed([TopicPartition(repartition, 0)], timeout=30))
+        deadline = time.monotonic() + 10  # committed and flushed: readable at once
+        while len(keys) < rows and time.monotonic() < deadline:
+            msg = reader.poll(0.5)
+            if msg is not None and msg.error() is None:
+                keys.append(msg.key())
+    finally:
+        reader.close()
+    assert sorted(keys) == sorted(b"sk%d" % i for i in range(rows))
 
 
 def test_records_in_flight_that_kafka_deleted_are_an_error_not_skipped(

@@ -333,10 +333,17 @@ def _committed_sum(bootstrap: str, group: str, prefix: str) -> int:
     return sum(max(c.offset, 0) for c in _committed(bootstrap, group, f"{prefix}orders", 4))
 
 
-def _wait_restored(worker: WorkerProcess) -> None:
-    """Until the worker has restored its tasks (60 s at most: a restore takes seconds)."""
+def _restores(worker: WorkerProcess) -> int:
+    """How many restores the workers writing ``worker``'s metrics file have logged."""
+    return sum(e.get("event") == "restored" for e in read_events(worker.metrics_path))
+
+
+def _wait_restored(worker: WorkerProcess, times: int = 1) -> None:
+    """Until the worker has restored its tasks (until ``times`` restores are logged in its
+    metrics file: one more than before its latest start; 60 s at most: a restore takes
+    seconds)."""
     deadline = time.monotonic() + 60
-    while not any(e.get("event") == "restored" for e in read_events(worker.metrics_path)):
+    while _restores(worker) < times:
         assert time.monotonic() < deadline, worker.tail()
         time.sleep(0.1)
 
@@ -803,6 +810,111 @@ def test_a_latest_source_starts_before_a_transaction_still_open_at_its_end(
     finally:
         assert worker.stop() == 0, worker.tail()
     assert sorted(r["n"] for r in outputs) == [*range(10), *range(100, 105)]
+
+
+def test_a_latest_source_killed_before_its_first_checkpoint_reads_what_came_after_its_start(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """A source starting at "latest" resolved the partition's end again at every start until
+    its first checkpoint committed: a worker killed before that (here in the commit of the
+    first checkpoint of records 0..4, which Kafka never made visible) was restarted at the
+    end as it was then, and records 0..4, written after the job had started, were never
+    output. Now the task commits where it started before it reads (no checkpoint named), and
+    its next owner starts there: all of 0..9, each once, and not -1 (before the start)."""
+    prefix = f"{unique_name}-"
+    source, out = f"{prefix}copy-in", f"{prefix}copy-out"
+    create_topics(kafka_bootstrap, {source: 1, f"{prefix}copy-in2": 1, out: 1})
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+
+    def produce(numbers: range) -> None:
+        for n in numbers:
+            producer.produce(source, orjson.dumps({"n": n}), partition=0)
+        assert producer.flush(30) == 0
+
+    produce(range(-1, 0))  # before the start: skipped
+    worker = WorkerProcess(
+        "integration_tests.pipelines:latest_copy",
+        "w0",
+        kafka_bootstrap,
+        tmp_path / "chk",
+        tmp_path,
+        {"SNAPLINE_TEST_PREFIX": prefix, "SNAPLINE_FAULT": "after_offsets_sent:1"},
+    )
+    worker.start()  # killed in its first commit
+    _wait_restored(worker)
+    produce(range(5))
+    assert worker.wait_exit(60) == -9, worker.tail()  # bounded: it checkpoints every 0.3 s
+    del worker.env["SNAPLINE_FAULT"]
+    produce(range(5, 7))  # while no worker runs
+    seen = _restores(worker)
+    worker.start()
+    try:
+        _wait_restored(worker, times=seen + 1)
+        produce(range(7, 10))
+        outputs = read_committed(kafka_bootstrap, out, 10, timeout=60, settle=1)
+    finally:
+        assert worker.stop() == 0, worker.tail()
+    assert sorted(r["n"] for r in outputs) == list(range(10))
+
+
+def test_a_latest_topic_the_code_reads_since_is_read_from_its_start_after_an_early_kill(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """The same for a "latest" topic added to the code of a job with checkpoints: its
+    partitions have no committed offset until the first checkpoint after the change commits,
+    and a worker killed before that was restarted at their end as it was then (found by
+    review). The job reads copy-in (0..4 copied), then its code reads copy-in2 too; the
+    worker is killed in the commit of 100..104 from copy-in2; restarted, it must output them
+    and 105..107, each once, and nothing of copy-in twice."""
+    prefix = f"{unique_name}-"
+    source, added, out = f"{prefix}copy-in", f"{prefix}copy-in2", f"{prefix}copy-out"
+    create_topics(kafka_bootstrap, {source: 1, added: 1, out: 1})
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+
+    def produce(topic: str, numbers: range) -> None:
+        for n in numbers:
+            producer.produce(topic, orjson.dumps({"n": n}), partition=0)
+        assert producer.flush(30) == 0
+
+    produce(added, range(-1, 0))  # before its reader started: skipped
+    before = _start_worker("latest_grow", kafka_bootstrap, tmp_path, prefix)  # copy-in only
+    try:
+        _wait_restored(before)
+        produce(source, range(5))
+        assert len(read_committed(kafka_bootstrap, out, 5, timeout=60, settle=0.5)) == 5
+    finally:
+        assert before.stop() == 0, before.tail()
+    # Its static membership ends with its session (10 s): the new code's worker joins a group
+    # that assigns anew (restarted sooner, it would get its old assignment back: KAFKA-13435).
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    group = f"{prefix}job"
+    deadline = time.monotonic() + 60
+    while admin.describe_consumer_groups([group])[group].result(timeout=15).members:
+        assert time.monotonic() < deadline, "the stopped worker's session did not end"
+        time.sleep(0.5)
+    worker = WorkerProcess(
+        "integration_tests.pipelines:latest_copy",  # copy-in and copy-in2
+        "w0",
+        kafka_bootstrap,
+        tmp_path / "chk",
+        tmp_path,
+        {"SNAPLINE_TEST_PREFIX": prefix, "SNAPLINE_FAULT": "after_offsets_sent:1"},
+    )
+    seen = _restores(worker)  # the metrics file is the first worker's too
+    worker.start()  # killed in its first commit
+    _wait_restored(worker, times=seen + 1)
+    produce(added, range(100, 105))
+    assert worker.wait_exit(60) == -9, worker.tail()  # bounded: it checkpoints every 0.3 s
+    del worker.env["SNAPLINE_FAULT"]
+    seen = _restores(worker)
+    worker.start()
+    try:
+        _wait_restored(worker, times=seen + 1)
+        produce(added, range(105, 108))
+        outputs = read_committed(kafka_bootstrap, out, 13, timeout=60, settle=1)
+    finally:
+        assert worker.stop() == 0, worker.tail()
+    assert sorted(r["n"] for r in outputs) == [*range(5), *range(100, 108)]
 
 
 def test_a_partition_added_to_a_latest_source_while_the_job_runs_is_read_from_its_start(

@@ -277,6 +277,12 @@ class Worker:
         self._restored_from: dict[str, int | None] = {}
         #: The workers that wrote the checkpoints the last restore used (runtime/departed.py).
         self._previous_owners: set[str] = set()
+        #: Where the last restore's tasks without a checkpoint start reading a source at its
+        #: end ("latest"), committed before they read (``_commit_latest_starts``).
+        self._latest_starts: list[TopicPartition] = []
+        #: ``checkpoints_committed`` when they were found: a checkpoint committed since
+        #: commits every task's positions, and they must not be committed over it.
+        self._latest_starts_at = 0
         #: A failed checkpoint left the tasks dropped; they are rebuilt on the next step,
         #: after the consumer has had a chance to report a lost assignment.
         self._restore_pending = False
@@ -637,6 +643,7 @@ class Worker:
         self._restored_from = {}
         self._restored_bytes = {}
         self._previous_owners = set()
+        self._latest_starts, self._latest_starts_at = [], self.checkpoints_committed
         if by_task:  # ids stay above those a --reset-state deleted (ID_FLOOR_FILE)
             self.coordinator.observe_restored(read_id_floor(self.storage, self.pipeline.name))
         for task_id, tps in sorted(by_task.items()):
@@ -646,6 +653,7 @@ class Worker:
             )
             seek.update(positions)
             self._restored_from[task_id] = ref.checkpoint_id if ref else None
+        self._commit_latest_starts()
         if self.tasks:
             self.output.begin(self.coordinator.next_id)
             for task in self.tasks.values():
@@ -654,6 +662,46 @@ class Worker:
         self._records_at_trigger = 0
         self._first_after_restore = True
         return seek
+
+    def _commit_latest_starts(self) -> None:
+        """Commit where tasks start reading partitions with no committed offset at their end
+        ("latest"), before they read anything: naming no checkpoint for a task without one,
+        else the task's. Until such a partition's first checkpoint commits, its next owner
+        (after a crash, a revoke, a restart) found no offset and resolved "latest" again,
+        later: what was written in between had come after the job started and was never
+        read. Now it starts where this worker did. A position naming no checkpoint is what a
+        task with no state starts from (as a plain commit by another tool would be); the
+        next checkpoint's commit replaces it. A failed commit is logged only: the next owner
+        then resolves the end again, as before."""
+        if self._paused is not None or self._savepoint_request is not None:
+            # A savepoint is being taken: a commit now would look like the job going on
+            # (export's check of the offsets). Committed once it is over (_poll_control),
+            # unless its checkpoint committed the positions meanwhile.
+            return
+        starts, self._latest_starts = self._latest_starts, []
+        if not starts or self.checkpoints_committed != self._latest_starts_at:
+            return
+        try:
+            self._consumer_call(
+                "commit",
+                20 + HANG_GRACE,
+                lambda: self.consumer.commit(offsets=starts, asynchronous=False),
+            )
+        except KafkaException as exc:
+            error = kafka_error(exc)
+            if error is not None and classify(error) is ErrorClass.FATAL:
+                raise ConsumerFencedError(f"consumer: commit() failed: {error}") from exc
+            log.warning(
+                "committing the start of %d partitions read from their end failed (%s): until "
+                "their first checkpoint commits, a next owner starts at their end as it is then",
+                len(starts),
+                exc,
+            )
+            return
+        log.info(
+            "reading from the end (latest) at %s, committed for the tasks' next owners",
+            {(tp.topic, tp.partition): tp.offset for tp in starts},
+        )
 
     def _restore_state(
         self,
@@ -851,6 +899,16 @@ class Worker:
         task_epoch = self.coordinator.next_id
         self.coordinator.observe_restored(ref.checkpoint_id if ref else None)
         channels = self._channel_positions(positions, bounds)
+        # A partition started at its end ("latest") with no offset committed: a task without
+        # a checkpoint, or a topic the code reads since. Pinned for next owners, naming the
+        # task's checkpoint if it has one (all its partitions must name the same).
+        latest = [tp for tp, o in positions.items() if o == OFFSET_END and channels[tp] >= 0]
+        named = ref.offset_metadata() if ref is not None else ""
+        self._latest_starts += [
+            TopicPartition(t, p, channels[(t, p)], metadata=named) for t, p in latest
+        ]
+        # The consumer starts at the end as resolved, the one committed for next owners.
+        positions.update({tp: channels[tp] for tp in latest})
         # The consumer starts where the channels do (a position checked against the log may
         # move to its start: --skip-deleted-records); logical offsets stay for the broker.
         positions = {tp: channels[tp] if o >= 0 else o for tp, o in positions.items()}
@@ -1694,6 +1752,7 @@ class Worker:
                     topic,
                 )
                 return
+            self.faults.point("before_repartition_delete")  # a librdkafka thread
             try:
                 futures = self._background_admin().delete_records(
                     below, request_timeout=10, operation_timeout=0
@@ -1702,7 +1761,7 @@ class Worker:
                 log.warning("deleting consumed repartition records: %s", exc)
                 return
             for tp, deleted in futures.items():
-                deleted.add_done_callback(_log_delete_failure(tp))
+                deleted.add_done_callback(_delete_done(tp, self.faults))
 
         return done
 
@@ -2466,6 +2525,8 @@ class Worker:
                 and time.monotonic() - self._paused_at < MAX_PAUSE
             ):
                 self._paused = (request.id, time.monotonic())  # still being written
+        if self._latest_starts and self._paused is None and self._savepoint_request is None:
+            self._commit_latest_starts()  # held back while a savepoint was taken
         waiting = self._savepoint_request
         if waiting is not None and self._assigned and not self._restore_pending:
             self._savepoint_request = None
@@ -2566,13 +2627,17 @@ def _unknown_topic(exc: Exception) -> bool:
     )
 
 
-def _log_delete_failure(tp: TopicPartition) -> Any:
+def _delete_done(tp: TopicPartition, faults: FaultInjector) -> Any:
+    """Callback of a DeleteRecords request's future: a failure is logged (the records are
+    deleted next time)."""
+
     def done(future: Any) -> None:
         exc = future.exception()
         if exc is not None:
             log.info(
                 "deleting records of %s[%d] below %d: %s", tp.topic, tp.partition, tp.offset, exc
             )
+        faults.point("after_repartition_delete")  # the broker answered
 
     return done
 

@@ -43,12 +43,13 @@ import pyarrow.compute as pc
 from confluent_kafka import (
     OFFSET_END,
     Consumer,
+    IsolationLevel,
     KafkaError,
     KafkaException,
     Producer,
     TopicPartition,
 )
-from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic
+from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic, OffsetSpec
 
 from snapline.connectors.config import redact_text
 from snapline.pipeline.checkpoint.metadata import (
@@ -164,7 +165,11 @@ def match_states(
 
 
 def _empty_repartition_topic(
-    admin: AdminClient, topic: str, partitions: int, config: dict[str, str]
+    admin: AdminClient,
+    topic: str,
+    partitions: int,
+    config: dict[str, str],
+    check: Callable[[str], None] = lambda step: None,
 ) -> dict[int, int]:
     """Make ``topic`` an empty repartition topic of ``partitions`` partitions; returns where
     each partition starts now (its tasks' positions: the in-flight records go in from there).
@@ -178,7 +183,8 @@ def _empty_repartition_topic(
     and creating it again started its offsets at 0 again, where such a delete removed records
     in flight the restored job had not read. Only a topic with more partitions than the code
     declares is deleted and created again (Kafka cannot remove partitions); its new offsets
-    start at 0, and a zombie's delete is then guarded only by its topic id check."""
+    start at 0, and a zombie's delete is then guarded only by its topic id check.
+    ``check(step)`` (the restore's guard) is asked before each change it makes."""
     metadata = admin.list_topics(timeout=30).topics.get(topic)
     if metadata is None or len(metadata.partitions) > partitions:
         if metadata is not None:
@@ -192,14 +198,18 @@ def _empty_repartition_topic(
         _recreate_topic(admin, topic, partitions, config)
         return dict.fromkeys(range(partitions), 0)
     if len(metadata.partitions) < partitions:
+        check(f"was about to add partitions to {topic}")
         try:
             admin.create_partitions([NewPartitions(topic, partitions)], operation_timeout=30)[
                 topic
             ].result(timeout=35)
         except KafkaException as exc:
-            raise CheckpointError(
-                f"cannot give repartition topic {topic} {partitions} partitions: {exc}"
-            ) from exc
+            # Added already (the metadata read above was stale)? Then that is done.
+            now = admin.list_topics(topic, timeout=30).topics.get(topic)
+            if now is None or len(now.partitions) != partitions:
+                raise CheckpointError(
+                    f"cannot give repartition topic {topic} {partitions} partitions: {exc}"
+                ) from exc
         _wait_for_leaders(admin, topic, partitions, time.monotonic() + 60)
     starts: dict[int, int] = {}
     deadline = time.monotonic() + 60
@@ -207,6 +217,7 @@ def _empty_repartition_topic(
         # A partition just added, or one whose leader moved, answers "not leader" until the
         # admin client's metadata catches up: asked again, within a minute.
         retry: Exception | None = None
+        check(f"was about to delete the records of {topic}")
         try:
             deleted = admin.delete_records(
                 [
@@ -241,6 +252,69 @@ def _empty_repartition_topic(
             time.sleep(0.5)
     log.info("emptied repartition topic %s (it now starts at %s)", topic, starts)
     return starts
+
+
+#: Seconds a restore waits for a transaction left open in a repartition topic, beyond the
+#: job's transaction.timeout.ms (after which Kafka aborts it).
+OPEN_TRANSACTION_GRACE = 15.0
+
+
+def _wait_for_open_transactions(admin: AdminClient, declared: dict[str, int], bound: float) -> None:
+    """Until no transaction is open in the repartition topics a restore keeps (each of
+    ``declared``'s topics that exists with at most the partitions the code declares),
+    ``bound`` s at most. A worker killed in its epoch leaves its transaction open; emptying
+    the topic does not end it, and read_committed readers (the restored stage's tasks) read
+    nothing past its first record, the records in flight included, until Kafka aborts it,
+    ``transaction.timeout.ms`` after it began (a worker with its transactional id would
+    abort it at its start, but the restored job's workers may have other ids). A topic
+    deleted and created again had none. Waited for here, before any change, not as a
+    stalled stage after the restore."""
+    metadata = admin.list_topics(timeout=30).topics
+    kept = [
+        TopicPartition(topic, p)
+        for topic, count in declared.items()
+        if topic in metadata and len(metadata[topic].partitions) <= count
+        for p in metadata[topic].partitions
+    ]
+    if not kept:
+        return
+    deadline = time.monotonic() + bound
+    told = False
+    while True:
+        try:
+            ends = {}
+            for level in (IsolationLevel.READ_UNCOMMITTED, IsolationLevel.READ_COMMITTED):
+                found = admin.list_offsets(
+                    {tp: OffsetSpec.latest() for tp in kept},
+                    isolation_level=level,
+                    request_timeout=30,
+                )
+                ends[level] = {
+                    (tp.topic, tp.partition): f.result(timeout=35).offset for tp, f in found.items()
+                }
+        except (KafkaException, FutureTimeout) as exc:
+            raise CheckpointError(f"cannot read the ends of the repartition topics: {exc}") from exc
+        high, stable = ends[IsolationLevel.READ_UNCOMMITTED], ends[IsolationLevel.READ_COMMITTED]
+        open_at = {tp: (stable[tp], high[tp]) for tp in high if stable[tp] < high[tp]}
+        if not open_at:
+            return
+        where = ", ".join(f"{t}[{p}] at {s} of {h}" for (t, p), (s, h) in sorted(open_at.items()))
+        if time.monotonic() > deadline:
+            raise CheckpointError(
+                f"a transaction is still open in repartition topics after {bound:.0f} s ({where}):"
+                " a worker of the job, killed or frozen, began it, or one still runs outside "
+                "the job's group; nothing was changed. Restore again once it has ended "
+                "(Kafka aborts it transaction.timeout.ms after it began)"
+            )
+        if not told:
+            log.info(
+                "waiting for a transaction left open in repartition topics (a worker killed in "
+                "its epoch) to end, at most %.0f s: %s",
+                bound,
+                where,
+            )
+            told = True
+        time.sleep(1.0)
 
 
 def _recreate_topic(
@@ -665,6 +739,12 @@ def _seed(
         tell(0, len(jobs))
         rows = sum(f.rows for op in savepoint.operators for f in op.files)
         loaded = run_jobs(load_task, jobs, pool_size(len(jobs), rows=rows), tell)
+        _wait_for_open_transactions(
+            admin,
+            {rep.topic: partitions[rep.topic] for rep in plan.repartitions.values()},
+            float(pipeline.kafka_config.get("transaction.timeout.ms", 60000)) / 1000
+            + OPEN_TRANSACTION_GRACE,
+        )
         # Loading can take minutes: a worker started meanwhile would have its topics deleted
         # under it and keep the group from being reset. Asked again before Kafka changes.
         members = wait_until_stopped(admin, pipeline.name)
@@ -702,7 +782,11 @@ def _seed(
         for rep in plan.repartitions.values():
             guard.check(admin, f"was about to empty {rep.topic}", restoring=True)
             emptied = _empty_repartition_topic(
-                admin, rep.topic, partitions[rep.topic], INTERNAL_TOPIC_CONFIG
+                admin,
+                rep.topic,
+                partitions[rep.topic],
+                INTERNAL_TOPIC_CONFIG,
+                lambda step: guard.check(admin, step, restoring=True),
             )
             starts.update(((rep.topic, p), o) for p, o in emptied.items())
         guard.check(admin, "was about to write the records in flight back", restoring=True)
