@@ -23,6 +23,8 @@ def test_unknown_point_and_action_are_rejected() -> None:
         FaultInjector("nowhere:1", log_path="")
     with pytest.raises(ValueError, match="unknown fault action 'pause'"):
         FaultInjector("sync_snapshot:1:pause", log_path="")
+    with pytest.raises(ValueError, match="librdkafka thread: use kill or stop"):
+        FaultInjector("before_repartition_delete:1:leave", log_path="")
 
 
 def test_kill_and_stop_send_their_signal_and_stop_fires_once(

@@ -24,29 +24,13 @@ def _worker(polls: list[list[Request]]) -> Any:
         _pause_limit=300.0,
         _assigned=False,
         _restore_pending=False,
-        _latest_starts=[],
         consumer=SimpleNamespace(
             assignment=lambda: ["p0"], resume=lambda parts: calls.append(f"resume {parts}")
         ),
         calls=calls,
     )
     worker._take_savepoint = lambda request: calls.append(f"take {request.id}")
-    worker._commit_latest_starts = lambda: calls.append("commit latest starts")
     return worker
-
-
-def test_latest_starts_are_committed_only_once_no_savepoint_is_under_way() -> None:
-    """A worker assigned while a savepoint is taken holds back the commit of where its
-    "latest" partitions start (export would take it for the job going on) and commits it
-    once the request is over."""
-    found = Request("sp1", "savepoint", heard=time.monotonic() - 10)
-    worker = _worker([[found], [Request("sp1", "resume")]])
-    worker._latest_starts = ["in[0] at 7"]
-    Worker._poll_control(worker)  # a request is under way
-    assert "commit latest starts" not in worker.calls
-    Worker._poll_control(worker)  # its resume drops it
-    Worker._poll_control(worker)
-    assert worker.calls[-1] == "commit latest starts"
 
 
 def test_a_request_found_at_start_and_resumed_before_the_assignment_is_dropped() -> None:

@@ -38,6 +38,8 @@ KILL_POINTS = (
     "before_repartition_delete",  # a repartition topic's id checked, its DeleteRecords not sent
     "after_repartition_delete",  # the broker answered a DeleteRecords of repartition records
 )
+#: Points passed on a librdkafka thread (a request's callback), not the task thread.
+_CALLBACK_POINTS = frozenset({"before_repartition_delete", "after_repartition_delete"})
 #: What each action does: a signal to this process, or the name of the worker's hook that
 #: breaks its consumer ("leave", "stall").
 _ACTIONS: dict[str, signal.Signals | str] = {
@@ -68,6 +70,9 @@ class FaultInjector:
                 raise ValueError(
                     f"unknown fault action {action!r} for {name}; use kill, stop, leave or stall"
                 )
+            if name in _CALLBACK_POINTS and isinstance(_ACTIONS[action], str):
+                # A librdkafka thread: breaking the consumer there would race the task thread.
+                raise ValueError(f"{name} is passed on a librdkafka thread: use kill or stop")
             self._odds[name] = float(prob or 1.0)
             self._actions[name] = _ACTIONS[action]
         self._random = random.Random()

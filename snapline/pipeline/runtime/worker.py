@@ -280,9 +280,6 @@ class Worker:
         #: Where the last restore's tasks without a checkpoint start reading a source at its
         #: end ("latest"), committed before they read (``_commit_latest_starts``).
         self._latest_starts: list[TopicPartition] = []
-        #: ``checkpoints_committed`` when they were found: a checkpoint committed since
-        #: commits every task's positions, and they must not be committed over it.
-        self._latest_starts_at = 0
         #: A failed checkpoint left the tasks dropped; they are rebuilt on the next step,
         #: after the consumer has had a chance to report a lost assignment.
         self._restore_pending = False
@@ -643,7 +640,7 @@ class Worker:
         self._restored_from = {}
         self._restored_bytes = {}
         self._previous_owners = set()
-        self._latest_starts, self._latest_starts_at = [], self.checkpoints_committed
+        self._latest_starts = []
         if by_task:  # ids stay above those a --reset-state deleted (ID_FLOOR_FILE)
             self.coordinator.observe_restored(read_id_floor(self.storage, self.pipeline.name))
         for task_id, tps in sorted(by_task.items()):
@@ -671,15 +668,12 @@ class Worker:
         later: what was written in between had come after the job started and was never
         read. Now it starts where this worker did. A position naming no checkpoint is what a
         task with no state starts from (as a plain commit by another tool would be); the
-        next checkpoint's commit replaces it. A failed commit is logged only: the next owner
-        then resolves the end again, as before."""
-        if self._paused is not None or self._savepoint_request is not None:
-            # A savepoint is being taken: a commit now would look like the job going on
-            # (export's check of the offsets). Committed once it is over (_poll_control),
-            # unless its checkpoint committed the positions meanwhile.
-            return
+        next checkpoint's transactional commit comes after it and replaces it. Not while a
+        savepoint is being taken (export would take the commit for the job going on): then
+        the next owner resolves the end again, as before. A refused commit is logged only;
+        a commit that hangs ends the worker (exit 75), as any hung consumer call does."""
         starts, self._latest_starts = self._latest_starts, []
-        if not starts or self.checkpoints_committed != self._latest_starts_at:
+        if not starts or self._paused is not None or self._savepoint_request is not None:
             return
         try:
             self._consumer_call(
@@ -2525,8 +2519,6 @@ class Worker:
                 and time.monotonic() - self._paused_at < MAX_PAUSE
             ):
                 self._paused = (request.id, time.monotonic())  # still being written
-        if self._latest_starts and self._paused is None and self._savepoint_request is None:
-            self._commit_latest_starts()  # held back while a savepoint was taken
         waiting = self._savepoint_request
         if waiting is not None and self._assigned and not self._restore_pending:
             self._savepoint_request = None

@@ -205,7 +205,10 @@ def _empty_repartition_topic(
             ].result(timeout=35)
         except KafkaException as exc:
             # Added already (the metadata read above was stale)? Then that is done.
-            now = admin.list_topics(topic, timeout=30).topics.get(topic)
+            try:
+                now = admin.list_topics(topic, timeout=30).topics.get(topic)
+            except KafkaException:
+                now = None
             if now is None or len(now.partitions) != partitions:
                 raise CheckpointError(
                     f"cannot give repartition topic {topic} {partitions} partitions: {exc}"
@@ -293,7 +296,17 @@ def _wait_for_open_transactions(admin: AdminClient, declared: dict[str, int], bo
                     (tp.topic, tp.partition): f.result(timeout=35).offset for tp, f in found.items()
                 }
         except (KafkaException, FutureTimeout) as exc:
-            raise CheckpointError(f"cannot read the ends of the repartition topics: {exc}") from exc
+            # A leader moving (a broker restarting) answers for a while: asked again.
+            error = kafka_error(exc)
+            transient = isinstance(exc, FutureTimeout) or (
+                error is not None and (error.retriable() or is_unavailable(error))
+            )
+            if not transient or time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"cannot read the ends of the repartition topics: {exc}"
+                ) from exc
+            time.sleep(1.0)
+            continue
         high, stable = ends[IsolationLevel.READ_UNCOMMITTED], ends[IsolationLevel.READ_COMMITTED]
         open_at = {tp: (stable[tp], high[tp]) for tp in high if stable[tp] < high[tp]}
         if not open_at:
@@ -302,9 +315,11 @@ def _wait_for_open_transactions(admin: AdminClient, declared: dict[str, int], bo
         if time.monotonic() > deadline:
             raise CheckpointError(
                 f"a transaction is still open in repartition topics after {bound:.0f} s ({where}):"
-                " a worker of the job, killed or frozen, began it, or one still runs outside "
-                "the job's group; nothing was changed. Restore again once it has ended "
-                "(Kafka aborts it transaction.timeout.ms after it began)"
+                " a worker of the job, killed or frozen, began it (one with a longer "
+                "transaction.timeout.ms than the pipeline's kafka_config gives), or a producer "
+                "outside the job writes there; nothing was changed. Restore again once Kafka "
+                "has aborted it; a transaction Kafka no longer ends by itself (a hanging one) "
+                "is found and aborted with kafka-transactions.sh find-hanging / abort"
             )
         if not told:
             log.info(
@@ -739,12 +754,6 @@ def _seed(
         tell(0, len(jobs))
         rows = sum(f.rows for op in savepoint.operators for f in op.files)
         loaded = run_jobs(load_task, jobs, pool_size(len(jobs), rows=rows), tell)
-        _wait_for_open_transactions(
-            admin,
-            {rep.topic: partitions[rep.topic] for rep in plan.repartitions.values()},
-            float(pipeline.kafka_config.get("transaction.timeout.ms", 60000)) / 1000
-            + OPEN_TRANSACTION_GRACE,
-        )
         # Loading can take minutes: a worker started meanwhile would have its topics deleted
         # under it and keep the group from being reset. Asked again before Kafka changes.
         members = wait_until_stopped(admin, pipeline.name)
@@ -753,6 +762,12 @@ def _seed(
                 f"the job {pipeline.name!r} started while its savepoint was being restored "
                 f"({members} members in its consumer group); stop it and restore again"
             )
+        _wait_for_open_transactions(
+            admin,
+            {rep.topic: partitions[rep.topic] for rep in plan.repartitions.values()},
+            float(pipeline.kafka_config.get("transaction.timeout.ms", 60000)) / 1000
+            + OPEN_TRANSACTION_GRACE,
+        )
         FaultInjector().point("restore_before_kafka_changes")
         guard.check(admin, "was about to change Kafka")
         FaultInjector().point("restore_before_marker")
