@@ -82,6 +82,23 @@ def _count(bootstrap: str, topic: str, isolation: str = "read_committed") -> int
         consumer.close()
 
 
+def _keys_read(consumer: Consumer, committed: list[TopicPartition], count: int) -> list[bytes]:
+    """The keys of up to ``count`` records read from ``committed`` (the positions a restore
+    committed), for 30 s at most (the restore flushed them: they are there at once); closes
+    ``consumer``."""
+    keys: list[bytes] = []
+    try:
+        consumer.assign(committed)
+        deadline = time.monotonic() + 30
+        while len(keys) < count and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is not None and msg.error() is None:
+                keys.append(msg.key())
+    finally:
+        consumer.close()
+    return keys
+
+
 def _savepoint_of_counts_job(
     path: Path,
     job: str,
@@ -283,19 +300,8 @@ def test_a_zombies_delete_by_its_old_positions_after_a_restore_deletes_nothing_r
     consumer = Consumer(
         {**config, "group.id": job, "enable.auto.commit": False, "auto.offset.reset": "error"}
     )
-    keys: list[bytes] = []
-    try:
-        committed = consumer.committed(
-            [TopicPartition(repartition, p) for p in range(2)], timeout=30
-        )
-        consumer.assign(committed)
-        deadline = time.monotonic() + 30  # the restore flushed them: they are there
-        while len(keys) < rows and time.monotonic() < deadline:
-            msg = consumer.poll(0.5)
-            if msg is not None and msg.error() is None:
-                keys.append(msg.key())
-    finally:
-        consumer.close()
+    committed = consumer.committed([TopicPartition(repartition, p) for p in range(2)], timeout=30)
+    keys = _keys_read(consumer, committed, rows)
     assert sorted(keys) == sorted(b"sk%d" % i for i in range(rows)), "records in flight lost"
     # Where the restored tasks start: past every old record in partition 0, at 0 in the new one.
     assert [tp.offset for tp in committed] == [50, 0]
@@ -352,19 +358,10 @@ def test_a_restore_waits_for_a_transaction_left_open_in_a_repartition_topic(
             "enable.auto.commit": False,
         }
     )
-    keys: list[bytes] = []
-    try:
-        committed = reader.committed([TopicPartition(repartition, 0)], timeout=30)
-        # Emptied after the abort: past its 3 records and its abort marker.
-        assert [tp.offset for tp in committed] == [4], "the restore did not wait for the abort"
-        reader.assign(committed)
-        deadline = time.monotonic() + 10  # committed and flushed: readable at once
-        while len(keys) < rows and time.monotonic() < deadline:
-            msg = reader.poll(0.5)
-            if msg is not None and msg.error() is None:
-                keys.append(msg.key())
-    finally:
-        reader.close()
+    committed = reader.committed([TopicPartition(repartition, 0)], timeout=30)
+    # Emptied after the abort: past its 3 records and its abort marker.
+    assert [tp.offset for tp in committed] == [4], "the restore did not wait for the abort"
+    keys = _keys_read(reader, committed, rows)
     assert sorted(keys) == sorted(b"sk%d" % i for i in range(rows))
 
 
