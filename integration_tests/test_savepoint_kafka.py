@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from integration_tests.conftest import create_topic
@@ -361,6 +361,65 @@ def test_a_restore_waits_for_a_transaction_left_open_in_a_repartition_topic(
     committed = reader.committed([TopicPartition(repartition, 0)], timeout=30)
     # Emptied after the abort: past its 3 records and its abort marker.
     assert [tp.offset for tp in committed] == [4], "the restore did not wait for the abort"
+    keys = _keys_read(reader, committed, rows)
+    assert sorted(keys) == sorted(b"sk%d" % i for i in range(rows))
+
+
+def test_a_restore_aborts_the_open_transaction_of_a_worker_in_the_jobs_history(
+    kafka_bootstrap: str,
+    admin: AdminClient,
+    unique_name: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restore right after a crash waited for the killed workers' open transactions until
+    Kafka aborted them, transaction.timeout.ms after they began (a minute by default). The
+    job's group has no member then, so each worker its checkpoint history names is dead or a
+    zombie: the restore aborts their transactions with their transactional ids, as their
+    restarts would, and fences a zombie. Here the killed worker's transaction would stay open
+    for 10 minutes while the restore waits 2 s at most: it succeeds only by that abort, and
+    the worker's producer is fenced."""
+    from snapline.pipeline.checkpoint.history import HistoryEntry, HistoryWriter
+    from snapline.pipeline.runtime.departed import transactional_id
+    from snapline.pipeline.savepoint import restore
+
+    job = unique_name
+    config = {"bootstrap.servers": kafka_bootstrap}
+    pipeline, source = _counts_job(admin, job, "by-k")
+    pipeline.kafka_config["transaction.timeout.ms"] = 2000
+    repartition = create_topic(admin, f"{job}.by-k.repartition")
+    killed = Producer(
+        {
+            **config,
+            "transactional.id": transactional_id(job, "w7"),
+            "transaction.timeout.ms": 600_000,
+        }
+    )
+    killed.init_transactions(30)
+    killed.begin_transaction()
+    for i in range(3):
+        killed.produce(repartition, b"{}", b"sold%d" % i, partition=0)
+    assert killed.flush(10) == 0
+    checkpoints = str(tmp_path / "checkpoints")
+    history = HistoryWriter(checkpoints, job, "w7")  # what worker w7 left: its restore
+    history.record(HistoryEntry(kind="restore", worker="w7", status="restored", time=time.time()))
+    assert history.close() == []
+    rows = 5
+    _savepoint_of_counts_job(tmp_path / "sp", job, source, rows)
+    monkeypatch.setattr(restore, "OPEN_TRANSACTION_GRACE", 0.0)
+    assert seed_from_savepoint(pipeline, config, checkpoints, str(tmp_path / "sp"))
+    with pytest.raises(KafkaException, match="(?i)fenced|epoch"):
+        killed.commit_transaction(30)
+    reader = Consumer(
+        {
+            **config,
+            "group.id": job,
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+        }
+    )
+    committed = reader.committed([TopicPartition(repartition, 0)], timeout=30)
+    assert [tp.offset for tp in committed] == [4], "emptied before the abort marker"
     keys = _keys_read(reader, committed, rows)
     assert sorted(keys) == sorted(b"sk%d" % i for i in range(rows))
 

@@ -183,6 +183,13 @@ class HistoryWriter:
         return self._jobs.shutdown(bound)
 
 
+def history_workers(storage: CheckpointStorage, job: str) -> set[str]:
+    """The ids of the workers with entries in ``job``'s history: every worker that restored
+    tasks or ended a checkpoint lately (its last ``KEEP`` entries are kept). By the file
+    names alone, one listing."""
+    return {m.group(2) for n in storage.list_dir(history_directory(job)) if (m := _NAME.match(n))}
+
+
 def read_history(storage: CheckpointStorage, job: str, limit: int = 500) -> list[HistoryEntry]:
     """The newest ``limit`` entries of every worker of ``job``, newest first."""
     directory = history_directory(job)

@@ -185,9 +185,33 @@ def fence_departed(
     except Exception as exc:  # without the membership nobody is provably gone
         log.warning("could not read the members of group %s (%s): fencing nobody", job, exc)
         return []
+    gone = [owner for owner in owners if instance_id(job, owner) not in members]
+    return abort_transactions(
+        kafka_config,
+        job,
+        gone,
+        f"{job}-{worker_id}",
+        event,
+        "left the group and its tasks came here",
+    )
+
+
+def abort_transactions(
+    kafka_config: dict[str, Any],
+    job: str,
+    workers: list[str],
+    client: str,
+    event: Callable[[dict[str, Any]], None],
+    why: str,
+) -> list[str]:
+    """Abort the open transaction of each of ``workers`` of ``job`` (``init_transactions``
+    with its transactional id, which also fences a zombie holding it), the caller having
+    established that none of them is a member of the job's group. A transactional id that
+    another job's running worker has too (``running_namesake``) is left alone. Returns the
+    worker ids whose transactions were ended; failures are logged."""
     fenced = []
-    for owner in owners:
-        if instance_id(job, owner) in members:
+    for owner in workers:
+        if owner == SEEDED:
             continue
         try:
             namesake = running_namesake(kafka_config, job, owner)
@@ -196,7 +220,7 @@ def fence_departed(
             namesake = None
         if namesake is not None:  # that transactional id is another job's live worker's
             log.warning(
-                "not aborting departed worker %s's transaction: worker %s of job %s, running, "
+                "not aborting worker %s's transaction: worker %s of job %s, running, "
                 "has the same transactional id",
                 owner,
                 namesake[1],
@@ -207,21 +231,21 @@ def fence_departed(
         config = {
             **kafka_config,
             "transactional.id": transactional_id(job, owner),
-            "client.id": f"{job}-{worker_id}-fencing-{owner}",
+            "client.id": f"{client}-fencing-{owner}",
         }
         try:
             producer = Producer(config)
             producer.init_transactions(CALL_TIMEOUT)
         except Exception as exc:  # e.g. the owner came back and fenced this producer first
-            log.warning("could not abort the transaction of departed worker %s: %s", owner, exc)
+            log.warning("could not abort the transaction of worker %s: %s", owner, exc)
             continue
         del producer  # nothing of it is pending: its destructor returns at once
         seconds = round(time.monotonic() - started, 3)
         log.warning(
-            "worker %s left the group and its tasks came here: aborted its open transaction "
-            "(read_committed readers of its output partitions go on now, not after "
-            "transaction.timeout.ms) in %.2fs",
+            "worker %s %s: aborted its open transaction (read_committed readers of its "
+            "output partitions go on now, not after transaction.timeout.ms) in %.2fs",
             owner,
+            why,
             seconds,
         )
         event({"event": "fenced_departed", "departed": owner, "seconds": seconds})

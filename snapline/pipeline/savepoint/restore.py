@@ -52,6 +52,7 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic, OffsetSpec
 
 from snapline.connectors.config import redact_text
+from snapline.pipeline.checkpoint.history import history_workers
 from snapline.pipeline.checkpoint.metadata import (
     CheckpointRef,
     TaskCheckpoint,
@@ -262,7 +263,12 @@ def _empty_repartition_topic(
 OPEN_TRANSACTION_GRACE = 15.0
 
 
-def _wait_for_open_transactions(admin: AdminClient, declared: dict[str, int], bound: float) -> None:
+def _wait_for_open_transactions(
+    admin: AdminClient,
+    declared: dict[str, int],
+    bound: float,
+    abort_open: Callable[[], object] | None = None,
+) -> None:
     """Until no transaction is open in the repartition topics a restore keeps (each of
     ``declared``'s topics that exists with at most the partitions the code declares),
     ``bound`` s at most. A worker killed in its epoch leaves its transaction open; emptying
@@ -271,7 +277,10 @@ def _wait_for_open_transactions(admin: AdminClient, declared: dict[str, int], bo
     ``transaction.timeout.ms`` after it began (a worker with its transactional id would
     abort it at its start, but the restored job's workers may have other ids). A topic
     deleted and created again had none. Waited for here, before any change, not as a
-    stalled stage after the restore."""
+    stalled stage after the restore.
+
+    ``abort_open`` is called once when a transaction is found open (it aborts those of the
+    job's known workers, ``_abort_workers_transactions``); the bound counts from its end."""
     metadata = admin.list_topics(timeout=30).topics
     kept = [
         TopicPartition(topic, p)
@@ -315,7 +324,8 @@ def _wait_for_open_transactions(admin: AdminClient, declared: dict[str, int], bo
         if time.monotonic() > deadline:
             raise CheckpointError(
                 f"a transaction is still open in repartition topics after {bound:.0f} s ({where}):"
-                " a worker of the job, killed or frozen, began it (one with a longer "
+                " a worker of the job, killed or frozen, began it (one its checkpoint history does "
+                "not name, whose transaction the restore could not abort, with a longer "
                 "transaction.timeout.ms than the pipeline's kafka_config gives), or a producer "
                 "outside the job writes there; nothing was changed. Restore again once Kafka "
                 "has aborted it; a transaction Kafka no longer ends by itself (a hanging one) "
@@ -323,13 +333,43 @@ def _wait_for_open_transactions(admin: AdminClient, declared: dict[str, int], bo
             )
         if not told:
             log.info(
-                "waiting for a transaction left open in repartition topics (a worker killed in "
-                "its epoch) to end, at most %.0f s: %s",
-                bound,
+                "a transaction is open in repartition topics (a worker killed in its epoch): "
+                "%s; waiting for it to end, at most %.0f s",
                 where,
+                bound,
             )
             told = True
+            if abort_open is not None:
+                abort_open()
+                deadline = time.monotonic() + bound
+                continue  # asked again at once: the aborts' markers are written
         time.sleep(1.0)
+
+
+def _abort_workers_transactions(
+    kafka_config: dict[str, Any], storage: CheckpointStorage, job: str
+) -> list[str]:
+    """Abort the open transactions of the job's workers that its checkpoint history names,
+    as their restarts would (``init_transactions`` with each one's transactional id): the
+    job's group has no member (``wait_until_stopped``), so each is dead or a zombie, which
+    this fences. Without it a restore right after a crash waited ``transaction.timeout.ms``
+    for Kafka to abort them. A worker killed before it left any history (before its first
+    restore was recorded) is not named: its transaction is waited for."""
+    try:
+        workers = sorted(history_workers(storage, job))
+    except Exception as exc:  # the history is best effort: then the wait is all there is
+        log.warning("could not list the workers in the job's history: %s", exc)
+        return []
+    if not workers:
+        return []
+    return departed.abort_transactions(
+        kafka_config,
+        job,
+        workers,
+        f"{job}-restore",
+        lambda _: None,
+        "of the stopped job, named in its checkpoint history",
+    )
 
 
 def _recreate_topic(
@@ -767,6 +807,7 @@ def _seed(
             {rep.topic: partitions[rep.topic] for rep in plan.repartitions.values()},
             float(pipeline.kafka_config.get("transaction.timeout.ms", 60000)) / 1000
             + OPEN_TRANSACTION_GRACE,
+            lambda: _abort_workers_transactions(kafka_config, storage, pipeline.name),
         )
         FaultInjector().point("restore_before_kafka_changes")
         guard.check(admin, "was about to change Kafka")
