@@ -329,7 +329,9 @@ def test_workers_started_from_one_savepoint_at_once_restore_it_once(
     job.stop_all()
 
 
-@pytest.mark.parametrize("stall", ["restore_before_topics", "restore_before_marker"])
+@pytest.mark.parametrize(
+    "stall", ["restore_before_topics", "restore_before_marker", "restore_before_delete"]
+)
 def test_a_restore_that_stalls_past_its_lock_changes_nothing_once_another_finished(
     stall: str,
     kafka_bootstrap: str,
@@ -364,6 +366,12 @@ def test_a_restore_that_stalls_past_its_lock_changes_nothing_once_another_finish
         return sum(e.get("event") == "restored" and e["worker"] == second.worker_id for e in events)
 
     before = restores_of_second()
+    woken_deletes = stall == "restore_before_delete"
+    if woken_deletes:
+        # The running job's total slow again, so that its repartition topic holds records in
+        # flight when the first wakes and sends its DeleteRecords (which took them all when it
+        # deleted "to the end" of whenever it arrived).
+        second.env["SNAPLINE_EXAMPLE_VARIANT"] = "slow"
     second.start(extra_args=["--from-savepoint", path])
     # The lock's session (10 s) expires; the second restores the job and runs it.
     wait_for(
@@ -372,7 +380,16 @@ def test_a_restore_that_stalls_past_its_lock_changes_nothing_once_another_finish
         120,
         job.logs,
     )
-    job.produce(2_000)
+    job.produce(10_000 if woken_deletes else 2_000)
+    if woken_deletes:
+        topic = f"{job.name}.by-customer.repartition"
+        # Ends: stage 1 writes the 10,000 orders within seconds, the slow total takes ~5 s.
+        wait_for(
+            "records in flight in the repartition topic",
+            lambda: _in_flight(kafka_bootstrap, topic, job.name) >= 1_000,
+            60,
+            job.logs,
+        )
     first.signal(signal.SIGCONT)
     assert first.wait_exit(60) != 0, first.tail()  # bounded: its next step is a check
     assert "stops before changing anything more" in first.tail(100), first.tail(100)
@@ -435,6 +452,17 @@ def _end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
         }
     finally:
         consumer.close()
+
+
+def _in_flight(bootstrap: str, topic: str, group: str) -> int:
+    """Records in ``topic`` past ``group``'s committed offsets (written, not yet consumed)."""
+    ends = _end_offsets(bootstrap, topic)
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    try:
+        committed = consumer.committed([TopicPartition(topic, p) for p in ends], timeout=10)
+    finally:
+        consumer.close()
+    return sum(ends[tp.partition] - max(tp.offset, 0) for tp in committed)
 
 
 def _in_flight_orders(path: str) -> set[int]:

@@ -26,6 +26,7 @@ KILL_POINTS = (
     "restore_before_kafka_changes",  # a savepoint restore: checks done, Kafka not changed yet
     "restore_before_marker",  # a savepoint restore: checked, its marker not written yet
     "restore_before_topics",  # a savepoint restore: marker written, topics not recreated yet
+    "restore_before_delete",  # a savepoint restore: guard asked, a topic's DeleteRecords not sent
     "after_offsets_read",  # recovery read the committed offsets, restored nothing yet
     "before_restore_state",  # a task's checkpoint found in storage, its files not read yet
     "before_sink_recovery",  # a task's checkpoint restored and marked, its sinks not recovered

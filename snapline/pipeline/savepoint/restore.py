@@ -41,7 +41,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from confluent_kafka import (
-    OFFSET_END,
     Consumer,
     IsolationLevel,
     KafkaError,
@@ -217,18 +216,20 @@ def _empty_repartition_topic(
         _wait_for_leaders(admin, topic, partitions, time.monotonic() + 60)
     starts: dict[int, int] = {}
     deadline = time.monotonic() + 60
+    # Deleted up to the ends read now, not "to the end" whenever the request arrives: a
+    # restore frozen after its guard's last check (a paused VM, SIGSTOP) and woken after
+    # another restore finished deletes nothing the running job wrote since (those records
+    # lie above these ends; offsets in a kept topic go on).
+    ends = _high_watermarks(admin, topic, partitions, deadline)
     while len(starts) < partitions:
         # A partition just added, or one whose leader moved, answers "not leader" until the
         # admin client's metadata catches up: asked again, within a minute.
         retry: Exception | None = None
         check(f"was about to delete the records of {topic}")
+        FaultInjector().point("restore_before_delete")
         try:
             deleted = admin.delete_records(
-                [
-                    TopicPartition(topic, p, OFFSET_END)
-                    for p in range(partitions)
-                    if p not in starts
-                ],
+                [TopicPartition(topic, p, ends[p]) for p in range(partitions) if p not in starts],
                 request_timeout=30,
                 operation_timeout=30,
             )
@@ -256,6 +257,34 @@ def _empty_repartition_topic(
             time.sleep(0.5)
     log.info("emptied repartition topic %s (it now starts at %s)", topic, starts)
     return starts
+
+
+def _high_watermarks(
+    admin: AdminClient, topic: str, partitions: int, deadline: float
+) -> dict[int, int]:
+    """Each partition's end (high watermark) now; a transient error (a leader moving, a
+    partition just added) is asked again until ``deadline``."""
+    while True:
+        try:
+            found = admin.list_offsets(
+                {TopicPartition(topic, p): OffsetSpec.latest() for p in range(partitions)},
+                isolation_level=IsolationLevel.READ_UNCOMMITTED,
+                request_timeout=30,
+            )
+            return {tp.partition: f.result(timeout=35).offset for tp, f in found.items()}
+        except (KafkaException, FutureTimeout) as exc:
+            error = kafka_error(exc)
+            transient = isinstance(exc, FutureTimeout) or (
+                error is not None
+                and (
+                    error.retriable()
+                    or is_unavailable(error)
+                    or error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART
+                )
+            )
+            if not transient or time.monotonic() > deadline:
+                raise CheckpointError(f"cannot read the ends of {topic}: {exc}") from exc
+            time.sleep(0.5)
 
 
 #: Seconds a restore waits for a transaction left open in a repartition topic, beyond the
