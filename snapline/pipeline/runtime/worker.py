@@ -2694,6 +2694,10 @@ def run_worker(pipeline: Pipeline, settings: WorkerSettings) -> None:
     # SIGUSR1 writes every thread's Python stack to stderr: how to see where a worker that
     # stopped making progress waits, without stopping it (docs/operations.md).
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    # A fatal signal (an assertion in librdkafka aborts the process: SIGABRT) writes every
+    # thread's Python stack to stderr before the process dies of it, as it would have: which
+    # client call was running tells a librdkafka defect's trigger apart.
+    faulthandler.enable(all_threads=True)
     watchdog = None
     if settings.liveness_timeout:
         worker.liveness.beat()
