@@ -424,6 +424,60 @@ def test_a_restore_aborts_the_open_transaction_of_a_worker_in_the_jobs_history(
     assert sorted(keys) == sorted(b"sk%d" % i for i in range(rows))
 
 
+def test_a_restore_fences_no_worker_while_the_job_runs(
+    kafka_bootstrap: str,
+    admin: AdminClient,
+    unique_name: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: the restore aborted the history's workers' transactions before its
+    guard's check. A restore frozen after its last members check and woken once another
+    restore had finished (or a worker started meanwhile) fenced the running job's workers,
+    each then replaced its producer and replayed its epoch. Now the guard comes first: with a
+    member in the job's group the restore stops, and the worker's transaction still commits."""
+    from snapline.pipeline.checkpoint.history import HistoryEntry, HistoryWriter
+    from snapline.pipeline.runtime.departed import transactional_id
+    from snapline.pipeline.savepoint import restore
+
+    job = unique_name
+    config = {"bootstrap.servers": kafka_bootstrap}
+    pipeline, source = _counts_job(admin, job, "by-k")
+    pipeline.kafka_config["transaction.timeout.ms"] = 2000
+    repartition = create_topic(admin, f"{job}.by-k.repartition")
+    running = Producer(
+        {
+            **config,
+            "transactional.id": transactional_id(job, "w7"),
+            "transaction.timeout.ms": 600_000,
+        }
+    )
+    running.init_transactions(30)
+    running.begin_transaction()
+    running.produce(repartition, b"{}", b"live", partition=0)
+    assert running.flush(10) == 0
+    checkpoints = str(tmp_path / "checkpoints")
+    history = HistoryWriter(checkpoints, job, "w7")
+    history.record(HistoryEntry(kind="restore", worker="w7", status="restored", time=time.time()))
+    assert history.close() == []
+    _savepoint_of_counts_job(tmp_path / "sp", job, source, 5)
+    monkeypatch.setattr(restore, "OPEN_TRANSACTION_GRACE", 0.0)
+    # The job starts after the restore's last members check (as after a freeze there).
+    monkeypatch.setattr(restore, "wait_until_stopped", lambda admin, job: 0)
+    member = Consumer({**config, "group.id": job, "enable.auto.commit": False})
+    member.subscribe([source])
+    deadline = time.monotonic() + 60  # a group join takes a few seconds
+    while not member.assignment():
+        assert time.monotonic() < deadline, "the member was never assigned"
+        member.poll(0.2)
+    try:
+        with pytest.raises(CheckpointError, match="was about to abort .* the job runs"):
+            seed_from_savepoint(pipeline, config, checkpoints, str(tmp_path / "sp"))
+    finally:
+        member.close()
+    running.commit_transaction(30)  # not fenced: it raised "fenced" when the abort came first
+
+
 def test_records_in_flight_that_kafka_deleted_are_an_error_not_skipped(
     kafka_bootstrap: str, admin: AdminClient, unique_name: str
 ) -> None:

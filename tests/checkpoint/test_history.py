@@ -30,3 +30,17 @@ def test_pruning_keeps_every_entry_of_a_worker_whose_id_ends_like_its_own(
     assert pruner.close() == []
     entries = read_history(CheckpointStorage(str(tmp_path)), "orders")
     assert Counter(e.worker for e in entries) == {"w-1": 3, "1": 5}
+
+
+def test_history_workers_are_those_with_an_entry_since_a_time(tmp_path: Path) -> None:
+    """What a savepoint restore fences: the workers whose newest entry is recent enough that
+    a transaction of theirs can still be open (by the stamps in the file names)."""
+    storage = CheckpointStorage(str(tmp_path))
+    directory = history.history_directory("job")
+    for stamp, worker in [(1_000, "old"), (5_000, "w-1"), (9_000, "w1"), (2_000, "w1")]:
+        storage.write_bytes(f"{directory}/{stamp * 10**9:020d}-{worker}.json", b"{}")
+    storage.write_bytes(f"{directory}/not-an-entry.json", b"{}")
+    assert history.history_workers(storage, "job") == {"old", "w-1", "w1"}
+    assert history.history_workers(storage, "job", since=5_000) == {"w-1", "w1"}
+    assert history.history_workers(storage, "job", since=9_001) == set()
+    assert history.history_workers(storage, "other") == set()

@@ -183,11 +183,17 @@ class HistoryWriter:
         return self._jobs.shutdown(bound)
 
 
-def history_workers(storage: CheckpointStorage, job: str) -> set[str]:
-    """The ids of the workers with entries in ``job``'s history: every worker that restored
-    tasks or ended a checkpoint lately (its last ``KEEP`` entries are kept). By the file
-    names alone, one listing."""
-    return {m.group(2) for n in storage.list_dir(history_directory(job)) if (m := _NAME.match(n))}
+def history_workers(storage: CheckpointStorage, job: str, since: float = 0.0) -> set[str]:
+    """The ids of the workers with an entry in ``job``'s history written at ``since`` (a
+    time.time() on the writers' clocks) or later: the workers that restored tasks or ended a
+    checkpoint since then. A worker's entries stay until it prunes them itself, so without
+    ``since`` this is every worker the job has had. By the file names alone, one listing."""
+    floor = int(since * 1e9)
+    return {
+        m.group(2)
+        for n in storage.list_dir(history_directory(job))
+        if (m := _NAME.match(n)) and int(m.group(1)) >= floor
+    }
 
 
 def read_history(storage: CheckpointStorage, job: str, limit: int = 500) -> list[HistoryEntry]:

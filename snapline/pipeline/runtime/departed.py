@@ -37,6 +37,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from confluent_kafka import Producer
@@ -203,54 +204,78 @@ def abort_transactions(
     client: str,
     event: Callable[[dict[str, Any]], None],
     why: str,
+    *,
+    fence_if_unsure: bool = True,
+    parallel: int = 1,
 ) -> list[str]:
     """Abort the open transaction of each of ``workers`` of ``job`` (``init_transactions``
     with its transactional id, which also fences a zombie holding it), the caller having
     established that none of them is a member of the job's group. A transactional id that
-    another job's running worker has too (``running_namesake``) is left alone. Returns the
-    worker ids whose transactions were ended; failures are logged."""
-    fenced = []
-    for owner in workers:
-        if owner == SEEDED:
-            continue
-        try:
-            namesake = running_namesake(kafka_config, job, owner)
-        except Exception as exc:  # other groups may not be ours to describe (ACLs)
-            log.info("could not check the other readings of %s's transactional id: %s", owner, exc)
-            namesake = None
-        if namesake is not None:  # that transactional id is another job's live worker's
-            log.warning(
-                "not aborting worker %s's transaction: worker %s of job %s, running, "
-                "has the same transactional id",
-                owner,
-                namesake[1],
-                namesake[0],
-            )
-            continue
-        started = time.monotonic()
-        config = {
-            **kafka_config,
-            "transactional.id": transactional_id(job, owner),
-            "client.id": f"{client}-fencing-{owner}",
-        }
-        try:
-            producer = Producer(config)
-            producer.init_transactions(CALL_TIMEOUT)
-        except Exception as exc:  # e.g. the owner came back and fenced this producer first
-            log.warning("could not abort the transaction of worker %s: %s", owner, exc)
-            continue
-        del producer  # nothing of it is pending: its destructor returns at once
-        seconds = round(time.monotonic() - started, 3)
+    another job's running worker has too (``running_namesake``) is left alone; when that
+    cannot be checked (no rights to describe other groups), the worker is fenced only with
+    ``fence_if_unsure``. ``parallel`` workers at a time, each call bounded by CALL_TIMEOUT.
+    Returns the worker ids fenced; failures are logged."""
+    owners = [w for w in workers if w != SEEDED]
+
+    def one(owner: str) -> bool:
+        return _abort_one(kafka_config, job, owner, client, event, why, fence_if_unsure)
+
+    if parallel <= 1 or len(owners) <= 1:
+        return [owner for owner in owners if one(owner)]
+    with ThreadPoolExecutor(min(parallel, len(owners)), thread_name_prefix="fence") as pool:
+        done = list(pool.map(one, owners))
+    return [owner for owner, fenced in zip(owners, done, strict=True) if fenced]
+
+
+def _abort_one(
+    kafka_config: dict[str, Any],
+    job: str,
+    owner: str,
+    client: str,
+    event: Callable[[dict[str, Any]], None],
+    why: str,
+    fence_if_unsure: bool,
+) -> bool:
+    try:
+        namesake = running_namesake(kafka_config, job, owner)
+    except Exception as exc:  # other groups may not be ours to describe (ACLs)
+        log.info("could not check the other readings of %s's transactional id: %s", owner, exc)
+        if not fence_if_unsure:
+            return False
+        namesake = None
+    if namesake is not None:  # that transactional id is another job's live worker's
         log.warning(
-            "worker %s %s: aborted its open transaction (read_committed readers of its "
-            "output partitions go on now, not after transaction.timeout.ms) in %.2fs",
+            "not aborting worker %s's transaction: worker %s of job %s, running, "
+            "has the same transactional id",
             owner,
-            why,
-            seconds,
+            namesake[1],
+            namesake[0],
         )
-        event({"event": "fenced_departed", "departed": owner, "seconds": seconds})
-        fenced.append(owner)
-    return fenced
+        return False
+    started = time.monotonic()
+    config = {
+        **kafka_config,
+        "transactional.id": transactional_id(job, owner),
+        "client.id": f"{client}-fencing-{owner}",
+    }
+    try:
+        producer = Producer(config)
+        producer.init_transactions(CALL_TIMEOUT)
+    except Exception as exc:  # e.g. the owner came back and fenced this producer first
+        log.warning("could not abort the transaction of worker %s: %s", owner, exc)
+        return False
+    del producer  # nothing of it is pending: its destructor returns at once
+    seconds = round(time.monotonic() - started, 3)
+    log.warning(
+        "worker %s %s: fenced its transactional id, which aborts any transaction it left open "
+        "(read_committed readers of its output partitions go on now, not after "
+        "transaction.timeout.ms), in %.2fs",
+        owner,
+        why,
+        seconds,
+    )
+    event({"event": "fenced_departed", "departed": owner, "seconds": seconds})
+    return True
 
 
 def start(

@@ -240,10 +240,13 @@ def _empty_repartition_topic(
                 starts[tp.partition] = future.result(timeout=35).low_watermark
             except KafkaException as exc:
                 error = kafka_error(exc)
+                # OFFSET_OUT_OF_RANGE: a new leader whose end still lags the one read (asked
+                # again with the same ends: ends read again would reopen the window above).
                 if error is None or not (
                     error.retriable()
                     or is_unavailable(error)
-                    or error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART
+                    or error.code()
+                    in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError.OFFSET_OUT_OF_RANGE)
                 ):
                     raise CheckpointError(
                         f"cannot delete the records of {topic} [{tp.partition}]: {exc}"
@@ -309,7 +312,7 @@ def _wait_for_open_transactions(
     stalled stage after the restore.
 
     ``abort_open`` is called once when a transaction is found open (it aborts those of the
-    job's known workers, ``_abort_workers_transactions``); the bound counts from its end."""
+    job's known workers, ``_abort_workers_transactions``)."""
     metadata = admin.list_topics(timeout=30).topics
     kept = [
         TopicPartition(topic, p)
@@ -370,34 +373,61 @@ def _wait_for_open_transactions(
             told = True
             if abort_open is not None:
                 abort_open()
-                deadline = time.monotonic() + bound
+                # The bound holds; the aborts' markers get a moment even if they took it all.
+                deadline = max(deadline, time.monotonic() + 5.0)
                 continue  # asked again at once: the aborts' markers are written
         time.sleep(1.0)
 
 
+#: How far before its transaction's timeout a worker's newest history entry may be, and the
+#: worker still hold an open transaction: the entry is written in the background after its
+#: checkpoint (the next transaction began then), on a host whose clock may differ.
+HISTORY_SLACK = 120.0
+
+
 def _abort_workers_transactions(
-    kafka_config: dict[str, Any], storage: CheckpointStorage, job: str
+    kafka_config: dict[str, Any],
+    storage: CheckpointStorage,
+    pipeline: Pipeline,
+    admin: AdminClient,
+    guard: _RestoreGuard,
 ) -> list[str]:
-    """Abort the open transactions of the job's workers that its checkpoint history names,
-    as their restarts would (``init_transactions`` with each one's transactional id): the
-    job's group has no member (``wait_until_stopped``), so each is dead or a zombie, which
-    this fences. Without it a restore right after a crash waited ``transaction.timeout.ms``
-    for Kafka to abort them. A worker killed before it left any history (before its first
-    restore was recorded) is not named: its transaction is waited for."""
+    """Abort the open transactions of the job's workers, as their restarts would
+    (``init_transactions`` with each one's transactional id), instead of waiting
+    ``transaction.timeout.ms`` for Kafka to abort them (a restore right after a crash).
+
+    Which workers: those with an entry in the job's checkpoint history recent enough that a
+    transaction of theirs can still be open (within the job's ``transaction.timeout.ms`` plus
+    ``HISTORY_SLACK``). The restore's guard comes first: the job's group has no member, so
+    each is dead or a zombie, which this fences (another restore finished, or the job runs:
+    nothing is fenced). Skipped for a worker whose transactional id another job might share
+    (its groups could not be described). Not done with
+    ``SNAPLINE_ABORT_DEPARTED=0`` or for an at-least-once job. A worker killed before it left
+    any history is not named: its transaction is waited for."""
+    job = pipeline.name
+    if not pipeline.exactly_once or not departed.enabled():
+        return []
+    guard.check(admin, "was about to abort the open transactions of the job's workers")
+    timeout = float(pipeline.kafka_config.get("transaction.timeout.ms", 60000)) / 1000
     try:
-        workers = sorted(history_workers(storage, job))
+        gone = sorted(history_workers(storage, job, since=time.time() - timeout - HISTORY_SLACK))
     except Exception as exc:  # the history is best effort: then the wait is all there is
         log.warning("could not list the workers in the job's history: %s", exc)
         return []
-    if not workers:
+    if not gone:
         return []
+    # The guard found the group without members a moment ago. A worker that joins in
+    # between is fenced as it starts: it replaces its producer and goes on (transaction.py),
+    # and this restore's next check stops it.
     return departed.abort_transactions(
         kafka_config,
         job,
-        workers,
+        gone,
         f"{job}-restore",
         lambda _: None,
         "of the stopped job, named in its checkpoint history",
+        fence_if_unsure=False,
+        parallel=8,
     )
 
 
@@ -836,7 +866,7 @@ def _seed(
             {rep.topic: partitions[rep.topic] for rep in plan.repartitions.values()},
             float(pipeline.kafka_config.get("transaction.timeout.ms", 60000)) / 1000
             + OPEN_TRANSACTION_GRACE,
-            lambda: _abort_workers_transactions(kafka_config, storage, pipeline.name),
+            lambda: _abort_workers_transactions(kafka_config, storage, pipeline, admin, guard),
         )
         FaultInjector().point("restore_before_kafka_changes")
         guard.check(admin, "was about to change Kafka")
