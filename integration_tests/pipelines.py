@@ -163,6 +163,21 @@ def before_key_by() -> Pipeline:
     return pipeline
 
 
+def union_sources() -> Pipeline:
+    """Two sources of different value formats meet at a union before ``key_by`` (the Spark
+    streaming union test): JSON orders, and text lines "n=<i>" mapped to the same shape (their
+    raw lines also go to a sink of their own); per key a rolling count of both."""
+    pipeline = Pipeline(f"{PREFIX}union", checkpoint_interval=0.3)
+    orders = pipeline.source(KafkaSource(f"{PREFIX}union-json", value_format="json"))
+    lines = pipeline.source(KafkaSource(f"{PREFIX}union-text", value_format="string"))
+    lines.sink(KafkaSink(f"{PREFIX}union-text-raw", value_format="json"))
+    parsed = lines.map(lambda line: {"n": int(line.split("=")[1])})
+    orders.union(parsed).key_by().count().sink(
+        KafkaSink(f"{PREFIX}union-counts", value_format="json")
+    )
+    return pipeline
+
+
 class _Stamp(KeyedProcessFunction):
     """The event time the keyed stage sees beside the one the source read."""
 

@@ -413,6 +413,44 @@ def test_sinks_and_branches_before_key_by_get_every_record_once(
     }
 
 
+def test_two_sources_of_different_formats_meet_at_a_union_each_record_once(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """Several sources were refused on Spark streaming. Now one Spark Kafka source reads all
+    their topics and each record starts at its own source, decoded with its formats: JSON
+    orders and text lines meet at a union, and per key the rolling count of both counts
+    1..n, each output once; the lines' raw sink gets every line once."""
+    prefix = f"{unique_name}-"
+    create_topics(kafka_bootstrap, {f"{prefix}union-json": 4, f"{prefix}union-text": 4})
+    producer = Producer({"bootstrap.servers": kafka_bootstrap, "enable.idempotence": True})
+    n_json, n_text = 200, 100
+    for i in range(n_json):
+        producer.produce(f"{prefix}union-json", orjson.dumps({"n": i}), f"k{i % 7}".encode())
+    for i in range(n_text):
+        producer.produce(f"{prefix}union-text", f"n={i}".encode(), f"k{i % 5}".encode())
+    assert producer.flush(30) == 0
+    _spark_stream(
+        "integration_tests.pipelines:union_sources",
+        tmp_path,
+        kafka_bootstrap,
+        prefix,
+        "--max-records-per-batch",
+        "100",
+    )
+    raw = read_committed(kafka_bootstrap, f"{prefix}union-text-raw", n_text, timeout=60)
+    assert sorted(raw) == sorted(f"n={i}" for i in range(n_text)), "raw lines"
+    expected = Counter(f"k{i % 7}" for i in range(n_json)) + Counter(
+        f"k{i % 5}" for i in range(n_text)
+    )
+    counts = read_committed(kafka_bootstrap, f"{prefix}union-counts", n_json + n_text, timeout=60)
+    per_key: dict[str, list[int]] = {}
+    for c in counts:
+        per_key.setdefault(c["key"], []).append(c["value"])
+    assert {k: sorted(v) for k, v in per_key.items()} == {
+        k: list(range(1, n + 1)) for k, n in expected.items()
+    }, "a record of either source lost or counted twice"
+
+
 def test_late_records_reach_the_keyed_part(
     kafka_bootstrap: str, tmp_path: Path, unique_name: str
 ) -> None:

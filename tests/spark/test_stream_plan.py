@@ -106,15 +106,15 @@ def test_stateless_pipeline_has_no_keyed_part() -> None:
         (
             lambda p: (
                 p.source(KafkaSource("a"))
-                .union(p.source(KafkaSource("b")))
+                .union(p.source(KafkaSource("b", starting_position="latest")))
                 .key_by()
                 .process(Total())
                 .sink(KafkaSink("o"))
             ),
-            "2 sources",
+            "different starting positions",
         ),
     ],
-    ids=["two-timed", "two-stages", "union"],
+    ids=["two-timed", "two-stages", "two-starting-positions"],
 )
 def test_what_cannot_map_is_refused_at_start(build: Any, message: str) -> None:
     p = _pipeline()
@@ -191,6 +191,58 @@ def test_branches_and_sinks_before_key_by_form_a_tree_with_one_way_to_the_key_by
         run_chain(plan.pre, fns, value, None, lambda s, v: sunk.append((s, v)), keyed.append)
     assert sunk == [(0, 5), (0, 20), (1, 20), (2, -20)]
     assert keyed == [10, 40]
+
+
+def test_sources_meet_at_a_union_each_record_starting_at_its_own_source() -> None:
+    """Two sources with branches of their own meet at a union before key_by: the union is one
+    step both feed, and each record starts at its source's step (``roots``)."""
+    p = _pipeline()
+    a = p.source(KafkaSource("a", max_out_of_orderness=100))
+    b = p.source(KafkaSource(("b1", "b2"), max_out_of_orderness=2000))
+    b.sink(KafkaSink("b-raw"))
+    a.map(lambda v: v + 1).union(b.filter(lambda v: v > 0)).key_by().process(Total()).sink(
+        KafkaSink("o")
+    )
+    plan = plan_stream(p)
+    assert plan.topics == ["a", "b1", "b2"]
+    assert plan.max_out_of_orderness == 2000  # the query's one watermark: the largest delay
+    assert [s.kind for s in plan.pre] == ["pass", "map", "union", "pass", "filter"]
+    assert plan.roots == (0, 3)
+    assert [s.next for s in plan.pre] == [(1,), (2,), (5,), (4,), (2,)]  # 5: the key_by
+    fns = [None, lambda v: v + 1, None, None, lambda v: v > 0]
+    sunk: list[tuple[int, Any]] = []
+    keyed: list[Any] = []
+    for root, value in ((0, 1), (3, 5), (3, -5)):
+        run_chain(
+            plan.pre,
+            fns,
+            value,
+            None,
+            lambda s, v: sunk.append((s, v)),
+            keyed.append,
+            start=root,
+        )
+    assert keyed == [2, 5]
+    assert sunk == [(0, 5), (0, -5)]
+
+
+def test_a_union_of_branches_of_one_keyed_stream_is_one_step() -> None:
+    p = _pipeline()
+    keyed = p.source(KafkaSource("a")).key_by()
+    keyed.map(lambda v: v).union(keyed.filter(lambda v: v)).process(Total()).sink(KafkaSink("o"))
+    plan = plan_stream(p)
+    assert [s.kind for s in plan.keyed] == ["pass", "map", "union", "process", "filter"]
+    assert [s.next for s in plan.keyed] == [(1, 4), (2,), (3,), (), (2,)]
+
+
+def test_a_topic_read_by_two_sources_is_refused() -> None:
+    """(By the pipeline's own validation, as for services.)"""
+    p = _pipeline()
+    p.source(KafkaSource("a")).union(p.source(KafkaSource(("b", "a")))).sink(KafkaSink("o"))
+    with pytest.raises(
+        ConfigurationError, match=r"topics \['a'\] are read by more than one source"
+    ):
+        plan_stream(p)
 
 
 def test_a_chain_before_key_by_ends_at_the_key_by() -> None:

@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from snapline.pipeline.errors import ConfigurationError
 
@@ -118,7 +118,7 @@ def run_stream(
             spark.readStream.format("kafka")
             .option("kafka.bootstrap.servers", where)
             .option("kafka.isolation.level", "read_committed")
-            .option("subscribe", ",".join(source.topic_list))
+            .option("subscribe", ",".join(plan.topics))
             .option("startingOffsets", source.starting_position)
             # Records the query has not read yet that Kafka deleted (retention while the query
             # was stopped, a topic recreated) fail it: "false" skipped them with a log warning.
@@ -145,8 +145,8 @@ def run_stream(
             time_mode = "None"
             if plan.timed is not None:
                 # Event time for windows and timers: Spark's watermark trails the largest event
-                # time seen by the source's max_out_of_orderness.
-                delay = cast(int, source.max_out_of_orderness)
+                # time seen by the sources' largest max_out_of_orderness (one per query).
+                delay = plan.max_out_of_orderness
                 keyed = keyed.withColumn("event_time", event_time_column()).withWatermark(
                     "event_time", f"{delay} milliseconds"
                 )

@@ -215,8 +215,18 @@ class _FirstPart:
         self.fns = _functions(pipeline, plan.pre)
         self.keyed = plan.key_by is not None
         self.key_fn = None if plan.key_by is None else by_id[plan.key_by].fn
-        self.decode_value = decoder(plan.source.value_format)
-        self.decode_key = decoder(plan.source.key_format)
+        #: Per source topic: the value and key decoders, the timestamp function and the step
+        #: of ``plan.pre`` its records start at (its source's).
+        self.by_topic: dict[str, tuple[Any, Any, Any, int]] = {
+            topic: (
+                decoder(src.value_format),
+                decoder(src.key_format),
+                src.timestamp,
+                root,
+            )
+            for src, root in zip(plan.sources or (plan.source,), plan.roots, strict=True)
+            for topic in src.topic_list
+        }
         self.fail = pipeline.on_error == "fail"
         self.names = [by_id[s.node_id].name for s in plan.pre]
         self.key_name = "key_by" if plan.key_by is None else by_id[plan.key_by].name
@@ -251,9 +261,9 @@ class _FirstPart:
         def on_error(step: int, exc: Exception) -> None:
             failures.append(_dead(f"{where}: {self.names[step]} raised {exc!r}", self.fail, where))
 
+        decode_value, decode_key, timestamp, root = self.by_topic[topic]
         try:
-            value, key = self.decode_value(raw), self.decode_key(raw_key)
-            timestamp = self.plan.source.timestamp
+            value, key = decode_value(raw), decode_key(raw_key)
             if timestamp is not None:
                 ts = timestamp_ms(timestamp(value))
         except Exception as exc:  # the record itself is bad: nothing of it runs
@@ -291,6 +301,7 @@ class _FirstPart:
                 None,
                 to_sink,
                 to_key if self.keyed else None,
+                start=root,
                 on_error=on_error,
             )
         rows: list[dict[str, Any]]

@@ -1,13 +1,18 @@
 """What ``snapline spark stream`` runs: the declared graph checked and cut into the two parts
 of a Structured Streaming query, or a ConfigurationError at start naming what cannot map.
 
-A supported pipeline is one Kafka source, a tree of stateless operators, at most one ``key_by``
-and after it a tree of keyed process functions and stateless operators (any operator may feed
-several), with sinks hanging off any operator:
+A supported pipeline is one or more Kafka sources, stateless operators (``union`` among them)
+before at most one ``key_by``, and after it keyed process functions and stateless operators (any
+operator may feed several), with sinks hanging off any operator:
 
-    source → (map | filter | flat_map)* → key_by → (process | window | map | filter | flat_map)*
-           ↘ (map | filter | flat_map)*           ↘ (process | ...)*   (branches, same key)
-             (branches without key_by: sinks only)
+    source → (map | filter | flat_map)* ─┬→ union → ... → key_by → (process | window | map | ...)*
+    source → (map | filter | flat_map)* ─┘  ↘ (map | filter | flat_map)*  ↘ (process | ...)*
+                                              (branches without key_by: sinks only)
+
+Several sources are read by one Spark Kafka source subscribed to all their topics; each record
+starts at its own source's step (``StreamPlan.roots``), decoded with that source's formats.
+They must share a starting position; the query's one watermark trails by the largest
+``max_out_of_orderness`` among them.
 
 The part before ``key_by`` runs per micro-batch on the executors; the part after it runs per
 key through ``transformWithState``: every branch sees the key's records in the same order, in
@@ -51,8 +56,10 @@ class Step:
 
 @dataclass(frozen=True)
 class StreamPlan:
+    #: The first source (its starting position is every source's).
     source: KafkaSource
-    #: Before ``key_by`` (starts with the source's "pass" step).
+    #: Before ``key_by``: each source's "pass" step (``roots``) and the steps below them, a
+    #: graph in depth-first order whose branches may meet again at a ``union``.
     pre: tuple[Step, ...]
     #: The ``key_by`` node id, or None for a pipeline without keyed state.
     key_by: int | None
@@ -63,10 +70,30 @@ class StreamPlan:
     #: The one keyed operator with event-time timers (a window, or a process function that
     #: implements on_timer), or None: the query then runs without event time.
     timed: int | None = None
+    #: Every source, in the pipeline's order, and the step of ``pre`` each one starts at.
+    sources: tuple[KafkaSource, ...] = ()
+    roots: tuple[int, ...] = (0,)
 
     @property
     def process_ids(self) -> tuple[int, ...]:
         return tuple(s.node_id for s in self.keyed if s.kind == "process")
+
+    @property
+    def topics(self) -> list[str]:
+        """Every source topic, each once."""
+        return list(
+            dict.fromkeys(t for src in (self.sources or (self.source,)) for t in src.topic_list)
+        )
+
+    @property
+    def max_out_of_orderness(self) -> int:
+        """The query's watermark delay (ms): the largest of the sources'."""
+        from snapline.pipeline.time import duration_ms
+
+        return max(
+            duration_ms(src.max_out_of_orderness, "max_out_of_orderness")
+            for src in (self.sources or (self.source,))
+        )
 
 
 def _refuse(what: str, fix: str) -> ConfigurationError:
@@ -80,22 +107,32 @@ def plan_stream(pipeline: Pipeline) -> StreamPlan:
     if not pipeline.exactly_once:
         raise ConfigurationError("snapline spark stream needs guarantee='exactly_once'")
     sources = [n for n in pipeline.nodes if n.kind == "source"]
-    if len(sources) != 1:
+    positions = {n.fn.starting_position for n in sources}
+    if len(positions) > 1:
         raise _refuse(
-            f"{len(sources)} sources",
-            "read several topics with one KafkaSource((...)) instead of a union, or run the "
-            "pipeline as services (snapline run)",
+            f"sources with different starting positions ({sorted(positions)})",
+            "give every KafkaSource the same starting_position (the query starts all its "
+            "topics one way), or run the pipeline as services (snapline run)",
         )
     sinks: list[Sink] = []
     pre: list[Step] = []
     keyed: list[Step] = []
     found: list[Node] = []  # the key_by
-    _pre_tree(pipeline, sources[0], "pass", sinks, pre, found)
+    visited: dict[int, int] = {}
+    roots = [_pre_tree(pipeline, n, "pass", sinks, pre, found, visited) for n in sources]
     pre = _resolved(pre)
     key_by: int | None = None
     if found:
         key_by = found[0].id
-        _keyed_tree(pipeline, found[0], "pass", sinks, keyed)
+        _keyed_tree(pipeline, found[0], "pass", sinks, keyed, {})
+        mixed = {s.node_id for s in pre} & {s.node_id for s in keyed}
+        if mixed:
+            by_id = {n.id: n for n in pipeline.nodes}
+            raise _refuse(
+                f"{sorted(by_id[i].name for i in mixed)}, which take both streams before and "
+                "after key_by",
+                "combine the streams before key_by, or key every one of them",
+            )
     by_id = {n.id: n for n in pipeline.nodes}
     timed = [s for s in keyed if s.kind == "window" or _has_timers(by_id[s.node_id].fn)]
     if len(timed) > 1:
@@ -111,6 +148,8 @@ def plan_stream(pipeline: Pipeline) -> StreamPlan:
         tuple(keyed),
         tuple(sinks),
         timed[0].node_id if timed else None,
+        tuple(n.fn for n in sources),
+        tuple(roots),
     )
 
 
@@ -137,13 +176,22 @@ def _pre_tree(
     sinks: list[Sink],
     steps: list[Step],
     found: list[Node],
+    visited: dict[int, int],
 ) -> int:
     """Append the part before ``key_by`` from ``node`` on, depth first; the key_by node goes
-    into ``found`` (a second one is refused) and its feeder's ``next`` names _TO_KEY_BY."""
+    into ``found`` (a second one is refused) and its feeder's ``next`` names _TO_KEY_BY. A
+    node reached again (a ``union``'s other input) keeps its first step: ``visited`` maps
+    node ids to their steps."""
+    if node.id in visited:
+        return visited[node.id]
     index = len(steps)
+    visited[node.id] = index
     children = []
     for child in _step(pipeline, node, kind, sinks, steps):
         if child.kind == "key_by":
+            if found and found[0].id == child.id:  # reached again through a union
+                children.append(_TO_KEY_BY)
+                continue
             if found:
                 raise _refuse(
                     f"a second key_by ({child.name!r} beside {found[0].name!r})",
@@ -154,7 +202,7 @@ def _pre_tree(
             children.append(_TO_KEY_BY)
             continue
         _check_kind(child)
-        children.append(_pre_tree(pipeline, child, child.kind, sinks, steps, found))
+        children.append(_pre_tree(pipeline, child, child.kind, sinks, steps, found, visited))
     step = steps[index]
     steps[index] = Step(step.kind, step.node_id, step.sinks, tuple(children))
     return index
@@ -171,10 +219,19 @@ def _resolved(steps: list[Step]) -> list[Step]:
 
 
 def _keyed_tree(
-    pipeline: Pipeline, node: Node, kind: str, sinks: list[Sink], steps: list[Step]
+    pipeline: Pipeline,
+    node: Node,
+    kind: str,
+    sinks: list[Sink],
+    steps: list[Step],
+    visited: dict[int, int],
 ) -> int:
-    """Append the keyed part from ``node`` on, depth first; ``node``'s index."""
+    """Append the keyed part from ``node`` on, depth first; ``node``'s index (its first one,
+    for a node reached again through a ``union``)."""
+    if node.id in visited:
+        return visited[node.id]
     index = len(steps)
+    visited[node.id] = index
     children = []
     for child in _step(pipeline, node, kind, sinks, steps):
         if child.kind == "key_by":
@@ -184,7 +241,7 @@ def _keyed_tree(
                 "Spark bounded (snapline spark run)",
             )
         _check_kind(child)
-        children.append(_keyed_tree(pipeline, child, child.kind, sinks, steps))
+        children.append(_keyed_tree(pipeline, child, child.kind, sinks, steps, visited))
     step = steps[index]
     steps[index] = Step(step.kind, step.node_id, step.sinks, tuple(children))
     return index
@@ -193,7 +250,7 @@ def _keyed_tree(
 def _check_kind(node: Node) -> None:
     if node.kind == "process":
         _check_process(node.fn, node.name)
-    elif node.kind != "window" and node.kind not in STATELESS:
+    elif node.kind not in ("window", "union") and node.kind not in STATELESS:
         raise _refuse(f"the operator {node.name!r} ({node.kind})", "run it as services")
 
 
@@ -240,7 +297,7 @@ def run_chain(
         fn = functions[i]
         outs: list[Any] = []
         try:
-            if step.kind == "pass":
+            if step.kind in ("pass", "union"):
                 outs.append(v)
             elif step.kind == "map":
                 outs.append(fn(v))
