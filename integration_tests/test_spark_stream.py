@@ -31,7 +31,7 @@ import orjson
 import pytest
 from confluent_kafka import Producer
 
-from examples.orders import create_topics, read_committed
+from examples.orders import create_topics, produce_orders, read_committed, verify_totals
 from examples.workers import REPO
 from integration_tests.pipelines import LATE_ALLOWED_MS, LATE_WINDOW_MS
 from integration_tests.warehouse_job import SPEC, WarehouseJob, wait_for
@@ -343,7 +343,14 @@ def test_streaming_window_exactly_once_across_driver_sigkills(
             driver.kill()
 
 
-def _spark_stream(spec: str, tmp_path: Path, bootstrap: str, prefix: str, *args: str) -> None:
+def _spark_stream(
+    spec: str,
+    tmp_path: Path,
+    bootstrap: str,
+    prefix: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+) -> None:
     """``snapline spark stream SPEC --trigger available-now``, to its end (bounded: a few small
     batches of input that is all there at start)."""
     run = subprocess.run(
@@ -371,6 +378,7 @@ def _spark_stream(spec: str, tmp_path: Path, bootstrap: str, prefix: str, *args:
             "PYTHONPATH": str(REPO),
             "SNAPLINE_BOOTSTRAP_SERVERS": bootstrap,
             "SNAPLINE_CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
+            **(env or {}),
         },
         capture_output=True,
         text=True,
@@ -449,6 +457,47 @@ def test_two_sources_of_different_formats_meet_at_a_union_each_record_once(
     assert {k: sorted(v) for k, v in per_key.items()} == {
         k: list(range(1, n + 1)) for k, n in expected.items()
     }, "a record of either source lost or counted twice"
+
+
+def test_the_join_example_runs_on_spark_each_order_once_with_a_tier_its_customer_had(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """The services' join module (examples/enrich_orders.py: orders and profile updates, each
+    re-keyed by customer, meet in one KeyedCoProcessFunction) as a Spark streaming query:
+    connect was refused there. Each side's records start at their own key_by and call their
+    side of the one function, whose state both share: every order is output once with the
+    running totals of its customer, and with a tier that customer was given, or none yet."""
+    prefix = f"{unique_name}-"
+    create_topics(
+        kafka_bootstrap, {f"{prefix}{t}": 4 for t in ("orders", "profiles", "enriched-orders")}
+    )
+    rng = random.Random(5)
+    producer = Producer({"bootstrap.servers": kafka_bootstrap, "enable.idempotence": True})
+    given: dict[str, set[str]] = {}
+    for _ in range(300):
+        customer = f"c{rng.randrange(40):05d}"
+        tier = rng.choice(["basic", "silver", "gold"])
+        given.setdefault(customer, set()).add(tier)
+        profile = {"customer": customer, "tier": tier}
+        producer.produce(f"{prefix}profiles", orjson.dumps(profile), str(rng.random()).encode())
+    assert producer.flush(30) == 0
+    orders = 2_000
+    expected = produce_orders(kafka_bootstrap, f"{prefix}orders", orders, 40, keyed_by_order=True)
+    _spark_stream(
+        "examples.enrich_orders:pipeline",
+        tmp_path,
+        kafka_bootstrap,
+        prefix,
+        "--max-records-per-batch",
+        "500",
+        env={"SNAPLINE_EXAMPLE_PREFIX": prefix, "SNAPLINE_EXAMPLE_JOB": unique_name},
+    )
+    outputs = read_committed(kafka_bootstrap, f"{prefix}enriched-orders", orders, timeout=60)
+    result = verify_totals(outputs, expected, range(orders))
+    assert result.ok, result.summary()
+    wrong = [o for o in outputs if o["tier"] is not None and o["tier"] not in given[o["customer"]]]
+    assert not wrong, f"orders with a tier their customer never had: {wrong[:5]}"
+    assert any(o["tier"] is not None for o in outputs), "no order was enriched: right side lost"
 
 
 def test_late_records_reach_the_keyed_part(

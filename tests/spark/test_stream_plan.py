@@ -11,6 +11,7 @@ from snapline import (
     Context,
     KafkaSink,
     KafkaSource,
+    KeyedCoProcessFunction,
     KeyedProcessFunction,
     Pipeline,
     ValueState,
@@ -151,19 +152,80 @@ def test_a_branch_may_hold_the_one_timed_operator_but_not_two() -> None:
         plan_stream(p)
 
 
-def test_a_second_key_by_in_a_branch_before_or_after_the_first_is_refused() -> None:
+def test_key_bys_side_by_side_each_start_their_own_keyed_records() -> None:
+    """Two branches keyed their own ways run in one keyed part, grouped by key in one state
+    store: each record starts at its key_by's step (``keyed_roots``)."""
     p = _pipeline()
     source = p.source(KafkaSource("a"))
     source.key_by().process(Total()).sink(KafkaSink("o"))
     source.map(lambda v: v).key_by().process(Total(), uid="other").sink(KafkaSink("o2"))
-    with pytest.raises(ConfigurationError, match="second key_by"):
-        plan_stream(p)
+    plan = plan_stream(p)
+    assert [s.kind for s in plan.pre] == ["pass", "map"]
+    assert [s.next for s in plan.pre] == [(2, 1), (3,)]  # 2, 3: the first and second key_by
+    assert len(plan.key_bys) == 2 and plan.key_by == plan.key_bys[0]
+    assert [s.kind for s in plan.keyed] == ["pass", "process", "pass", "process"]
+    assert plan.keyed_roots == (0, 2)
+    ends: list[tuple[Any, int]] = []
+    run_chain(
+        plan.pre,
+        [None, lambda v: v * 10],
+        1,
+        None,
+        lambda s, v: None,
+        None,
+        emit_end_at=lambda v, k: ends.append((v, k)),
+    )
+    assert ends == [(1, 0), (10, 1)]
+
+
+def test_a_second_key_by_after_the_first_is_refused() -> None:
     p = _pipeline()
     keyed = p.source(KafkaSource("a")).key_by(lambda v: v["x"])
     keyed.process(Total()).sink(KafkaSink("o"))
     keyed.map(lambda v: v).key_by(lambda v: v["y"]).process(Total(), uid="y").sink(KafkaSink("o2"))
-    with pytest.raises(ConfigurationError, match="second key_by"):
+    with pytest.raises(ConfigurationError, match="second key_by after the first"):
         plan_stream(p)
+
+
+class Enrich(KeyedCoProcessFunction):
+    tier = ValueState("tier")
+
+    def process_left(self, value: Any, ctx: Context) -> Any:
+        yield {"order": value, "tier": self.tier.value()}
+
+    def process_right(self, value: Any, ctx: Context) -> Any:
+        self.tier.update(value)
+
+
+def test_connected_streams_run_one_co_process_with_a_step_per_side() -> None:
+    """``left.connect(right).process(fn)``: a step per side (``process_left`` and
+    ``process_right`` of one function), both feeding the same sinks and steps."""
+    p = _pipeline()
+    orders = p.source(KafkaSource("orders")).key_by(lambda o: o["customer"])
+    tiers = p.source(KafkaSource("tiers")).key_by(lambda t: t["customer"])
+    orders.connect(tiers).process(Enrich()).map(lambda r: r).sink(KafkaSink("enriched"))
+    plan = plan_stream(p)
+    assert [s.kind for s in plan.keyed] == ["pass", "co_left", "map", "pass", "co_right"]
+    assert plan.keyed_roots == (0, 3)
+    assert plan.keyed[1].node_id == plan.keyed[4].node_id
+    assert plan.keyed[1].next == plan.keyed[4].next == (2,)
+    assert plan.keyed[2].sinks == (0,)
+    assert len(plan.process_ids) == 1
+    assert plan.timed is None
+
+    class Fn:
+        def process_left(self, v: Any, ctx: Any) -> Any:
+            yield ("left", v)
+
+        def process_right(self, v: Any, ctx: Any) -> Any:
+            yield ("right", v)
+
+    fn = Fn()
+    fns = [None, fn, lambda r: r, None, fn]
+    sunk: list[tuple[int, Any]] = []
+    run_chain(plan.keyed, fns, 1, None, lambda s, v: sunk.append((s, v)), start=0)
+    run_chain(plan.keyed, fns, 2, None, lambda s, v: sunk.append((s, v)), start=3)
+    assert sunk == [(0, ("left", 1)), (0, ("right", 2))]
 
 
 def test_branches_and_sinks_before_key_by_form_a_tree_with_one_way_to_the_key_by() -> None:
@@ -455,3 +517,22 @@ def test_with_timers_only_a_clock_row_per_batch_carries_the_watermark_column() -
     assert all(r["key"] != CLOCK_KEY for r in records)
     # A batch without a decodable record moves no clock.
     assert all(r["seq"] != CLOCK_SEQ for r in out[1].to_pylist())
+
+
+def test_a_union_of_a_stream_with_itself_is_refused() -> None:
+    """A service task emits a record once per input of a union it came in by (twice here);
+    Spark's one step would emit it once: refused rather than different."""
+    p = _pipeline()
+    source = p.source(KafkaSource("a"))
+    source.union(source).sink(KafkaSink("o"))
+    with pytest.raises(ConfigurationError, match="union 'union' of a stream with itself"):
+        plan_stream(p)
+
+
+def test_a_union_of_streams_from_before_and_after_key_by_is_refused_naming_the_union() -> None:
+    p = _pipeline()
+    source = p.source(KafkaSource("a"))
+    keyed = source.key_by()
+    keyed.process(Total()).map(lambda v: v).union(source.map(lambda v: v)).sink(KafkaSink("o"))
+    with pytest.raises(ConfigurationError, match=r"\['union'\], which take streams from before"):
+        plan_stream(p)

@@ -168,6 +168,7 @@ def _row(key: str, offset: int, amount: int, item: str, now: int = 5000) -> Row:
         raw_key=key.encode(),
         reason=None,
         now=now,
+        entry=0,
     )
 
 

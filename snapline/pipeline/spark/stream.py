@@ -95,6 +95,13 @@ def run_stream(
         pipeline, plan.sinks, kafka_config, checkpoint_dir, checkpoint_location
     )
     committed = committer.open()
+    if plan.timed is not None and len(plan.sources) > 1:
+        say(
+            "note: the query's one watermark follows the largest event time of all "
+            f"{len(plan.sources)} sources less the largest max_out_of_orderness; a source whose "
+            "event times lag the others by more than that has its records late here (the "
+            "services hold the watermark back for it: docs/spark.md)"
+        )
     say(
         f"query {committer.query} of {pipeline.name}: last committed batch "
         f"{committed - 1 if committed else 'none'}; sinks {[s.name for s in plan.sinks]}"

@@ -31,10 +31,10 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
-from snapline.pipeline.errors import StateError
+from snapline.pipeline.errors import ConfigurationError, StateError
 from snapline.pipeline.formats import decoder, encode_key, tag_key, untag_key
 from snapline.pipeline.functions import Context
-from snapline.pipeline.spark.stream_plan import StreamPlan, plan_stream, run_chain
+from snapline.pipeline.spark.stream_plan import CO_SIDES, StreamPlan, plan_stream, run_chain
 from snapline.pipeline.state.backend import KeyedStateBackend, SnapshotHandle, StateHandle
 from snapline.pipeline.state.descriptors import KeyScope
 from snapline.pipeline.state.timers import TimerState
@@ -45,7 +45,7 @@ from snapline.pipeline.time import timestamp_ms
 #: tagged key in ``out_key``) under PASS_PREFIX + the input partition: both only pass through).
 KEYED_SCHEMA = (
     "key binary, topic string, partition int, offset long, seq int, ts long, value binary, "
-    "raw binary, raw_key binary, reason string, now long, sink int, out_key binary"
+    "raw binary, raw_key binary, reason string, now long, sink int, out_key binary, entry int"
 )
 #: Rows to the sinks: ``sink`` indexes StreamPlan.sinks, -1 is a dead letter (``value`` then
 #: holds the bytes to send and ``reason`` why).
@@ -214,7 +214,9 @@ class _FirstPart:
         self.plan = plan
         self.fns = _functions(pipeline, plan.pre)
         self.keyed = plan.key_by is not None
-        self.key_fn = None if plan.key_by is None else by_id[plan.key_by].fn
+        #: Each key_by's key function (None: the record's own key) and name.
+        self.key_fns = [by_id[k].fn for k in plan.key_bys]
+        self.key_names = [by_id[k].name for k in plan.key_bys]
         #: Per source topic: the value and key decoders, the timestamp function and the step
         #: of ``plan.pre`` its records start at (its source's).
         self.by_topic: dict[str, tuple[Any, Any, Any, int]] = {
@@ -229,7 +231,6 @@ class _FirstPart:
         }
         self.fail = pipeline.on_error == "fail"
         self.names = [by_id[s.node_id].name for s in plan.pre]
-        self.key_name = "key_by" if plan.key_by is None else by_id[plan.key_by].name
         #: The record's own key is encoded for these only (without key_by, every sink is one).
         self.sinks_before_key_by = any(s.sinks for s in plan.pre)
         #: The largest event time of the decodable records since the caller reset it (what
@@ -248,8 +249,8 @@ class _FirstPart:
     ) -> list[dict[str, Any]]:
         where = f"{topic}[{partition}]@{offset}"
         position = {"topic": topic, "partition": partition, "offset": offset, "raw_key": raw_key}
-        #: With key_by: what goes on to it (tagged key, pickled value).
-        keyed: list[tuple[bytes, bytes]] = []
+        #: With key_by: what goes on to it (tagged key, pickled value, which key_by).
+        keyed: list[tuple[bytes, bytes, int]] = []
         #: Outputs to sinks of the part before key_by (pickled value, sink, the record's own
         #: tagged key, as in a service task).
         sunk: list[tuple[bytes, int, bytes | None]] = []
@@ -261,7 +262,15 @@ class _FirstPart:
         def on_error(step: int, exc: Exception) -> None:
             failures.append(_dead(f"{where}: {self.names[step]} raised {exc!r}", self.fail, where))
 
-        decode_value, decode_key, timestamp, root = self.by_topic[topic]
+        found = self.by_topic.get(topic)
+        if found is None:
+            raise ConfigurationError(
+                f"the query read a record of topic {topic!r}, which no source of the pipeline "
+                "reads now (a source removed from the pipeline of a running query?): a query's "
+                "sources are fixed by its checkpoint location; start the changed pipeline with "
+                "a new --checkpoint-location"
+            )
+        decode_value, decode_key, timestamp, root = found
         try:
             value, key = decode_value(raw), decode_key(raw_key)
             if timestamp is not None:
@@ -282,17 +291,17 @@ class _FirstPart:
                 except Exception as exc:
                     failures.append(_dead(f"{where}: cannot pickle {exc!r}", self.fail, where))
 
-            def to_key(v: Any) -> None:
+            def to_key(v: Any, entry: int) -> None:
+                key_fn = self.key_fns[entry]
                 try:
-                    k = key if self.key_fn is None else self.key_fn(v)
+                    k = key if key_fn is None else key_fn(v)
                     kb = encode_key(k)
                     if kb is None:
                         raise ValueError("key_by returned None as the key")
-                    keyed.append((tag_key(k, kb), pickle.dumps(v)))
+                    keyed.append((tag_key(k, kb), pickle.dumps(v), entry))
                 except Exception as exc:
-                    failures.append(
-                        _dead(f"{where}: {self.key_name} raised {exc!r}", self.fail, where)
-                    )
+                    reason = f"{where}: {self.key_names[entry]} raised {exc!r}"
+                    failures.append(_dead(reason, self.fail, where))
 
             run_chain(
                 self.plan.pre,
@@ -300,15 +309,17 @@ class _FirstPart:
                 value,
                 None,
                 to_sink,
-                to_key if self.keyed else None,
+                None,
                 start=root,
                 on_error=on_error,
+                emit_end_at=to_key if self.keyed else None,
             )
         rows: list[dict[str, Any]]
         if self.keyed:
             rows = [
-                {**position, "key": k, "seq": seq, "ts": ts, "value": v} | {"raw": raw, "now": now}
-                for seq, (k, v) in enumerate(keyed)
+                {**position, "key": k, "seq": seq, "ts": ts, "value": v}
+                | {"raw": raw, "now": now, "entry": entry}
+                for seq, (k, v, entry) in enumerate(keyed)
             ]
             group = PASS_PREFIX + b"%d" % partition
             rows += [
@@ -445,7 +456,11 @@ def keyed_processor(spec: str) -> Any:
             state_ids = pipeline.state_ids()
             values: dict[int, Any] = {}
             maps: dict[int, Any] = {}
-            stateful = [s.node_id for s in plan.keyed if s.kind in ("process", "window")]
+            stateful = list(
+                dict.fromkeys(
+                    s.node_id for s in plan.keyed if s.kind in ("process", "window", *CO_SIDES)
+                )
+            )
             for node_id in stateful:
                 for sid, desc in state_ids[node_id]:
                     if isinstance(desc, TimerState):
@@ -466,10 +481,14 @@ def keyed_processor(spec: str) -> Any:
             by_id = {n.id: n for n in pipeline.nodes}
             self.names = [by_id[step.node_id].name for step in plan.keyed]
             self.fns: list[Any] = []
+            #: A co-process function's two steps share one bound copy.
+            bound: dict[int, Any] = {}
             for step in plan.keyed:
                 fn = by_id[step.node_id].fn
-                if step.kind == "process":
-                    fn = copy.copy(fn)
+                if step.node_id in bound:
+                    fn = bound[step.node_id]
+                elif step.kind in ("process", *CO_SIDES):
+                    fn = bound[step.node_id] = copy.copy(fn)
                     for sid, desc in state_ids[step.node_id]:
                         if isinstance(desc, TimerState):
                             continue
@@ -563,7 +582,7 @@ def keyed_processor(spec: str) -> Any:
                         reason = _dead(f"{where}: cannot unpickle: {exc!r}", self.fail, where)
                         yield _out(Row, r, -1, 0, tagged, r.raw, reason)
                         continue
-                    self._run(value, outs, failed)
+                    self._run(value, outs, failed, self.plan.keyed_roots[r.entry or 0])
                     for step, error in failed:  # the other branches went on
                         reason = f"{where}: {self.names[step]} raised {error!r}"
                         reason = _dead(reason, self.fail, where)
@@ -635,8 +654,10 @@ def keyed_processor(spec: str) -> Any:
                 yield _out(Row, timer, sink, n, tagged, pickle.dumps(v), None)
 
         def close(self) -> None:
+            closed: set[int] = set()
             for step, fn in zip(self.plan.keyed, self.fns, strict=True):
-                if step.kind == "process":
+                if step.kind in ("process", *CO_SIDES) and step.node_id not in closed:
+                    closed.add(step.node_id)
                     fn.close()
 
     return KeyedChain()

@@ -2,8 +2,9 @@
 of a Structured Streaming query, or a ConfigurationError at start naming what cannot map.
 
 A supported pipeline is one or more Kafka sources, stateless operators (``union`` among them)
-before at most one ``key_by``, and after it keyed process functions and stateless operators (any
-operator may feed several), with sinks hanging off any operator:
+before one ``key_by`` per stream, and after them keyed process functions (``connect`` with a
+``KeyedCoProcessFunction`` among them) and stateless operators (any operator may feed several),
+with sinks hanging off any operator:
 
     source → (map | filter | flat_map)* ─┬→ union → ... → key_by → (process | window | map | ...)*
     source → (map | filter | flat_map)* ─┘  ↘ (map | filter | flat_map)*  ↘ (process | ...)*
@@ -12,7 +13,9 @@ operator may feed several), with sinks hanging off any operator:
 Several sources are read by one Spark Kafka source subscribed to all their topics; each record
 starts at its own source's step (``StreamPlan.roots``), decoded with that source's formats.
 They must share a starting position; the query's one watermark trails by the largest
-``max_out_of_orderness`` among them.
+``max_out_of_orderness`` among them. Streams keyed by ``key_by``s of their own are grouped
+by key together, each record starting at its own ``key_by``'s step (``keyed_roots``); a
+``connect`` has a step per side (``CO_SIDES``).
 
 The part before ``key_by`` runs per micro-batch on the executors; the part after it runs per
 key through ``transformWithState``: every branch sees the key's records in the same order, in
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from snapline.pipeline.errors import ConfigurationError
-from snapline.pipeline.functions import Context, KeyedProcessFunction
+from snapline.pipeline.functions import Context, KeyedCoProcessFunction, KeyedProcessFunction
 
 if TYPE_CHECKING:
     from snapline.connectors.kafka_source import KafkaSource
@@ -40,6 +43,10 @@ if TYPE_CHECKING:
 #: Operator kinds a chain may hold; "pass" is the source or the key_by itself (sinks may hang
 #: off it).
 STATELESS = ("map", "filter", "flat_map")
+#: The two steps of a ``connect(...).process(fn)`` node: records of its left input call
+#: ``fn.process_left``, of its right one ``fn.process_right``; both feed the same sinks and
+#: steps.
+CO_SIDES = ("co_left", "co_right")
 
 
 @dataclass(frozen=True)
@@ -73,10 +80,18 @@ class StreamPlan:
     #: Every source, in the pipeline's order, and the step of ``pre`` each one starts at.
     sources: tuple[KafkaSource, ...] = ()
     roots: tuple[int, ...] = (0,)
+    #: Every ``key_by`` node id (the first is ``key_by``), and the step of ``keyed`` its
+    #: records start at (its "pass" step). Several: the sides of a ``connect``, or keyed
+    #: streams of their own, grouped by key in one state store.
+    key_bys: tuple[int, ...] = ()
+    keyed_roots: tuple[int, ...] = (0,)
 
     @property
     def process_ids(self) -> tuple[int, ...]:
-        return tuple(s.node_id for s in self.keyed if s.kind == "process")
+        """The keyed process functions' nodes (a co-process function's once)."""
+        return tuple(
+            dict.fromkeys(s.node_id for s in self.keyed if s.kind in ("process", *CO_SIDES))
+        )
 
     @property
     def topics(self) -> list[str]:
@@ -120,21 +135,28 @@ def plan_stream(pipeline: Pipeline) -> StreamPlan:
     found: list[Node] = []  # the key_by
     visited: dict[int, int] = {}
     roots = [_pre_tree(pipeline, n, "pass", sinks, pre, found, visited) for n in sources]
-    pre = _resolved(pre)
+    pre = _resolved(pre, len(found))
     key_by: int | None = None
+    keyed_roots: list[int] = []
     if found:
         key_by = found[0].id
-        _keyed_tree(pipeline, found[0], "pass", sinks, keyed, {})
+        memo: dict[tuple[int, int], int] = {}
+        keyed_roots = [_keyed_tree(pipeline, k, "pass", sinks, keyed, memo) for k in found]
         mixed = {s.node_id for s in pre} & {s.node_id for s in keyed}
         if mixed:
             by_id = {n.id: n for n in pipeline.nodes}
+            unions = {i for i in mixed if by_id[i].kind == "union"} or mixed
             raise _refuse(
-                f"{sorted(by_id[i].name for i in mixed)}, which take both streams before and "
+                f"{sorted(by_id[i].name for i in unions)}, which take streams from before and "
                 "after key_by",
                 "combine the streams before key_by, or key every one of them",
             )
     by_id = {n.id: n for n in pipeline.nodes}
-    timed = [s for s in keyed if s.kind == "window" or _has_timers(by_id[s.node_id].fn)]
+    timed = [
+        s
+        for s in keyed
+        if s.kind == "window" or (s.kind != "co_right" and _has_timers(by_id[s.node_id].fn))
+    ]
     if len(timed) > 1:
         raise _refuse(
             f"{len(timed)} operators with timers ({[by_id[s.node_id].name for s in timed]})",
@@ -150,6 +172,8 @@ def plan_stream(pipeline: Pipeline) -> StreamPlan:
         timed[0].node_id if timed else None,
         tuple(n.fn for n in sources),
         tuple(roots),
+        tuple(k.id for k in found),
+        tuple(keyed_roots) or (0,),
     )
 
 
@@ -165,8 +189,10 @@ def _step(
     return [n for n in below if n.kind != "sink"]
 
 
-#: In ``_pre_tree``'s steps until ``_resolved``: "on to the key_by" (the end of the part).
-_TO_KEY_BY = -1
+def _to_key_by(k: int) -> int:
+    """In ``_pre_tree``'s steps until ``_resolved``: "on to the k-th key_by" (past the end
+    of the part: ``len(pre) + k``)."""
+    return -1 - k
 
 
 def _pre_tree(
@@ -178,8 +204,8 @@ def _pre_tree(
     found: list[Node],
     visited: dict[int, int],
 ) -> int:
-    """Append the part before ``key_by`` from ``node`` on, depth first; the key_by node goes
-    into ``found`` (a second one is refused) and its feeder's ``next`` names _TO_KEY_BY. A
+    """Append the part before ``key_by`` from ``node`` on, depth first; each key_by node goes
+    into ``found`` once and its feeders' ``next`` name ``_to_key_by(its index there)``. A
     node reached again (a ``union``'s other input) keeps its first step: ``visited`` maps
     node ids to their steps."""
     if node.id in visited:
@@ -189,17 +215,11 @@ def _pre_tree(
     children = []
     for child in _step(pipeline, node, kind, sinks, steps):
         if child.kind == "key_by":
-            if found and found[0].id == child.id:  # reached again through a union
-                children.append(_TO_KEY_BY)
-                continue
-            if found:
-                raise _refuse(
-                    f"a second key_by ({child.name!r} beside {found[0].name!r})",
-                    "one key_by per pipeline on Spark streaming: key every branch the same "
-                    "way after one key_by, give each its own pipeline, or run it as services",
-                )
-            found.append(child)
-            children.append(_TO_KEY_BY)
+            ids = [k.id for k in found]
+            if child.id not in ids:
+                found.append(child)
+                ids.append(child.id)
+            children.append(_to_key_by(ids.index(child.id)))
             continue
         _check_kind(child)
         children.append(_pre_tree(pipeline, child, child.kind, sinks, steps, found, visited))
@@ -208,13 +228,13 @@ def _pre_tree(
     return index
 
 
-def _resolved(steps: list[Step]) -> list[Step]:
-    """The part before ``key_by`` with _TO_KEY_BY resolved to the part's end (where
-    ``run_chain`` hands a value to ``emit_end``, the key_by)."""
+def _resolved(steps: list[Step], key_bys: int) -> list[Step]:
+    """The part before ``key_by`` with ``_to_key_by(k)`` resolved to ``len(steps) + k``, past
+    the part's end (where ``run_chain`` hands a value to ``emit_end``, the key_by k)."""
     end = len(steps)
+    ends = {_to_key_by(k): end + k for k in range(key_bys)}
     return [
-        Step(s.kind, s.node_id, s.sinks, tuple(end if j == _TO_KEY_BY else j for j in s.next or ()))
-        for s in steps
+        Step(s.kind, s.node_id, s.sinks, tuple(ends.get(j, j) for j in s.next or ())) for s in steps
     ]
 
 
@@ -224,37 +244,62 @@ def _keyed_tree(
     kind: str,
     sinks: list[Sink],
     steps: list[Step],
-    visited: dict[int, int],
+    visited: dict[tuple[int, int], int],
 ) -> int:
     """Append the keyed part from ``node`` on, depth first; ``node``'s index (its first one,
-    for a node reached again through a ``union``)."""
-    if node.id in visited:
-        return visited[node.id]
+    for a node reached again through a ``union``). A co-process node has a step per side
+    (``CO_SIDES``); the second shares the first's sinks and steps. ``visited`` maps (node id,
+    side) to steps."""
+    side = CO_SIDES.index(kind) if kind in CO_SIDES else 0
+    if (node.id, side) in visited:
+        return visited[(node.id, side)]
+    other = visited.get((node.id, 1 - side)) if kind in CO_SIDES else None
+    if other is not None:  # the other side's step is there: same outputs
+        first = steps[other]
+        visited[(node.id, side)] = len(steps)
+        steps.append(Step(kind, node.id, first.sinks, first.next))
+        return len(steps) - 1
     index = len(steps)
-    visited[node.id] = index
+    visited[(node.id, side)] = index
     children = []
     for child in _step(pipeline, node, kind, sinks, steps):
         if child.kind == "key_by":
             raise _refuse(
-                f"a second key_by ({child.name!r}: a multi-stage pipeline)",
-                "one key_by per pipeline on Spark streaming; run it as services or on "
+                f"a second key_by after the first ({child.name!r}: a multi-stage pipeline)",
+                "key_by once per stream on Spark streaming; run it as services or on "
                 "Spark bounded (snapline spark run)",
             )
         _check_kind(child)
-        children.append(_keyed_tree(pipeline, child, child.kind, sinks, steps, visited))
+        child_kind = child.kind
+        if child.kind == "co_process":
+            if child.inputs[0].id == child.inputs[1].id:
+                raise _refuse(
+                    f"{child.name!r}, which connects a stream with itself",
+                    "connect two different keyed streams",
+                )
+            child_kind = CO_SIDES[[i.id for i in child.inputs].index(node.id)]
+        children.append(_keyed_tree(pipeline, child, child_kind, sinks, steps, visited))
     step = steps[index]
     steps[index] = Step(step.kind, step.node_id, step.sinks, tuple(children))
     return index
 
 
 def _check_kind(node: Node) -> None:
+    if node.kind == "union" and len({i.id for i in node.inputs}) < len(node.inputs):
+        # A service task emits a record once per input it came in by; one step here, once.
+        raise _refuse(
+            f"the union {node.name!r} of a stream with itself",
+            "union different streams (a stream twice emits each record twice as services)",
+        )
     if node.kind == "process":
         _check_process(node.fn, node.name)
-    elif node.kind not in ("window", "union") and node.kind not in STATELESS:
+    elif node.kind not in ("window", "union", "co_process") and node.kind not in STATELESS:
         raise _refuse(f"the operator {node.name!r} ({node.kind})", "run it as services")
 
 
 def _has_timers(fn: Any) -> bool:
+    if isinstance(fn, KeyedCoProcessFunction):
+        return type(fn).on_timer is not KeyedCoProcessFunction.on_timer
     return isinstance(fn, KeyedProcessFunction) and (
         type(fn).on_timer is not KeyedProcessFunction.on_timer
     )
@@ -274,12 +319,14 @@ def run_chain(
     emit_end: Callable[[Any], None] | None = None,
     start: int = 0,
     on_error: Callable[[int, Exception], None] | None = None,
+    emit_end_at: Callable[[Any, int], None] | None = None,
 ) -> None:
     """Push ``value`` through step ``start`` and the steps after it (``functions[i]`` is step
     i's function, bound process function, or for a window a function from a value to the
     window's outputs): every output goes to the sinks of its step and on to the steps it feeds
     (``Step.next``, in order, depth first); what leaves the end of a chain goes to
-    ``emit_end`` (the key_by) when given.
+    ``emit_end`` (the key_by) when given, or with several key_bys to ``emit_end_at(value,
+    k)`` for the k-th.
 
     A step that raises: without ``on_error`` the exception ends the run. With it, as in a
     service task, only that step fails: ``on_error(step index, exception)`` is told, the
@@ -289,8 +336,10 @@ def run_chain(
     end = len(steps)
 
     def push(i: int, v: Any) -> None:
-        if i == end:
-            if emit_end is not None:
+        if i >= end:
+            if emit_end_at is not None:
+                emit_end_at(v, i - end)
+            elif emit_end is not None:
                 emit_end(v)
             return
         step = steps[i]
@@ -306,6 +355,10 @@ def run_chain(
                     outs.append(v)
             elif step.kind in ("flat_map", "window"):
                 outs.extend(fn(v) or ())
+            elif step.kind == "co_left":
+                outs.extend(fn.process_left(v, ctx) or ())
+            elif step.kind == "co_right":
+                outs.extend(fn.process_right(v, ctx) or ())
             else:
                 outs.extend(fn.process(v, ctx) or ())
         except Exception as exc:
