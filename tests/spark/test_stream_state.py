@@ -556,3 +556,30 @@ def test_a_timer_whose_function_or_branch_raises_leaves_dead_letters_and_the_res
     assert fire(1011) == [
         (-1, "timer 1011: timed.on_timer(1011) raised RuntimeError('timer 1011')"),
     ]
+
+
+def test_a_keys_rows_of_two_topics_interleave_by_time_each_partition_in_offset_order() -> None:
+    """As a service task reads them: sorted by topic alone, every record of the topic whose
+    name sorts first ran before the other's (a join's orders before its profile updates)."""
+    from snapline.pipeline.spark.stream_ops import interleaved
+
+    def row(topic: str, partition: int, offset: int, ts: int) -> Row:
+        return Row(topic=topic, partition=partition, offset=offset, seq=0, ts=ts)
+
+    rows = [
+        row("orders", 0, 7, 30),
+        row("orders", 0, 8, 10),  # an earlier time later in the partition: stays after 7
+        row("orders", 1, 2, 20),
+        row("profiles", 0, 4, 5),
+        row("profiles", 0, 5, 25),
+    ]
+    order = [(r.topic, r.partition, r.offset) for r in interleaved(rows)]
+    assert order == [
+        ("profiles", 0, 4),
+        ("orders", 1, 2),
+        ("profiles", 0, 5),
+        ("orders", 0, 7),
+        ("orders", 0, 8),
+    ]
+    one = [row("a", 0, 1, 9), row("a", 0, 2, 1)]
+    assert interleaved(one) == one

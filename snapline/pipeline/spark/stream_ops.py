@@ -24,6 +24,7 @@ Threads: Spark's Python workers run everything here, one key (or one Arrow batch
 from __future__ import annotations
 
 import copy
+import heapq
 import pickle
 import re
 import zlib
@@ -569,7 +570,7 @@ def keyed_processor(spec: str) -> Any:
             tagged, _ = self._enter(key, timerValues, records=True)
             scope, ctx = self.scope, self.ctx
             try:
-                for r in ordered:
+                for r in interleaved(ordered):
                     scope.now = self.timers.now = self.window_task.now = r.now
                     ctx.timestamp, ctx.topic = r.ts, r.topic
                     ctx.partition, ctx.offset = r.partition, r.offset
@@ -661,6 +662,25 @@ def keyed_processor(spec: str) -> Any:
                     fn.close()
 
     return KeyedChain()
+
+
+def interleaved(ordered: list[Any]) -> list[Any]:
+    """A key's rows of a batch, sorted by (topic, partition, offset, seq), in the order a
+    service task would process them: each partition's in offset order, the partitions (and
+    topics: the two sides of a join) interleaved by record time, where a service task
+    interleaves them as they arrive. Sorted by topic alone, every record of the topic whose
+    name sorts first ran before the other topic's (all orders of a batch before its profile
+    updates). Stable and deterministic: a batch run again runs the same way."""
+    runs: list[list[Any]] = []
+    last: tuple[str, int] | None = None
+    for r in ordered:
+        if (r.topic, r.partition) != last:
+            runs.append([])
+            last = (r.topic, r.partition)
+        runs[-1].append(r)
+    if len(runs) <= 1:
+        return ordered
+    return list(heapq.merge(*runs, key=lambda r: r.ts))
 
 
 class _TimerRow:

@@ -9,6 +9,8 @@ with sinks hanging off any operator:
     source → (map | filter | flat_map)* ─┬→ union → ... → key_by → (process | window | map | ...)*
     source → (map | filter | flat_map)* ─┘  ↘ (map | filter | flat_map)*  ↘ (process | ...)*
                                               (branches without key_by: sinks only)
+    source → ... → key_by ─┐
+    source → ... → key_by ─┴→ connect(...).process(co-process function) → ...
 
 Several sources are read by one Spark Kafka source subscribed to all their topics; each record
 starts at its own source's step (``StreamPlan.roots``), decoded with that source's formats.
