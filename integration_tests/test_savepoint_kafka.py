@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -307,6 +308,51 @@ def test_a_zombies_delete_by_its_old_positions_after_a_restore_deletes_nothing_r
     assert [tp.offset for tp in committed] == [50, 0]
 
 
+def _worker_in_a_transaction(
+    config: dict[str, Any], checkpoints: str, job: str, topic: str, records: int
+) -> Producer:
+    """Worker w7 of ``job`` as a crash or a running epoch leaves it: its producer (the
+    worker's transactional id, a 10-minute transaction timeout) in a transaction holding
+    ``records`` records of ``topic``, and the entry of its last restore in the job's history
+    (the restore's list of the job's workers)."""
+    from snapline.pipeline.checkpoint.history import HistoryEntry, HistoryWriter
+    from snapline.pipeline.runtime.departed import transactional_id
+
+    producer = Producer(
+        {
+            **config,
+            "transactional.id": transactional_id(job, "w7"),
+            "transaction.timeout.ms": 600_000,
+        }
+    )
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    for i in range(records):
+        producer.produce(topic, b"{}", b"sold%d" % i, partition=0)
+    assert producer.flush(10) == 0
+    history = HistoryWriter(checkpoints, job, "w7")
+    history.record(HistoryEntry(kind="restore", worker="w7", status="restored", time=time.time()))
+    assert history.close() == []
+    return producer
+
+
+def _restored_start_and_keys(
+    config: dict[str, Any], job: str, topic: str, rows: int
+) -> tuple[list[int], list[bytes]]:
+    """Where the restore committed the job's group in ``topic`` (partition 0), and the keys of
+    up to ``rows`` records read committed from there."""
+    reader = Consumer(
+        {
+            **config,
+            "group.id": job,
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+        }
+    )
+    committed = reader.committed([TopicPartition(topic, 0)], timeout=30)
+    return [tp.offset for tp in committed], _keys_read(reader, committed, rows)
+
+
 def test_a_restore_waits_for_a_transaction_left_open_in_a_repartition_topic(
     kafka_bootstrap: str,
     admin: AdminClient,
@@ -350,18 +396,9 @@ def test_a_restore_waits_for_a_transaction_left_open_in_a_repartition_topic(
         assert seed_from_savepoint(pipeline, config, checkpoints, str(tmp_path / "sp"))
     finally:
         abort.join(35)
-    reader = Consumer(
-        {
-            **config,
-            "group.id": job,
-            "isolation.level": "read_committed",
-            "enable.auto.commit": False,
-        }
-    )
-    committed = reader.committed([TopicPartition(repartition, 0)], timeout=30)
+    start, keys = _restored_start_and_keys(config, job, repartition, rows)
     # Emptied after the abort: past its 3 records and its abort marker.
-    assert [tp.offset for tp in committed] == [4], "the restore did not wait for the abort"
-    keys = _keys_read(reader, committed, rows)
+    assert start == [4], "the restore did not wait for the abort"
     assert sorted(keys) == sorted(b"sk%d" % i for i in range(rows))
 
 
@@ -379,8 +416,6 @@ def test_a_restore_aborts_the_open_transaction_of_a_worker_in_the_jobs_history(
     restarts would, and fences a zombie. Here the killed worker's transaction would stay open
     for 10 minutes while the restore waits 2 s at most: it succeeds only by that abort, and
     the worker's producer is fenced."""
-    from snapline.pipeline.checkpoint.history import HistoryEntry, HistoryWriter
-    from snapline.pipeline.runtime.departed import transactional_id
     from snapline.pipeline.savepoint import restore
 
     job = unique_name
@@ -388,39 +423,16 @@ def test_a_restore_aborts_the_open_transaction_of_a_worker_in_the_jobs_history(
     pipeline, source = _counts_job(admin, job, "by-k")
     pipeline.kafka_config["transaction.timeout.ms"] = 2000
     repartition = create_topic(admin, f"{job}.by-k.repartition")
-    killed = Producer(
-        {
-            **config,
-            "transactional.id": transactional_id(job, "w7"),
-            "transaction.timeout.ms": 600_000,
-        }
-    )
-    killed.init_transactions(30)
-    killed.begin_transaction()
-    for i in range(3):
-        killed.produce(repartition, b"{}", b"sold%d" % i, partition=0)
-    assert killed.flush(10) == 0
     checkpoints = str(tmp_path / "checkpoints")
-    history = HistoryWriter(checkpoints, job, "w7")  # what worker w7 left: its restore
-    history.record(HistoryEntry(kind="restore", worker="w7", status="restored", time=time.time()))
-    assert history.close() == []
+    killed = _worker_in_a_transaction(config, checkpoints, job, repartition, 3)
     rows = 5
     _savepoint_of_counts_job(tmp_path / "sp", job, source, rows)
     monkeypatch.setattr(restore, "OPEN_TRANSACTION_GRACE", 0.0)
     assert seed_from_savepoint(pipeline, config, checkpoints, str(tmp_path / "sp"))
     with pytest.raises(KafkaException, match="(?i)fenced|epoch"):
         killed.commit_transaction(30)
-    reader = Consumer(
-        {
-            **config,
-            "group.id": job,
-            "isolation.level": "read_committed",
-            "enable.auto.commit": False,
-        }
-    )
-    committed = reader.committed([TopicPartition(repartition, 0)], timeout=30)
-    assert [tp.offset for tp in committed] == [4], "emptied before the abort marker"
-    keys = _keys_read(reader, committed, rows)
+    start, keys = _restored_start_and_keys(config, job, repartition, rows)
+    assert start == [4], "emptied before the abort marker"
     assert sorted(keys) == sorted(b"sk%d" % i for i in range(rows))
 
 
@@ -436,8 +448,6 @@ def test_a_restore_fences_no_worker_while_the_job_runs(
     restore had finished (or a worker started meanwhile) fenced the running job's workers,
     each then replaced its producer and replayed its epoch. Now the guard comes first: with a
     member in the job's group the restore stops, and the worker's transaction still commits."""
-    from snapline.pipeline.checkpoint.history import HistoryEntry, HistoryWriter
-    from snapline.pipeline.runtime.departed import transactional_id
     from snapline.pipeline.savepoint import restore
 
     job = unique_name
@@ -445,21 +455,8 @@ def test_a_restore_fences_no_worker_while_the_job_runs(
     pipeline, source = _counts_job(admin, job, "by-k")
     pipeline.kafka_config["transaction.timeout.ms"] = 2000
     repartition = create_topic(admin, f"{job}.by-k.repartition")
-    running = Producer(
-        {
-            **config,
-            "transactional.id": transactional_id(job, "w7"),
-            "transaction.timeout.ms": 600_000,
-        }
-    )
-    running.init_transactions(30)
-    running.begin_transaction()
-    running.produce(repartition, b"{}", b"live", partition=0)
-    assert running.flush(10) == 0
     checkpoints = str(tmp_path / "checkpoints")
-    history = HistoryWriter(checkpoints, job, "w7")
-    history.record(HistoryEntry(kind="restore", worker="w7", status="restored", time=time.time()))
-    assert history.close() == []
+    running = _worker_in_a_transaction(config, checkpoints, job, repartition, 1)
     _savepoint_of_counts_job(tmp_path / "sp", job, source, 5)
     monkeypatch.setattr(restore, "OPEN_TRANSACTION_GRACE", 0.0)
     # The job starts after the restore's last members check (as after a freeze there).
