@@ -10,7 +10,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from snapline.connectors import KafkaSource
-from snapline.pipeline import AggregateFunction, Context, KeyedProcessFunction, Pipeline, ValueState
+from snapline.pipeline import (
+    AggregateFunction,
+    Context,
+    KeyedCoProcessFunction,
+    KeyedProcessFunction,
+    Pipeline,
+    ValueState,
+)
 from snapline.sinks import KafkaSink
 
 PREFIX = os.environ.get("SNAPLINE_TEST_PREFIX", "test-")
@@ -175,6 +182,29 @@ def union_sources() -> Pipeline:
     orders.union(parsed).key_by().count().sink(
         KafkaSink(f"{PREFIX}union-counts", value_format="json")
     )
+    return pipeline
+
+
+class _TierOf(KeyedCoProcessFunction):
+    """Left: orders; right: tiers of the same customer (keys of another type, same bytes)."""
+
+    tier = ValueState("tier")
+
+    def process_left(self, order: dict[str, Any], ctx: Context) -> Iterator[dict[str, Any]]:
+        yield {"n": order["n"], "key": ctx.key, "tier": self.tier.value()}
+
+    def process_right(self, tier: dict[str, Any], ctx: Context) -> None:
+        self.tier.update(tier["tier"])
+
+
+def mixed_key_join() -> Pipeline:
+    """A join whose sides key by the same customer as an int (orders) and as a string (tiers):
+    the services scope state by the key's bytes, so both meet (the Spark streaming test)."""
+    pipeline = Pipeline(f"{PREFIX}mixed", checkpoint_interval=0.3)
+    orders = pipeline.source(KafkaSource(f"{PREFIX}mixed-orders", value_format="json"))
+    tiers = pipeline.source(KafkaSource(f"{PREFIX}mixed-tiers", value_format="json"))
+    joined = orders.key_by(lambda o: o["c"]).connect(tiers.key_by(lambda t: str(t["c"])))
+    joined.process(_TierOf()).sink(KafkaSink(f"{PREFIX}mixed-out", value_format="json"))
     return pipeline
 
 

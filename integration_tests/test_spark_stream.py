@@ -504,6 +504,32 @@ def test_the_join_example_runs_on_spark_each_order_once_with_a_tier_its_customer
     assert not wrong, f"orders without a tier, or one their customer never had: {wrong[:5]}"
 
 
+def test_a_join_whose_sides_key_by_an_int_and_a_string_of_the_same_bytes_matches(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """The services scope keyed state by the key's bytes: orders keyed by customer 17 and
+    tiers keyed by "17" meet in one state. Spark grouped rows by the typed key, so such a
+    join never matched, silently. With several key_bys the query now groups by the key's
+    bytes, and each record still sees its own key (an int for an order)."""
+    prefix = f"{unique_name}-"
+    create_topics(kafka_bootstrap, {f"{prefix}mixed-{t}": 2 for t in ("orders", "tiers", "out")})
+    producer = Producer({"bootstrap.servers": kafka_bootstrap, "enable.idempotence": True})
+    for c in range(10):
+        producer.produce(f"{prefix}mixed-tiers", orjson.dumps({"c": c, "tier": f"t{c}"}))
+    assert producer.flush(30) == 0
+    time.sleep(0.05)  # the orders' timestamps after every tier's
+    n = 100
+    for i in range(n):
+        producer.produce(f"{prefix}mixed-orders", orjson.dumps({"n": i, "c": i % 10}))
+    assert producer.flush(30) == 0
+    _spark_stream("integration_tests.pipelines:mixed_key_join", tmp_path, kafka_bootstrap, prefix)
+    out = read_committed(kafka_bootstrap, f"{prefix}mixed-out", n, timeout=60)
+    assert sorted(o["n"] for o in out) == list(range(n)), "an order lost or output twice"
+    assert all(o["key"] == o["n"] % 10 for o in out), "an order saw another key, or a string"
+    unmatched = [o for o in out if o["tier"] != f"t{o['n'] % 10}"]
+    assert not unmatched, f"orders that missed their customer's tier: {unmatched[:5]}"
+
+
 def test_late_records_reach_the_keyed_part(
     kafka_bootstrap: str, tmp_path: Path, unique_name: str
 ) -> None:

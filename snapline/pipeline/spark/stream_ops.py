@@ -46,8 +46,16 @@ from snapline.pipeline.time import timestamp_ms
 #: tagged key in ``out_key``) under PASS_PREFIX + the input partition: both only pass through).
 KEYED_SCHEMA = (
     "key binary, topic string, partition int, offset long, seq int, ts long, value binary, "
-    "raw binary, raw_key binary, reason string, now long, sink int, out_key binary, entry int"
+    "raw binary, raw_key binary, reason string, now long, sink int, out_key binary, entry int, "
+    "tkey binary"
 )
+#: With several key_bys, keyed rows are grouped by SHARED_KEY_TAG + the key's bytes (``tkey``
+#: holds each row's tagged key): as on the services, whose state is scoped by the key's bytes,
+#: a key 17 of one side and "17" of the other meet (grouped by the tagged key, a join of them
+#: never matched). One key_by keeps the tagged key: the grouping of a running query's state.
+SHARED_KEY_TAG = b"k"
+#: The Spark value state holding a shared key's last tagged key (``ctx.key`` of its timers).
+SHARED_KEY_STATE = "snapline__key"
 #: Rows to the sinks: ``sink`` indexes StreamPlan.sinks, -1 is a dead letter (``value`` then
 #: holds the bytes to send and ``reason`` why).
 OUT_SCHEMA = (
@@ -67,6 +75,8 @@ PASS_PREFIX = b"!pass:"
 #: reach the keyed part, which decides about them as a service task does (a window's allowed
 #: lateness and late-record dead letters, a process function sees every record).
 CLOCK_KEY = b"!clock"
+#: ``formats.tag_key``'s tag of a bytes key.
+_KEY_BYTES_TAG = b"b"
 CLOCK_SEQ = -1
 
 
@@ -217,6 +227,7 @@ class _FirstPart:
         self.keyed = plan.key_by is not None
         #: Each key_by's key function (None: the record's own key) and name.
         self.key_fns = [by_id[k].fn for k in plan.key_bys]
+        self.shared_keys = len(plan.key_bys) > 1
         self.key_names = [by_id[k].name for k in plan.key_bys]
         #: Per source topic: the value and key decoders, the timestamp function and the step
         #: of ``plan.pre`` its records start at (its source's).
@@ -250,8 +261,8 @@ class _FirstPart:
     ) -> list[dict[str, Any]]:
         where = f"{topic}[{partition}]@{offset}"
         position = {"topic": topic, "partition": partition, "offset": offset, "raw_key": raw_key}
-        #: With key_by: what goes on to it (tagged key, pickled value, which key_by).
-        keyed: list[tuple[bytes, bytes, int]] = []
+        #: With key_by: what goes on to it (group, pickled value, which key_by, tagged key).
+        keyed: list[tuple[bytes, bytes, int, bytes]] = []
         #: Outputs to sinks of the part before key_by (pickled value, sink, the record's own
         #: tagged key, as in a service task).
         sunk: list[tuple[bytes, int, bytes | None]] = []
@@ -299,7 +310,9 @@ class _FirstPart:
                     kb = encode_key(k)
                     if kb is None:
                         raise ValueError("key_by returned None as the key")
-                    keyed.append((tag_key(k, kb), pickle.dumps(v), entry))
+                    tagged_key = tag_key(k, kb)
+                    group = SHARED_KEY_TAG + kb if self.shared_keys else tagged_key
+                    keyed.append((group, pickle.dumps(v), entry, tagged_key))
                 except Exception as exc:
                     reason = f"{where}: {self.key_names[entry]} raised {exc!r}"
                     failures.append(_dead(reason, self.fail, where))
@@ -319,8 +332,8 @@ class _FirstPart:
         if self.keyed:
             rows = [
                 {**position, "key": k, "seq": seq, "ts": ts, "value": v}
-                | {"raw": raw, "now": now, "entry": entry}
-                for seq, (k, v, entry) in enumerate(keyed)
+                | {"raw": raw, "now": now, "entry": entry, "tkey": tk}
+                for seq, (k, v, entry, tk) in enumerate(keyed)
             ]
             group = PASS_PREFIX + b"%d" % partition
             rows += [
@@ -472,6 +485,11 @@ def keyed_processor(spec: str) -> Any:
                     else:
                         values[sid] = handle.getValueState(name, "v binary")
             self.backend = SparkKeyedState(values, maps)
+            self.shared_key = (
+                handle.getValueState(SHARED_KEY_STATE, "v binary")
+                if len(plan.key_bys) > 1
+                else None
+            )
             self.scope = KeyScope()
             self.ctx = Context(f"spark-stream-{pipeline.name}")
             self.handle = handle
@@ -515,6 +533,12 @@ def keyed_processor(spec: str) -> Any:
 
         def _enter(self, key: Any, timer_values: Any, records: bool) -> tuple[bytes, Any]:
             tagged = bytes(key[0])
+            if self.shared_key is not None:
+                # Grouped by the key's bytes: the typed key is each row's own (``_key_of``),
+                # for a timer the last one the key's records had.
+                kb = tagged[len(SHARED_KEY_TAG) :]
+                last = self.shared_key.get()
+                tagged = bytes(last[0]) if last is not None else _KEY_BYTES_TAG + kb
             k, kb = untag_key(tagged)
             self.scope.prefix = b""
             self.scope.key = self.ctx.key = k
@@ -571,6 +595,9 @@ def keyed_processor(spec: str) -> Any:
             scope, ctx = self.scope, self.ctx
             try:
                 for r in interleaved(ordered):
+                    if self.shared_key is not None and r.tkey is not None:
+                        tagged = bytes(r.tkey)
+                        scope.key = ctx.key = untag_key(tagged)[0]
                     scope.now = self.timers.now = self.window_task.now = r.now
                     ctx.timestamp, ctx.topic = r.ts, r.topic
                     ctx.partition, ctx.offset = r.partition, r.offset
@@ -593,6 +620,8 @@ def keyed_processor(spec: str) -> Any:
                     self.window_task.dead.clear()
                     for n, (sink, v) in enumerate(outs):
                         yield _out(Row, r, sink, n, tagged, pickle.dumps(v), None)
+                if self.shared_key is not None:
+                    self.shared_key.update((tagged,))
                 self.backend.flush()
             finally:
                 scope.prefix = None
