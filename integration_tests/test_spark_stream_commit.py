@@ -46,7 +46,7 @@ def _rows(batch: int) -> list[tuple[Any, ...]]:
     """Three sink rows (OUT_SCHEMA) of micro-batch ``batch``: ids batch * 10 + 0..2."""
     return [
         (0, "orders", 0, batch * 10 + i, 0, 0, 0, None, pickle.dumps({"id": batch * 10 + i}))
-        + (None, None)
+        + (None, None, None)
         for i in range(3)
     ]
 

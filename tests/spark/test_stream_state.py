@@ -583,3 +583,29 @@ def test_a_keys_rows_of_two_topics_interleave_by_time_each_partition_in_offset_o
     ]
     one = [row("a", 0, 1, 9), row("a", 0, 2, 1)]
     assert interleaved(one) == one
+
+
+def test_the_commit_writes_a_keys_outputs_in_the_order_they_were_computed() -> None:
+    """Found by review: a key's rows run interleaved by time across partitions, but the
+    commit sorted outputs by (topic, partition, offset): a count computed 1, 2, 3 was written
+    1, 3, 2, and the key's last output disagreed with its state. Outputs of the keyed part
+    carry their position; other rows keep source order."""
+    from snapline.pipeline.spark.stream_ops import OUT_FIELDS, output_order
+
+    def out(partition: int, offset: int, count: int, pos: int | None, key: bytes | None) -> Any:
+        row = dict.fromkeys(OUT_FIELDS)
+        row.update(
+            sink=0, topic="in", partition=partition, offset=offset, seq=0, n=0, ts=0, key=key
+        )
+        row.update(value=count, pos=pos)
+        return tuple(row[f] for f in OUT_FIELDS)
+
+    rows = [
+        out(0, 1, 1, 0, b"sa"),
+        out(0, 2, 3, 2, b"sa"),
+        out(1, 1, 2, 1, b"sa"),
+        out(1, 0, 9, None, b"sa"),  # a pass-through output: source order, before the keyed
+        out(0, 0, 8, None, b"sa"),
+    ]
+    value = OUT_FIELDS.index("value")
+    assert [r[value] for r in sorted(rows, key=output_order)] == [8, 9, 1, 2, 3]

@@ -49,7 +49,7 @@ from snapline.pipeline.formats import untag_key
 from snapline.pipeline.record import Record, dead_letter_headers
 from snapline.pipeline.runtime.transaction import record_size
 from snapline.pipeline.sink import SinkContext, SinkWriter
-from snapline.pipeline.spark.stream_ops import OUT_FIELDS
+from snapline.pipeline.spark.stream_ops import OUT_FIELDS, output_order
 
 log = logging.getLogger(__name__)
 
@@ -216,10 +216,7 @@ class BatchCommitter:
             result = BatchResult(batch_id, epoch, len(rows), False, time.monotonic() - started)
             self.history.append(result)
             return result
-        tuples = sorted(
-            (tuple(r) for r in rows),
-            key=lambda r: (r[1], r[2], r[3], r[4], r[5]),  # topic, partition, offset, seq, n
-        )
+        tuples = sorted((tuple(r) for r in rows), key=output_order)
         self._output.begin(epoch)
         per_sink: dict[int, list[Record]] = {}
         fields = {name: i for i, name in enumerate(OUT_FIELDS)}

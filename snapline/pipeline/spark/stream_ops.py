@@ -55,14 +55,19 @@ KEYED_SCHEMA = (
 #: never matched). One key_by keeps the tagged key: the grouping of a running query's state.
 SHARED_KEY_TAG = b"k"
 #: The Spark value state holding a shared key's last tagged key (``ctx.key`` of its timers).
-SHARED_KEY_STATE = "snapline__key"
+SHARED_KEY_STATE = "_snapline_key"
 #: Rows to the sinks: ``sink`` indexes StreamPlan.sinks, -1 is a dead letter (``value`` then
 #: holds the bytes to send and ``reason`` why).
 OUT_SCHEMA = (
     "sink int, topic string, partition int, offset long, seq int, n int, ts long, key binary, "
-    "value binary, raw_key binary, reason string"
+    "value binary, raw_key binary, reason string, pos long"
 )
+#: ``pos`` of the keyed part's outputs: where their input ran among its key's rows of the batch
+#: (``interleaved``), a timer's after them (TIMER_POS + its time); None for the other rows.
+#: The commit writes a key's outputs in that order (``output_order``).
+TIMER_POS = 1 << 50
 OUT_FIELDS = tuple(f.split()[0] for f in OUT_SCHEMA.split(", "))
+_KEY, _POS = OUT_FIELDS.index("key"), OUT_FIELDS.index("pos")
 DEAD_KEY = b"!dead-letters"
 #: Groups of the first part's sink outputs, one per input partition (spread over the state
 #: partitions; no state is kept for them).
@@ -485,9 +490,11 @@ def keyed_processor(spec: str) -> Any:
                     else:
                         values[sid] = handle.getValueState(name, "v binary")
             self.backend = SparkKeyedState(values, maps)
+            self.shared = len(plan.key_bys) > 1
+            #: With several key_bys and timers: the last tagged key of each shared key.
             self.shared_key = (
                 handle.getValueState(SHARED_KEY_STATE, "v binary")
-                if len(plan.key_bys) > 1
+                if self.shared and plan.timed is not None
                 else None
             )
             self.scope = KeyScope()
@@ -533,11 +540,11 @@ def keyed_processor(spec: str) -> Any:
 
         def _enter(self, key: Any, timer_values: Any, records: bool) -> tuple[bytes, Any]:
             tagged = bytes(key[0])
-            if self.shared_key is not None:
-                # Grouped by the key's bytes: the typed key is each row's own (``_key_of``),
-                # for a timer the last one the key's records had.
+            if self.shared:
+                # Grouped by the key's bytes: the typed key is each row's own (``tkey``), for
+                # a timer the last one the key's records had.
                 kb = tagged[len(SHARED_KEY_TAG) :]
-                last = self.shared_key.get()
+                last = None if self.shared_key is None else self.shared_key.get()
                 tagged = bytes(last[0]) if last is not None else _KEY_BYTES_TAG + kb
             k, kb = untag_key(tagged)
             self.scope.prefix = b""
@@ -594,8 +601,8 @@ def keyed_processor(spec: str) -> Any:
             tagged, _ = self._enter(key, timerValues, records=True)
             scope, ctx = self.scope, self.ctx
             try:
-                for r in interleaved(ordered):
-                    if self.shared_key is not None and r.tkey is not None:
+                for pos, r in enumerate(interleaved(ordered)):
+                    if self.shared and r.tkey is not None:
                         tagged = bytes(r.tkey)
                         scope.key = ctx.key = untag_key(tagged)[0]
                     scope.now = self.timers.now = self.window_task.now = r.now
@@ -608,18 +615,18 @@ def keyed_processor(spec: str) -> Any:
                         value = pickle.loads(r.value)
                     except Exception as exc:  # the value made it here pickled: a class gone?
                         reason = _dead(f"{where}: cannot unpickle: {exc!r}", self.fail, where)
-                        yield _out(Row, r, -1, 0, tagged, r.raw, reason)
+                        yield _out(Row, r, -1, 0, tagged, r.raw, reason, pos)
                         continue
                     self._run(value, outs, failed, self.plan.keyed_roots[r.entry or 0])
                     for step, error in failed:  # the other branches went on
                         reason = f"{where}: {self.names[step]} raised {error!r}"
                         reason = _dead(reason, self.fail, where)
-                        yield _out(Row, r, -1, 0, tagged, r.raw, reason)
+                        yield _out(Row, r, -1, 0, tagged, r.raw, reason, pos)
                     for reason in self.window_task.dead:
-                        yield _out(Row, r, -1, 0, tagged, r.raw, reason)
+                        yield _out(Row, r, -1, 0, tagged, r.raw, reason, pos)
                     self.window_task.dead.clear()
                     for n, (sink, v) in enumerate(outs):
-                        yield _out(Row, r, sink, n, tagged, pickle.dumps(v), None)
+                        yield _out(Row, r, sink, n, tagged, pickle.dumps(v), None, pos)
                 if self.shared_key is not None:
                     self.shared_key.update((tagged,))
                 self.backend.flush()
@@ -676,12 +683,12 @@ def keyed_processor(spec: str) -> Any:
             for i, error in failed:
                 what = f"{self.names[i]}.on_timer({ts})" if i == index else self.names[i]
                 reason = _dead(f"{where}: {what} raised {error!r}", self.fail, where)
-                yield _out(Row, timer, -1, 0, tagged, None, reason)
+                yield _out(Row, timer, -1, 0, tagged, None, reason, TIMER_POS + ts)
             for reason in self.window_task.dead:  # the window's own (its function raised)
-                yield _out(Row, timer, -1, 0, tagged, None, reason)
+                yield _out(Row, timer, -1, 0, tagged, None, reason, TIMER_POS + ts)
             self.window_task.dead.clear()
             for n, (sink, v) in enumerate(outs):
-                yield _out(Row, timer, sink, n, tagged, pickle.dumps(v), None)
+                yield _out(Row, timer, sink, n, tagged, pickle.dumps(v), None, TIMER_POS + ts)
 
         def close(self) -> None:
             closed: set[int] = set()
@@ -741,7 +748,14 @@ def _adder(outs: list[tuple[int, Any]]) -> Callable[[int, Any], None]:
 
 
 def _out(
-    row_type: Any, r: Any, sink: int, n: int, key: bytes | None, value: Any, reason: str | None
+    row_type: Any,
+    r: Any,
+    sink: int,
+    n: int,
+    key: bytes | None,
+    value: Any,
+    reason: str | None,
+    pos: int | None = None,
 ) -> Any:
     return row_type(
         sink=sink,
@@ -755,4 +769,16 @@ def _out(
         value=value,
         raw_key=r.raw_key,
         reason=reason,
+        pos=pos,
     )
+
+
+def output_order(row: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The commit's sort key of an output row (OUT_SCHEMA as a tuple): a key's outputs of the
+    keyed part in the order they were computed (its key's bytes, ``pos``), the other rows in
+    source order (topic, partition, offset, seq, n) as before. Deterministic: a batch run again
+    commits the same way."""
+    pos = row[_POS]
+    if pos is None or row[_KEY] is None:
+        return (0, b"", 0, row[1], row[2], row[3], row[4], row[5])
+    return (1, bytes(row[_KEY])[1:], pos, row[1], row[2], row[3], row[4], row[5])
