@@ -656,6 +656,12 @@ class RestoreLock:
             # A restore loads state for minutes without polling; the membership is kept by
             # librdkafka's heartbeats meanwhile.
             "max.poll.interval.ms": 24 * 3600 * 1000,
+            # The holder keeps the partition through a rebalance (another restore joining or
+            # leaving the group): with eager assignment every member lost it for a moment, and
+            # a CI run found both restores stopping on such moments (the woken one during the
+            # rebalance the other's join began, the other during the one its leaving began),
+            # the job left half-restored. A member dropped for a frozen session still loses it.
+            "partition.assignment.strategy": "cooperative-sticky",
         }
         self._consumer: Consumer | None = None
 
