@@ -308,6 +308,15 @@ def test_a_zombies_delete_by_its_old_positions_after_a_restore_deletes_nothing_r
     assert [tp.offset for tp in committed] == [50, 0]
 
 
+def _job_waiting_2s_for_transactions(admin: AdminClient, job: str) -> tuple[Pipeline, str, str]:
+    """``_counts_job(..., "by-k")`` whose transaction.timeout.ms is 2 s (a restore waits that
+    long for an open transaction, with OPEN_TRANSACTION_GRACE patched to 0), its source topic,
+    and its repartition topic (created)."""
+    pipeline, source = _counts_job(admin, job, "by-k")
+    pipeline.kafka_config["transaction.timeout.ms"] = 2000
+    return pipeline, source, create_topic(admin, f"{job}.by-k.repartition")
+
+
 def _worker_in_a_transaction(
     config: dict[str, Any], checkpoints: str, job: str, topic: str, records: int
 ) -> Producer:
@@ -371,9 +380,7 @@ def test_a_restore_waits_for_a_transaction_left_open_in_a_repartition_topic(
 
     job = unique_name
     config = {"bootstrap.servers": kafka_bootstrap}
-    pipeline, source = _counts_job(admin, job, "by-k")
-    pipeline.kafka_config["transaction.timeout.ms"] = 2000
-    repartition = create_topic(admin, f"{job}.by-k.repartition")
+    pipeline, source, repartition = _job_waiting_2s_for_transactions(admin, job)
     zombie = Producer({**config, "transactional.id": f"{job}-killed-worker"})
     zombie.init_transactions(30)
     zombie.begin_transaction()
@@ -420,9 +427,7 @@ def test_a_restore_aborts_the_open_transaction_of_a_worker_in_the_jobs_history(
 
     job = unique_name
     config = {"bootstrap.servers": kafka_bootstrap}
-    pipeline, source = _counts_job(admin, job, "by-k")
-    pipeline.kafka_config["transaction.timeout.ms"] = 2000
-    repartition = create_topic(admin, f"{job}.by-k.repartition")
+    pipeline, source, repartition = _job_waiting_2s_for_transactions(admin, job)
     checkpoints = str(tmp_path / "checkpoints")
     killed = _worker_in_a_transaction(config, checkpoints, job, repartition, 3)
     rows = 5
@@ -452,9 +457,7 @@ def test_a_restore_fences_no_worker_while_the_job_runs(
 
     job = unique_name
     config = {"bootstrap.servers": kafka_bootstrap}
-    pipeline, source = _counts_job(admin, job, "by-k")
-    pipeline.kafka_config["transaction.timeout.ms"] = 2000
-    repartition = create_topic(admin, f"{job}.by-k.repartition")
+    pipeline, source, repartition = _job_waiting_2s_for_transactions(admin, job)
     checkpoints = str(tmp_path / "checkpoints")
     running = _worker_in_a_transaction(config, checkpoints, job, repartition, 1)
     _savepoint_of_counts_job(tmp_path / "sp", job, source, 5)

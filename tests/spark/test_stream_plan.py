@@ -35,6 +35,16 @@ class WithTimer(Total):
         return None
 
 
+def _to_key_by_0(into: list[Any]) -> Any:
+    """``run_chain``'s ``emit_end`` for a plan with one key_by: appends to ``into``."""
+
+    def emit(value: Any, k: int) -> None:
+        assert k == 0, f"a value sent on to key_by {k} of a plan with one"
+        into.append(value)
+
+    return emit
+
+
 def _pipeline(**kwargs: Any) -> Pipeline:
     return Pipeline("p", **kwargs)
 
@@ -172,8 +182,7 @@ def test_key_bys_side_by_side_each_start_their_own_keyed_records() -> None:
         1,
         None,
         lambda s, v: None,
-        None,
-        emit_end_at=lambda v, k: ends.append((v, k)),
+        lambda v, k: ends.append((v, k)),
     )
     assert ends == [(1, 0), (10, 1)]
 
@@ -250,7 +259,7 @@ def test_branches_and_sinks_before_key_by_form_a_tree_with_one_way_to_the_key_by
     sunk: list[tuple[int, Any]] = []
     keyed: list[Any] = []
     for value in (5, 20):
-        run_chain(plan.pre, fns, value, None, lambda s, v: sunk.append((s, v)), keyed.append)
+        run_chain(plan.pre, fns, value, None, lambda s, v: sunk.append((s, v)), _to_key_by_0(keyed))
     assert sunk == [(0, 5), (0, 20), (1, 20), (2, -20)]
     assert keyed == [10, 40]
 
@@ -281,7 +290,7 @@ def test_sources_meet_at_a_union_each_record_starting_at_its_own_source() -> Non
             value,
             None,
             lambda s, v: sunk.append((s, v)),
-            keyed.append,
+            _to_key_by_0(keyed),
             start=root,
         )
     assert keyed == [2, 5]
@@ -320,7 +329,12 @@ def test_a_chain_before_key_by_ends_at_the_key_by() -> None:
     sunk: list[tuple[int, Any]] = []
     keyed: list[Any] = []
     run_chain(
-        plan.pre, [None, lambda v: v + 1], 1, None, lambda s, v: sunk.append((s, v)), keyed.append
+        plan.pre,
+        [None, lambda v: v + 1],
+        1,
+        None,
+        lambda s, v: sunk.append((s, v)),
+        _to_key_by_0(keyed),
     )
     assert (sunk, keyed) == ([(0, 1)], [2])
 
@@ -342,7 +356,7 @@ def test_run_chain_feeds_sinks_and_the_end_in_order() -> None:
     fns = [None, lambda v: [v, v + 1, v + 2], lambda v: v % 2 == 0, lambda v: v * 10]
     sunk: list[tuple[int, Any]] = []
     ended: list[Any] = []
-    run_chain(steps, fns, 4, None, lambda s, v: sunk.append((s, v)), ended.append)
+    run_chain(steps, fns, 4, None, lambda s, v: sunk.append((s, v)), _to_key_by_0(ended))
     assert sunk == [(0, 4), (1, 4), (2, 40), (1, 6), (2, 60)]
     assert ended == [40, 60]
 

@@ -238,21 +238,15 @@ def _empty_repartition_topic(
         for tp, future in deleted.items():
             try:
                 starts[tp.partition] = future.result(timeout=35).low_watermark
-            except KafkaException as exc:
-                error = kafka_error(exc)
+            except (KafkaException, FutureTimeout) as exc:
                 # OFFSET_OUT_OF_RANGE: a new leader whose end still lags the one read (asked
                 # again with the same ends: ends read again would reopen the window above).
-                if error is None or not (
-                    error.retriable()
-                    or is_unavailable(error)
-                    or error.code()
-                    in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError.OFFSET_OUT_OF_RANGE)
+                if not _transient(
+                    exc, KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError.OFFSET_OUT_OF_RANGE
                 ):
                     raise CheckpointError(
                         f"cannot delete the records of {topic} [{tp.partition}]: {exc}"
                     ) from exc
-                retry = exc
-            except FutureTimeout as exc:
                 retry = exc
         if retry is not None and time.monotonic() > deadline:
             raise CheckpointError(f"cannot delete the records of {topic}: {retry}")
@@ -260,6 +254,22 @@ def _empty_repartition_topic(
             time.sleep(0.5)
     log.info("emptied repartition topic %s (it now starts at %s)", topic, starts)
     return starts
+
+
+def _transient(exc: Exception, *codes: int) -> bool:
+    """``exc`` (a Kafka call's) is worth asking again: a timeout, a retriable or "broker
+    unavailable" error, or one of ``codes``."""
+    if isinstance(exc, FutureTimeout):
+        return True
+    error = kafka_error(exc)
+    return error is not None and (
+        error.retriable() or is_unavailable(error) or error.code() in codes
+    )
+
+
+def _transaction_timeout(pipeline: Pipeline) -> float:
+    """The job's ``transaction.timeout.ms`` in seconds (librdkafka's default 60 s)."""
+    return float(pipeline.kafka_config.get("transaction.timeout.ms", 60000)) / 1000
 
 
 def _high_watermarks(
@@ -276,15 +286,7 @@ def _high_watermarks(
             )
             return {tp.partition: f.result(timeout=35).offset for tp, f in found.items()}
         except (KafkaException, FutureTimeout) as exc:
-            error = kafka_error(exc)
-            transient = isinstance(exc, FutureTimeout) or (
-                error is not None
-                and (
-                    error.retriable()
-                    or is_unavailable(error)
-                    or error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART
-                )
-            )
+            transient = _transient(exc, KafkaError.UNKNOWN_TOPIC_OR_PART)
             if not transient or time.monotonic() > deadline:
                 raise CheckpointError(f"cannot read the ends of {topic}: {exc}") from exc
             time.sleep(0.5)
@@ -338,11 +340,7 @@ def _wait_for_open_transactions(
                 }
         except (KafkaException, FutureTimeout) as exc:
             # A leader moving (a broker restarting) answers for a while: asked again.
-            error = kafka_error(exc)
-            transient = isinstance(exc, FutureTimeout) or (
-                error is not None and (error.retriable() or is_unavailable(error))
-            )
-            if not transient or time.monotonic() > deadline:
+            if not _transient(exc) or time.monotonic() > deadline:
                 raise CheckpointError(
                     f"cannot read the ends of the repartition topics: {exc}"
                 ) from exc
@@ -408,9 +406,9 @@ def _abort_workers_transactions(
     if not pipeline.exactly_once or not departed.enabled():
         return []
     guard.check(admin, "was about to abort the open transactions of the job's workers")
-    timeout = float(pipeline.kafka_config.get("transaction.timeout.ms", 60000)) / 1000
+    since = time.time() - _transaction_timeout(pipeline) - HISTORY_SLACK
     try:
-        gone = sorted(history_workers(storage, job, since=time.time() - timeout - HISTORY_SLACK))
+        gone = sorted(history_workers(storage, job, since=since))
     except Exception as exc:  # the history is best effort: then the wait is all there is
         log.warning("could not list the workers in the job's history: %s", exc)
         return []
@@ -870,8 +868,7 @@ def _seed(
         _wait_for_open_transactions(
             admin,
             {rep.topic: partitions[rep.topic] for rep in plan.repartitions.values()},
-            float(pipeline.kafka_config.get("transaction.timeout.ms", 60000)) / 1000
-            + OPEN_TRANSACTION_GRACE,
+            _transaction_timeout(pipeline) + OPEN_TRANSACTION_GRACE,
             lambda: _abort_workers_transactions(kafka_config, storage, pipeline, admin, guard),
         )
         FaultInjector().point("restore_before_kafka_changes")

@@ -80,8 +80,6 @@ PASS_PREFIX = b"!pass:"
 #: reach the keyed part, which decides about them as a service task does (a window's allowed
 #: lateness and late-record dead letters, a process function sees every record).
 CLOCK_KEY = b"!clock"
-#: ``formats.tag_key``'s tag of a bytes key.
-_KEY_BYTES_TAG = b"b"
 CLOCK_SEQ = -1
 
 
@@ -243,7 +241,7 @@ class _FirstPart:
                 src.timestamp,
                 root,
             )
-            for src, root in zip(plan.sources or (plan.source,), plan.roots, strict=True)
+            for src, root in zip(plan.sources, plan.roots, strict=True)
             for topic in src.topic_list
         }
         self.fail = pipeline.on_error == "fail"
@@ -328,10 +326,9 @@ class _FirstPart:
                 value,
                 None,
                 to_sink,
-                None,
+                to_key if self.keyed else None,
                 start=root,
                 on_error=on_error,
-                emit_end_at=to_key if self.keyed else None,
             )
         rows: list[dict[str, Any]]
         if self.keyed:
@@ -545,7 +542,7 @@ def keyed_processor(spec: str) -> Any:
                 # a timer the last one the key's records had.
                 kb = tagged[len(SHARED_KEY_TAG) :]
                 last = None if self.shared_key is None else self.shared_key.get()
-                tagged = bytes(last[0]) if last is not None else _KEY_BYTES_TAG + kb
+                tagged = bytes(last[0]) if last is not None else tag_key(kb, kb)
             k, kb = untag_key(tagged)
             self.scope.prefix = b""
             self.scope.key = self.ctx.key = k

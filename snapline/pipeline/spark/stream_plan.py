@@ -76,17 +76,17 @@ class StreamPlan:
     #: step names the steps it feeds (``Step.next``); empty without ``key_by``.
     keyed: tuple[Step, ...]
     sinks: tuple[Sink, ...]
-    #: The one keyed operator with event-time timers (a window, or a process function that
-    #: implements on_timer), or None: the query then runs without event time.
-    timed: int | None = None
     #: Every source, in the pipeline's order, and the step of ``pre`` each one starts at.
-    sources: tuple[KafkaSource, ...] = ()
-    roots: tuple[int, ...] = (0,)
+    sources: tuple[KafkaSource, ...]
+    roots: tuple[int, ...]
     #: Every ``key_by`` node id (the first is ``key_by``), and the step of ``keyed`` its
     #: records start at (its "pass" step). Several: the sides of a ``connect``, or keyed
     #: streams of their own, grouped by key in one state store.
-    key_bys: tuple[int, ...] = ()
-    keyed_roots: tuple[int, ...] = (0,)
+    key_bys: tuple[int, ...]
+    keyed_roots: tuple[int, ...]
+    #: The one keyed operator with event-time timers (a window, or a process function that
+    #: implements on_timer), or None: the query then runs without event time.
+    timed: int | None = None
 
     @property
     def process_ids(self) -> tuple[int, ...]:
@@ -98,9 +98,7 @@ class StreamPlan:
     @property
     def topics(self) -> list[str]:
         """Every source topic, each once."""
-        return list(
-            dict.fromkeys(t for src in (self.sources or (self.source,)) for t in src.topic_list)
-        )
+        return list(dict.fromkeys(t for src in self.sources for t in src.topic_list))
 
     @property
     def max_out_of_orderness(self) -> int:
@@ -108,8 +106,7 @@ class StreamPlan:
         from snapline.pipeline.time import duration_ms
 
         return max(
-            duration_ms(src.max_out_of_orderness, "max_out_of_orderness")
-            for src in (self.sources or (self.source,))
+            duration_ms(src.max_out_of_orderness, "max_out_of_orderness") for src in self.sources
         )
 
 
@@ -166,16 +163,16 @@ def plan_stream(pipeline: Pipeline) -> StreamPlan:
             "pipeline; split the pipeline or run it as services",
         )
     return StreamPlan(
-        sources[0].fn,
-        tuple(pre),
-        key_by,
-        tuple(keyed),
-        tuple(sinks),
-        timed[0].node_id if timed else None,
-        tuple(n.fn for n in sources),
-        tuple(roots),
-        tuple(k.id for k in found),
-        tuple(keyed_roots) or (0,),
+        source=sources[0].fn,
+        pre=tuple(pre),
+        key_by=key_by,
+        keyed=tuple(keyed),
+        sinks=tuple(sinks),
+        sources=tuple(n.fn for n in sources),
+        roots=tuple(roots),
+        key_bys=tuple(k.id for k in found),
+        keyed_roots=tuple(keyed_roots),
+        timed=timed[0].node_id if timed else None,
     )
 
 
@@ -232,7 +229,7 @@ def _pre_tree(
 
 def _resolved(steps: list[Step], key_bys: int) -> list[Step]:
     """The part before ``key_by`` with ``_to_key_by(k)`` resolved to ``len(steps) + k``, past
-    the part's end (where ``run_chain`` hands a value to ``emit_end``, the key_by k)."""
+    the part's end (where ``run_chain`` hands a value to ``emit_end(value, k)``)."""
     end = len(steps)
     ends = {_to_key_by(k): end + k for k in range(key_bys)}
     return [
@@ -318,17 +315,15 @@ def run_chain(
     value: Any,
     ctx: Context | None,
     emit_sink: Callable[[int, Any], None],
-    emit_end: Callable[[Any], None] | None = None,
+    emit_end: Callable[[Any, int], None] | None = None,
     start: int = 0,
     on_error: Callable[[int, Exception], None] | None = None,
-    emit_end_at: Callable[[Any, int], None] | None = None,
 ) -> None:
     """Push ``value`` through step ``start`` and the steps after it (``functions[i]`` is step
     i's function, bound process function, or for a window a function from a value to the
     window's outputs): every output goes to the sinks of its step and on to the steps it feeds
     (``Step.next``, in order, depth first); what leaves the end of a chain goes to
-    ``emit_end`` (the key_by) when given, or with several key_bys to ``emit_end_at(value,
-    k)`` for the k-th.
+    ``emit_end(value, k)`` when given: on to the k-th key_by (``StreamPlan.key_bys``).
 
     A step that raises: without ``on_error`` the exception ends the run. With it, as in a
     service task, only that step fails: ``on_error(step index, exception)`` is told, the
@@ -339,10 +334,8 @@ def run_chain(
 
     def push(i: int, v: Any) -> None:
         if i >= end:
-            if emit_end_at is not None:
-                emit_end_at(v, i - end)
-            elif emit_end is not None:
-                emit_end(v)
+            if emit_end is not None:
+                emit_end(v, i - end)
             return
         step = steps[i]
         fn = functions[i]
