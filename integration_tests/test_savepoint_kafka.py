@@ -14,7 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from integration_tests.conftest import create_topic
@@ -79,6 +79,29 @@ def _count(bootstrap: str, topic: str, isolation: str = "read_committed") -> int
     try:
         low, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)
         return int(high - low)
+    finally:
+        consumer.close()
+
+
+def _records(bootstrap: str, topic: str) -> int:
+    """The committed records in partition 0 of ``topic``, read (offsets count the commit
+    markers of transactions too), for 30 s at most."""
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": "count", "isolation.level": "read_committed"}
+    )
+    try:
+        _, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)
+        consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+        read = 0
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is not None and msg.error() is None:
+                read += 1
+            position = consumer.position([TopicPartition(topic, 0)])[0].offset
+            if position >= high:
+                return read
+        raise AssertionError(f"{topic} not read to its end ({high}) within 30 s")
     finally:
         consumer.close()
 
@@ -209,7 +232,7 @@ def test_a_restore_needs_nothing_of_the_savepoint_storage_once_kafka_is_changed(
     restored = seed_from_savepoint(pipeline, config, str(tmp_path / "checkpoints"), str(path))
     assert restored is not None
     assert not (path / entry.path).exists()
-    assert _count(kafka_bootstrap, repartition) == rows, "records in flight were not restored"
+    assert _records(kafka_bootstrap, repartition) == rows, "records in flight were not restored"
 
 
 def test_records_in_flight_keep_their_headers_through_a_savepoint(
@@ -257,7 +280,7 @@ def test_records_in_flight_keep_their_headers_through_a_savepoint(
     finally:
         consumer.close()
     assert got == {**sent, b"sk3": []}
-    assert _count(kafka_bootstrap, repartition) == len(sent), "the topic was not emptied"
+    assert _records(kafka_bootstrap, repartition) == len(sent), "the topic was not emptied"
 
 
 def test_a_zombies_delete_by_its_old_positions_after_a_restore_deletes_nothing_restored(
@@ -471,7 +494,7 @@ def test_a_restore_fences_no_worker_while_the_job_runs(
         assert time.monotonic() < deadline, "the member was never assigned"
         member.poll(0.2)
     try:
-        with pytest.raises(CheckpointError, match="was about to abort .* the job runs"):
+        with pytest.raises(CheckpointError, match="was about to .* the job runs"):
             seed_from_savepoint(pipeline, config, checkpoints, str(tmp_path / "sp"))
     finally:
         member.close()

@@ -330,7 +330,13 @@ def test_workers_started_from_one_savepoint_at_once_restore_it_once(
 
 
 @pytest.mark.parametrize(
-    "stall", ["restore_before_topics", "restore_before_marker", "restore_before_delete"]
+    "stall",
+    [
+        "restore_before_topics",
+        "restore_before_marker",
+        "restore_before_delete",
+        "restore_before_write_back_commit",
+    ],
 )
 def test_a_restore_that_stalls_past_its_lock_changes_nothing_once_another_finished(
     stall: str,
@@ -347,7 +353,11 @@ def test_a_restore_that_stalls_past_its_lock_changes_nothing_once_another_finish
     running job and wrote the savepoint's records in flight back a second time. It must stop
     without changing anything more: every order once in Kafka, Parquet and PostgreSQL. One
     frozen right before it wrote its marker must not leave the marker behind either: every
-    later start of a worker would be refused until the savepoint was restored again."""
+    later start of a worker would be refused until the savepoint was restored again. One
+    frozen after its guard's last check before it commits the records in flight it wrote
+    back must not commit them when it wakes (the second restore's producer fenced it): they
+    were written back by the second already (written without a transaction, a restore frozen
+    before that write wrote them all a second time)."""
     job, path = _stopped_with_records_in_flight(
         kafka_bootstrap, postgres_dsn, tmp_path, unique_name, jobs
     )
@@ -393,6 +403,8 @@ def test_a_restore_that_stalls_past_its_lock_changes_nothing_once_another_finish
     first.signal(signal.SIGCONT)
     assert first.wait_exit(60) != 0, first.tail()  # bounded: its next step is a check
     assert "stops before changing anything more" in first.tail(100), first.tail(100)
+    if stall == "restore_before_write_back_commit":  # past its last check: Kafka stopped it
+        assert "another restore of the job fenced it" in first.tail(100), first.tail(100)
     assert not (job.checkpoint_dir / job.name / "restore-in-progress.json").exists()
     first.start()  # joins the job as a plain worker
     job.verify()  # every order once in Kafka, Parquet and PostgreSQL

@@ -67,7 +67,12 @@ from snapline.pipeline.graph import Pipeline
 from snapline.pipeline.keygroups import key_group_range, operator_index_for_key_group
 from snapline.pipeline.runtime import departed
 from snapline.pipeline.runtime.faults import FaultInjector
-from snapline.pipeline.runtime.kafka_calls import is_unavailable, kafka_error
+from snapline.pipeline.runtime.kafka_calls import (
+    ErrorClass,
+    classify,
+    is_unavailable,
+    kafka_error,
+)
 from snapline.pipeline.runtime.topics import (
     INTERNAL_TOPIC_CONFIG,
     TopicManager,
@@ -865,6 +870,9 @@ def _seed(
                 f"the job {pipeline.name!r} started while its savepoint was being restored "
                 f"({members} members in its consumer group); stop it and restore again"
             )
+        # Before anything else that changes Kafka: an earlier restore of the job frozen with
+        # its write-back's transaction open can then neither commit it nor hold the topics.
+        producer = _fence_earlier_restores(kafka_config, pipeline.name, admin, guard)
         _wait_for_open_transactions(
             admin,
             {rep.topic: partitions[rep.topic] for rep in plan.repartitions.values()},
@@ -908,7 +916,14 @@ def _seed(
             )
             starts.update(((rep.topic, p), o) for p, o in emptied.items())
         guard.check(admin, "was about to write the records in flight back", restoring=True)
-        _produce_in_flight(pipeline, kafka_config, flight_copies, flights, partitions)
+        _produce_in_flight(
+            pipeline,
+            producer,
+            flight_copies,
+            flights,
+            partitions,
+            lambda step: guard.check(admin, step, restoring=True),
+        )
         guard.check(admin, "was about to write the seeded checkpoints", restoring=True)
         for (task, seeded), (handle, _) in zip(chosen, loaded, strict=True):
             # A repartition partition's task starts where the emptied partition starts.
@@ -1271,17 +1286,64 @@ def _read_in_flight(
     return flights
 
 
+def restore_transactional_id(job: str) -> str:
+    """The transactional id of the producer with which a restore of ``job`` writes the records
+    in flight back: one per job, so each restore's ``init_transactions`` fences the restores
+    of the job before it (a '/' no worker's id has; the ``snapline-<job>`` prefix the workers'
+    ids have)."""
+    return f"snapline-{job}/restore"
+
+
+def _fence_earlier_restores(
+    kafka_config: dict[str, Any], job: str, admin: AdminClient, guard: _RestoreGuard
+) -> Producer:
+    """The restore's transactional producer, initialized: ``init_transactions`` with the job's
+    restore id aborts the transaction an earlier restore of the job left open (killed or
+    frozen while it wrote records in flight back) and fences that restore, so that, woken, it
+    cannot commit them a second time under the running job. After the guard's check: a
+    restore that is itself the stale one would fence the live one (which then stops, its
+    marker asking for a restore again) rather than be stopped."""
+    guard.check(admin, "was about to fence the job's earlier restores")
+    producer = Producer(
+        {**kafka_config, "transactional.id": restore_transactional_id(job), "linger.ms": 20}
+    )
+    try:
+        producer.init_transactions(90)
+    except KafkaException as exc:
+        raise CheckpointError(
+            f"the restore of job {job} cannot initialize its transactional producer "
+            f"({restore_transactional_id(job)}): {exc}"
+        ) from exc
+    return producer
+
+
 def _produce_in_flight(
     pipeline: Pipeline,
-    kafka_config: dict[str, Any],
+    producer: Producer,
     copies: CheckpointStorage,
     flights: list[tuple[Repartition, SavepointFile]],
     partitions: dict[str, int],
+    check: Callable[[str], None] = lambda step: None,
 ) -> None:
     """The savepoint's in-flight records (their local ``copies``) into the emptied
     repartition topics, each to the partition of its key-group (old partitions in order:
-    per-key order is kept)."""
-    producer = Producer({**kafka_config, "enable.idempotence": True, "linger.ms": 20})
+    per-key order is kept), in one transaction of ``producer`` (``_fence_earlier_restores``).
+
+    The transaction makes the write-back a step a stale restore cannot repeat: ``check`` (the
+    restore's guard) is asked right before the commit, and a restore frozen after that check
+    and woken after another restore began has been fenced by that one's
+    ``init_transactions``: its commit fails and its records are never read (the job's tasks
+    read committed records only). Written without a transaction, a restore frozen before its
+    produce and woken after another finished wrote every record in flight a second time."""
+    if not flights:
+        return
+    job = pipeline.name
+    try:
+        producer.begin_transaction()
+    except KafkaException as exc:
+        raise CheckpointError(
+            f"the restore of job {job} cannot begin its transaction: {exc}"
+        ) from exc
     failed: list[Any] = []  # delivery errors: a record the broker refused is not silently lost
     maxp = pipeline.max_parallelism
     sent = 0
@@ -1318,13 +1380,40 @@ def _produce_in_flight(
                         raise
                     kept = None
             sent += 1
-    if producer.flush(60):
-        raise CheckpointError("records in flight could not be written back within 60 s")
-    if failed:
+    try:
+        if producer.flush(60):
+            raise CheckpointError("records in flight could not be written back within 60 s")
+        if failed:
+            raise CheckpointError(
+                f"{len(failed)} records in flight could not be written back: {failed[0]}"
+            )
+        check("was about to commit the records in flight it wrote back")
+    except CheckpointError:
+        _abort_quietly(producer)  # the running job's tasks must not wait for it to time out
+        raise
+    FaultInjector().point("restore_before_write_back_commit")
+    try:
+        producer.commit_transaction(60)
+    except KafkaException as exc:
+        error = kafka_error(exc)
+        if error is not None and classify(error) is ErrorClass.FATAL:
+            raise CheckpointError(
+                f"the restore of job {job} was about to commit the records in flight it wrote "
+                f"back, but another restore of the job fenced it ({error.str()}; this restore "
+                "stalled past its lock's session?): it stops before changing anything more"
+            ) from exc
+        _abort_quietly(producer)
         raise CheckpointError(
-            f"{len(failed)} records in flight could not be written back: {failed[0]}"
-        )
+            f"the records in flight could not be written back (their transaction: {exc})"
+        ) from exc
     log.info("restored %d records in flight to the repartition topics", sent)
+
+
+def _abort_quietly(producer: Producer) -> None:
+    try:
+        producer.abort_transaction(30)
+    except KafkaException as exc:  # fenced or gone: Kafka aborts it by its timeout
+        log.warning("could not abort the restore's transaction: %s", exc)
 
 
 def in_flight_counts(savepoint: SavepointMetadata) -> dict[str, int]:
