@@ -21,6 +21,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from examples.orders import read_committed, verify_totals
 from examples.workers import process_state, read_events
@@ -335,7 +336,7 @@ def test_workers_started_from_one_savepoint_at_once_restore_it_once(
         "restore_before_topics",
         "restore_before_marker",
         "restore_before_delete",
-        "restore_before_write_back_commit",
+        "restore_before_commit",
     ],
 )
 def test_a_restore_that_stalls_past_its_lock_changes_nothing_once_another_finished(
@@ -354,10 +355,11 @@ def test_a_restore_that_stalls_past_its_lock_changes_nothing_once_another_finish
     without changing anything more: every order once in Kafka, Parquet and PostgreSQL. One
     frozen right before it wrote its marker must not leave the marker behind either: every
     later start of a worker would be refused until the savepoint was restored again. One
-    frozen after its guard's last check before it commits the records in flight it wrote
-    back must not commit them when it wakes (the second restore's producer fenced it): they
-    were written back by the second already (written without a transaction, a restore frozen
-    before that write wrote them all a second time)."""
+    frozen after its guard's last check, before it commits the records in flight it wrote
+    back and the job's offsets, must commit neither when it wakes (the second restore's
+    producer fenced it), not even while the job is stopped and its group empty: the records
+    were written back by the second already, and its offsets would rewind the job to the
+    savepoint (both were plain writes: a restore frozen before them wrote them anyway)."""
     job, path = _stopped_with_records_in_flight(
         kafka_bootstrap, postgres_dsn, tmp_path, unique_name, jobs
     )
@@ -400,13 +402,27 @@ def test_a_restore_that_stalls_past_its_lock_changes_nothing_once_another_finish
             60,
             job.logs,
         )
+    woken_commits = stall == "restore_before_commit"
+    if woken_commits:
+        # Woken while the job is stopped, its offsets would be accepted (no member in the
+        # group), the job rewound to the savepoint: every output since, twice.
+        job.wait_until_caught_up()
+        second.stop()
+        wait_for(
+            "the job's group empty (static members: up to its 10 s session)",
+            lambda: _members(kafka_bootstrap, job.name) == 0,
+            60,
+            job.logs,
+        )
     first.signal(signal.SIGCONT)
     assert first.wait_exit(60) != 0, first.tail()  # bounded: its next step is a check
     assert "stops before changing anything more" in first.tail(100), first.tail(100)
-    if stall == "restore_before_write_back_commit":  # past its last check: Kafka stopped it
+    if woken_commits:  # past its last check: Kafka's fencing stopped it
         assert "another restore of the job fenced it" in first.tail(100), first.tail(100)
     assert not (job.checkpoint_dir / job.name / "restore-in-progress.json").exists()
     first.start()  # joins the job as a plain worker
+    if woken_commits:
+        second.start()
     job.verify()  # every order once in Kafka, Parquet and PostgreSQL
     restores = sum(w.log_path.read_text().count("restored job ") for w in job.workers)
     assert restores == 1, job.logs()
@@ -444,6 +460,12 @@ def test_a_corrupt_savepoint_file_is_detected_by_its_checksum(
     worker.start(extra_args=["--from-savepoint", path])
     code = worker.wait_exit(120)
     assert code != 0 and "checksum" in worker.tail(), worker.tail()
+
+
+def _members(bootstrap: str, group: str) -> int:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    described = admin.describe_consumer_groups([group], request_timeout=10)[group]
+    return len(described.result(timeout=15).members)
 
 
 def _end_offsets(bootstrap: str, topic: str) -> dict[int, int]:

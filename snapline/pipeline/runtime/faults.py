@@ -27,8 +27,9 @@ KILL_POINTS = (
     "restore_before_marker",  # a savepoint restore: checked, its marker not written yet
     "restore_before_topics",  # a savepoint restore: marker written, topics not recreated yet
     "restore_before_delete",  # a savepoint restore: guard asked, a topic's DeleteRecords not sent
-    # a savepoint restore: guard asked, the records in flight written back, not committed
-    "restore_before_write_back_commit",
+    # a savepoint restore: its last guard check asked, its transaction (records in flight,
+    # offsets) not committed
+    "restore_before_commit",
     "after_offsets_read",  # recovery read the committed offsets, restored nothing yet
     "before_restore_state",  # a task's checkpoint found in storage, its files not read yet
     "before_sink_recovery",  # a task's checkpoint restored and marked, its sinks not recovered

@@ -25,6 +25,7 @@ in pool processes (``pool``), one job per thread with a backend of its own.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import tempfile
@@ -32,7 +33,7 @@ import time
 import uuid
 import zlib
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
@@ -872,7 +873,7 @@ def _seed(
             )
         # Before anything else that changes Kafka: an earlier restore of the job frozen with
         # its write-back's transaction open can then neither commit it nor hold the topics.
-        producer = _fence_earlier_restores(kafka_config, pipeline.name, admin, guard)
+        producer = _restore_producer(kafka_config, pipeline, admin, guard)
         _wait_for_open_transactions(
             admin,
             {rep.topic: partitions[rep.topic] for rep in plan.repartitions.values()},
@@ -916,63 +917,53 @@ def _seed(
             )
             starts.update(((rep.topic, p), o) for p, o in emptied.items())
         guard.check(admin, "was about to write the records in flight back", restoring=True)
-        _produce_in_flight(
-            pipeline,
-            producer,
-            flight_copies,
-            flights,
-            partitions,
-            lambda step: guard.check(admin, step, restoring=True),
-        )
-        guard.check(admin, "was about to write the seeded checkpoints", restoring=True)
-        for (task, seeded), (handle, _) in zip(chosen, loaded, strict=True):
-            # A repartition partition's task starts where the emptied partition starts.
-            positions = {tp: starts.get(tp, o) for tp, o in seeded.items()}
-            TaskCheckpoint(
-                job=pipeline.name,
-                task_id=task.task_id,
-                ref=ref,
-                worker_id=departed.SEEDED,
-                positions=positions,
-                state=handle,
-                states=states_meta,
-                created_at=time.time(),
-                time=_clock(
-                    savepoint,
-                    task.stage,
-                    old_stages.get(task.stage),
-                    counts.get(task.stage),
-                    task.partition,
-                ),
-                task_count=(
-                    None
-                    if task.stage == SOURCE_STAGE
-                    else partitions[plan.stages[task.stage].reads[0]]
-                ),
-                topic_ids={t: topic_ids[t] for t, _ in positions if t in topic_ids},
-            ).write(storage)
-            mark_committed(storage, pipeline.name, task.task_id, ref)
-            offsets += [
-                TopicPartition(t, p, o, metadata=ref.offset_metadata())
-                for (t, p), o in positions.items()
-            ]
+        # One transaction of the restore's producer carries the records in flight and the
+        # job's offsets: a restore frozen before its commit and woken after another restore
+        # began (whose init_transactions fenced it) commits neither (_reset_offsets).
+        with _restore_transaction(producer, pipeline):
+            _produce_in_flight(pipeline, producer, flight_copies, flights, partitions)
+            guard.check(admin, "was about to write the seeded checkpoints", restoring=True)
+            for (task, seeded), (handle, _) in zip(chosen, loaded, strict=True):
+                # A repartition partition's task starts where the emptied partition starts.
+                positions = {tp: starts.get(tp, o) for tp, o in seeded.items()}
+                TaskCheckpoint(
+                    job=pipeline.name,
+                    task_id=task.task_id,
+                    ref=ref,
+                    worker_id=departed.SEEDED,
+                    positions=positions,
+                    state=handle,
+                    states=states_meta,
+                    created_at=time.time(),
+                    time=_clock(
+                        savepoint,
+                        task.stage,
+                        old_stages.get(task.stage),
+                        counts.get(task.stage),
+                        task.partition,
+                    ),
+                    task_count=(
+                        None
+                        if task.stage == SOURCE_STAGE
+                        else partitions[plan.stages[task.stage].reads[0]]
+                    ),
+                    topic_ids={t: topic_ids[t] for t, _ in positions if t in topic_ids},
+                ).write(storage)
+                mark_committed(storage, pipeline.name, task.task_id, ref)
+                offsets += [
+                    TopicPartition(t, p, o, metadata=ref.offset_metadata())
+                    for (t, p), o in positions.items()
+                ]
+            _reset_offsets(
+                admin,
+                kafka_config,
+                pipeline,
+                producer,
+                offsets,
+                lambda step: guard.check(admin, step, restoring=True),
+            )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    # Offsets committed after the savepoint (the job ran on) must not survive: the group is
-    # empty (checked above), so it is deleted and its offsets committed anew.
-    guard.check(admin, "was about to reset the job's offsets", restoring=True)
-    try:
-        admin.delete_consumer_groups([pipeline.name], request_timeout=30)[pipeline.name].result(
-            timeout=35
-        )
-    except KafkaException as exc:
-        if exc.args[0].code() != KafkaError.GROUP_ID_NOT_FOUND:
-            raise CheckpointError(f"cannot reset the offsets of {pipeline.name}: {exc}") from exc
-    consumer = Consumer({**kafka_config, "group.id": pipeline.name, "enable.auto.commit": False})
-    try:
-        consumer.commit(offsets=offsets, asynchronous=False)
-    finally:
-        consumer.close()
     storage.write_bytes(
         marker,
         encode_checked(
@@ -1294,27 +1285,168 @@ def restore_transactional_id(job: str) -> str:
     return f"snapline-{job}/restore"
 
 
-def _fence_earlier_restores(
-    kafka_config: dict[str, Any], job: str, admin: AdminClient, guard: _RestoreGuard
+#: The restore's transaction may last this long (the broker's default
+#: ``transaction.max.timeout.ms``): it spans the whole write-back of the records in flight,
+#: the seeded checkpoints and the offsets, which a job's own ``transaction.timeout.ms`` (60 s
+#: by default, less for a faster failover) would cut short. Safe to make long: a transaction
+#: a dead restore left open is aborted by the next restore's ``init_transactions``, and no
+#: worker starts before one.
+RESTORE_TRANSACTION_TIMEOUT_MS = 900_000
+
+
+def _restore_producer(
+    kafka_config: dict[str, Any], pipeline: Pipeline, admin: AdminClient, guard: _RestoreGuard
 ) -> Producer:
-    """The restore's transactional producer, initialized: ``init_transactions`` with the job's
-    restore id aborts the transaction an earlier restore of the job left open (killed or
-    frozen while it wrote records in flight back) and fences that restore, so that, woken, it
-    cannot commit them a second time under the running job. After the guard's check: a
-    restore that is itself the stale one would fence the live one (which then stops, its
-    marker asking for a restore again) rather than be stopped."""
+    """The producer a restore writes the records in flight back with. Exactly-once: a
+    transactional one, initialized: ``init_transactions`` with the job's restore id aborts
+    the transaction an earlier restore of the job left open (killed or frozen while it wrote
+    back) and fences that restore, so that, woken, it cannot commit its records in flight or
+    the job's offsets (``_reset_offsets``). After the guard's check: a restore that is itself
+    the stale one would fence the live one (which then stops, its marker asking for a restore
+    again) rather than be stopped. At-least-once (no transactions): an idempotent one."""
+    job = pipeline.name
+    if not pipeline.exactly_once:
+        return Producer({**kafka_config, "enable.idempotence": True, "linger.ms": 20})
     guard.check(admin, "was about to fence the job's earlier restores")
-    producer = Producer(
-        {**kafka_config, "transactional.id": restore_transactional_id(job), "linger.ms": 20}
-    )
+    tid = restore_transactional_id(job)
+    config = {
+        **kafka_config,
+        "transactional.id": tid,
+        "linger.ms": 20,
+        "transaction.timeout.ms": RESTORE_TRANSACTION_TIMEOUT_MS,
+    }
     try:
-        producer.init_transactions(90)
+        producer = Producer(config)
+        try:
+            producer.init_transactions(90)
+        except KafkaException as exc:
+            error = kafka_error(exc)
+            if error is None or error.code() != KafkaError.INVALID_TRANSACTION_TIMEOUT:
+                raise
+            # The broker's transaction.max.timeout.ms is lower: the job's own limit then.
+            log.warning(
+                "the broker refuses a %d ms transaction for the restore (its "
+                "transaction.max.timeout.ms is lower): the write-back of the records in "
+                "flight must then finish within the job's transaction.timeout.ms",
+                RESTORE_TRANSACTION_TIMEOUT_MS,
+            )
+            config.pop("transaction.timeout.ms")
+            producer = Producer({**config, **_job_transaction_timeout(kafka_config)})
+            producer.init_transactions(90)
     except KafkaException as exc:
         raise CheckpointError(
             f"the restore of job {job} cannot initialize its transactional producer "
-            f"({restore_transactional_id(job)}): {exc}"
+            f"(transactional.id {tid}; it needs what the job's workers need: the producer "
+            f"settings of kafka_config, a Kafka cluster with transactions and, with ACLs, "
+            f"the right to the id): {exc}"
         ) from exc
     return producer
+
+
+def _job_transaction_timeout(kafka_config: dict[str, Any]) -> dict[str, Any]:
+    value = kafka_config.get("transaction.timeout.ms")
+    return {} if value is None else {"transaction.timeout.ms": value}
+
+
+@contextlib.contextmanager
+def _restore_transaction(producer: Producer, pipeline: Pipeline) -> Iterator[None]:
+    """The restore's transaction (exactly-once) around the block, which commits it
+    (``_reset_offsets``); aborted when the block raises, so that read_committed readers do
+    not wait for it to time out (the next restore's ``init_transactions`` aborts it too)."""
+    if not pipeline.exactly_once:
+        yield
+        return
+    try:
+        producer.begin_transaction()
+    except KafkaException as exc:
+        raise CheckpointError(
+            f"the restore of job {pipeline.name} cannot begin its transaction: {exc}"
+        ) from exc
+    try:
+        yield
+    except BaseException:
+        try:
+            producer.abort_transaction(30)
+        except KafkaException as exc:  # fenced or gone: the next restore aborts it
+            log.warning("could not abort the restore's transaction: %s", exc)
+        raise
+
+
+def _reset_offsets(
+    admin: AdminClient,
+    kafka_config: dict[str, Any],
+    pipeline: Pipeline,
+    producer: Producer,
+    offsets: list[TopicPartition],
+    check: Callable[[str], None],
+) -> None:
+    """Commit the job's offsets (the positions naming the seeded checkpoints) and, exactly
+    once, the restore's transaction with them in it. Offsets committed after the savepoint
+    (the job ran on) must not survive: the group is empty (the guard's check), so it is
+    deleted first.
+
+    ``check`` (the restore's guard) is asked before the delete and right before the commit.
+    A restore frozen after that last check and woken after another restore's
+    ``init_transactions`` has been fenced by it: its commit fails, so neither its records in
+    flight (written back a second time) nor its offsets (the job rewound to the savepoint,
+    when it wakes while the job is stopped) become visible. Both were plain writes before.
+    At-least-once, they still are."""
+    job = pipeline.name
+    check("was about to reset the job's offsets")
+    try:
+        admin.delete_consumer_groups([job], request_timeout=30)[job].result(timeout=35)
+    except KafkaException as exc:
+        if exc.args[0].code() != KafkaError.GROUP_ID_NOT_FOUND:
+            raise CheckpointError(f"cannot reset the offsets of {job}: {exc}") from exc
+    consumer = Consumer({**kafka_config, "group.id": job, "enable.auto.commit": False})
+    try:
+        if not pipeline.exactly_once:
+            check("was about to commit the job's offsets")
+            FaultInjector().point("restore_before_commit")
+            consumer.commit(offsets=offsets, asynchronous=False)
+            return
+        if offsets:
+            try:
+                # Not a member (generation -1): accepted while the group is empty.
+                producer.send_offsets_to_transaction(
+                    offsets, consumer.consumer_group_metadata(), 60
+                )
+            except KafkaException as exc:
+                raise CheckpointError(
+                    f"the restore of job {job} cannot commit the job's offsets: {exc}"
+                ) from exc
+    finally:
+        consumer.close()
+    check("was about to commit the records in flight and the job's offsets")
+    FaultInjector().point("restore_before_commit")
+    _commit(producer, job)
+
+
+def _commit(producer: Producer, job: str) -> None:
+    """Commit the restore's transaction; a retriable error is asked again within a minute."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            producer.commit_transaction(max(1.0, deadline - time.monotonic()))
+            return
+        except KafkaException as exc:
+            error = kafka_error(exc)
+            if error is not None and error.retriable() and time.monotonic() < deadline:
+                time.sleep(0.5)
+                continue
+            if error is not None and classify(error) is ErrorClass.FATAL:
+                raise CheckpointError(
+                    f"the restore of job {job} was about to commit the records in flight and "
+                    f"the job's offsets, but Kafka fenced its producer ({error.str()}): "
+                    "another restore of the job fenced it (one of the two stalled past the "
+                    "restore lock's session), or its transaction outlived "
+                    f"transaction.timeout.ms. It stops before changing anything more; "
+                    "a restore started again finishes the job's if this one was the live one"
+                ) from exc
+            raise CheckpointError(
+                f"the restore of job {job} could not commit the records in flight and the "
+                f"job's offsets: {exc}"
+            ) from exc
 
 
 def _produce_in_flight(
@@ -1323,27 +1455,12 @@ def _produce_in_flight(
     copies: CheckpointStorage,
     flights: list[tuple[Repartition, SavepointFile]],
     partitions: dict[str, int],
-    check: Callable[[str], None] = lambda step: None,
 ) -> None:
     """The savepoint's in-flight records (their local ``copies``) into the emptied
     repartition topics, each to the partition of its key-group (old partitions in order:
-    per-key order is kept), in one transaction of ``producer`` (``_fence_earlier_restores``).
-
-    The transaction makes the write-back a step a stale restore cannot repeat: ``check`` (the
-    restore's guard) is asked right before the commit, and a restore frozen after that check
-    and woken after another restore began has been fenced by that one's
-    ``init_transactions``: its commit fails and its records are never read (the job's tasks
-    read committed records only). Written without a transaction, a restore frozen before its
-    produce and woken after another finished wrote every record in flight a second time."""
-    if not flights:
-        return
-    job = pipeline.name
-    try:
-        producer.begin_transaction()
-    except KafkaException as exc:
-        raise CheckpointError(
-            f"the restore of job {job} cannot begin its transaction: {exc}"
-        ) from exc
+    per-key order is kept), in the restore's transaction (``_restore_transaction``).
+    Written without a transaction, a restore frozen before its produce and woken after
+    another finished wrote every record in flight a second time."""
     failed: list[Any] = []  # delivery errors: a record the broker refused is not silently lost
     maxp = pipeline.max_parallelism
     sent = 0
@@ -1380,40 +1497,13 @@ def _produce_in_flight(
                         raise
                     kept = None
             sent += 1
-    try:
-        if producer.flush(60):
-            raise CheckpointError("records in flight could not be written back within 60 s")
-        if failed:
-            raise CheckpointError(
-                f"{len(failed)} records in flight could not be written back: {failed[0]}"
-            )
-        check("was about to commit the records in flight it wrote back")
-    except CheckpointError:
-        _abort_quietly(producer)  # the running job's tasks must not wait for it to time out
-        raise
-    FaultInjector().point("restore_before_write_back_commit")
-    try:
-        producer.commit_transaction(60)
-    except KafkaException as exc:
-        error = kafka_error(exc)
-        if error is not None and classify(error) is ErrorClass.FATAL:
-            raise CheckpointError(
-                f"the restore of job {job} was about to commit the records in flight it wrote "
-                f"back, but another restore of the job fenced it ({error.str()}; this restore "
-                "stalled past its lock's session?): it stops before changing anything more"
-            ) from exc
-        _abort_quietly(producer)
+    if producer.flush(60):
+        raise CheckpointError("records in flight could not be written back within 60 s")
+    if failed:
         raise CheckpointError(
-            f"the records in flight could not be written back (their transaction: {exc})"
-        ) from exc
+            f"{len(failed)} records in flight could not be written back: {failed[0]}"
+        )
     log.info("restored %d records in flight to the repartition topics", sent)
-
-
-def _abort_quietly(producer: Producer) -> None:
-    try:
-        producer.abort_transaction(30)
-    except KafkaException as exc:  # fenced or gone: Kafka aborts it by its timeout
-        log.warning("could not abort the restore's transaction: %s", exc)
 
 
 def in_flight_counts(savepoint: SavepointMetadata) -> dict[str, int]:
