@@ -15,13 +15,14 @@ from typing import Any
 import pyarrow as pa
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
 from integration_tests.conftest import create_topic
 from snapline import ConfigurationError, KafkaSink, KafkaSource, Pipeline
 from snapline.pipeline.checkpoint.metadata import CheckpointRef
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.errors import CheckpointError
+from snapline.pipeline.runtime.topics import TopicManager, pipeline_topics
 from snapline.pipeline.savepoint import export
 from snapline.pipeline.savepoint.format import (
     IN_FLIGHT_SCHEMA,
@@ -265,6 +266,64 @@ def test_an_at_least_once_restore_writes_back_without_a_transaction(
     assert offset.offset == 0
     ref = CheckpointRef.parse_offset_metadata(offset.metadata)
     assert ref is not None and ref.checkpoint_id == checkpoint
+
+
+def _wait_for_cleanup_policy(admin: AdminClient, topic: str, policy: str) -> None:
+    """Until ``topic``'s cleanup.policy reads ``policy``, 30 s at most (the brokers apply a
+    change from the metadata log, a moment after the call returned)."""
+    deadline = time.monotonic() + 30
+    while True:
+        [future] = admin.describe_configs([ConfigResource("topic", topic)]).values()
+        now = future.result(timeout=30)["cleanup.policy"].value
+        if now == policy:
+            return
+        assert time.monotonic() < deadline, f"{topic}: cleanup.policy={now}, not {policy}"
+        time.sleep(0.2)
+
+
+def test_a_compacted_repartition_topic_is_kept_with_delete_and_restored(
+    kafka_bootstrap: str, admin: AdminClient, unique_name: str, tmp_path: Path
+) -> None:
+    """A repartition topic created with cleanup.policy=compact (by hand, or a broker's
+    default) refused the DeleteRecords that empty it: the restore failed after its first
+    change, and a running job's compaction dropped every record of a key but its newest
+    before the next stage read it. The restore sets delete before any change (as a worker
+    does at its start: TopicManager.accept_any_event_time) and then restores."""
+    job = unique_name
+    config = {"bootstrap.servers": kafka_bootstrap}
+    pipeline, source = _counts_job(admin, job, "by-k")
+    repartition = create_topic(
+        admin, f"{job}.by-k.repartition", config={"cleanup.policy": "compact"}
+    )
+    producer = Producer(config)
+    for i in range(20):
+        producer.produce(repartition, b"{}", b"sk%d" % (i % 3), partition=0)
+    producer.flush(10)
+    rows = 5
+    _savepoint_of_counts_job(tmp_path / "sp", job, source, rows)
+    restored = seed_from_savepoint(
+        pipeline, config, str(tmp_path / "checkpoints"), str(tmp_path / "sp")
+    )
+    assert restored is not None
+    _wait_for_cleanup_policy(admin, repartition, "delete")
+    assert _records(kafka_bootstrap, repartition, rows) == rows  # the 20 deleted
+    # A worker at its start sets it too (the topic compacted again by hand meanwhile).
+    admin.incremental_alter_configs(
+        [
+            ConfigResource(
+                "topic",
+                repartition,
+                incremental_configs=[
+                    ConfigEntry(
+                        "cleanup.policy", "compact", incremental_operation=AlterConfigOpType.SET
+                    )
+                ],
+            )
+        ]
+    )[ConfigResource("topic", repartition)].result(timeout=30)
+    _wait_for_cleanup_policy(admin, repartition, "compact")
+    TopicManager(config, kafka_bootstrap).accept_any_event_time(pipeline_topics(pipeline))
+    _wait_for_cleanup_policy(admin, repartition, "delete")
 
 
 def test_records_in_flight_keep_their_headers_through_a_savepoint(

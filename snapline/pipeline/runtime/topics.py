@@ -62,11 +62,13 @@ EVENT_TIME_CONFIG = {
     "message.timestamp.after.max.ms": str((1 << 63) - 1),
 }
 #: What an internal topic keeps: everything, until the job deletes what it has read (a broker's
-#: log.retention.bytes, or a retention.ms set by hand, would delete records between stages).
-KEEP_CONFIG = {"retention.ms": "-1", "retention.bytes": "-1"}
+#: log.retention.bytes, or a retention.ms set by hand, would delete records between stages;
+#: compaction, a topic created with ``cleanup.policy=compact`` by hand or by a broker's
+#: default, would drop every record of a key but its newest before the next stage read it,
+#: and refuses the job's and a restore's DeleteRecords).
+KEEP_CONFIG = {"cleanup.policy": "delete", "retention.ms": "-1", "retention.bytes": "-1"}
 
 INTERNAL_TOPIC_CONFIG = {
-    "cleanup.policy": "delete",
     **KEEP_CONFIG,
     "segment.bytes": str(64 * 1024 * 1024),
     "segment.ms": str(10 * 60 * 1000),
@@ -135,6 +137,67 @@ def check_repartition_owners(kafka_config: dict[str, Any], pipeline: Pipeline) -
                     f"there: kafka-consumer-groups.sh --delete-offsets --group {other} "
                     f"--topic {topic} --bootstrap-server ..."
                 )
+
+
+def set_topic_configs(
+    admin: Any, names: list[str], configs: Mapping[str, str], timeout: float
+) -> Exception | None:
+    """Set ``configs`` on topics ``names``; the error if the broker refused or timed out."""
+    resources = [
+        ConfigResource(
+            ResourceType.TOPIC,
+            name,
+            incremental_configs=[
+                ConfigEntry(key, value, incremental_operation=AlterConfigOpType.SET)
+                for key, value in configs.items()
+            ],
+        )
+        for name in names
+    ]
+    try:
+        futures = admin.incremental_alter_configs(resources, request_timeout=timeout)
+        for future in futures.values():
+            future.result(timeout=timeout + 1)
+    except (KafkaException, TimeoutError) as exc:
+        return exc
+    return None
+
+
+def keep_internal_records(admin: Any, names: list[str], timeout: float) -> None:
+    """Set KEEP_CONFIG on the internal topics ``names`` (they exist). Where the broker or an
+    ACL refuses, a topic that compacts (``cleanup.policy`` with ``compact``: its records of a
+    key but the newest dropped between stages) is refused (ConfigurationError, naming the
+    fix); anything else is logged, as is a cluster that does not say."""
+    if not names:
+        return
+    refused = set_topic_configs(admin, names, KEEP_CONFIG, timeout)
+    if refused is None:
+        return
+    log.warning("cannot set %s on the repartition topics (%s)", KEEP_CONFIG, refused)
+    try:
+        futures = admin.describe_configs(
+            [ConfigResource("topic", name) for name in names], request_timeout=timeout
+        )
+        policies = {
+            resource.name: future.result(timeout=timeout + 1).get("cleanup.policy")
+            for resource, future in futures.items()
+        }
+    except (KafkaException, TimeoutError) as exc:
+        log.warning("cannot read the repartition topics' cleanup.policy (%s): not checked", exc)
+        return
+    compacted = sorted(
+        name
+        for name, entry in policies.items()
+        if entry is not None and "compact" in (entry.value or "")
+    )
+    if compacted:
+        raise ConfigurationError(
+            f"repartition topic(s) {', '.join(compacted)} have cleanup.policy=compact: "
+            "compaction drops every record of a key but its newest before the next stage "
+            f"reads it, and the job could not set cleanup.policy=delete ({refused}). Set it: "
+            f"kafka-configs.sh --bootstrap-server ... --alter --entity-type topics "
+            f"--entity-name {compacted[0]} --add-config cleanup.policy=delete"
+        )
 
 
 def without_event_time_config(config: Mapping[str, str]) -> dict[str, str]:
@@ -495,13 +558,12 @@ class TopicManager:
         """Set KEEP_CONFIG and EVENT_TIME_CONFIG on the job's internal topics that exist
         (created before they were part of their config, or changed by hand). Best effort: a
         broker or an ACL that refuses is logged (a record deleted there anyway stops the
-        job: the worker checks its positions against the log)."""
+        job: the worker checks its positions against the log), except on a compacted topic
+        (``keep_internal_records``)."""
         names = sorted({s.name for s in specs if s.role is Role.INTERNAL})
         if not names:
             return
-        refused = self._set_configs(names, KEEP_CONFIG)
-        if refused is not None:
-            log.warning("cannot set %s on the repartition topics (%s)", KEEP_CONFIG, refused)
+        keep_internal_records(self._admin, names, min(self._timeout, DESCRIBE_TIMEOUT))
         refused = self._set_configs(names, EVENT_TIME_CONFIG)
         if refused is None:
             return
@@ -518,25 +580,7 @@ class TopicManager:
 
     def _set_configs(self, names: list[str], configs: Mapping[str, str]) -> Exception | None:
         """Set ``configs`` on topics ``names``; the error if the broker refused or timed out."""
-        resources = [
-            ConfigResource(
-                ResourceType.TOPIC,
-                name,
-                incremental_configs=[
-                    ConfigEntry(key, value, incremental_operation=AlterConfigOpType.SET)
-                    for key, value in configs.items()
-                ],
-            )
-            for name in names
-        ]
-        timeout = min(self._timeout, DESCRIBE_TIMEOUT)
-        try:
-            futures = self._admin.incremental_alter_configs(resources, request_timeout=timeout)
-            for future in futures.values():
-                future.result(timeout=timeout + 1)
-        except (KafkaException, TimeoutError) as exc:
-            return exc
-        return None
+        return set_topic_configs(self._admin, names, configs, min(self._timeout, DESCRIBE_TIMEOUT))
 
     def smallest_record_limit(self, specs: Iterable[TopicSpec]) -> tuple[str, int] | None:
         """The topic the job writes with the smallest ``max.message.bytes``, and that limit;

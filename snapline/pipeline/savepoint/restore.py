@@ -75,11 +75,13 @@ from snapline.pipeline.runtime.kafka_calls import (
     kafka_error,
 )
 from snapline.pipeline.runtime.topics import (
+    DESCRIBE_TIMEOUT,
     INTERNAL_TOPIC_CONFIG,
     TopicManager,
     check_repartition_owners,
     cluster_id_of,
     describe_topic_ids,
+    keep_internal_records,
     pipeline_topics,
     recreated_since,
     refused_config,
@@ -879,6 +881,14 @@ def _seed(
             {rep.topic: partitions[rep.topic] for rep in plan.repartitions.values()},
             _transaction_timeout(pipeline) + OPEN_TRANSACTION_GRACE,
             lambda: _abort_workers_transactions(kafka_config, storage, pipeline, admin, guard),
+        )
+        # A kept repartition topic that compacts would refuse the DeleteRecords that empty
+        # it, and drop records between stages: set to delete, or refused, before any change.
+        existing = admin.list_topics(timeout=30).topics
+        keep_internal_records(
+            admin,
+            sorted(r.topic for r in plan.repartitions.values() if r.topic in existing),
+            DESCRIBE_TIMEOUT,
         )
         FaultInjector().point("restore_before_kafka_changes")
         guard.check(admin, "was about to change Kafka")
