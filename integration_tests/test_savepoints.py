@@ -367,7 +367,7 @@ def test_a_restore_that_stalls_past_its_lock_changes_nothing_once_another_finish
     first.start({"SNAPLINE_FAULT": f"{stall}:1:stop"}, ["--from-savepoint", path])
     assert first.proc is not None
     wait_for(
-        "the first restore frozen before it recreates the repartition topics",
+        f"the first restore frozen at {stall}",
         lambda: process_state(first.proc.pid) == "T",  # type: ignore[union-attr]
         120,
         job.logs,

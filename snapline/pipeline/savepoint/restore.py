@@ -43,13 +43,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from confluent_kafka import (
     Consumer,
+    ConsumerGroupTopicPartitions,
     IsolationLevel,
     KafkaError,
     KafkaException,
     Producer,
     TopicPartition,
 )
-from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic, OffsetSpec
+from confluent_kafka.admin import (
+    AdminClient,
+    ConfigResource,
+    NewPartitions,
+    NewTopic,
+    OffsetSpec,
+)
 
 from snapline.connectors.config import redact_text
 from snapline.pipeline.checkpoint.history import history_workers
@@ -69,7 +76,9 @@ from snapline.pipeline.keygroups import key_group_range, operator_index_for_key_
 from snapline.pipeline.runtime import departed
 from snapline.pipeline.runtime.faults import FaultInjector
 from snapline.pipeline.runtime.kafka_calls import (
+    BoundedCall,
     ErrorClass,
+    KafkaClientError,
     classify,
     is_unavailable,
     kafka_error,
@@ -612,10 +621,11 @@ class _RestoreGuard:
         return self._read(self._marker) != self._marker_at_start
 
     def withdraw(self) -> None:
-        """Delete this restore's ``RESTORING`` marker, written after another restore had
-        finished (``superseded``): this one changed nothing yet, and a marker left behind
-        would refuse every worker's start, asking to restore again (a rewind to the
-        savepoint). Only a marker with this restore's token: another's stays."""
+        """Delete this restore's ``RESTORING`` marker: once it completed, or when it was
+        written after another restore had finished (``superseded``: this one changed nothing
+        yet, and a marker left behind would refuse every worker's start, asking to restore
+        again, a rewind to the savepoint). Only a marker with this restore's token: another's
+        stays."""
         if self._token_now() == self.token:
             self._storage.delete_file(self._restoring)
 
@@ -974,6 +984,9 @@ def _seed(
             )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    # A restore frozen after its commit, woken once another had begun, must not mark the job
+    # restored under that one (its topics emptied since) nor delete its RESTORING marker.
+    guard.check(admin, "was about to mark the job restored", restoring=True)
     storage.write_bytes(
         marker,
         encode_checked(
@@ -985,7 +998,7 @@ def _seed(
             }
         ),
     )
-    storage.delete_file(f"{pipeline.name}/{RESTORING}")  # after the marker: complete
+    guard.withdraw()  # its own RESTORING marker, after the marker: complete
     log.info(
         "restored job %s from savepoint %s: checkpoint %d for %d partitions",
         pipeline.name,
@@ -1333,15 +1346,21 @@ def _restore_producer(
             error = kafka_error(exc)
             if error is None or error.code() != KafkaError.INVALID_TRANSACTION_TIMEOUT:
                 raise
-            # The broker's transaction.max.timeout.ms is lower: the job's own limit then.
+            # The broker's transaction.max.timeout.ms is lower: that one then.
+            highest = _broker_transaction_max(admin)
             log.warning(
-                "the broker refuses a %d ms transaction for the restore (its "
-                "transaction.max.timeout.ms is lower): the write-back of the records in "
-                "flight must then finish within the job's transaction.timeout.ms",
+                "the broker refuses a %d ms transaction for the restore: its "
+                "transaction.max.timeout.ms is %s; the write-back of the records in flight "
+                "must finish within that",
                 RESTORE_TRANSACTION_TIMEOUT_MS,
+                highest if highest is not None else "unknown (the job's own limit is taken)",
             )
             config.pop("transaction.timeout.ms")
-            producer = Producer({**config, **_job_transaction_timeout(kafka_config)})
+            if highest is not None:
+                config["transaction.timeout.ms"] = highest
+            elif "transaction.timeout.ms" in kafka_config:
+                config["transaction.timeout.ms"] = kafka_config["transaction.timeout.ms"]
+            producer = Producer(config)
             producer.init_transactions(90)
     except KafkaException as exc:
         raise CheckpointError(
@@ -1353,9 +1372,17 @@ def _restore_producer(
     return producer
 
 
-def _job_transaction_timeout(kafka_config: dict[str, Any]) -> dict[str, Any]:
-    value = kafka_config.get("transaction.timeout.ms")
-    return {} if value is None else {"transaction.timeout.ms": value}
+def _broker_transaction_max(admin: AdminClient) -> int | None:
+    """A broker's ``transaction.max.timeout.ms`` (None when the cluster does not say)."""
+    try:
+        brokers = admin.list_topics(timeout=30).brokers
+        resource = ConfigResource("broker", str(min(brokers)))
+        [future] = admin.describe_configs([resource], request_timeout=30).values()
+        entry = future.result(timeout=35).get("transaction.max.timeout.ms")
+        return int(entry.value) if entry is not None and entry.value else None
+    except (KafkaException, FutureTimeout, ValueError) as exc:
+        log.warning("cannot read the broker's transaction.max.timeout.ms: %s", exc)
+        return None
 
 
 @contextlib.contextmanager
@@ -1392,8 +1419,8 @@ def _reset_offsets(
 ) -> None:
     """Commit the job's offsets (the positions naming the seeded checkpoints) and, exactly
     once, the restore's transaction with them in it. Offsets committed after the savepoint
-    (the job ran on) must not survive: the group is empty (the guard's check), so it is
-    deleted first.
+    (the job ran on) must not survive: those not overwritten here are removed by deleting the
+    group first (it is empty: the guard's check), and only when there are any.
 
     ``check`` (the restore's guard) is asked before the delete and right before the commit.
     A restore frozen after that last check and woken after another restore's
@@ -1403,11 +1430,15 @@ def _reset_offsets(
     At-least-once, they still are."""
     job = pipeline.name
     check("was about to reset the job's offsets")
-    try:
-        admin.delete_consumer_groups([job], request_timeout=30)[job].result(timeout=35)
-    except KafkaException as exc:
-        if exc.args[0].code() != KafkaError.GROUP_ID_NOT_FOUND:
-            raise CheckpointError(f"cannot reset the offsets of {job}: {exc}") from exc
+    if _offsets_beyond(admin, job, offsets):
+        # Only then: a restore frozen right here and woken once the job ran and stopped again
+        # would delete the job's offsets (every task then refused at its start, offsets
+        # missing beside checkpoints marked committed). Those it commits are overwritten.
+        try:
+            admin.delete_consumer_groups([job], request_timeout=30)[job].result(timeout=35)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.GROUP_ID_NOT_FOUND:
+                raise CheckpointError(f"cannot reset the offsets of {job}: {exc}") from exc
     consumer = Consumer({**kafka_config, "group.id": job, "enable.auto.commit": False})
     try:
         if not pipeline.exactly_once:
@@ -1416,12 +1447,20 @@ def _reset_offsets(
             consumer.commit(offsets=offsets, asynchronous=False)
             return
         if offsets:
+            # Not a member (generation -1): the broker accepts a transaction's offsets so even
+            # from a group with members; the guard's check before the commit is what keeps a
+            # running job's offsets. Bounded: the call can block for good when the group's
+            # coordinator does not answer (kafka_calls.py); the next restore aborts it then.
             try:
-                # Not a member (generation -1): accepted while the group is empty.
-                producer.send_offsets_to_transaction(
-                    offsets, consumer.consumer_group_metadata(), 60
+                BoundedCall("the restore's producer")(
+                    "send_offsets_to_transaction",
+                    90.0,
+                    producer.send_offsets_to_transaction,
+                    offsets,
+                    consumer.consumer_group_metadata(),
+                    60,
                 )
-            except KafkaException as exc:
+            except (KafkaException, KafkaClientError) as exc:
                 raise CheckpointError(
                     f"the restore of job {job} cannot commit the job's offsets: {exc}"
                 ) from exc
@@ -1430,6 +1469,25 @@ def _reset_offsets(
     check("was about to commit the records in flight and the job's offsets")
     FaultInjector().point("restore_before_commit")
     _commit(producer, job)
+
+
+def _offsets_beyond(admin: AdminClient, job: str, offsets: list[TopicPartition]) -> bool:
+    """The job's group has committed offsets the restore does not overwrite (a source
+    partition the savepoint has none for, a partition of a topic the job no longer reads), or
+    Kafka cannot say: then the group is deleted first, so that none survives."""
+    seeded = {(tp.topic, tp.partition) for tp in offsets}
+    try:
+        futures = admin.list_consumer_group_offsets(
+            [ConsumerGroupTopicPartitions(job)], request_timeout=30
+        )
+        found = futures[job].result(timeout=35).topic_partitions or []
+    except (KafkaException, FutureTimeout) as exc:
+        error = kafka_error(exc)
+        if error is not None and error.code() == KafkaError.GROUP_ID_NOT_FOUND:
+            return False
+        log.info("cannot list the offsets of group %s (%s): it is deleted first", job, exc)
+        return True
+    return any(tp.offset >= 0 and (tp.topic, tp.partition) not in seeded for tp in found)
 
 
 def _commit(producer: Producer, job: str) -> None:
