@@ -3,7 +3,12 @@ topics are created, with how many partitions, and which absences stop the worker
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+from typing import Any
+
 import pytest
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import ConfigEntry
 
 from snapline import KafkaSink, KafkaSource, Pipeline
 from snapline.pipeline.errors import ConfigurationError
@@ -13,6 +18,7 @@ from snapline.pipeline.runtime.topics import (
     Role,
     TopicManager,
     TopicSpec,
+    keep_internal_records,
     pipeline_topics,
     plan,
     producer_size_limits,
@@ -182,3 +188,47 @@ def test_a_repartition_topic_name_is_read_as_every_other_jobs_it_may_be() -> Non
     assert repartition_namesakes("orders", "orders.by-customer.repartition") == []
     assert repartition_namesakes("a", "a.b.c.repartition") == ["a.b"]
     assert repartition_namesakes("a", "a.dead-letter") == []
+
+
+class _RefusingAdmin:
+    """An admin whose config changes an ACL refuses, describing ``policies`` (pure logic:
+    what ``keep_internal_records`` decides from the answers; a real broker's side is in
+    integration_tests/test_savepoint_kafka.py)."""
+
+    def __init__(self, policies: dict[str, str], describe_fails: bool = False) -> None:
+        self.policies = policies
+        self.describe_fails = describe_fails
+
+    def incremental_alter_configs(self, resources: list[Any], **_: Any) -> dict[Any, Future[Any]]:
+        raise KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED))
+
+    def describe_configs(self, resources: list[Any], **_: Any) -> dict[Any, Future[Any]]:
+        if self.describe_fails:
+            raise KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED))
+        answers: dict[Any, Future[Any]] = {}
+        for resource in resources:
+            future: Future[Any] = Future()
+            policy = self.policies[resource.name]
+            future.set_result({"cleanup.policy": ConfigEntry("cleanup.policy", policy)})
+            answers[resource] = future
+        return answers
+
+
+@pytest.mark.parametrize("policy", ["compact", "compact,delete"])
+def test_a_compacted_repartition_topic_that_cannot_be_changed_is_refused_naming_the_fix(
+    policy: str,
+) -> None:
+    admin = _RefusingAdmin({"j.a.repartition": "delete", "j.b.repartition": policy})
+    with pytest.raises(ConfigurationError) as refused:
+        keep_internal_records(admin, ["j.a.repartition", "j.b.repartition"], 1.0)
+    assert "j.b.repartition" in str(refused.value) and "j.a.repartition" not in str(refused.value)
+    assert "--add-config cleanup.policy=delete" in str(refused.value)
+
+
+def test_a_refused_change_on_topics_that_delete_or_cannot_be_read_is_logged_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    keep_internal_records(_RefusingAdmin({"j.a.repartition": "delete"}), ["j.a.repartition"], 1.0)
+    keep_internal_records(_RefusingAdmin({}, describe_fails=True), ["j.a.repartition"], 1.0)
+    assert "not checked" in caplog.text
+    keep_internal_records(_RefusingAdmin({}), [], 1.0)  # no internal topic: nothing asked
