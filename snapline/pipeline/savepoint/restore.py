@@ -1332,14 +1332,9 @@ def _restore_producer(
         return Producer({**kafka_config, "enable.idempotence": True, "linger.ms": 20})
     guard.check(admin, "was about to fence the job's earlier restores")
     tid = restore_transactional_id(job)
-    config = {
-        **kafka_config,
-        "transactional.id": tid,
-        "linger.ms": 20,
-        "transaction.timeout.ms": RESTORE_TRANSACTION_TIMEOUT_MS,
-    }
+    config = {**kafka_config, "transactional.id": tid, "linger.ms": 20}
     try:
-        producer = Producer(config)
+        producer = Producer({**config, "transaction.timeout.ms": RESTORE_TRANSACTION_TIMEOUT_MS})
         try:
             producer.init_transactions(90)
         except KafkaException as exc:
@@ -1355,11 +1350,8 @@ def _restore_producer(
                 RESTORE_TRANSACTION_TIMEOUT_MS,
                 highest if highest is not None else "unknown (the job's own limit is taken)",
             )
-            config.pop("transaction.timeout.ms")
             if highest is not None:
                 config["transaction.timeout.ms"] = highest
-            elif "transaction.timeout.ms" in kafka_config:
-                config["transaction.timeout.ms"] = kafka_config["transaction.timeout.ms"]
             producer = Producer(config)
             producer.init_transactions(90)
     except KafkaException as exc:
@@ -1441,12 +1433,7 @@ def _reset_offsets(
                 raise CheckpointError(f"cannot reset the offsets of {job}: {exc}") from exc
     consumer = Consumer({**kafka_config, "group.id": job, "enable.auto.commit": False})
     try:
-        if not pipeline.exactly_once:
-            check("was about to commit the job's offsets")
-            FaultInjector().point("restore_before_commit")
-            consumer.commit(offsets=offsets, asynchronous=False)
-            return
-        if offsets:
+        if pipeline.exactly_once and offsets:
             # Not a member (generation -1): the broker accepts a transaction's offsets so even
             # from a group with members; the guard's check before the commit is what keeps a
             # running job's offsets. Bounded: the call can block for good when the group's
@@ -1464,11 +1451,18 @@ def _reset_offsets(
                 raise CheckpointError(
                     f"the restore of job {job} cannot commit the job's offsets: {exc}"
                 ) from exc
+        check(
+            "was about to commit the records in flight and the job's offsets"
+            if pipeline.exactly_once
+            else "was about to commit the job's offsets"
+        )
+        FaultInjector().point("restore_before_commit")
+        if not pipeline.exactly_once:
+            consumer.commit(offsets=offsets, asynchronous=False)
     finally:
         consumer.close()
-    check("was about to commit the records in flight and the job's offsets")
-    FaultInjector().point("restore_before_commit")
-    _commit(producer, job)
+    if pipeline.exactly_once:
+        _commit(producer, job)
 
 
 def _offsets_beyond(admin: AdminClient, job: str, offsets: list[TopicPartition]) -> bool:
