@@ -59,7 +59,9 @@ class BackgroundJobs:
         wait(futures, timeout=bound)
         now = time.monotonic()
         with self._lock:
-            left = list(self._jobs.values())
+            # ``wait`` returns once a future is done, which is before its done callbacks
+            # (``_done``) have run: a finished job may still be listed, so ask each future.
+            left = [job for future, job in self._jobs.items() if not future.done()]
         return [
             f"{what} ({'queued' if began is None else f'running {now - began:.0f} s'})"
             for what, began in left

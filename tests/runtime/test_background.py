@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
 
 from snapline.pipeline.background import BackgroundJobs
 
@@ -34,6 +38,22 @@ def test_shutdown_names_a_hung_job_and_the_ones_queued_behind_it() -> None:
 
 
 def test_a_failed_job_is_done_and_its_error_stays_on_its_future() -> None:
+    jobs = BackgroundJobs(1, "test")
+    future = jobs.submit("fails", lambda: 1 / 0)
+    assert jobs.shutdown(5.0) == []
+    assert isinstance(future.exception(), ZeroDivisionError)
+
+
+def test_a_job_done_before_its_callback_ran_is_not_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ``wait`` returns as soon as a future is done, before its done callbacks run; CI once
+    # caught shutdown in that gap and named a job that had already failed.
+    slow_done = BackgroundJobs._done
+
+    def late(self: BackgroundJobs, future: Future[Any]) -> None:
+        time.sleep(0.5)
+        slow_done(self, future)
+
+    monkeypatch.setattr(BackgroundJobs, "_done", late)
     jobs = BackgroundJobs(1, "test")
     future = jobs.submit("fails", lambda: 1 / 0)
     assert jobs.shutdown(5.0) == []
