@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 from snapline.pipeline.checkpoint.metadata import (
+    COMMITTED_FILE,
     METADATA_FILE,
     CheckpointRef,
     list_checkpoints,
@@ -40,3 +43,46 @@ def test_a_mark_without_its_checkpoint_is_not_retained_in_place_of_a_real_one(
     coordinator.retain(TASK, refs[3], keep=3)
     assert coordinator.shutdown() == []
     assert [r.checkpoint_id for r in list_checkpoints(storage, JOB, TASK)] == [1, 3, 4]
+
+
+class _SlowMarks(CheckpointStorage):
+    """Checkpoint storage whose write of one checkpoint's commit mark waits for ``release``
+    (an S3 PUT in its tail latency, retried)."""
+
+    def __init__(self, root: str, slow: CheckpointRef) -> None:
+        super().__init__(root)
+        self.slow = f"{slow.directory(JOB, TASK)}/{COMMITTED_FILE}"
+        self.release = threading.Event()
+        self.writing = threading.Event()
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        if path == self.slow:
+            self.writing.set()
+            assert self.release.wait(10)
+        super().write_bytes(path, data)
+
+
+def test_a_slow_commit_mark_does_not_let_the_next_retention_delete_its_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Checkpoint 3 commits and its retention's mark write is slow; checkpoint 4 commits.
+    The two retentions ran on the pool's two threads at once: 4's saw 3 unmarked, took it
+    for a checkpoint that never committed and deleted it, so 1, 2 and 4 were kept instead
+    of 2, 3 and 4. A task's retentions now run in commit order."""
+    refs = [CheckpointRef(i, "a1") for i in range(1, 5)]
+    storage = _SlowMarks(str(tmp_path), refs[2])
+    for ref in refs[:2]:
+        _committed(storage, ref)
+    for ref in refs[2:]:
+        storage.write_bytes(f"{ref.directory(JOB, TASK)}/{METADATA_FILE}", b"{}")
+    coordinator = CheckpointCoordinator(
+        JOB, "w0", storage, FaultInjector(""), states=[], timeout=10
+    )
+    coordinator.retain(TASK, refs[2], keep=3)
+    assert storage.writing.wait(10)
+    coordinator.retain(TASK, refs[3], keep=3)
+    time.sleep(0.3)  # time for a second thread to run 4's retention, were it allowed to
+    storage.release.set()
+    assert coordinator.shutdown() == []
+    assert [r.checkpoint_id for r in list_checkpoints(storage, JOB, TASK)] == [2, 3, 4]
+    assert storage.exists(f"{refs[2].directory(JOB, TASK)}/{METADATA_FILE}")

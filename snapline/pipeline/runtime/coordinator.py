@@ -9,6 +9,7 @@ materialization pool runs ``_materialize`` on the immutable ``TaskSnapshot`` of 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import Future
@@ -82,6 +83,11 @@ class CheckpointCoordinator:
         self.timeout = timeout
         self._states = states
         self._jobs = BackgroundJobs(threads, "materialize")
+        #: Retentions of each task waiting, in commit order, and the tasks whose retentions
+        #: a pool job is running now (``_retain_in_order``).
+        self._retentions: dict[str, list[tuple[CheckpointRef, int]]] = {}
+        self._retaining: set[str] = set()
+        self._retentions_lock = threading.Lock()
         #: A token unique to this worker incarnation: storage paths of two writers never clash.
         self.attempt = uuid.uuid4().hex[:8]
         self.next_id = 1
@@ -233,8 +239,35 @@ class CheckpointCoordinator:
     # ----------------------------------------------------------------- retention
     def retain(self, task_id: str, committed: CheckpointRef, keep: int) -> None:
         """After ``committed`` passed the commit point: mark it committed, then delete the
-        task's checkpoints that are provably dead or no longer retained (background)."""
-        self._jobs.submit(f"retention of task {task_id}", self._retain, task_id, committed, keep)
+        task's checkpoints that are provably dead or no longer retained (background).
+
+        A task's retentions run one at a time in commit order, on whichever pool thread: the
+        retention of c + 1 takes c, committed but not yet marked (its retention's mark still
+        on its way, e.g. a slow storage write), for a checkpoint that never committed and
+        deletes it. The pool has two threads, so before, that could happen."""
+        with self._retentions_lock:
+            self._retentions.setdefault(task_id, []).append((committed, keep))
+            if task_id in self._retaining:
+                return  # the job running the task's retentions takes this one next
+            self._retaining.add(task_id)
+        try:
+            self._jobs.submit(f"retention of task {task_id}", self._retain_in_order, task_id)
+        except BaseException:
+            with self._retentions_lock:
+                self._retaining.discard(task_id)
+            raise
+
+    def _retain_in_order(self, task_id: str) -> None:
+        """Run the task's waiting retentions, oldest first, until none is left. One job per
+        task at a time, and it takes no pool thread waiting for another."""
+        while True:
+            with self._retentions_lock:
+                waiting = self._retentions[task_id]
+                if not waiting:
+                    self._retaining.discard(task_id)
+                    return
+                committed, keep = waiting.pop(0)
+            self._retain(task_id, committed, keep)
 
     def _retain(self, task_id: str, committed: CheckpointRef, keep: int) -> None:
         """Keep ``committed`` and the newest ``keep - 1`` older checkpoints marked committed.
