@@ -39,6 +39,7 @@ from snapline.connectors.config import redact_text
 from snapline.pipeline.checkpoint.identity import JobIdentity
 from snapline.pipeline.errors import ConfigurationError, SinkError
 from snapline.pipeline.record import Record
+from snapline.pipeline.runtime.faults import FaultInjector
 from snapline.pipeline.sink import Sink, SinkContext
 from snapline.pipeline.state.serde import json_bytes
 from snapline.sinks.staging import StagingSinkWriter
@@ -57,6 +58,25 @@ TASKS_SUFFIX = "__snapline_tasks"
 #: PostgreSQL truncates identifiers to 63 bytes; longer derived names are shortened with a hash.
 MAX_IDENTIFIER = 63
 _COPY_CHUNK = 1 << 20
+#: Seconds a writer's session may sit idle inside a transaction before PostgreSQL ends it
+#: (``idle_in_transaction_session_timeout``, set unless the server or ``connect_kwargs`` set
+#: one). A writer's transactions run their statements back to back, so only a frozen writer
+#: (SIGSTOP, a paused VM) waits that long; its locks would otherwise hold the next owner's
+#: recovery of the same task (and, inside the table's setup, every writer of the table) for
+#: as long as it stays frozen.
+IDLE_IN_TRANSACTION_TIMEOUT = 30
+_faults: FaultInjector | None = None
+
+
+def _fault_point(name: str) -> None:
+    """A fault point of the tests (``SNAPLINE_FAULT``); one injector per process, so that a
+    ``stop`` fires once."""
+    global _faults
+    if _faults is None:
+        _faults = FaultInjector()
+    _faults.point(name)
+
+
 _INT_RANGES = {"int2": 2**15, "int4": 2**31, "int8": 2**63}
 
 
@@ -652,6 +672,11 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
             connection = psycopg.connect(self._sink.dsn, autocommit=True, **kwargs)
             # Staged rows must be durable when pre_commit reports success.
             connection.execute("SET synchronous_commit = on")
+            idle = connection.execute("SHOW idle_in_transaction_session_timeout").fetchone()
+            if idle is not None and str(idle[0]).strip() in ("0", "0ms", "0s"):
+                connection.execute(
+                    f"SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION_TIMEOUT}s'"
+                )
             self._connection = connection
         return connection
 
@@ -873,6 +898,7 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
                         exc.sqlstate,
                     )
                     self._apply_row_by_row(cursor, spec, params)
+                _fault_point("mid_sink_apply")
                 cursor.execute(
                     sql.SQL(
                         "INSERT INTO {0} AS t (task, checkpoint) VALUES (%(task)s, "

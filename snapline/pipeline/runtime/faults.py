@@ -39,6 +39,8 @@ KILL_POINTS = (
     "after_metadata_write",  # all metadata durable, Kafka transaction not committed
     "after_offsets_sent",  # source offsets sent to the transaction, not committed yet
     "after_kafka_commit",  # commit point passed, sinks not yet notified
+    # a PostgreSQL sink's apply of a checkpoint: rows upserted, its transaction not committed
+    "mid_sink_apply",
     "before_repartition_delete",  # a repartition topic's id checked, its DeleteRecords not sent
     "after_repartition_delete",  # the broker answered a DeleteRecords of repartition records
 )
