@@ -16,10 +16,13 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
+
+if TYPE_CHECKING:
+    from snapline.connectors.local.postgres import LocalPostgres
 
 _HERE = Path(__file__).resolve().parent
 _KAFKA_KEY = pytest.StashKey["KafkaInfo"]()
@@ -295,6 +298,22 @@ def postgres_dsn() -> Iterator[str]:
         yield server.dsn
     finally:
         server.stop()
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[LocalPostgres]:
+    """A PostgreSQL server of the test's own, which it may stop and start (the session's
+    must stay up)."""
+    from snapline.connectors.local.postgres import LocalPostgres
+
+    server = LocalPostgres()
+    try:
+        server.start()
+    except Exception as exc:
+        server.stop()
+        pytest.fail(f"No PostgreSQL for the outage test: {exc}", pytrace=False)
+    yield server
+    server.stop()
 
 
 # --- end of sinks fixtures --------------------------------------------------------------------

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ import pytest
 from psycopg import sql
 
 from snapline.connectors.local.postgres import LocalPostgres
-from snapline.pipeline.errors import ConfigurationError, SinkError
+from snapline.pipeline.errors import ConfigurationError, SinkUnavailableError
 from snapline.pipeline.record import Record
 from snapline.pipeline.sink import SinkContext
 from snapline.sinks.postgres import PostgresSink, PostgresSinkWriter
@@ -420,19 +420,6 @@ def test_tasks_write_one_table_concurrently(postgres_dsn: str) -> None:
 # --------------------------------------------------------------------------- outage
 
 
-@pytest.fixture
-def own_postgres() -> Iterator[LocalPostgres]:
-    """A server this test may stop and start (the session's must stay up)."""
-    server = LocalPostgres()
-    try:
-        server.start()
-    except Exception as exc:
-        server.stop()
-        pytest.fail(f"No PostgreSQL for the outage test: {exc}", pytrace=False)
-    yield server
-    server.stop()
-
-
 def test_database_outage_fails_the_checkpoint_and_loses_nothing(
     own_postgres: LocalPostgres,
 ) -> None:
@@ -448,7 +435,7 @@ def test_database_outage_fails_the_checkpoint_and_loses_nothing(
     # Down at pre-commit: the checkpoint fails; the runtime aborts and replays epoch 2.
     write(writer, [{"customer": "b", "total": 2}], 2)
     own_postgres.stop(keep_data=True)
-    with pytest.raises(SinkError, match="could not stage checkpoint 2.*retried"):
+    with pytest.raises(SinkUnavailableError, match="could not stage checkpoint 2.*retried"):
         pre_commit(writer, 2)
     writer.abort(2)
     own_postgres.start()
@@ -463,7 +450,7 @@ def test_database_outage_fails_the_checkpoint_and_loses_nothing(
     write(writer, [{"customer": "c", "total": 3}], 3)
     meta3 = pre_commit(writer, 3)
     own_postgres.stop(keep_data=True)
-    with pytest.raises(SinkError, match="could not commit checkpoint 3"):
+    with pytest.raises(SinkUnavailableError, match="could not commit checkpoint 3"):
         writer.commit(3)
     own_postgres.start()
     writer.close()

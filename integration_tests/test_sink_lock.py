@@ -1,4 +1,4 @@
-"""Locks on a PostgreSQL sink's rows that its writer cannot take.
+"""A PostgreSQL sink whose database is down, or whose rows its writer cannot lock.
 
 A sink table locked by someone else (an ``ALTER TABLE``, a ``VACUUM FULL``, a
 long transaction holding ``ACCESS EXCLUSIVE``) while the job runs: the apply of a committed
@@ -17,6 +17,7 @@ import pytest
 
 from examples.workers import WorkerProcess, process_state
 from integration_tests.warehouse_job import WarehouseJob, wait_for
+from snapline.connectors.local.postgres import LocalPostgres
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]
 
@@ -102,4 +103,40 @@ def test_a_writer_frozen_inside_its_apply_does_not_hold_the_next_owner(
     job.produce(500)
     job.wait_until_caught_up()
     owner.stop()
+    job.verify()
+
+
+def test_a_database_outage_is_waited_out_by_restarts_and_loses_nothing(
+    kafka_bootstrap: str,
+    own_postgres: LocalPostgres,
+    tmp_path: Path,
+    unique_name: str,
+    jobs: list,
+) -> None:
+    """The database goes down while the job runs. The worker's checkpoint fails and so does
+    its recovery of the sink: it exits with EX_TEMPFAIL (75), which a supervisor restarts
+    with backoff without counting a crash (before: exit 1, so six restarts within a minute's
+    outage stopped the whole job). Restarted once the database is back, it publishes what
+    was committed, and every input is in every sink exactly once."""
+    job = WarehouseJob(
+        kafka_bootstrap, unique_name, tmp_path, own_postgres.dsn, workers=1, interval=0.3
+    )
+    jobs.append(job)
+    (worker,) = job.workers
+    worker.start()
+    job.produce(500)
+    job.wait_until_caught_up()
+    own_postgres.stop(keep_data=True)
+    try:
+        job.produce(500)
+        # the next checkpoint's staging fails, then the sink's recovery: well within 90 s
+        code = worker.wait_exit(90)
+    finally:
+        own_postgres.start()
+    text = worker.log_path.read_text(errors="replace")
+    assert code == 75 and "once the sink answers" in text, worker.tail()
+    worker.start()
+    job.produce(500)
+    job.wait_until_caught_up()
+    worker.stop()
     job.verify()

@@ -13,6 +13,7 @@ from snapline.pipeline.errors import (
     ConfigurationError,
     CorruptCheckpointError,
     SinkError,
+    SinkUnavailableError,
     SnaplineError,
     StateError,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "Sink",
     "SinkContext",
     "SinkError",
+    "SinkUnavailableError",
     "SinkWriter",
     "SnaplineError",
     "StateError",

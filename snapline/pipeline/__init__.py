@@ -9,6 +9,7 @@ from snapline.pipeline.errors import (
     ConfigurationError,
     CorruptCheckpointError,
     SinkError,
+    SinkUnavailableError,
     SnaplineError,
     StateError,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "ReducingState",
     "Serde",
     "SinkError",
+    "SinkUnavailableError",
     "SnaplineError",
     "StateError",
     "Stream",

@@ -32,5 +32,12 @@ class SinkError(SnaplineError):
     """A sink could not write, pre-commit, commit or recover."""
 
 
+class SinkUnavailableError(SinkError):
+    """A sink's system could not be reached (a database down, a connection lost). A worker
+    that ends on it exits with EX_TEMPFAIL (75): restarted, it recovers from the committed
+    checkpoint and publishes what that checkpoint staged, so an outage is waited out by
+    restarts with backoff instead of counting as crashes that stop the job."""
+
+
 class BrokerError(SnaplineError):
     """The local Kafka broker could not be provisioned or started."""

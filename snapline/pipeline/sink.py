@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from snapline.pipeline.record import Record
@@ -39,6 +39,9 @@ class SinkContext:
     #: The Kafka cluster the job runs on ("" if unknown); sinks that keep a commit log record
     #: it and refuse to mix the histories of two clusters (see checkpoint/identity.py).
     cluster_id: str = ""
+    #: The worker's fault points of the tests (``runtime/faults.py``): a sink that has one
+    #: passes it by name; a no-op unless ``SNAPLINE_FAULT`` names it.
+    fault_point: Callable[[str], None] = field(default=lambda name: None)
 
 
 class SinkWriter(ABC):

@@ -37,9 +37,8 @@ from psycopg.conninfo import conninfo_to_dict
 
 from snapline.connectors.config import redact_text
 from snapline.pipeline.checkpoint.identity import JobIdentity
-from snapline.pipeline.errors import ConfigurationError, SinkError
+from snapline.pipeline.errors import ConfigurationError, SinkError, SinkUnavailableError
 from snapline.pipeline.record import Record
-from snapline.pipeline.runtime.faults import FaultInjector
 from snapline.pipeline.sink import Sink, SinkContext
 from snapline.pipeline.state.serde import json_bytes
 from snapline.sinks.staging import StagingSinkWriter
@@ -65,18 +64,6 @@ _COPY_CHUNK = 1 << 20
 #: recovery of the same task (and, inside the table's setup, every writer of the table) for
 #: as long as it stays frozen.
 IDLE_IN_TRANSACTION_TIMEOUT = 30
-_faults: FaultInjector | None = None
-
-
-def _fault_point(name: str) -> None:
-    """A fault point of the tests (``SNAPLINE_FAULT``); one injector per process, so that a
-    ``stop`` fires once."""
-    global _faults
-    if _faults is None:
-        _faults = FaultInjector()
-    _faults.point(name)
-
-
 _INT_RANGES = {"int2": 2**15, "int4": 2**31, "int8": 2**63}
 
 
@@ -651,11 +638,12 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
         )
 
     def _fail(self, exc: BaseException, what: str) -> SinkError:
-        if isinstance(exc, psycopg.OperationalError) or (
+        unreachable = isinstance(exc, psycopg.OperationalError) or (
             self._connection is not None and self._connection.broken
-        ):
+        )
+        if unreachable:
             self._disconnect()
-        return SinkError(
+        return (SinkUnavailableError if unreachable else SinkError)(
             f"{self._sink.name}: could not {what} {self._where()} table {self._sink.table!r}: "
             f"{_without_secrets(str(exc).strip(), self._sink) or type(exc).__name__} (the "
             "checkpoint fails and is retried; staged rows are kept)"
@@ -898,7 +886,7 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
                         exc.sqlstate,
                     )
                     self._apply_row_by_row(cursor, spec, params)
-                _fault_point("mid_sink_apply")
+                self._context.fault_point("mid_sink_apply")
                 cursor.execute(
                     sql.SQL(
                         "INSERT INTO {0} AS t (task, checkpoint) VALUES (%(task)s, "

@@ -328,6 +328,7 @@ class Task:
                 self.output,
                 self._sink_dead_letter,
                 self.cluster_id,
+                self._faults.point,
             )
             sink_op = SinkOperator(self, node.fn.name, node.fn.open(context))
             self.sink_writers[node.fn.name] = sink_op

@@ -79,7 +79,12 @@ from snapline.pipeline.checkpoint.metadata import (
 )
 from snapline.pipeline.checkpoint.restore import restore_committed
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
-from snapline.pipeline.errors import CheckpointError, CheckpointStorageError, ConfigurationError
+from snapline.pipeline.errors import (
+    CheckpointError,
+    CheckpointStorageError,
+    ConfigurationError,
+    SinkUnavailableError,
+)
 from snapline.pipeline.graph import Pipeline
 from snapline.pipeline.runtime import coverage, departed
 from snapline.pipeline.runtime.consumer_watch import LIMIT as WATCH_LIMIT
@@ -2677,6 +2682,19 @@ def tune_interpreter() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+def unavailable_sink(exc: BaseException) -> SinkUnavailableError | None:
+    """The sink outage that ended a worker, if one did: ``exc`` itself, or what it was
+    raised from (the last error of the checkpoints that failed in a row)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, SinkUnavailableError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def run_worker(pipeline: Pipeline, settings: WorkerSettings) -> None:
     """Entry point of a worker process: SIGTERM/SIGINT take a final checkpoint and exit.
 
@@ -2709,6 +2727,16 @@ def run_worker(pipeline: Pipeline, settings: WorkerSettings) -> None:
         log.error("%s (exit %d: restart the worker)", exc, EX_TEMPFAIL)
         _exit_now(EX_TEMPFAIL)
     except Exception as exc:
+        if unavailable_sink(exc) is not None:
+            # A database down: waited out by restarts (the supervisor's backoff, not counted
+            # as a crash), each recovering the committed checkpoint and publishing its output.
+            log.error(
+                "%s (exit %d: restart the worker; it recovers from the committed checkpoint "
+                "and publishes its staged output once the sink answers)",
+                exc,
+                EX_TEMPFAIL,
+            )
+            _exit_now(EX_TEMPFAIL)
         if worker.hung_jobs:
             # A normal exit would join the hung threads, i.e. never end.
             log.error("%s (exit 1)", exc)
