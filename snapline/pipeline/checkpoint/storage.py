@@ -1,7 +1,10 @@
 """Checkpoint storage: any pyarrow.fs filesystem (local directory by default, S3/GCS/HDFS by URI).
 
-All paths are relative to the storage root. Writes of small files are atomic (temp file and
-rename on filesystems that rename atomically; a single PUT on object stores). Thread-safe:
+All paths are relative to the storage root. Writes are atomic where the filesystem allows:
+a temporary file renamed into place on a local directory; a single upload on object stores
+(S3, GCS, Azure); a temporary file moved into place anywhere else (HDFS, whose move over an
+existing file deletes it first: a crash between the two leaves the new file under its
+temporary name and none in place, never a truncated one). Thread-safe:
 checkpoint threads write while the task thread reads nothing from here during processing.
 """
 
@@ -61,6 +64,12 @@ SETTING_ERRNOS = frozenset(
 )
 
 
+#: ``pyarrow.fs`` filesystems (``type_name``) whose objects appear only once their upload
+#: completed, and replace an old object at once: written in place. Any other filesystem
+#: (HDFS, one through fsspec) is written under a temporary name and moved into place.
+OBJECT_STORES = frozenset({"s3", "gcs", "abfs"})
+
+
 class CheckpointStorage:
     """A filesystem root shared by all workers of a job.
 
@@ -83,9 +92,11 @@ class CheckpointStorage:
                     "URI pyarrow.fs understands (file://, s3://, gs://, hdfs://)."
                 ) from exc
             self._local = isinstance(self._fs, pafs.LocalFileSystem)
+            self._whole_objects = self._fs.type_name in OBJECT_STORES
         else:
             root = str(Path(uri).absolute())
             self._local = True
+            self._whole_objects = False
         self.root = root.rstrip("/")
         # A deliberate slowdown for tests that prove materialization is asynchronous.
         if write_delay is None:
@@ -156,13 +167,37 @@ class CheckpointStorage:
             os.replace(tmp, target)
         else:
             self.fs.create_dir(parent, recursive=True)
-            with self.fs.open_output_stream(target) as out:
-                for part in parts:
-                    view = memoryview(part).cast("B")
-                    crc = zlib.crc32(view, crc)
-                    size += view.nbytes
-                    out.write(view)
+            written = self._beside(target)
+            try:
+                with self.fs.open_output_stream(written) as out:
+                    for part in parts:
+                        view = memoryview(part).cast("B")
+                        crc = zlib.crc32(view, crc)
+                        size += view.nbytes
+                        out.write(view)
+                self._move_into_place(written, target)
+            except BaseException:
+                self._drop(written, target)
+                raise
         return size, f"crc32:{crc & 0xFFFFFFFF:08x}"
+
+    def _beside(self, target: str) -> str:
+        """Where a write to ``target`` goes first: ``target`` itself on an object store (an
+        object appears whole once its upload completed), a temporary name beside it on any
+        other filesystem (HDFS shows a file while it is written, and truncates one it
+        overwrites first: a worker killed mid-write left a truncated file in its place,
+        e.g. the job's checkpoint-id floor, which every later restore then failed to read)."""
+        return target if self._whole_objects else f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+
+    def _move_into_place(self, written: str, target: str) -> None:
+        if written != target:
+            self.fs.move(written, target)
+
+    def _drop(self, written: str, target: str) -> None:
+        """A failed write's temporary file (never ``target``: it keeps the old file)."""
+        if written != target:
+            with contextlib.suppress(Exception):
+                self.fs.delete_file(written)
 
     def upload_file(self, local_path: str, path: str) -> None:
         """Copy a local file into storage (atomic like write_bytes)."""
@@ -177,12 +212,18 @@ class CheckpointStorage:
             import pyarrow.fs as pafs
 
             self.fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
-            pafs.copy_files(
-                local_path,
-                target,
-                source_filesystem=pafs.LocalFileSystem(),
-                destination_filesystem=self.fs,
-            )
+            written = self._beside(target)
+            try:
+                pafs.copy_files(
+                    local_path,
+                    written,
+                    source_filesystem=pafs.LocalFileSystem(),
+                    destination_filesystem=self.fs,
+                )
+                self._move_into_place(written, target)
+            except BaseException:
+                self._drop(written, target)
+                raise
 
     def _before_write(self, path: str) -> None:
         """Test hooks: a fixed delay per write, and faults read from the control file named
