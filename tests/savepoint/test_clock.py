@@ -6,8 +6,17 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import orjson
+import pytest
 
-from snapline import Context, KafkaSource, KeyedProcessFunction, Pipeline, tumbling
+from snapline import (
+    Context,
+    KafkaSource,
+    KeyedProcessFunction,
+    Pipeline,
+    session,
+    sliding,
+    tumbling,
+)
 from snapline.pipeline.keygroups import key_group, operator_index_for_key_group
 from snapline.pipeline.record import ListedMessage
 from snapline.pipeline.runtime.faults import FaultInjector
@@ -232,3 +241,46 @@ def test_a_process_function_sees_its_keys_event_time_after_a_merge() -> None:
     before, after, _ = _window_after_merge(lateness=None)
     assert before == [-(1 << 63)]  # the old task's first record came before any watermark
     assert after == [200]  # the task is at 50; the key's key-group was at 200
+
+
+@pytest.mark.parametrize("assigner", ["tumbling", "session", "sliding"])
+def test_windows_kept_for_an_allowed_lateness_the_new_code_raised_are_purged(
+    assigner: str,
+) -> None:
+    """Found by review: a window's purge timer is registered when the window is created,
+    with the allowed lateness of the code then. Code restored with a larger lateness fired
+    the window and kept it for late records, but nothing ever purged it: every window open
+    at the upgrade stayed in state (and in every checkpoint) for good."""
+    windows = {"tumbling": tumbling(100), "session": session(100), "sliding": sliding(100)}
+
+    def pipeline(lateness: int) -> Pipeline:
+        p = Pipeline("raised-lateness")
+        p.source(KafkaSource("in", timestamp=lambda v: v["t"])).key_by(
+            lambda v: v["k"], name="a", partitions=1
+        ).window(windows[assigner], allowed_lateness=lateness).count().sink(
+            _CapturingSink("cap", [])
+        )
+        return p
+
+    backend = create_backend("memory", task_dir="", options={})
+    old_code, new_code = pipeline(0), pipeline(10)
+    (rep,) = old_code.stages().repartitions.values()
+    topic, stage = rep.topic, rep.downstream
+
+    def task(p: Pipeline) -> Task:
+        return Task(
+            f"s{stage}-p0", p, {(topic, 0): 0}, backend, _Out(), worker_id="w", epoch=1,
+            on_snapshot=lambda s: None, faults=FaultInjector(""), stage=stage, plan=p.stages(),
+            topic_partitions={"in": 1, topic: 1}, time_state=None,
+        )  # fmt: skip
+
+    old = task(old_code)
+    value = orjson.dumps({"k": "k", "t": 50})
+    old.enqueue((topic, 0), [ListedMessage(topic, 0, 0, value, b"sk", 50)])
+    old.run()
+    assert backend.entry_count() > 0
+    new = task(new_code)  # restored on the old code's state
+    for watermark in (150, 10_000):
+        new.on_watermark_record((topic, 0), WatermarkRecord("p0", watermark, False))
+        new.run()
+    assert backend.entry_count() == 0

@@ -239,6 +239,12 @@ class WindowOperator(Operator):
                 self._emit(key, key_bytes, group, start, end, acc)
             if end - 1 + lateness <= ts:
                 state.remove([start, end])
+            elif end - 1 <= ts:
+                # Fired and kept for late records: its purge timer. Registered when the
+                # window was created, with the lateness of the code then; code restored with
+                # a larger allowed_lateness kept such a window for good (timers are set
+                # once, so this one is a no-op unless the lateness changed).
+                self._timers.register_event_time(end - 1 + lateness)
 
     def _on_sliding_timer(self, ts: int, key: Any, key_bytes: bytes, group: int) -> None:
         buckets = self._windows
@@ -246,9 +252,15 @@ class WindowOperator(Operator):
         assert isinstance(self._assigner, SlidingWindows)
         if buckets.contains(ts):
             self._emit_sliding(key, key_bytes, group, ts)
-        keep = self._assigner.size - 1 + self._lateness
-        for t in [t for t, _ in buckets.items() if t + keep <= ts]:
-            buckets.remove(t)
+        size = self._assigner.size
+        keep = size - 1 + self._lateness
+        for t, _ in list(buckets.items()):
+            if t + keep <= ts:
+                buckets.remove(t)
+            elif t + size - 1 <= ts:
+                # Every window of the bucket fired; kept for late records until its purge
+                # timer, set again in case the code's allowed_lateness grew since (as above).
+                self._timers.register_event_time(t + keep)
 
     def _emit_sliding(self, key: Any, key_bytes: bytes | None, group: int, t: int) -> None:
         buckets = self._windows
