@@ -442,3 +442,19 @@ def _window_counts(kafka_config: dict[str, Any]) -> Pipeline:
         .sink(KafkaSink(f"{prefix}win-out"))
     )
     return pipeline
+
+
+def delayed_echo_rekeyed() -> Pipeline:
+    """``delayed_echo`` whose output goes through a second stage (re-keyed by the record's
+    ``n`` through ``<job>.again.repartition``) to ``<prefix>copy-out``: the timers' output is a
+    record in flight of a repartition topic."""
+    pipeline = Pipeline(f"{PREFIX}job", checkpoint_interval=0.3)
+    (
+        pipeline.source(KafkaSource(f"{PREFIX}copy-in"))
+        .key_by()
+        .process(DelayedEcho())
+        .key_by(lambda v: str(v["n"]), name="again")
+        .map(lambda v: v)
+        .sink(KafkaSink(f"{PREFIX}copy-out"))
+    )
+    return pipeline

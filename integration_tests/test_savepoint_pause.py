@@ -9,6 +9,10 @@ timer fires) and triggers no checkpoint."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,7 +21,7 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from examples.orders import create_topics, read_committed
-from examples.workers import WorkerProcess
+from examples.workers import WorkerProcess, read_events
 from snapline.pipeline.savepoint import control
 
 pytestmark = pytest.mark.integration
@@ -101,3 +105,86 @@ def test_a_paused_worker_commits_nothing_while_holds_come_and_resumes_when_they_
         code = worker.stop()  # after a failure too, which then is the one reported
     assert code == 0, worker.tail()
     assert sorted(r["n"] for r in outputs) == list(range(6))  # each once
+
+
+def test_no_timer_fires_between_a_savepoints_barrier_and_its_pause(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """Found by review: during a savepoint's final checkpoint the worker kept moving time,
+    so a processing-time timer that came due after the barrier put its output into the next
+    epoch; the worker then paused with that transaction open, holding a record in the
+    repartition topic. The savepoint's read of the records in flight waited for it until the
+    broker aborted it (transaction.timeout.ms, 60 s), and the worker's first commit after the
+    resume failed. Here records trickle in (one per 100 ms, each out 1 s after it was read)
+    and checkpoint writes are slowed (1 s each), so timers come due while the savepoint's
+    checkpoint is written; the savepoint must be done well within the transaction timeout,
+    with every record out once and no checkpoint failed."""
+    prefix = f"{unique_name}-"
+    source, out = f"{prefix}copy-in", f"{prefix}copy-out"
+    create_topics(kafka_bootstrap, {source: 1, out: 1})
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    produced = 0
+    stop = threading.Event()
+
+    def feed() -> None:
+        nonlocal produced
+        while not stop.wait(0.1):
+            producer.produce(
+                source, orjson.dumps({"n": produced}), str(produced).encode(), partition=0
+            )
+            producer.poll(0)
+            produced += 1
+        assert producer.flush(30) == 0
+
+    worker = WorkerProcess(
+        "integration_tests.pipelines:delayed_echo_rekeyed",
+        "w0",
+        kafka_bootstrap,
+        tmp_path / "chk",
+        tmp_path,
+        {
+            "SNAPLINE_TEST_PREFIX": prefix,
+            "SNAPLINE_TEST_DELAY_MS": "1000",
+            "SNAPLINE_TEST_STORAGE_WRITE_DELAY": "1.0",
+        },
+    )
+    worker.start()
+    feeder = threading.Thread(target=feed)
+    try:
+        feeder.start()
+        assert read_committed(kafka_bootstrap, out, 1, timeout=90), worker.tail()
+        started = time.monotonic()
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "snapline.pipeline.cli",
+                "savepoint",
+                "create",
+                "integration_tests.pipelines:delayed_echo_rekeyed",
+                "--bootstrap-servers",
+                kafka_bootstrap,
+                "--checkpoint-dir",
+                str(tmp_path / "chk"),
+                "--path",
+                str(tmp_path / "savepoint"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=150,  # bounded: the export gives up on an open transaction after 120 s
+            env={**os.environ, "SNAPLINE_TEST_PREFIX": prefix},
+        )
+        took = time.monotonic() - started
+        stop.set()
+        feeder.join(60)
+        assert result.returncode == 0, result.stderr + worker.tail()
+        # Without the fix: ~60 s (the broker's abort of the open transaction).
+        assert took < 40, f"the savepoint took {took:.0f} s\n{result.stderr}"
+        outputs = read_committed(kafka_bootstrap, out, produced, timeout=90, settle=2)
+    finally:
+        stop.set()
+        code = worker.stop()
+    assert code == 0, worker.tail()
+    assert sorted(r["n"] for r in outputs) == list(range(produced))  # each once
+    failed = [e for e in read_events(worker.metrics_path) if e["event"] == "checkpoint_failed"]
+    assert not failed, failed

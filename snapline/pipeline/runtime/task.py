@@ -355,8 +355,11 @@ class Task:
     def backlog(self) -> int:
         return sum(len(c.items) for c in self._channel_list)
 
-    def run(self) -> None:
-        """Process until every channel is empty or blocked by alignment."""
+    def run(self, advance_time: bool = True) -> None:
+        """Process until every channel is empty or blocked by alignment. ``advance_time``
+        False: the clock moves only with the records processed (no idleness, no
+        processing-time timers): a savepoint's final checkpoint, whose next epoch must stay
+        empty while the job pauses."""
         channels = self._channel_list
         aligner = self.aligner
         single = len(channels) == 1
@@ -385,8 +388,9 @@ class Task:
                 now = time.monotonic()
                 self.clock.observe(channel.tp, max_ts, now)
                 self._advance_time(now)
-        self._advance_time(time.monotonic())
-        self._fire_processing_time()
+        if advance_time:
+            self._advance_time(time.monotonic())
+            self._fire_processing_time()
 
     # ------------------------------------------------------------------ time
     @property

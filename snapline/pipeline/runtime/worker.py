@@ -2460,7 +2460,11 @@ class Worker:
         savepoint); True when everything read is committed."""
         if not self.tasks:
             return True
-        if self.coordinator.pending is None and self._nothing_read_since_trigger():
+        if (
+            self.coordinator.pending is None
+            and self._nothing_read_since_trigger()
+            and not any(task.time_pending for task in self.tasks.values())
+        ):
             if reason == "stop":
                 log.info(
                     "stop: nothing read since checkpoint %d; no final checkpoint needed",
@@ -2473,6 +2477,12 @@ class Worker:
             bound = min(bound, FINAL_CHECKPOINT_BOUND)
         deadline = time.monotonic() + bound
         target = None
+        # A savepoint's: time stands still from here on. A timer fired, or a watermark moved
+        # by idleness, once the barrier passed would put output into the next epoch, whose
+        # transaction then stays open while the job pauses: the savepoint's read of the
+        # records in flight waited for it until the broker aborted it (transaction.timeout.ms),
+        # and the worker's next commit failed. They fire after the resume.
+        advance_time = reason != "savepoint"
         while time.monotonic() < deadline:
             if self.coordinator.pending is None:
                 if target is not None and self.coordinator.next_id > target:
@@ -2481,7 +2491,7 @@ class Worker:
                 self._trigger(time.monotonic())
             try:
                 for task in self.tasks.values():
-                    task.run()
+                    task.run(advance_time)
                 self.output.poll()
                 done = self.coordinator.poll()
                 if done is not None:
