@@ -458,3 +458,18 @@ def delayed_echo_rekeyed() -> Pipeline:
         .sink(KafkaSink(f"{PREFIX}copy-out"))
     )
     return pipeline
+
+
+def union_copy_grow() -> Pipeline:
+    """JSON records of ``<prefix>copy-in`` and ``<prefix>copy-in2`` unioned (task p reads
+    partition p of both) and copied to ``<prefix>copy-out``; the consumer looks for new
+    partitions every second."""
+    pipeline = Pipeline(
+        f"{PREFIX}job",
+        checkpoint_interval=0.3,
+        kafka_config={"topic.metadata.refresh.interval.ms": 1000},
+    )
+    first = pipeline.source(KafkaSource(f"{PREFIX}copy-in", value_format="json"))
+    second = pipeline.source(KafkaSource(f"{PREFIX}copy-in2", value_format="json"))
+    first.union(second).sink(KafkaSink(f"{PREFIX}copy-out"))
+    return pipeline

@@ -1062,3 +1062,73 @@ def test_a_partition_added_to_a_source_holds_the_keyed_stages_watermark_back(
         assert worker.stop() == 0, worker.tail()
     fired = [(o["key"], o["start"], o["value"]) for o in outputs]
     assert fired == [("a", 0, 3)], fired
+
+
+def test_a_source_topic_grown_alone_splits_no_task_over_two_workers(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """Two workers copy the records of two unioned topics: task p reads partition p of both.
+    One topic grows from 2 to 3 partitions while the job runs; the range assignor then gave
+    partition 1 of one topic to one worker and of the other to the other worker, and both
+    ran task p1 (with keyed state, each with half its input and the whole state: wrong
+    output), each worker's retention deleting the other's checkpoints. Now every worker
+    exits (75) before it restores anything, naming the fix; once the other topic has grown
+    too, they start again and every record is copied once."""
+    prefix = f"{unique_name}-"
+    first, second, out = f"{prefix}copy-in", f"{prefix}copy-in2", f"{prefix}copy-out"
+    create_topics(kafka_bootstrap, {first: 2, second: 2, out: 2})
+    produced: list[tuple[int, int]] = []
+
+    def produce(count: int) -> None:
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})  # knows every partition
+        for _ in range(count):
+            n = len(produced)
+            for source, topic in ((1, first), (2, second)):
+                producer.produce(topic, orjson.dumps({"n": n, "src": source}), f"k{n}".encode())
+                produced.append((source, n))
+        assert producer.flush(30) == 0
+
+    workers = [
+        WorkerProcess(
+            "integration_tests.pipelines:union_copy_grow",
+            worker_id,
+            kafka_bootstrap,
+            tmp_path / "chk",
+            tmp_path,
+            {"SNAPLINE_TEST_PREFIX": prefix},
+        )
+        for worker_id in ("w0", "w1")
+    ]
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+
+    def members() -> int:
+        future = admin.describe_consumer_groups([f"{prefix}job"], request_timeout=10)
+        return len(future[f"{prefix}job"].result(timeout=15).members)
+
+    try:
+        for worker in workers:
+            worker.start()
+        produce(20)
+        assert len(read_committed(kafka_bootstrap, out, 40, timeout=90, settle=0.5)) == 40
+        _add_partitions(kafka_bootstrap, first, 3)
+        for worker in workers:
+            # bounded: the consumers look for new partitions every second, then rebalance
+            assert worker.wait_exit(60) == 75, worker.tail()
+            assert "have different numbers of partitions" in worker.tail(100), worker.tail()
+        _add_partitions(kafka_bootstrap, second, 3)
+        # A static member back within its session (10 s) would get its old assignment, made
+        # with the old counts (its worker exits 75 again; a supervisor's backoff outlasts
+        # the session): started once the group has let them go.
+        deadline = time.monotonic() + 60
+        while members():
+            assert time.monotonic() < deadline, "the group kept its stopped members"
+            time.sleep(0.5)
+        for worker in workers:
+            worker.start()
+        produce(30)
+        outputs = read_committed(kafka_bootstrap, out, len(produced), timeout=90, settle=2)
+    finally:
+        for worker in workers:
+            if worker.alive:
+                assert worker.stop() == 0, worker.tail()
+    assert sorted((r["src"], r["n"]) for r in outputs) == sorted(produced)  # each once

@@ -638,6 +638,7 @@ class Worker:
             t: topic_id(d) for t, d in described.items() if t in self._read_topics
         }
         self._grow_source_partitions(described)
+        self._check_co_partitioned(by_task, described)
         self._id_check = None
         bounds = self._log_bounds(partitions)
         committed_by_tp = {(c.topic, c.partition): c for c in committed}
@@ -756,6 +757,49 @@ class Worker:
         they name: a first read may be stale (this worker froze or stalled after it)."""
         fresh = self._committed_offsets([TopicPartition(c.topic, c.partition) for c in committed])
         return self._named_checkpoint(task_id, fresh), fresh
+
+    def _check_co_partitioned(
+        self, by_task: dict[str, list[TopicPartition]], described: dict[str, Any]
+    ) -> None:
+        """A stage that reads several topics (a union or a connect of sources) has one task
+        per partition number, fed by that partition of every one of them; the group's range
+        assignor hands them to one worker only while the topics have as many partitions. A
+        source topic grown alone while the job ran split tasks: partition p of one topic went
+        to one worker, of the other to another, and both restored task p and committed its
+        state, each with half of its input (wrong output), then retention of each deleted
+        the other's checkpoints and the job stopped for good once the partitions met again.
+        Raises KafkaClientError (exit 75: restarted, it rejoins) before anything is restored
+        or committed, naming the fix."""
+        topics_of: dict[int, list[str]] = defaultdict(list)
+        for topic, stage in self._stage_of_topic.items():
+            topics_of[stage].append(topic)
+        for stage, topics in sorted(topics_of.items()):
+            if len(topics) < 2:
+                continue
+            counts = {
+                t: len(getattr(described[t], "partitions", ()) or ())
+                for t in sorted(topics)
+                if t in described
+            }
+            if len(set(counts.values())) > 1:
+                raise KafkaClientError(
+                    f"the topics stage {stage} reads together have different numbers of "
+                    f"partitions ({', '.join(f'{t}: {n}' for t, n in counts.items())}): each "
+                    "task reads one partition number of all of them, and the consumer group "
+                    "would split it over two workers. Give them all the same number (e.g. "
+                    "kafka-topics.sh --alter --topic NAME --partitions N); until then no "
+                    "worker of the job restores anything"
+                )
+        for task_id, tps in sorted(by_task.items()):
+            stage = self._stage_of_topic[tps[0].topic]
+            missing = sorted(set(topics_of[stage]) - {tp.topic for tp in tps})
+            if len(topics_of[stage]) > 1 and missing:
+                raise KafkaClientError(
+                    f"the consumer group gave this worker task {task_id} without its partition "
+                    f"of {', '.join(missing)} (an assignment made before the topics' "
+                    "partition counts were the same again): the worker exits to rejoin, "
+                    "before it restores or commits anything"
+                )
 
     def _grow_source_partitions(self, described: dict[str, Any]) -> None:
         """Partitions added to a source topic while the job runs make the source stage one
