@@ -285,17 +285,24 @@ def postgres_dsn() -> Iterator[str]:
     if from_env:
         yield from_env
         return
+    with _started_postgres("the integration tests") as server:
+        yield server.dsn
+
+
+@contextmanager
+def _started_postgres(what: str) -> Iterator[LocalPostgres]:
+    """A throwaway PostgreSQL server, stopped (and its directory deleted) at the end; a
+    server that cannot start fails the test, naming ``what`` needed it."""
     from snapline.connectors.local.postgres import LocalPostgres
-    from snapline.pipeline.errors import SnaplineError
 
     server = LocalPostgres()
     try:
         server.start()
-    except SnaplineError as exc:
+    except Exception as exc:
         server.stop()
-        pytest.fail(f"No PostgreSQL for the integration tests:\n{exc}", pytrace=False)
+        pytest.fail(f"No PostgreSQL for {what}:\n{exc}", pytrace=False)
     try:
-        yield server.dsn
+        yield server
     finally:
         server.stop()
 
@@ -304,16 +311,8 @@ def postgres_dsn() -> Iterator[str]:
 def own_postgres() -> Iterator[LocalPostgres]:
     """A PostgreSQL server of the test's own, which it may stop and start (the session's
     must stay up)."""
-    from snapline.connectors.local.postgres import LocalPostgres
-
-    server = LocalPostgres()
-    try:
-        server.start()
-    except Exception as exc:
-        server.stop()
-        pytest.fail(f"No PostgreSQL for the outage test: {exc}", pytrace=False)
-    yield server
-    server.stop()
+    with _started_postgres("the test") as server:
+        yield server
 
 
 # --- end of sinks fixtures --------------------------------------------------------------------
