@@ -79,3 +79,28 @@ def test_a_range_kafka_no_longer_holds_in_full_is_refused_before_spark_runs() ->
     message = str(raised.value)
     assert "in[0]: offsets [0, 60) were deleted (the log starts at 60 now)" in message
     assert "in[1]: offsets [10, 100) are not in Kafka (the partition ends at 10" in message
+
+
+def test_a_rerun_must_start_from_the_savepoint_its_first_run_started_from(
+    tmp_path: Path,
+) -> None:
+    """Found by review: the range was recorded, its --from not. A run from a savepoint takes
+    its state, clocks and records in flight from it; re-run without that --from, its tasks
+    not yet committed ran the recorded range from empty state and without the records in
+    flight (lost from every sink and from the savepoint handed to the services), and a
+    re-run from a savepoint the first run did not start from counted its state twice."""
+    from snapline.pipeline.errors import ConfigurationError
+
+    storage = CheckpointStorage(str(tmp_path))
+    said: list[str] = []
+    offsets = ({("in", 0): 4}, {("in", 0): 9})
+    assert _run_range(storage, "job", "r1", *offsets, said.append, "savepoint:/sp/1") == offsets
+    assert _run_range(storage, "job", "r1", *offsets, said.append, "savepoint:/sp/1") == offsets
+    for other in ("earliest", "savepoint:/sp/2"):
+        with pytest.raises(ConfigurationError, match="run r1 was started with --from savepoint"):
+            _run_range(storage, "job", "r1", *offsets, said.append, other)
+    assert _run_range(storage, "job", "r2", *offsets, said.append, "earliest") == offsets
+    with pytest.raises(ConfigurationError, match="run it again with the --from it started"):
+        _run_range(storage, "job", "r2", *offsets, said.append, "savepoint:/sp/1")
+    # between two positions the recorded range decides, as before
+    assert _run_range(storage, "job", "r2", *offsets, said.append, "latest") == offsets

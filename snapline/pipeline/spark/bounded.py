@@ -596,7 +596,7 @@ def run_bounded(
         ends = _offsets(end, admin, probe, sources, latest=True)
         storage = CheckpointStorage(checkpoint_dir)
         fence_legacy_ids = _used_legacy_ids(storage, pipeline.name, run_id)
-        starts, ends = _run_range(storage, pipeline.name, run_id, starts, ends, say)
+        starts, ends = _run_range(storage, pipeline.name, run_id, starts, ends, say, start)
         _check_range(probe, starts, ends)
     finally:
         probe.close()
@@ -809,16 +809,35 @@ def _run_range(
     starts: dict[tuple[str, int], int],
     ends: dict[tuple[str, int], int],
     say: Callable[[str], None],
+    start: str = "",
 ) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]]:
     """The source range of run ``run_id``: recorded (checksummed) before its first task, and
     read back when the run is run again with its id. A re-run with ``--to latest`` computed
     the end again; its tasks already committed re-published what they had staged over the old
-    range while the savepoint claimed the new one, so the records in between were never output."""
+    range while the savepoint claimed the new one, so the records in between were never output.
+
+    ``start`` (the run's ``--from``) is recorded too. A run from a savepoint takes its state,
+    clocks and records in flight from it: a re-run without that ``--from`` ran the recorded
+    range from empty state and without those records (lost from the sinks and from the
+    savepoint handed over), and one from a savepoint where the first run had none counted
+    its state twice. Such a re-run is refused."""
     from snapline.pipeline.checkpoint.metadata import decode_checked, encode_checked
 
     path = f"{job}/spark/{run_id}/_range.json"
     if storage.exists(path):
         body = decode_checked(storage.read_bytes(path), storage.full_path(path))
+        first = body.get("from")
+        if (
+            first is not None
+            and first != start
+            and (first.startswith("savepoint:") or start.startswith("savepoint:"))
+        ):
+            raise ConfigurationError(
+                f"run {run_id} was started with --from {first}, and is run again with --from "
+                f"{start or '(none)'}: a run from a savepoint takes its state and records in "
+                "flight from it, so run it again with the --from it started with (or under a "
+                "new --run-id)"
+            )
         recorded = (
             {(t, int(p)): int(o) for t, p, o in body["starts"]},
             {(t, int(p)): int(o) for t, p, o in body["ends"]},
@@ -833,6 +852,7 @@ def _run_range(
                 "starts": [[t, p, o] for (t, p), o in sorted(starts.items())],
                 "ends": [[t, p, o] for (t, p), o in sorted(ends.items())],
                 "transactional_ids": "job",  # _transactional_id, not _legacy_transactional_id
+                "from": start,
             }
         ),
     )
