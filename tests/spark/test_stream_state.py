@@ -269,11 +269,17 @@ def test_outputs_of_the_part_before_key_by_pass_through_untouched(
 
 
 class _Watermark:
-    def __init__(self, watermark: int) -> None:
+    """Spark's TimerValues of a batch: its watermark, and its timestamp (``now``)."""
+
+    def __init__(self, watermark: int, now: int = 0) -> None:
         self.watermark = watermark
+        self.now = now
 
     def getCurrentWatermarkInMs(self) -> int:
         return self.watermark
+
+    def getCurrentProcessingTimeInMs(self) -> int:
+        return self.now
 
 
 class _Expired:
@@ -383,6 +389,42 @@ def test_on_timer_runs_from_spark_expired_timers_with_the_keys_state() -> None:
     assert handle.timers == {("b", 1100), ("b", 1150)}
     (out,) = _fire(processor, handle, tagged, 1120, 1100)
     assert pickle.loads(out.value) == {"key": "b", "at": 1100, "last": 1, "domain": "event"}
+
+
+class ShortLived(KeyedProcessFunction):
+    """Keeps the last amount for 10 s (TTL); an event-time timer 100 ms later emits it."""
+
+    last = ValueState("last", ttl=10.0)
+
+    def process(self, value: dict[str, Any], ctx: Context) -> Any:
+        self.last.update(value["amount"])
+        assert ctx.timers is not None
+        ctx.timers.register_event_time(ctx.timestamp + 100)
+        return None
+
+    def on_timer(self, timestamp: int, ctx: Context) -> Any:
+        yield {"at": timestamp, "last": self.last.value()}
+
+
+def test_a_timer_reads_ttl_state_at_its_batchs_time_not_the_wall_clock() -> None:
+    """Found by review: a firing timer's state TTL went by the wall clock (the batch's time
+    was set for records only), so a batch run again after a crash could find expired what
+    its first run had read, and go on from other state than the committed output's. It
+    reads at Spark's batch time now: a batch at 8 s sees the value written at 5 s with 10 s
+    of TTL, one at 16 s does not, whatever the wall clock says."""
+    name = "_snapline_stream_ttl_timer_test"
+    pipeline = Pipeline("ttl-timer-map")
+    pipeline.source(KafkaSource("in")).key_by().process(ShortLived()).sink(KafkaSink("out"))
+    processor, handle = _opened(_importable(name, pipeline))
+    handle.key = "b"
+    tagged = tag_key("b", b"b")
+    rows = [_row("b", 0, 7, "x", now=5000)]  # written at 5 s: expires at 15 s
+    assert list(processor.handleInputRows((tagged,), iter(rows), _Watermark(0, 5000))) == []
+    (ts,) = [t for _, t in handle.timers]
+    fired = list(processor.handleExpiredTimer((tagged,), _Watermark(ts, 8000), _Expired(ts)))
+    assert [pickle.loads(r.value) for r in fired] == [{"at": ts, "last": 7}]
+    fired = list(processor.handleExpiredTimer((tagged,), _Watermark(ts, 16000), _Expired(ts)))
+    assert [pickle.loads(r.value) for r in fired] == [{"at": ts, "last": None}]
 
 
 class ProcessingTimer(KeyedProcessFunction):

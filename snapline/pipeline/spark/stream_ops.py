@@ -633,6 +633,12 @@ def keyed_processor(spec: str) -> Any:
         def handleExpiredTimer(self, key: Any, timerValues: Any, expiredTimerInfo: Any) -> Any:
             ts = expiredTimerInfo.getExpiryTimeInMs()
             tagged, k = self._enter(key, timerValues, records=False)
+            # The batch's time, as its records see it (``now``: Spark's batch timestamp, the
+            # same when a batch runs again after a crash). Left unset, state TTL read and
+            # stamped in on_timer went by the wall clock: a re-run batch's state could differ
+            # from the one whose output was committed (an expiry between the two runs).
+            now = timerValues.getCurrentProcessingTimeInMs()
+            self.scope.now = self.timers.now = self.window_task.now = now
             index = next(i for i, s in enumerate(self.plan.keyed) if s.node_id == self.plan.timed)
             step = self.plan.keyed[index]
             ctx = self.ctx
