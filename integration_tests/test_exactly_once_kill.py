@@ -305,8 +305,11 @@ def test_zombie_woken_inside_the_commit_protocol(job_factory, point: str) -> Non
         time.sleep(0.2)
     assert fault_hits(a.fault_log).get(point), f"a never reached {point}\n" + job.logs()
     assert a.proc is not None
-    time.sleep(0.5)
-    assert process_state(a.proc.pid) == "T", "a did not freeze itself"
+    # The hit is logged (and fsynced) before the SIGSTOP: bounded, the stop follows at once.
+    deadline = time.monotonic() + 30
+    while process_state(a.proc.pid) != "T":
+        assert time.monotonic() < deadline, "a did not freeze itself"
+        time.sleep(0.1)
     frozen_at = time.time()
     time.sleep(20)  # > session.timeout.ms (10 s), < transaction.timeout.ms (60 s)
     a.signal(signal.SIGCONT)

@@ -154,4 +154,6 @@ def test_a_stuck_consumer_is_replaced_and_nothing_is_lost_or_repeated(
     ids = sorted(o["order_id"] for o in outputs)
     assert ids == list(range(2 * ORDERS)), f"lost or duplicated: {ids}"
     replaced = [e for e in read_events(metrics) if e.get("event") == "consumer_replaced"]
-    assert says in replaced[0]["error"], replaced
+    # Any of them: a slow first join on a loaded machine may replace the consumer once
+    # before the fault does.
+    assert any(says in e["error"] for e in replaced), replaced

@@ -26,7 +26,7 @@ from snapline.pipeline.savepoint import control
 
 pytestmark = pytest.mark.integration
 PAUSE_LIMIT = 3.0  # the worker's, shortened (SNAPLINE_TEST_PAUSE_LIMIT); 300 s in a job
-DELAY_MS = 6000  # each record comes out this long after it was read (a processing-time timer)
+DELAY_MS = 12000  # each record comes out this long after it was read (a processing-time timer)
 
 
 def _committed(bootstrap: str, group: str, topic: str) -> TopicPartition:
@@ -40,11 +40,12 @@ def _committed(bootstrap: str, group: str, topic: str) -> TopicPartition:
 def test_a_paused_worker_commits_nothing_while_holds_come_and_resumes_when_they_stop(
     kafka_bootstrap: str, tmp_path: Path, unique_name: str
 ) -> None:
-    """Records 1..5 are read and committed, each with a timer due 4 s later; then a savepoint
-    request pauses the worker, and holds come every second for 12 s, four times its pause
-    limit (3 s here). No checkpoint may commit until the holds stop: not one with
-    the timers' output (due 6 s in), not one after a resume at the limit (a worker that
-    ignored holds). Then it resumes by itself and every record comes out once."""
+    """Records 1..5 are read and committed, each with a timer due 12 s later; then a
+    savepoint request pauses the worker, and holds come every half second until 6 s past
+    the timers' due time: several times its pause limit (3 s here). No checkpoint may commit
+    until the holds stop: not one with the timers' output, not one after a resume at the
+    limit (a worker that ignored holds). Then it resumes by itself and every record comes
+    out once."""
     prefix = f"{unique_name}-"
     job, source, out = f"{prefix}job", f"{prefix}copy-in", f"{prefix}copy-out"
     create_topics(kafka_bootstrap, {source: 1, out: 1})
@@ -82,16 +83,19 @@ def test_a_paused_worker_commits_nothing_while_holds_come_and_resumes_when_they_
             time.sleep(0.1)
         control.ensure_control_topic(config, job)
         control.send(config, job, "savepoint", request)
-        deadline = time.monotonic() + 30
-        while not ack.exists():
-            assert time.monotonic() < deadline, f"no acknowledgement\n{worker.tail()}"
-            time.sleep(0.05)
-        assert orjson.loads(ack.read_bytes())["status"] == "paused"
-        assert time.monotonic() - read_at < DELAY_MS / 1000, "paused too late for the test"
-        paused = _committed(kafka_bootstrap, job, source)
-
-        with control.holding(config, job, request, every=1.0):
-            time.sleep(12.0)  # the timers came due 6 s in; the pause limit passed four times
+        # Holds from the request on (a worker not paused yet ignores them): started only
+        # after the acknowledgement, the first came up to ~3 s after the pause on a loaded
+        # machine, and the worker resumed at its limit before it.
+        with control.holding(config, job, request, every=0.5):
+            deadline = time.monotonic() + 30
+            while not ack.exists():
+                assert time.monotonic() < deadline, f"no acknowledgement\n{worker.tail()}"
+                time.sleep(0.05)
+            assert orjson.loads(ack.read_bytes())["status"] == "paused"
+            assert time.monotonic() - read_at < DELAY_MS / 1000, "paused too late for the test"
+            paused = _committed(kafka_bootstrap, job, source)
+            # past the timers' due time, and the pause limit passed many times over
+            time.sleep(max(0.0, read_at + DELAY_MS / 1000 + 2 * PAUSE_LIMIT - time.monotonic()))
             outputs = read_committed(kafka_bootstrap, out, 6, timeout=1, settle=0.5)
             assert [r["n"] for r in outputs] == [0], "a paused worker committed output"
             assert _committed(kafka_bootstrap, job, source).metadata == paused.metadata

@@ -23,10 +23,11 @@ def test_shutdown_waits_for_jobs_that_end() -> None:
 
 
 def test_shutdown_names_a_hung_job_and_the_ones_queued_behind_it() -> None:
-    release = threading.Event()
+    release, running = threading.Event(), threading.Event()
     jobs = BackgroundJobs(1, "test")
-    jobs.submit("checkpoint 7 of task p0", release.wait)
+    jobs.submit("checkpoint 7 of task p0", lambda: (running.set(), release.wait()))
     jobs.submit("retention of task p0", lambda: None)
+    assert running.wait(5)  # the pool thread took the first job (else it is "queued")
     started = time.monotonic()
     left = jobs.shutdown(0.3)
     assert 0.3 <= time.monotonic() - started < 3.0

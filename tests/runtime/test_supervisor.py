@@ -138,7 +138,7 @@ def test_crashing_worker_is_restarted_with_backoff_then_given_up(tmp_path: Path)
     gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     # backoff 0.2, 0.4, 0.8 s (plus process run time and the 0.2 s poll)
     for gap, delay in zip(gaps, (0.2, 0.4, 0.8), strict=True):
-        assert delay <= gap < delay + 2.0, gaps
+        assert delay <= gap < delay + 5.0, gaps  # the upper bound: no runaway backoff
     assert len(sup.starts["w1"]) == 1
 
 
