@@ -255,7 +255,20 @@ def test_zombie_worker_commits_nothing(job_factory) -> None:
     time.sleep(1)
     a.signal(signal.SIGSTOP)
     frozen_at = time.time()
-    time.sleep(16)  # > session.timeout.ms (10 s): b takes over a's partitions
+
+    def b_took_over_yet() -> bool:
+        return any(
+            e.get("worker") == b.worker_id
+            and e.get("event") == "assigned"
+            and e["time"] > frozen_at
+            for e in read_events(a.metrics_path)
+        )
+
+    # > session.timeout.ms (10 s): b takes over a's partitions (bounded: 60 s)
+    deadline = time.monotonic() + 60
+    while not b_took_over_yet():
+        assert time.monotonic() < deadline, "b never took over\n" + job.logs()
+        time.sleep(0.5)
     a.signal(signal.SIGCONT)
     resumed_at = time.time()
     producer.join()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import signal
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,29 @@ def _committed(bootstrap: str, group: str, topic: str, partitions: int) -> list[
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
     try:
         return consumer.committed([TopicPartition(topic, p) for p in range(partitions)], 10)
+    finally:
+        consumer.close()
+
+
+def _wait_processed(bootstrap: str, topic: str, count: int, worker: WorkerProcess) -> None:
+    """Until ``count`` outputs are in ``topic``, committed or not (read_uncommitted: a worker
+    produces into its open transaction as it processes). Bounded: 60 s."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"uncommitted-{uuid.uuid4().hex[:8]}",
+            "isolation.level": "read_uncommitted",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+        }
+    )
+    consumer.subscribe([topic])
+    seen = 0
+    deadline = time.monotonic() + 60
+    try:
+        while seen < count:
+            assert time.monotonic() < deadline, f"{seen} of {count} processed\n{worker.tail()}"
+            seen += sum(1 for m in consumer.consume(1000, 0.5) if m.error() is None)
     finally:
         consumer.close()
 
@@ -260,12 +284,8 @@ def test_sigterm_takes_final_checkpoint_and_exits_cleanly(
     )
     expected = produce_orders(kafka_bootstrap, f"{prefix}orders", 5000, 50)
     worker.start()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if any(e.get("event") == "assigned" for e in read_events(worker.metrics_path)):
-            break
-        time.sleep(0.5)
-    time.sleep(3)
+    # every order processed (its output in the open transaction), none committed yet
+    _wait_processed(kafka_bootstrap, f"{prefix}customer-totals", 5000, worker)
     assert worker.stop(timeout=60) == 0, worker.tail()
     committed = _committed(kafka_bootstrap, unique_name, f"{prefix}orders", 2)
     assert sum(c.offset for c in committed) == 5000, committed
@@ -307,7 +327,8 @@ def test_rebalance_commits_the_work_done_instead_of_redoing_it(
         for customer, amount in more.items():
             expected[customer] = expected.get(customer, 0) + amount
         total = first + 5000
-        time.sleep(3)  # a reads and processes the 5000 orders; they are not committed yet
+        # a reads and processes the 5000 orders; they are not committed yet
+        _wait_processed(kafka_bootstrap, f"{prefix}customer-totals", total, a)
         assert _committed_sum(kafka_bootstrap, unique_name, prefix) == first
         b.start()  # the group rebalances: a's partitions are revoked
         deadline = time.monotonic() + 60
