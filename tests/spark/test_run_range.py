@@ -104,3 +104,31 @@ def test_a_rerun_must_start_from_the_savepoint_its_first_run_started_from(
         _run_range(storage, "job", "r2", *offsets, said.append, "savepoint:/sp/1")
     # between two positions the recorded range decides, as before
     assert _run_range(storage, "job", "r2", *offsets, said.append, "latest") == offsets
+
+
+def test_a_state_file_written_again_by_another_attempt_is_named_as_it_is_now(
+    tmp_path: Path,
+) -> None:
+    """Found by review: a task attempt run again after the task's commit (Spark lost the
+    results it kept, or a speculative attempt) exported its state again to the same file
+    after the driver had taken the first attempt's entry; with wall-clock TTL stamps the
+    bytes differed, and every restore of the savepoint failed the file's checksum."""
+    import pyarrow as pa
+
+    from snapline.pipeline.savepoint.format import read_table, write_table
+    from snapline.pipeline.spark.bounded import files_as_written
+
+    storage = CheckpointStorage(str(tmp_path))
+    path = "operators/total/p00000.parquet"
+    first = write_table(storage, path, pa.table({"key": [b"a"], "ttl": [1000]}), partition=0)
+    kept = write_table(storage, "operators/total/p00001.parquet", pa.table({"key": [b"b"]}))
+    write_table(storage, path, pa.table({"key": [b"a", b"c"], "ttl": [2000, 2001]}), partition=0)
+    with pytest.raises(CorruptCheckpointError):
+        read_table(storage, first)
+    said: list[str] = []
+    files = files_as_written(storage, {"total": [first, kept]}, said.append)
+    (now, same) = files["total"]
+    assert same == kept and now.partition == 0 and now.rows == 2
+    assert read_table(storage, now).column("ttl").to_pylist() == [2000, 2001]
+    assert said == [f"{path} was written again by another attempt of its task after its first "
+                    "entry was taken: the savepoint names the file as it is now"]  # fmt: skip

@@ -32,6 +32,7 @@ Threads: the driver's main thread; each Spark task in its executor's Python work
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -719,6 +720,7 @@ def run_bounded(
                     )
                     partitioning[row[1]] = row[2]
             say(f"stage {k}: {records.get(k, 0)} records processed")
+        files = files_as_written(CheckpointStorage(savepoint_out), files, say)
         uids = pipeline.operator_uids()
         states = {
             uids[node_id]: [state_description(d.describe()) for _, d in entries]
@@ -751,6 +753,40 @@ def run_bounded(
     finally:
         spark.stop()
     return RunResult(run_id, records, savepoint_out, time.monotonic() - started, total)
+
+
+def files_as_written(
+    storage: Any, files: dict[str, list[Any]], say: Callable[[str], None]
+) -> dict[str, list[Any]]:
+    """The savepoint's state file entries (by operator uid) as the files now are.
+
+    A stage's tasks are run again when Spark lost the results it kept (memory, an executor)
+    and a later stage needs them, or as speculative attempts. An attempt after the task's
+    commit writes no output, but exports the task's state again to the same file, after the
+    driver had collected the first attempt's entry: the bytes differ where state carries
+    the wall clock (TTL stamps, processing-time timers), and the savepoint's restore then
+    failed the file's checksum, every time. Every attempt's state is that of the committed
+    output, so the file as written last is taken: its size, rows and checksum are read
+    again here (once every Spark job of the run is done)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from snapline.pipeline.checkpoint.storage import crc32_checksum
+
+    out: dict[str, list[Any]] = {}
+    for uid, entries in files.items():
+        for entry in entries:
+            data = storage.read_bytes(entry.path)
+            checksum = crc32_checksum(data)
+            if checksum != entry.checksum or len(data) != entry.size:
+                rows = pq.ParquetFile(pa.BufferReader(data)).metadata.num_rows
+                say(
+                    f"{entry.path} was written again by another attempt of its task after "
+                    "its first entry was taken: the savepoint names the file as it is now"
+                )
+                entry = dataclasses.replace(entry, rows=rows, size=len(data), checksum=checksum)
+            out.setdefault(uid, []).append(entry)
+    return out
 
 
 def _clocks_from(saved: Any, plan: Any, stage_partitions: dict[int, int]) -> dict[str, Any]:
