@@ -782,13 +782,26 @@ class Worker:
                 if t in described
             }
             if len(set(counts.values())) > 1:
+                if self._repartitioned & set(counts):
+                    # A repartition topic's partitions are the stage's tasks, keyed state by
+                    # their count: growing the other topics to match is not a fix.
+                    fix = (
+                        "A repartition topic's partition count is fixed by the job: take a "
+                        "savepoint and restore it (the restore recreates the repartition "
+                        "topics with the partitions the code declares), or give the other "
+                        "topics its number"
+                    )
+                else:
+                    fix = (
+                        "Give them all the same number (e.g. kafka-topics.sh --alter --topic "
+                        "NAME --partitions N)"
+                    )
                 raise KafkaClientError(
                     f"the topics stage {stage} reads together have different numbers of "
                     f"partitions ({', '.join(f'{t}: {n}' for t, n in counts.items())}): each "
                     "task reads one partition number of all of them, and the consumer group "
-                    "would split it over two workers. Give them all the same number (e.g. "
-                    "kafka-topics.sh --alter --topic NAME --partitions N); until then no "
-                    "worker of the job restores anything"
+                    f"would split it over two workers. {fix}; until then no worker of the "
+                    "job restores anything"
                 )
         for task_id, tps in sorted(by_task.items()):
             stage = self._stage_of_topic[tps[0].topic]
