@@ -10,19 +10,40 @@ subclass queues with ``_call``, in submission order.
 from __future__ import annotations
 
 import contextlib
+import errno
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from snapline.pipeline.errors import SinkError
+from snapline.pipeline.errors import SinkError, SinkUnavailableError
 from snapline.pipeline.sink import PreCommitResult, SinkWriter
 
 __all__ = ["METADATA_FORMAT", "Staged", "StagingSinkWriter"]
 
 #: Version of the checkpoint metadata a staging writer returns from ``pre_commit``.
 METADATA_FORMAT = 1
+
+#: ``errno`` of an ``OSError`` that says the sink's storage cannot be reached (a network
+#: filesystem's server gone, a connection to an object store lost), not that it refused.
+#: EIO is not among them: a soft NFS mount returns it on a timeout, but so does a failing
+#: local disk, which restarts would not fix.
+UNREACHABLE_ERRNOS = frozenset(
+    {
+        errno.ESTALE,
+        errno.ENOTCONN,
+        errno.ETIMEDOUT,
+        errno.ECONNREFUSED,
+        errno.ECONNRESET,
+        errno.ECONNABORTED,
+        errno.EHOSTDOWN,
+        errno.EHOSTUNREACH,
+        errno.ENETDOWN,
+        errno.ENETUNREACH,
+        errno.ENETRESET,
+    }
+)
 
 _T = TypeVar("_T")
 J = TypeVar("J")  # what the task thread hands the background thread for one pre-commit
@@ -104,7 +125,8 @@ class StagingSinkWriter(SinkWriter, Generic[J, S]):
         if job is None and not self._pending:
             return {"format": METADATA_FORMAT, "pending": []}
         if job is not None:
-            self._pending.append(_Pending(checkpoint_id, self._pool().submit(self._stage, job)))
+            future = self._pool().submit(self._reachable, self._stage, job)
+            self._pending.append(_Pending(checkpoint_id, future))
         return _metadata_future([p.future for p in self._pending])
 
     def commit(self, checkpoint_id: int) -> None:
@@ -118,7 +140,7 @@ class StagingSinkWriter(SinkWriter, Generic[J, S]):
                     f"{self._sink_name}: checkpoint {pending.checkpoint_id} was committed but "
                     f"its {self.staged_noun} were never staged: {exc}"
                 ) from exc
-            self._publish(staged)
+            self._reachable(self._publish, staged)
             self._pending.pop(0)
 
     def abort(self, checkpoint_id: int) -> None:
@@ -137,7 +159,7 @@ class StagingSinkWriter(SinkWriter, Generic[J, S]):
         self._drain()
         self._pending = []
         self._drop_buffered()
-        self._recover_staged(committed, metadata)
+        self._reachable(self._recover_staged, committed, metadata)
 
     def close(self) -> None:
         self._drain()
@@ -162,7 +184,36 @@ class StagingSinkWriter(SinkWriter, Generic[J, S]):
 
     def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run ``fn`` on the background thread (after queued stagings) and wait for it."""
-        return self._pool().submit(fn, *args).result()
+        return self._pool().submit(self._reachable, fn, *args).result()
+
+    def _reachable(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)``, its storage's outage raised as ``SinkUnavailableError``: the worker
+        then exits 75 and is restarted with backoff (recovering the committed checkpoint and
+        publishing what it staged) instead of counting as a crash that stops the job."""
+        try:
+            return fn(*args)
+        except SinkUnavailableError:
+            raise
+        except Exception as exc:
+            if not unreachable(exc):
+                raise
+            raise SinkUnavailableError(
+                f"{self._sink_name}: its storage cannot be reached: {exc}"
+            ) from exc
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether ``exc``, or an error it was raised from, is an ``OSError`` that says a storage
+    cannot be reached (UNREACHABLE_ERRNOS), not that it refused (permissions, a full disk, a
+    missing directory)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in UNREACHABLE_ERRNOS:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def _metadata_future(futures: Sequence[Future[S]]) -> Future[dict[str, Any]]:

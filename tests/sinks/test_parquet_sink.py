@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from collections.abc import Callable
@@ -16,8 +17,9 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from snapline.pipeline.errors import ConfigurationError, SinkError
+from snapline.pipeline.errors import ConfigurationError, SinkError, SinkUnavailableError
 from snapline.pipeline.record import Record
+from snapline.pipeline.runtime.worker import unavailable_sink
 from snapline.pipeline.sink import SinkContext
 from snapline.sinks import parquet as parquet_module
 from snapline.sinks.parquet import (
@@ -718,3 +720,52 @@ def test_a_column_not_in_the_schema_is_warned_about_in_any_row(
         metadata(writer.pre_commit(2))
     warned = [r.getMessage() for r in caplog.records if "not in the table schema" in r.getMessage()]
     assert len(warned) == 1 and "['currency']" in warned[0]
+
+
+# --------------------------------------------------------------------------- storage outages
+
+
+@pytest.mark.parametrize(
+    ("error", "unavailable"),
+    [
+        (OSError(errno.ESTALE, "Stale file handle"), True),
+        (OSError(errno.ENOTCONN, "Transport endpoint is not connected"), True),
+        (OSError(errno.EHOSTUNREACH, "No route to host"), True),
+        (OSError(errno.EACCES, "Permission denied"), False),
+        (OSError(errno.ENOSPC, "No space left on device"), False),
+    ],
+)
+def test_an_unreachable_storage_is_a_sink_outage_and_a_refusal_is_not(
+    table: Path,
+    sink: ParquetSink,
+    monkeypatch: pytest.MonkeyPatch,
+    error: OSError,
+    unavailable: bool,
+) -> None:
+    """A network filesystem or object store that cannot be reached, while staging, publishing
+    or recovering, raises SinkUnavailableError: the worker exits 75 and is restarted with
+    backoff (worker.unavailable_sink). A refusal (permissions, a full disk) stays an error."""
+    writer, _ = make_writer(sink)
+    writer.write_batch(records(rows_for(1)), 1)
+    meta = metadata(writer.pre_commit(1))
+    writer.write_batch(records(rows_for(2)), 2)
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise error
+
+    monkeypatch.setattr(parquet_module, "_fsync_path", fail)
+    staging = writer.pre_commit(2)
+    assert isinstance(staging, Future)
+    with pytest.raises(Exception) as staged:
+        staging.result(timeout=30)
+    with pytest.raises(Exception) as published:
+        writer.commit(1)
+    with pytest.raises(Exception) as recovered:
+        writer.recover(1, meta)
+    for raised in (staged.value, published.value, recovered.value):
+        assert (unavailable_sink(raised) is not None) is unavailable
+        assert isinstance(raised, SinkUnavailableError) is unavailable
+    monkeypatch.undo()
+    writer.recover(1, meta)  # the storage is back: the committed checkpoint is published
+    assert visible_ids(table) == sorted(f"1-{i}" for i in range(5))
+    writer.close()
