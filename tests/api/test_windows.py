@@ -493,3 +493,31 @@ def test_a_session_sum_that_overflows_is_a_dead_letter_and_the_session_stays(
     assert result.outputs["results"] == [{"key": "a", "start": 10, "end": 130, "value": 1e308}]
     [(_, reason)] = result.dead_letters
     assert "[inf] cannot be stored as JSON" in reason
+
+
+def test_a_window_result_refused_by_the_next_operator_is_the_dead_letters_value() -> None:
+    """A window's result has no input record behind it and its state is gone once it fired:
+    when a map after the window raises on it, the dead letter holds the result itself (it
+    held nothing: the record's raw bytes, of which a result has none)."""
+
+    def refuse(result: Any) -> Any:
+        if result["key"] == "b":
+            raise ValueError("no b")
+        return result
+
+    pipeline = Pipeline("refused-result")
+    (
+        pipeline.source(KafkaSource("in", value_format="json", timestamp=lambda v: v["t"]))
+        .key_by()
+        .window(tumbling(1000))
+        .count()
+        .map(refuse)
+        .sink(KafkaSink("out", value_format="json"))
+    )
+    events = [("a", 10), ("b", 20), ("b", 30), ("a", 5000)]
+    run = run_pipeline(pipeline, {"in": [Message({"t": t}, key=k) for k, t in events]})
+    assert [(o["key"], o["value"]) for o in run.outputs["out"] if o["start"] == 0] == [("a", 1)]
+    [(value, reason)] = run.dead_letters
+    assert "raised ValueError('no b')" in reason
+    assert value is not None
+    assert orjson.loads(value) == {"key": "b", "start": 0, "end": 1000, "value": 2}

@@ -547,14 +547,27 @@ class Task:
                 "(pipeline on_error='fail'; use on_error='dead_letter' to divert such records)"
             )
         self.dead_letters += 1
+        if value is None:
+            value = record.raw
+            if value is None and record.value is not None:
+                # A window's or timer's result, refused by the operator after it: there is
+                # no input record behind it, and its state is gone once it fired. The dead
+                # letter holds the result itself (as much of it as fits).
+                value = _row_bytes(record.value)
+                if not self._fits(value, record.raw_key, []):
+                    limit = getattr(self.output, "max_message_bytes", None) or len(value)
+                    keep = max(0, limit // 2)
+                    reason += (
+                        f"; the result ({len(value)} bytes) is too large for the producer: "
+                        f"the dead letter holds its first {keep} bytes"
+                    )
+                    value = value[:keep]
         log.warning(
             "dead letter %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason
         )
         headers = dead_letter_headers(
             reason, record.topic, record.partition, record.offset, self.task_id
         )
-        if value is None:
-            value = record.raw
         message = record.message
         given = None if message is None else message.headers()
         if given:
@@ -591,10 +604,7 @@ class Task:
     def _sink_dead_letter(self, record: Record, reason: str, epoch: int) -> None:
         """A sink refused ``record``: the dead letter carries the row it refused, or the
         input record when that row is too large for a Kafka record itself."""
-        try:
-            row = orjson.dumps(record.value, default=str)
-        except TypeError:
-            row = repr(record.value).encode()
+        row = _row_bytes(record.value)
         # The reason and source position headers make up most of a dead letter's headers.
         headers = dead_letter_headers(reason, record.topic, 0, 0, self.task_id)
         if not self._fits(row, record.raw_key, headers):
@@ -616,6 +626,15 @@ class Task:
 
 
 _PASS_THROUGH = ("map", "filter", "flat_map", "union")
+
+
+def _row_bytes(value: Any) -> bytes:
+    """A result's bytes in a dead letter: JSON (what is not JSON as its ``str``), else its
+    ``repr``."""
+    try:
+        return orjson.dumps(value, default=str)
+    except TypeError:
+        return repr(value).encode()
 
 
 def _kafka_keys_are_raw(node: Node) -> bool:
