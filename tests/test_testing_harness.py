@@ -112,3 +112,22 @@ def test_output_a_kafka_sink_cannot_encode_is_a_dead_letter_as_in_a_worker() -> 
         "tagged: cannot encode output: TypeError('Type is not JSON serializable: set')"
         in (reasons[2])
     )
+
+
+def test_output_that_is_not_bytes_for_a_bytes_sink_is_a_dead_letter() -> None:
+    """``value_format="bytes"`` passed any value through to the producer: a dict raised its
+    TypeError out of the worker (and a str, fine on the direct path, raised when an epoch's
+    records were held), so every restart replayed the record and failed again. Now what is
+    not bytes is a dead letter naming the format; bytes-like values go out as bytes."""
+    pipeline = Pipeline("raw-out")
+    values = {1: b"one", 2: {"two": 2}, 3: "three", 4: bytearray(b"four")}
+    pipeline.source(KafkaSource("in")).map(lambda v: values[v]).sink(
+        KafkaSink("raw", value_format="bytes")
+    )
+    run = run_pipeline(pipeline, {"in": [1, 2, 3, 4]})
+    assert run.outputs["raw"] == [b"one", b"four"]
+    reasons = sorted(reason for _, reason in run.dead_letters)
+    assert len(reasons) == 2
+    assert all("value_format='bytes' takes bytes" in reason for reason in reasons)
+    assert any("not dict" in reason for reason in reasons)
+    assert any("not str" in reason for reason in reasons)

@@ -41,8 +41,22 @@ def value_encoder(fmt: str) -> Callable[[Any], bytes]:
     if fmt == "string":
         return lambda v: str(v).encode()
     if fmt == "bytes":
-        return _same
+        return _as_bytes
     raise ConfigurationError(f"unknown Kafka value format {fmt!r}; use one of {list(FORMATS)}")
+
+
+def _as_bytes(value: Any) -> bytes:
+    """A ``bytes`` format's value: bytes as they are. Anything else raises (the record is a
+    dead letter) here, where it used to reach the producer, whose TypeError (or the held
+    records' copy of a str) ended the worker on every restart."""
+    if type(value) is bytes:
+        return value
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(
+        f"value_format='bytes' takes bytes, not {type(value).__name__} (use 'json' or "
+        "'string', or encode the value before the sink)"
+    )
 
 
 def encoder(fmt: str) -> Callable[[Any], bytes | None]:
