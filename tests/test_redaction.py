@@ -25,6 +25,8 @@ REPO = Path(__file__).resolve().parent.parent
     ("text", "expected"),
     [
         ("checkpoints s3://AKIAFAKE:FAKESECRET@bucket/jobs", "checkpoints s3://***@bucket/jobs"),
+        ("s3://AKIAFAKE:wJalr/K7MD/FAKE@bucket/jobs: no", "s3://***@bucket/jobs: no"),
+        ("'postgresql://app:p@ss/w@rd@db/shop' refused", "'postgresql://***@db/shop' refused"),
         ('in URI: "postgresql://app:FAKEPW@[db/shop"', 'in URI: "postgresql://***@[db/shop"'),
         ("host=db password=FAKEPW user=app", "host=db password=*** user=app"),
         ("host=db password='FAKE PW' user=app", "host=db password=*** user=app"),
@@ -100,6 +102,15 @@ def test_postgres_sink_repr_and_errors_do_not_show_the_password() -> None:
     message = 'invalid percent-encoded token: "FAKE%PW"; password OTHERPW refused'
     cleaned = _without_secrets(message, sink)
     assert "FAKE%PW" not in cleaned and "OTHERPW" not in cleaned
+
+
+def test_a_secret_with_a_slash_is_not_quoted_by_storage_errors() -> None:
+    """An AWS secret key with a ``/`` pasted unencoded: pyarrow cannot parse the URI, and
+    its message repeats it; the redaction stopped at the first ``/`` of the secret."""
+    with pytest.raises(CheckpointError) as info:
+        CheckpointStorage("s3://AKIAFAKE:FAKE/SECRET+x@bucket/jobs")
+    assert "SECRET" not in str(info.value) and "AKIAFAKE" not in str(info.value)
+    assert "cannot open checkpoint storage" in str(info.value)
 
 
 def test_checkpoint_storage_errors_do_not_quote_credentials() -> None:

@@ -38,8 +38,10 @@ def redact(config: Mapping[str, Any]) -> dict[str, Any]:
     return {k: ("***" if is_secret(k) else v) for k, v in config.items()}
 
 
-#: ``scheme://user:password@``: the whole user part goes (an access key id is half a secret).
-_URI_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s'\"]+@")
+#: ``scheme://user:password@``: the whole user part goes (an access key id is half a secret),
+#: up to the token's last ``@``: a secret pasted unencoded may hold ``/`` (half of AWS secret
+#: keys do) or ``@``. A path with an ``@`` loses its start too: more redacted, never less.
+_URI_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s'\"]*@")
 #: A query parameter or ``key=value`` setting whose name says secret.
 _SECRET_SETTING = re.compile(
     r"(?i)\b([\w.-]*(?:password|passwd|secret|token|passphrase|credential|access_key|"
