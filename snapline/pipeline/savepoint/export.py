@@ -459,13 +459,35 @@ class ExportJob:
     backend_options: dict[str, Any]
     operator_uids: dict[int, str]
     partition: int
-    #: The task's inclusive key-group range in a keyed stage; None in the source stage.
-    key_groups: tuple[int, int] | None
+    #: The number of tasks of the task's keyed stage now (its topic's partitions); None in
+    #: the source stage.
+    stage_tasks: int | None
+    max_parallelism: int
 
-    def file_name(self, uid: str) -> str:
-        if self.key_groups is None:
+    def key_groups(self, meta: TaskCheckpoint) -> tuple[int, int] | None:
+        """The task's inclusive key-group range in a keyed stage (None in the source stage),
+        by the number of tasks its checkpoint was taken with: partitions added by hand to a
+        repartition topic since (the worker refuses to run on, and names a savepoint as the
+        fix) would label the state of task p with the key-groups task p owns at the new
+        count, and a restore would load each key-group's state into the wrong task."""
+        if self.stage_tasks is None:
+            return None
+        count = meta.task_count if meta.task_count is not None else self.stage_tasks
+        if count > self.max_parallelism:
+            raise ConfigurationError(
+                f"task {self.task_id}: its stage has {count} tasks, more than max_parallelism="
+                f"{self.max_parallelism} (a repartition topic created with more partitions than "
+                "key-groups): tasks own whole key-groups, so its state cannot be exported. "
+                "Declare key_by(partitions=N) with N <= max_parallelism, or raise "
+                "max_parallelism, in a job under a new name"
+            )
+        groups = key_group_range(self.partition, count, self.max_parallelism)
+        return groups.start, groups.stop - 1
+
+    def file_name(self, uid: str, key_groups: tuple[int, int] | None) -> str:
+        if key_groups is None:
             return f"operators/{uid}/p{self.partition:05d}.parquet"
-        return f"operators/{uid}/kg-{self.key_groups[0]:05d}-{self.key_groups[1]:05d}.parquet"
+        return f"operators/{uid}/kg-{key_groups[0]:05d}-{key_groups[1]:05d}.parquet"
 
 
 @dataclass(frozen=True)
@@ -501,6 +523,7 @@ def export_task(job: ExportJob) -> ExportedTask:
             backend,
             on_corrupt="fail",
         )
+        key_groups = job.key_groups(meta)
         writers: dict[str, TableWriter] = {}
         pipeline = _Uids(job.operator_uids)
         for by_uid in export_task_batches(pipeline, meta, backend):  # type: ignore[arg-type]
@@ -513,10 +536,11 @@ def export_task(job: ExportJob) -> ExportedTask:
         shutil.rmtree(job.scratch, ignore_errors=True)
     out = CheckpointStorage(job.target)
     info: dict[str, Any] = {"partition": job.partition}
-    if job.key_groups is not None:
-        info["key_groups"] = job.key_groups
+    if key_groups is not None:
+        info["key_groups"] = key_groups
     return ExportedTask(
-        meta, {uid: w.finish(out, job.file_name(uid), **info) for uid, w in writers.items()}
+        meta,
+        {uid: w.finish(out, job.file_name(uid, key_groups), **info) for uid, w in writers.items()},
     )
 
 
@@ -591,11 +615,6 @@ def export_savepoint(
                 _check_offsets_not_lost(storage, pipeline.name, task.task_id)
                 continue
             count = stage_partitions[task.stage]
-            groups = (
-                None
-                if task.stage == SOURCE_STAGE or count is None
-                else key_group_range(task.partition, count, pipeline.max_parallelism)
-            )
             jobs.append(
                 ExportJob(
                     job=pipeline.name,
@@ -608,7 +627,8 @@ def export_savepoint(
                     backend_options=dict(pipeline.state_backend_options),
                     operator_uids=pipeline.operator_uids(),
                     partition=task.partition,
-                    key_groups=None if groups is None else (groups.start, groups.stop - 1),
+                    stage_tasks=None if task.stage == SOURCE_STAGE else count,
+                    max_parallelism=pipeline.max_parallelism,
                 )
             )
             state_bytes += _state_bytes(storage, pipeline.name, task.task_id, ref)
