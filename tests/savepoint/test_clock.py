@@ -22,8 +22,8 @@ from snapline.pipeline.record import ListedMessage
 from snapline.pipeline.runtime.faults import FaultInjector
 from snapline.pipeline.runtime.task import Task
 from snapline.pipeline.runtime.watermarks import WatermarkRecord, decode_floors
-from snapline.pipeline.savepoint.format import SavepointMetadata
-from snapline.pipeline.savepoint.restore import _clock, _old_stages
+from snapline.pipeline.savepoint.format import InFlight, SavepointMetadata
+from snapline.pipeline.savepoint.restore import _clock, _old_stages, _task_counts
 from snapline.pipeline.state import create_backend
 from snapline.testing import _CapturingSink
 
@@ -55,6 +55,33 @@ def test_a_task_taking_a_lagging_tasks_key_groups_gets_its_watermark() -> None:
     # its watermark 5000 are replayed to it; old s1-p1's 10000 would make them late.
     savepoint = _savepoint({"s1-p0": 5_000, "s1-p1": 10_000})
     assert _watermarks(savepoint, 2, 4) == [5_000, 5_000, 10_000, 10_000]
+
+
+def test_a_savepoint_restored_under_another_job_name_matches_task_counts_by_key_by_name() -> None:
+    """Repartition topics are named after their job: matched by topic, a savepoint restored
+    as job "job2" found no task count, and each new task took the watermark of the old task
+    of its number ([5000, 10000, 5000, 5000]): records replayed to new s1-p1 were late."""
+    savepoint = _savepoint({"s1-p0": 5_000, "s1-p1": 10_000})
+    savepoint = SavepointMetadata(
+        "job",
+        "x",
+        MAXP,
+        {},
+        {},
+        [],
+        [InFlight("by-customer", "job.by-customer.repartition", 2, [])],
+        clocks=savepoint.clocks,
+    )
+    rep = SimpleNamespace(name="by-customer", topic="job2.by-customer.repartition", downstream=1)
+    plan = SimpleNamespace(repartitions={7: rep})
+    counts = _task_counts(savepoint, plan, {"job2.by-customer.repartition": 4})
+    assert counts == {1: (2, 4)}
+    assert [_clock(savepoint, 1, 1, counts[1], p)["watermark"] for p in range(4)] == [  # type: ignore[index]
+        5_000,
+        5_000,
+        10_000,
+        10_000,
+    ]
 
 
 def test_merged_tasks_take_the_smallest_watermark_of_their_sources() -> None:

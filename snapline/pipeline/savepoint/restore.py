@@ -1149,12 +1149,15 @@ def _task_counts(
     savepoint: SavepointMetadata, plan: Any, partitions: dict[str, int]
 ) -> dict[int, tuple[int, int]]:
     """Each keyed stage's (task count when the savepoint was taken, task count now): the
-    partitions its repartition topic had then and has now."""
-    then = {f.topic: f.partitions for f in savepoint.in_flight}
+    partitions its repartition topic had then and has now. Matched by the ``key_by``'s name,
+    as the records in flight are: a topic's name starts with its job's, and a savepoint
+    restored under another job name found no count, so each new task took the watermark of
+    the old task of its number instead of the owners of its key-groups."""
+    then = {f.name: f.partitions for f in savepoint.in_flight}
     return {
-        rep.downstream: (then[rep.topic], partitions[rep.topic])
+        rep.downstream: (then[rep.name], partitions[rep.topic])
         for rep in plan.repartitions.values()
-        if rep.topic in then
+        if rep.name in then
     }
 
 
