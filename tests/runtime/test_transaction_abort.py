@@ -24,6 +24,23 @@ class StuckInCommit:
         )
 
 
+class StuckInCommitRetriable:
+    """StuckInCommit as librdkafka raises it: the _CONFLICT error is marked retriable."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def abort_transaction(self, timeout: float) -> None:
+        self.calls += 1
+        raise KafkaException(
+            KafkaError(
+                KafkaError._CONFLICT,
+                "Conflicting commit_transaction API call is already in progress",
+                retriable=True,
+            )
+        )
+
+
 class NothingToAbort:
     def abort_transaction(self, timeout: float) -> None:
         raise KafkaException(KafkaError(KafkaError._STATE, "No transaction in progress"))
@@ -49,6 +66,21 @@ def test_an_abort_refused_for_a_commit_in_progress_replaces_the_producer(
     assert (
         len(replaced) == 1 and "commit_transaction API call is already in progress" in replaced[0]
     )
+    assert output.open_epoch is None
+
+
+def test_a_retriable_conflict_replaces_the_producer_without_retrying_the_abort(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """librdkafka builds _CONFLICT as retriable: the abort was retried for its whole bound
+    (10-15 s of stall per commit whose outcome was unknown) before the producer was
+    replaced, though no retry can succeed while the commit runs."""
+    producer = StuckInCommitRetriable()
+    output, replaced = output_with(producer, monkeypatch)
+    output.abort_timeout = 10.0
+    output.abort()
+    assert producer.calls == 1
+    assert len(replaced) == 1 and "already in progress" in replaced[0]
     assert output.open_epoch is None
 
 

@@ -198,6 +198,12 @@ class TransactionalOutput:
                 if fenced is not None:
                     raise fenced from exc
                 kind = classify(error)
+                if error.code() == KafkaError._CONFLICT:
+                    # Another call is still in progress inside librdkafka (a commit that
+                    # timed out): librdkafka marks this retriable, but the same call is
+                    # refused until that one ends. Retrying it only spent the whole bound
+                    # before the producer was replaced (_finish_abort).
+                    kind = ErrorClass.ABORTABLE
                 out_of_time = time.monotonic() + backoff(attempt) >= deadline or self._stopping()
                 if kind is ErrorClass.RETRIABLE and not out_of_time:
                     log.info("%s: %s; retrying", what, error)
