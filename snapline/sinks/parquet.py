@@ -223,6 +223,25 @@ def _fits_integer(values: list[Any]) -> bool:
     return not any(type(v) is float and not v.is_integer() for v in values)
 
 
+#: The longest file or directory name (bytes) of the filesystems a table lives on (ext4,
+#: xfs, btrfs, NFS): a partition's ``column=value`` directory must fit.
+MAX_NAME_BYTES = 255
+
+
+def _long_partition(row: dict[str, Any], columns: Sequence[str]) -> str | None:
+    """Why ``row``'s partition directory cannot be made, or None."""
+    for column in columns:
+        name = hive_partition_dir([column], [row.get(column)])
+        size = len(name.encode())
+        if size > MAX_NAME_BYTES:
+            return (
+                f"partition directory {name[:40]}... is {size} bytes (escaped), over the "
+                f"{MAX_NAME_BYTES} a filesystem takes for a name; partition by a shorter "
+                f"value than {column!r}"
+            )
+    return None
+
+
 class RowConverter:
     """Turns dict rows into record batches of one schema; says why a row does not fit."""
 
@@ -620,6 +639,10 @@ class ParquetSinkWriter(StagingSinkWriter[_StageJob, StagedCheckpoint]):
         if entry is None:
             return
         values, records = entry
+        if self._sink.partition_by:
+            values, records = self._without_long_partitions(values, records, epoch)
+            if not values:
+                return
         converter = self._converter or self._first_converter(values)
         batch, rejected = converter.convert(values)
         for index, reason in rejected:
@@ -627,6 +650,26 @@ class ParquetSinkWriter(StagingSinkWriter[_StageJob, StagedCheckpoint]):
             self._context.dead_letter(records[index], f"{self._sink.name}: {reason}", epoch)
         if batch is not None and batch.num_rows:
             self._batches.setdefault(epoch, []).append(batch)
+
+    def _without_long_partitions(
+        self, values: list[Any], records: list[Record], epoch: int
+    ) -> tuple[list[Any], list[Record]]:
+        """The rows whose partition directories a filesystem can name: one longer than
+        MAX_NAME_BYTES failed its checkpoint's staging (ENAMETOOLONG), every checkpoint
+        after it, and every restart replayed the row (the job stopped on one bad row). Such a
+        row is a dead letter naming the column."""
+        columns = self._sink.partition_by
+        keep_values: list[Any] = []
+        keep_records: list[Record] = []
+        for value, record in zip(values, records, strict=True):
+            reason = _long_partition(value, columns) if isinstance(value, dict) else None
+            if reason is None:
+                keep_values.append(value)
+                keep_records.append(record)
+                continue
+            self.rows_dead_lettered += 1
+            self._context.dead_letter(record, f"{self._sink.name}: {reason}", epoch)
+        return keep_values, keep_records
 
     def _check_identity(self, identity: JobIdentity) -> None:
         """The table's commit log of this job records the Kafka cluster it committed on."""

@@ -769,3 +769,21 @@ def test_an_unreachable_storage_is_a_sink_outage_and_a_refusal_is_not(
     writer.recover(1, meta)  # the storage is back: the committed checkpoint is published
     assert visible_ids(table) == sorted(f"1-{i}" for i in range(5))
     writer.close()
+
+
+def test_a_row_whose_partition_directory_is_too_long_is_a_dead_letter(table: Path) -> None:
+    """A partition value over 255 bytes once escaped made staging fail with ENAMETOOLONG:
+    every checkpoint failed, and every restart replayed the row. Now the row is a dead
+    letter naming the column; the other rows of its checkpoint are published."""
+    sink = ParquetSink(table, partition_by=["day"])
+    writer, dead = make_writer(sink)
+    rows = rows_for(1, count=3)
+    rows[1]["day"] = "/" * 90  # 270 bytes once escaped (%2F)
+    writer.write_batch(records(rows), 1)
+    metadata(writer.pre_commit(1))
+    writer.commit(1)
+    assert visible_ids(table) == ["1-0", "1-2"]
+    [(value, reason, epoch)] = dead
+    assert value["id"] == "1-1" and epoch == 1
+    assert "over the 255 a filesystem takes for a name" in reason and "'day'" in reason
+    writer.close()
