@@ -27,7 +27,7 @@ import pytest
 from psycopg import sql
 
 from snapline.connectors.local.postgres import LocalPostgres
-from snapline.pipeline.errors import ConfigurationError, SinkUnavailableError
+from snapline.pipeline.errors import ConfigurationError, SinkError, SinkUnavailableError
 from snapline.pipeline.record import Record
 from snapline.pipeline.sink import SinkContext
 from snapline.sinks.postgres import PostgresSink, PostgresSinkWriter
@@ -382,6 +382,20 @@ def test_configuration_errors_name_the_fix(postgres_dsn: str) -> None:
         wrong_columns.recover(None, None)
     for w in (missing, no_key, wrong_columns):
         w.close()
+
+
+def test_a_database_that_does_not_exist_is_a_refusal_not_an_outage(postgres_dsn: str) -> None:
+    """The server answered and refused the DSN's database: restarts (exit 75, which a
+    supervisor repeats without end) cannot fix that, so it is a SinkError (exit 1)."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    dsn = make_conninfo(**{**conninfo_to_dict(postgres_dsn), "dbname": "snapline_no_such_db"})
+    writer = open_writer(PostgresSink(dsn, "totals", ["customer"]))
+    with pytest.raises(SinkError, match="refused the connection.*does not exist") as raised:
+        writer.recover(None, None)
+    assert not isinstance(raised.value, SinkUnavailableError)
+    assert "check the dsn's user, password and database" in str(raised.value)
+    writer.close()
 
 
 # --------------------------------------------------------------------------- many tasks

@@ -14,7 +14,7 @@ import pytest
 
 from snapline.connectors.config import RedactingFilter, redact, redact_text
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
-from snapline.pipeline.errors import CheckpointError
+from snapline.pipeline.errors import CheckpointError, ConfigurationError
 from snapline.sinks import PostgresSink
 from snapline.sinks.postgres import _without_secrets
 
@@ -92,16 +92,20 @@ def test_storage_errors_do_not_quote_credentials() -> None:
 
 
 def test_postgres_sink_repr_and_errors_do_not_show_the_password() -> None:
+    # A malformed DSN is refused at start; libpq's message quotes the password's token.
+    with pytest.raises(ConfigurationError, match="dsn is not valid") as refused:
+        PostgresSink("postgresql://app:FAKE%PW@[db/shop", "totals", ["customer"])
+    assert "FAKE" not in str(refused.value)
     sink = PostgresSink(
-        "postgresql://app:FAKE%PW@[db/shop",
+        "postgresql://app:FAKE%25PW@db/shop",
         "totals",
         ["customer"],
         connect_kwargs={"password": "OTHERPW"},
     )
     assert "FAKE" not in repr(sink) and "OTHERPW" not in repr(sink)
-    message = 'invalid percent-encoded token: "FAKE%PW"; password OTHERPW refused'
+    message = 'password "FAKE%25PW" refused; password OTHERPW refused'
     cleaned = _without_secrets(message, sink)
-    assert "FAKE%PW" not in cleaned and "OTHERPW" not in cleaned
+    assert "FAKE%25PW" not in cleaned and "OTHERPW" not in cleaned
 
 
 def test_a_secret_with_a_slash_is_not_quoted_by_storage_errors() -> None:

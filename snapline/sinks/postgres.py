@@ -87,6 +87,42 @@ def _without_secrets(text: str, sink: PostgresSink) -> str:
     return redact_text(text)
 
 
+#: libpq's sslmode values.
+_SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+#: What libpq says when the server refused the connection for its settings (user,
+#: password, database, pg_hba.conf), which restarts do not fix: not an outage.
+_REFUSED = re.compile(
+    r"password authentication failed|authentication failed for user|no pg_hba\.conf entry|"
+    r"(database|role) \"[^\"]*\" does not exist|password is required|"
+    r"permission denied for database",
+    re.IGNORECASE,
+)
+
+
+def _check_dsn(sink: PostgresSink) -> None:
+    """A DSN libpq cannot use fails at start, naming why (its password never shown), not
+    at the first connection: a malformed DSN was an OperationalError there, taken for a
+    database down, and the worker was restarted for it without end (exit 75)."""
+    try:
+        info = conninfo_to_dict(sink.dsn)
+    except psycopg.ProgrammingError as exc:
+        raise ConfigurationError(
+            f"PostgresSink dsn is not valid: {_without_secrets(str(exc).strip(), sink)} "
+            "(use 'postgresql://user@host:5432/db' or 'host=... dbname=...')"
+        ) from None
+    info.update({k: v for k, v in sink.connect_kwargs.items() if k in ("port", "sslmode")})
+    for port in str(info.get("port") or "").split(","):
+        if port and not (port.strip().isdigit() and 0 < int(port) < 65536):
+            raise ConfigurationError(
+                f"PostgresSink dsn: port {port.strip()!r} is not a port number (1..65535)"
+            )
+    sslmode = info.get("sslmode")
+    if sslmode is not None and sslmode not in _SSLMODES:
+        raise ConfigurationError(
+            f"PostgresSink dsn: sslmode {sslmode!r} is not one of {', '.join(_SSLMODES)}"
+        )
+
+
 #: The password of a URI DSN (``://user:password@``) or of a ``password=`` setting.
 _DSN_PASSWORD = re.compile(r"://[^:/@\s]*:([^@\s]+)@|password\s*=\s*'?([^'\s]+)")
 
@@ -476,6 +512,7 @@ class PostgresSink(Sink):
     def validate(self) -> None:
         if not isinstance(self.dsn, str) or not self.dsn:
             raise ConfigurationError("PostgresSink needs a dsn, e.g. 'postgresql://host/db'")
+        _check_dsn(self)
         split_table_name(self.table)
         if not self.key_columns:
             raise ConfigurationError(
@@ -643,10 +680,18 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
         )
         if unreachable:
             self._disconnect()
+        text = _without_secrets(str(exc).strip(), self._sink) or type(exc).__name__
+        if unreachable and _REFUSED.search(text):
+            # Reached, and refused for the DSN's user, password or database: restarts (exit
+            # 75, without end) would not fix it; a SinkError ends the worker (exit 1).
+            return SinkError(
+                f"{self._sink.name}: {self._where()} refused the connection: {text} (check "
+                "the dsn's user, password and database, and the server's pg_hba.conf; "
+                "staged rows are kept)"
+            )
         return (SinkUnavailableError if unreachable else SinkError)(
             f"{self._sink.name}: could not {what} {self._where()} table {self._sink.table!r}: "
-            f"{_without_secrets(str(exc).strip(), self._sink) or type(exc).__name__} (the "
-            "checkpoint fails and is retried; staged rows are kept)"
+            f"{text} (the checkpoint fails and is retried; staged rows are kept)"
         )
 
     def _conn(self) -> psycopg.Connection[Any]:

@@ -238,3 +238,26 @@ def test_configuration_errors_name_the_fix(kwargs: dict[str, Any], message: str)
 def test_sink_defaults() -> None:
     sink = PostgresSink("postgresql://h/db", "sales.totals", "customer")
     assert sink.key_columns == ("customer",) and sink.name == "postgres:sales.totals"
+
+
+@pytest.mark.parametrize(
+    ("dsn", "message"),
+    [
+        ("postgresql://app:FAKEPW@db:54x2/shop", "port '54x2' is not a port number"),
+        ("host=db port=99999 password=FAKEPW", "port '99999' is not a port number"),
+        ("postgresql://app:FAKEPW@db/shop?sslmode=on", "sslmode 'on' is not one of"),
+        ("postgresql://app:FAKEPW@db/shop?nope=1", "dsn is not valid"),
+        ("db shop FAKEPW", "dsn is not valid"),
+    ],
+)
+def test_a_dsn_libpq_cannot_use_fails_at_start_without_its_password(dsn: str, message: str) -> None:
+    """A malformed DSN was accepted, then failed at the first connection as an
+    OperationalError, taken for a database down: the worker exited 75 and was restarted for
+    it without end."""
+    with pytest.raises(ConfigurationError, match=message) as refused:
+        PostgresSink(dsn, "totals", ["customer"])
+    assert "FAKEPW" not in str(refused.value)
+
+
+def test_a_dsn_with_several_hosts_and_ports_is_accepted() -> None:
+    PostgresSink("postgresql://app@db1:5432,db2:5433/shop?sslmode=verify-full", "t", ["k"])
