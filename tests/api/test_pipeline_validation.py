@@ -194,10 +194,11 @@ def test_a_checkpoint_directory_failing_for_a_while_is_not_a_configuration_error
     from snapline.pipeline.checkpoint.storage import CheckpointStorage
     from snapline.pipeline.errors import CheckpointStorageError
 
-    def failing(self, *args, **kwargs):
-        raise OSError(code, os.strerror(code), str(self))
+    def failing(path, *args, **kwargs):
+        raise OSError(code, os.strerror(code), str(path))
 
     monkeypatch.setattr(pathlib.Path, "mkdir", failing)
+    monkeypatch.setattr(os, "mkdir", failing)
     with pytest.raises(CheckpointStorageError, match="cannot be created now") as raised:
         CheckpointStorage(str(tmp_path / "checkpoints"))
     assert not isinstance(raised.value, ConfigurationError)

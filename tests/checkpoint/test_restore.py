@@ -59,3 +59,34 @@ def test_without_an_earlier_committed_checkpoint_the_rewind_fails(tmp_path: Path
     _corrupt(storage, newest)
     with pytest.raises(CorruptCheckpointError, match="no earlier readable checkpoint marked"):
         _rewind(storage, newest)
+
+
+def _memory_checkpoint(storage: CheckpointStorage, cid: int, value: bytes) -> CheckpointRef:
+    ref = CheckpointRef(cid, "a1b2c3d4")
+    backend = create_backend("memory", task_dir="", options={})
+    backend.put(b"count", value)
+    state = backend.snapshot(cid).materialize(storage, ref.directory("job", "p0"))
+    TaskCheckpoint("job", "p0", ref, "w0", {("orders", 0): cid * 100}, state).write(storage)
+    mark_committed(storage, "job", "p0", ref)
+    return ref
+
+
+def test_a_missing_memory_state_file_rewinds_to_the_earlier_committed_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """A memory state file gone from storage is a corrupt checkpoint, as a missing RocksDB
+    file is: the rewind restores 8 (it failed with a plain "is missing" CheckpointError)."""
+    storage = CheckpointStorage(str(tmp_path))
+    _memory_checkpoint(storage, 8, b"eight")
+    newest = _memory_checkpoint(storage, 10, b"ten")
+    state = TaskCheckpoint.read(storage, "job", "p0", newest).state
+    assert state is not None
+    (state_file,) = state.files
+    storage.delete_file(state_file.path)
+    backend = create_backend("memory", task_dir="", options={})
+    with pytest.raises(CorruptCheckpointError, match=r"state-memory\.bin is missing"):
+        restore_committed(storage, "job", "p0", newest, backend)  # on_corrupt="fail"
+    meta = restore_committed(storage, "job", "p0", newest, backend, on_corrupt="rewind")
+    assert meta.ref.checkpoint_id == 8
+    assert meta.positions == {("orders", 0): 800}
+    assert backend.get(b"count") == b"eight"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import io
+import os
+import stat
 import zlib
 from pathlib import Path
 from typing import Any
@@ -154,3 +157,97 @@ def test_a_write_killed_midway_on_a_filesystem_without_atomic_writes_keeps_the_o
     storage.upload_file(str(local), "job/state.bin")
     assert storage.read_bytes("job/state.bin") == new
     assert storage.list_dir("job") == ["checkpoint-id-floor.json", "state.bin"]
+
+
+def _record_syncs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """Record ``("fsync", path)`` and ``("replace", target)`` in the order they happen."""
+    events: list[tuple[str, str]] = []
+    paths: dict[int, str] = {}
+    real_open, real_fsync, real_replace = os.open, os.fsync, os.replace
+
+    def open_(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        fd = real_open(path, flags, *args, **kwargs)
+        paths[fd] = os.fspath(path)
+        return fd
+
+    def fsync(fd: Any) -> None:
+        fd = fd if isinstance(fd, int) else fd.fileno()
+        events.append(("fsync", paths.get(fd, f"fd {fd}")))
+        real_fsync(fd)
+
+    def replace(src: Any, dst: Any, **kwargs: Any) -> None:
+        real_replace(src, dst, **kwargs)
+        events.append(("replace", os.fspath(dst)))
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return events
+
+
+def test_an_uploaded_file_and_its_rename_are_durable_before_upload_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint's files must survive a power loss once the Kafka transaction naming it
+    commits: the copy was never fsynced, nor its directory after the rename (the checkpoint
+    the committed offsets name could lose an SST, or hold a truncated one)."""
+    storage = CheckpointStorage(str(tmp_path / "root"))
+    local = tmp_path / "000042.sst"
+    local.write_bytes(b"sst " * 1000)
+    events = _record_syncs(monkeypatch)
+    storage.upload_file(str(local), "job/p0/shared/000042.sst")
+    target = str(tmp_path / "root" / "job" / "p0" / "shared" / "000042.sst")
+    replaced = events.index(("replace", target))
+    synced_before = [p for e, p in events[:replaced] if e == "fsync"]
+    assert any(p.startswith(f"{target}.tmp-") for p in synced_before)  # the copy itself
+    assert ("fsync", os.path.dirname(target)) in events[replaced:]  # the rename
+    # The directories made for it: each entry fsynced in its parent.
+    for made in ("job", "job/p0", "job/p0/shared"):
+        assert ("fsync", os.path.dirname(str(tmp_path / "root" / made))) in events[:replaced]
+    assert local.read_bytes() == (tmp_path / "root/job/p0/shared/000042.sst").read_bytes()
+
+
+@pytest.mark.parametrize("write", ["write_bytes", "write_parts"])
+def test_a_written_file_s_rename_is_durable_before_the_write_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: str
+) -> None:
+    """_metadata.json, _committed and memory state files: fsynced, and their directory
+    fsynced after the rename (it was not: a power loss could lose the rename)."""
+    storage = CheckpointStorage(str(tmp_path))
+    storage.write_bytes("job/p0/chk-1/_metadata.json", b"old")
+    events = _record_syncs(monkeypatch)
+    data: Any = b"new" if write == "write_bytes" else [b"n", b"ew"]
+    getattr(storage, write)("job/p0/chk-1/_metadata.json", data)
+    target = str(tmp_path / "job" / "p0" / "chk-1" / "_metadata.json")
+    replaced = events.index(("replace", target))
+    assert any(e == "fsync" and p.startswith(f"{target}.tmp-") for e, p in events[:replaced])
+    assert ("fsync", os.path.dirname(target)) in events[replaced:]
+    assert storage.read_bytes("job/p0/chk-1/_metadata.json") == b"new"
+
+
+def test_a_directory_fsync_the_filesystem_refuses_is_not_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Some network filesystems cannot fsync a directory (EINVAL); their rename is still
+    atomic, so the write succeeds. A file's failed fsync still fails the write."""
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    storage = CheckpointStorage(str(tmp_path / "root"))
+    storage.write_bytes("job/a.json", b"a")
+    local = tmp_path / "b.sst"
+    local.write_bytes(b"b")
+    storage.upload_file(str(local), "job/b.sst")
+    assert storage.list_dir("job") == ["a.json", "b.sst"]
+
+    def failing(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        storage.upload_file(str(local), "job/c.sst")

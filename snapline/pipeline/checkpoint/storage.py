@@ -4,7 +4,10 @@ All paths are relative to the storage root. Writes are atomic where the filesyst
 a temporary file renamed into place on a local directory; a single upload on object stores
 (S3, GCS, Azure); a temporary file moved into place anywhere else (HDFS, whose move over an
 existing file deletes it first: a crash between the two leaves the new file under its
-temporary name and none in place, never a truncated one). Thread-safe:
+temporary name and none in place, never a truncated one). On a local directory (or an NFS
+mount) a write is also durable when it returns: the file is fsynced before its rename, and
+its directory after it, since the Kafka transaction that names a checkpoint commits right
+after its files are written. Thread-safe:
 checkpoint threads write while the task thread reads nothing from here during processing.
 """
 
@@ -109,7 +112,7 @@ class CheckpointStorage:
         if self._local:
             try:
                 # (Not checked for write permission: savepoints are also read from here.)
-                Path(self.root).mkdir(parents=True, exist_ok=True)
+                _makedirs_durable(self.root)
             except OSError as exc:
                 if exc.errno not in SETTING_ERRNOS:  # EIO, ESTALE, ENOSPC...: restart me
                     raise CheckpointStorageError(
@@ -150,7 +153,7 @@ class CheckpointStorage:
         crc = 0
         size = 0
         if self._local:
-            os.makedirs(parent, exist_ok=True)
+            _makedirs_durable(parent)
             tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
             views = [memoryview(part).cast("B") for part in parts]
             for view in views:
@@ -164,7 +167,7 @@ class CheckpointStorage:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, target)
+            _replace_durable(tmp, target)
         else:
             self.fs.create_dir(parent, recursive=True)
             written = self._beside(target)
@@ -190,6 +193,9 @@ class CheckpointStorage:
         return target if self._whole_objects else f"{target}.tmp-{uuid.uuid4().hex[:8]}"
 
     def _move_into_place(self, written: str, target: str) -> None:
+        # Only non-local filesystems come here (a local directory is written through ``os``,
+        # with fsyncs): pyarrow.fs has no fsync, so durability is the filesystem's own (HDFS
+        # replicates a closed file, and logs a rename in its NameNode before it returns).
         if written != target:
             self.fs.move(written, target)
 
@@ -204,10 +210,11 @@ class CheckpointStorage:
         self._before_write(path)
         target = self.full_path(path)
         if self._local:
-            os.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+            _makedirs_durable(target.rsplit("/", 1)[0])
             tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
             shutil.copyfile(local_path, tmp)
-            os.replace(tmp, target)
+            _fsync_path(tmp)
+            _replace_durable(tmp, target)
         else:
             import pyarrow.fs as pafs
 
@@ -330,3 +337,43 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
             else:
                 views[0] = first[written:]
                 written = 0
+
+
+def _fsync_path(path: str, directory: bool = False) -> None:
+    """Flush a file, or a directory's entries, to stable storage."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        # Some network filesystems cannot fsync a directory; the rename is still atomic there.
+        if not (directory and exc.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _replace_durable(tmp: str, target: str) -> None:
+    """``os.replace`` whose rename survives a power loss once this returns (``tmp`` is
+    already fsynced by the caller)."""
+    os.replace(tmp, target)
+    _fsync_path(os.path.dirname(target), directory=True)
+
+
+def _makedirs_durable(path: str) -> None:
+    """``mkdir -p`` that fsyncs the parent of every directory it creates (a checkpoint's
+    directory is new for each checkpoint: a lost entry would lose every file in it)."""
+    missing = []
+    current = path
+    while not os.path.isdir(current):
+        missing.append(current)
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory)
+        except FileExistsError:  # made meanwhile by another writer; a file there is an error
+            if not os.path.isdir(directory):
+                raise
+        _fsync_path(os.path.dirname(directory), directory=True)

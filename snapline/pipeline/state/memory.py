@@ -314,7 +314,16 @@ class MemoryStateBackend(KeyedStateBackend):
 
     def restore(self, handle: StateHandle, storage: CheckpointStorage) -> None:
         (state_file,) = handle.files
-        data = storage.read_bytes(state_file.path)
+        try:
+            with storage.open_input(state_file.path) as fh:
+                data = bytes(fh.read())
+        except FileNotFoundError as exc:
+            # Corrupt, not just unreadable: on_corrupt_checkpoint="rewind" may then restore an
+            # earlier committed checkpoint, as it does for a missing RocksDB file.
+            raise CorruptCheckpointError(
+                f"memory state file {storage.full_path(state_file.path)} is missing from "
+                "checkpoint storage"
+            ) from exc
         verify_checksum(data, state_file.checksum, f"state file {state_file.path}")
         self._columns = []
         self._distinct, self._last_key = False, None
