@@ -8,8 +8,9 @@ belongs to the stage that writes its topic; the stage that reads the topic start
 
 from __future__ import annotations
 
+import heapq
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,6 +63,19 @@ class StagePlan:
     def input_topics(self, source_topics: list[str]) -> list[str]:
         return [*source_topics, *(r.topic for r in self.repartitions.values())]
 
+    def in_dataflow_order(self) -> tuple[Stage, ...]:
+        """The stages, each after every stage that writes a topic it reads.
+
+        The numbering follows the graph's order of appearance, which union/connect can make
+        differ from the dataflow (``h`` may write stage 2 into stage 1); it names tasks,
+        checkpoints and savepoints, so it stays, and a run that goes stage by stage takes this
+        order. Among the stages ready at once the lowest number comes first: a plan numbered
+        in dataflow order keeps its order."""
+        order, cycle = _dataflow_order(len(self.stages), self.repartitions.values())
+        if cycle:
+            raise _cycle_error(cycle)
+        return tuple(self.stages[i] for i in order)
+
 
 def task_id_for(stage: int, partition: int) -> str:
     """The task id of ``partition`` of ``stage``: names its checkpoint and local state dirs."""
@@ -76,6 +90,53 @@ def repartition_partition(key_group: int, partitions: int, max_parallelism: int)
 
 def is_repartition(node: Node) -> bool:
     return node.kind == "key_by" and bool(node.options.get("repartition"))
+
+
+def _dataflow_order(
+    count: int, repartitions: Iterable[Repartition]
+) -> tuple[list[int], list[Repartition]]:
+    """Stages ``0 .. count-1`` in dataflow order (Kahn's algorithm, the lowest ready number
+    first) and, if the stage graph has a cycle, the repartitions of one cycle in dataflow
+    direction (the order then lacks the stages on and behind it)."""
+    incoming: dict[int, list[Repartition]] = {i: [] for i in range(count)}
+    outgoing: dict[int, list[Repartition]] = {i: [] for i in range(count)}
+    for rep in sorted(repartitions, key=lambda r: r.node_id):
+        incoming[rep.downstream].append(rep)
+        outgoing[rep.upstream].append(rep)
+    waiting = {i: len(reps) for i, reps in incoming.items()}
+    ready = [i for i, n in waiting.items() if n == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        stage = heapq.heappop(ready)
+        order.append(stage)
+        for rep in outgoing[stage]:
+            waiting[rep.downstream] -= 1
+            if waiting[rep.downstream] == 0:
+                heapq.heappush(ready, rep.downstream)
+    left = set(range(count)) - set(order)
+    if not left:
+        return order, []
+    # Each stage left reads a topic that a stage left writes: walking back along those
+    # writers comes round to a stage already passed, and the walk since then is a cycle.
+    stage = min(left)
+    path: list[Repartition] = []
+    seen: dict[int, int] = {}
+    while stage not in seen:
+        seen[stage] = len(path)
+        rep = next(r for r in incoming[stage] if r.upstream in left)
+        path.append(rep)
+        stage = rep.upstream
+    return order, path[seen[stage] :][::-1]
+
+
+def _cycle_error(cycle: list[Repartition]) -> ConfigurationError:
+    hops = ", ".join(f"{r.name!r} (stage {r.upstream} -> {r.downstream})" for r in cycle)
+    return ConfigurationError(
+        f"key_by operators {hops} form a cycle of stages through union/connect: the "
+        "watermark of each stage on it waits for the stage before, so their windows and "
+        "event-time timers never fire; key the combined streams once instead"
+    )
 
 
 class _Stages:
@@ -170,6 +231,9 @@ def compile_stages(pipeline: Pipeline) -> StagePlan:
                 "cycle through union/connect); key the combined streams once instead"
             )
         repartitions[node.id] = rep
+    _, cycle = _dataflow_order(len(numbering), repartitions.values())
+    if cycle:
+        raise _cycle_error(cycle)
 
     # Topics read by one stage are co-partitioned: their declared counts must agree.
     by_stage: dict[int, list[Repartition]] = {}

@@ -118,6 +118,51 @@ def test_duplicate_key_by_names_and_partitions_above_max_parallelism_are_refused
         q.source(KafkaSource("b")).key_by(partitions=2)
 
 
+def test_a_cycle_of_stages_through_union_is_refused() -> None:
+    """Only a key_by feeding its own stage was refused: k (stage 2 -> 1) and m (1 -> 2) were
+    accepted, and each stage's watermark, the minimum over the other's writers, never moved."""
+    p = Pipeline("job")
+    src = p.source(KafkaSource("in", value_format="json"))
+    x1 = src.key_by(lambda v: v["a"], name="f").map(lambda v: v)
+    x2 = src.key_by(lambda v: v["b"], name="g").map(lambda v: v)
+    x2.key_by(lambda v: v["c"], name="k").union(x1).sink(KafkaSink("o1"))
+    x1.key_by(lambda v: v["d"], name="m").union(x2).sink(KafkaSink("o2"))
+    with pytest.raises(ConfigurationError, match="cycle of stages") as info:
+        p.validate()
+    message = str(info.value)
+    assert "'k' (stage 2 -> 1)" in message and "'m' (stage 1 -> 2)" in message
+    assert "'f'" not in message and "'g'" not in message
+    assert "key the combined streams once instead" in message
+
+
+def _writer_numbered_after_its_reader() -> Pipeline:
+    """f 0 -> 1, g 0 -> 2, h 2 -> 1: the union merges h's stage into x's, numbered first."""
+    p = Pipeline("job")
+    src = p.source(KafkaSource("in", value_format="json"))
+    x = src.key_by(lambda v: v["a"], name="f")
+    y = src.key_by(lambda v: v["b"], name="g")
+    w = y.map(lambda v: {**v, "via": "h"}).key_by(lambda v: v["c"], name="h")
+    w.union(x.map(lambda v: {**v, "via": "f"})).sink(KafkaSink("out", value_format="json"))
+    return p
+
+
+def test_stages_in_dataflow_order_put_every_writer_before_its_reader() -> None:
+    p = _writer_numbered_after_its_reader()
+    p.validate()
+    plan = p.stages()
+    hops = {r.name: (r.upstream, r.downstream) for r in plan.repartitions.values()}
+    assert hops == {"f": (0, 1), "g": (0, 2), "h": (2, 1)}  # the numbering stays
+    assert [s.index for s in plan.in_dataflow_order()] == [0, 2, 1]
+    p2 = Pipeline("job")
+    (
+        p2.source(KafkaSource("in", value_format="json"))
+        .key_by(lambda o: o["id"])
+        .key_by(lambda o: o["c"])
+        .sink(KafkaSink("out"))
+    )
+    assert [s.index for s in p2.stages().in_dataflow_order()] == [0, 1, 2]
+
+
 def test_key_group_ranges_map_to_contiguous_partitions() -> None:
     parts = [repartition_partition(g, 3, 128) for g in range(128)]
     assert parts == sorted(parts) and set(parts) == {0, 1, 2}

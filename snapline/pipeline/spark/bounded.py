@@ -650,7 +650,6 @@ def run_bounded(
         source = df.rdd.map(lambda r: (r[1], (r[0], r[2], r[3], r[4], _ms(r[5])))).partitionBy(
             stage_partitions[0], lambda p: p
         )
-        outputs: list[Any] = []
         pending: dict[int, list[Any]] = {}
         if in_flight:
             flight_rdd = spark.sparkContext.parallelize(
@@ -670,40 +669,9 @@ def run_bounded(
                 pending.setdefault(rep.downstream, []).append(
                     flight_rdd.filter(_topic_is(rep.topic, 0))
                 )
-        stage_rdds: dict[int, Any] = {}
-        for stage in plan.stages:
-            k = stage.index
-            if k == 0:
-                sorted_input = source.mapPartitions(
-                    lambda it: iter(sorted((v for _, v in it), key=lambda r: (r[1], r[0])))
-                )
-            else:
-                feeds: list[Any] = pending.get(k, [])
-                if not feeds:
-                    continue
-                shuffled = feeds[0]
-                for extra in feeds[1:]:
-                    shuffled = shuffled.union(extra)
-                sorted_input = (
-                    shuffled.map(lambda r: (r[1], r))
-                    .partitionBy(stage_partitions[k], lambda p: p)
-                    .mapPartitions(
-                        lambda it: iter(
-                            (r[0], i, r[3], r[4], r[5])
-                            for i, r in enumerate(sorted((v for _, v in it), key=lambda r: r[2]))
-                        )
-                    )
-                )
-            result = sorted_input.mapPartitionsWithIndex(_stage_runner(config, k)).persist()
-            stage_rdds[k] = result
-            outputs.append(result)
-            for rep in plan.repartitions.values():
-                if rep.upstream == k:
-                    pending.setdefault(rep.downstream, []).append(
-                        result.filter(_topic_is(rep.topic, 1)).map(
-                            lambda r: (r[1], r[2], r[3], r[4], r[5], r[6])
-                        )
-                    )
+        stage_rdds = _stage_rdds(
+            plan, source, pending, stage_partitions, lambda k: _stage_runner(config, k)
+        )
         records: dict[int, int] = {}
         files: dict[str, list[SavepointFile]] = {}
         partitioning: dict[str, str] = {}
@@ -748,7 +716,7 @@ def run_bounded(
         )
         CheckpointStorage(savepoint_out).write_bytes(METADATA_FILE, metadata.encode())
         say(f"savepoint at the end offsets: {savepoint_out}")
-        for result in outputs:
+        for result in stage_rdds.values():
             result.unpersist()
     finally:
         spark.stop()
@@ -807,6 +775,60 @@ def _clocks_from(saved: Any, plan: Any, stage_partitions: dict[int, int]) -> dic
             if clock is not None:
                 clocks[task_id_for(stage.index, partition)] = clock
     return clocks
+
+
+StageRunner = Callable[[int, Iterable[tuple[Any, ...]]], Iterator[tuple[Any, ...]]]
+
+
+def _stage_rdds(
+    plan: Any,
+    source: Any,
+    pending: dict[int, list[Any]],
+    stage_partitions: dict[int, int],
+    runner: Callable[[int], StageRunner],
+) -> dict[int, Any]:
+    """Each stage's persisted RDD of its tasks' rows (``runner(k)``: ``run_stage_task`` of
+    stage k), keyed by stage. ``source`` is stage 0's input by source partition; ``pending``
+    the shuffled input each stage has before any stage runs (records in flight), and gets
+    each stage's repartition output for the stage that reads it.
+
+    A stage is built from the output of every stage writing its topics, so they are built in
+    dataflow order (``StagePlan.in_dataflow_order``), not by number: union/connect can number
+    a writer after its reader, whose Spark job then ran without the writer's records."""
+    stage_rdds: dict[int, Any] = {}
+    for stage in plan.in_dataflow_order():
+        k = stage.index
+        if k == 0:
+            sorted_input = source.mapPartitions(
+                lambda it: iter(sorted((v for _, v in it), key=lambda r: (r[1], r[0])))
+            )
+        else:
+            feeds: list[Any] = pending.get(k, [])
+            if not feeds:
+                continue
+            shuffled = feeds[0]
+            for extra in feeds[1:]:
+                shuffled = shuffled.union(extra)
+            sorted_input = (
+                shuffled.map(lambda r: (r[1], r))
+                .partitionBy(stage_partitions[k], lambda p: p)
+                .mapPartitions(
+                    lambda it: iter(
+                        (r[0], i, r[3], r[4], r[5])
+                        for i, r in enumerate(sorted((v for _, v in it), key=lambda r: r[2]))
+                    )
+                )
+            )
+        result = sorted_input.mapPartitionsWithIndex(runner(k)).persist()
+        stage_rdds[k] = result
+        for rep in plan.repartitions.values():
+            if rep.upstream == k:
+                pending.setdefault(rep.downstream, []).append(
+                    result.filter(_topic_is(rep.topic, 1)).map(
+                        lambda r: (r[1], r[2], r[3], r[4], r[5], r[6])
+                    )
+                )
+    return stage_rdds
 
 
 def _topic_is(topic: str, column: int) -> Callable[[tuple[Any, ...]], bool]:
