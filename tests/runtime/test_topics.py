@@ -45,6 +45,17 @@ def test_repartition_topics_are_internal_and_created_like_the_sources_or_as_decl
     assert result.create["orders.by-region.repartition"] == 12
 
 
+def test_a_repartition_topic_gets_no_more_partitions_than_key_groups() -> None:
+    """32 source partitions and max_parallelism=16 made a 32-partition repartition topic:
+    half its tasks owned no key-group, and export, restore and the Spark run refused the
+    job's savepoints. Its default is capped; an output topic's is not."""
+    pipeline = Pipeline("orders", max_parallelism=16)
+    pipeline.source(KafkaSource("orders")).key_by(lambda o: o["customer"]).sink(KafkaSink("out"))
+    result = plan(pipeline_topics(pipeline), {"orders": 32}, WHERE)
+    assert result.create["orders.key_by-1.repartition"] == 16
+    assert result.create["out"] == 32
+
+
 def test_an_existing_repartition_topic_with_other_partitions_is_refused() -> None:
     pipeline = Pipeline("orders")
     keyed = pipeline.source(KafkaSource("orders")).key_by(lambda o: o["c"], partitions=8)

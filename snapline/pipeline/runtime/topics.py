@@ -326,6 +326,9 @@ class TopicSpec:
     role: Role
     partitions: int | None = None
     declared_by: str = ""
+    #: The most partitions the rule's default may give it (a repartition topic: the job's
+    #: max_parallelism, since a partition is a task owning at least one key-group).
+    max_partitions: int | None = None
 
 
 @dataclass(frozen=True)
@@ -349,7 +352,13 @@ def pipeline_topics(pipeline: Pipeline) -> list[TopicSpec]:
         for topic, partitions in sink.output_topics().items()
     ]
     specs += [
-        TopicSpec(rep.topic, Role.INTERNAL, rep.partitions, f"key_by {rep.name!r}")
+        TopicSpec(
+            rep.topic,
+            Role.INTERNAL,
+            rep.partitions,
+            f"key_by {rep.name!r}",
+            max_partitions=pipeline.max_parallelism,
+        )
         for rep in pipeline.stages().repartitions.values()
     ]
     if pipeline.on_error == "dead_letter":
@@ -424,7 +433,9 @@ def plan(specs: Iterable[TopicSpec], existing: Mapping[str, int], where: str) ->
         elif spec.role is Role.DEAD_LETTER:
             create[spec.name] = DEAD_LETTER_PARTITIONS
         else:  # OUTPUT, INTERNAL: like the sources
-            create[spec.name] = default
+            # A repartition topic of more partitions than key-groups made tasks that own
+            # none, and savepoints (rescaling, upgrades) of the job impossible.
+            create[spec.name] = min(default, spec.max_partitions or default)
     partitions = {name: existing[name] for name in by_name if name in existing}
     partitions.update(create)
     return TopicPlan(create=create, partitions=partitions)
