@@ -568,9 +568,35 @@ class Pipeline:
             raise ConfigurationError(
                 f"sink names {dup_sinks} are used twice; pass name=... to tell them apart"
             )
-        self.state_ids()
-        self.operator_uids()
+        self._check_state_names()
         self.stages()
+
+    def _check_state_names(self) -> None:
+        """Each state of an operator has a name of its own, not the timers' one: checkpoints
+        and savepoints find a state by (operator uid, state name), so two states of one name
+        would be restored as one (and a checkpoint of them refused as renumbered)."""
+        uids = self.operator_uids()
+        timers = TimerState().name
+        problems = []
+        for node_id, entries in self.state_ids().items():
+            declared = [d for _, d in entries if not isinstance(d, TimerState)]
+            names = [d.name or "" for d in declared]
+            for name in sorted({n for n in names if names.count(n) > 1}):
+                attributes = ", ".join(str(d.attribute) for d in declared if d.name == name)
+                problems.append(
+                    f"states {attributes} of operator {uids[node_id]!r} are all named {name!r}"
+                )
+            if timers in names:
+                problems.append(
+                    f"a state of operator {uids[node_id]!r} is named {timers!r}, the name of "
+                    "its timers"
+                )
+        if problems:
+            raise ConfigurationError(
+                "; ".join(problems) + ". Each state of an operator needs a name of its own "
+                f"(checkpoints and savepoints find a state by name) other than {timers!r}: "
+                'pass another name, e.g. MapState("seen")'
+            )
 
     def stages(self) -> StagePlan:
         """The graph compiled into stages (``snapline.pipeline.stages``)."""

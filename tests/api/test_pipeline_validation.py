@@ -12,6 +12,7 @@ from snapline.connectors.config import redact
 from snapline.pipeline import (
     ConfigurationError,
     KeyedProcessFunction,
+    MapState,
     Pipeline,
     StateError,
     ValueState,
@@ -85,6 +86,42 @@ def test_state_outside_keyed_function() -> None:
 def test_state_used_unbound() -> None:
     with pytest.raises(StateError, match="not bound"):
         Counter().n.value()
+
+
+class TwoTotals(KeyedProcessFunction):
+    total = ValueState("total", default=0)
+    seen = MapState("total")
+
+    def process(self, value, ctx):
+        yield value
+
+
+class Timers(KeyedProcessFunction):
+    timers = ValueState("__timers__")
+
+    def process(self, value, ctx):
+        yield value
+
+
+@pytest.mark.parametrize(
+    ("function", "message"),
+    [
+        (TwoTotals(), "states seen, total of operator 'TwoTotals' are all named 'total'"),
+        (Timers(), "a state of operator 'Timers' is named '__timers__', the name of its timers"),
+    ],
+    ids=["twice", "timers"],
+)
+def test_a_state_name_used_twice_in_an_operator_is_refused(
+    function: KeyedProcessFunction, message: str
+) -> None:
+    """Restores find a state by (operator uid, name): of two states named alike one was
+    kept, so every restart from a checkpoint failed as renumbered, and a savepoint merged
+    both states' rows into one."""
+    p = Pipeline("job")
+    p.source(KafkaSource("in")).key_by(lambda v: v["k"]).process(function).sink(KafkaSink("o"))
+    with pytest.raises(ConfigurationError, match="pass another name") as refused:
+        p.validate()
+    assert message in str(refused.value)
 
 
 def test_no_sink_and_no_source() -> None:

@@ -223,6 +223,107 @@ def test_a_checkpoint_whose_state_ids_the_code_moved_is_named() -> None:
     assert moved_states(stored, code, {2: "RunningTotal"}) == ["'total' of operator 'RunningTotal'"]
 
 
+class Visits(KeyedProcessFunction):  # 'count' (id 1) renamed 'visits', given a TTL
+    visits = ValueState("visits", default=0, ttl=3600)
+
+    def process(self, value: Any, ctx: Context) -> None:
+        self.visits.update(self.visits.value() + 1)
+
+
+class Seen(KeyedProcessFunction):  # 'count' (id 1) replaced by a map state
+    seen = MapState("seen")
+
+    def process(self, value: Any, ctx: Context) -> None:
+        self.seen.put(value["k"], True)
+
+
+class Count(KeyedProcessFunction):
+    count = ValueState("count", default=0)
+
+    def process(self, value: Any, ctx: Context) -> None:
+        self.count.update(self.count.value() + 1)
+
+
+def _checkpoint_states(p: Pipeline) -> list[dict[str, Any]]:
+    """The state descriptions a worker of ``p`` writes with its checkpoints."""
+    uids = p.operator_uids()
+    return [
+        {**desc.describe(), "id": sid, "operator": node_id, "uid": uids[node_id]}
+        for node_id, entries in p.state_ids().items()
+        for sid, desc in entries
+    ]
+
+
+def continue_from_checkpoint(old: Pipeline, new: Pipeline) -> None:
+    """The worker's check, running ``new``, of a checkpoint ``old`` wrote."""
+    from types import SimpleNamespace
+
+    from snapline.pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint
+    from snapline.pipeline.runtime.worker import Worker
+
+    declared = {(d["uid"], d["name"]): d for d in _checkpoint_states(new)}
+    worker = SimpleNamespace(pipeline=new, _declared_states=declared)
+    meta = TaskCheckpoint(
+        "job", "1-0", CheckpointRef(7, "a"), "w", {}, None, states=_checkpoint_states(old)
+    )
+    Worker._check_states(worker, "1-0", meta)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("function", "now"),
+    [
+        (Seen(), "'seen' of operator 'counter' (a map state, serde 'json', keys 'json')"),
+        (Visits(), "'visits' of operator 'counter' (a value state, serde 'json', ttl=3600000 ms)"),
+    ],
+    ids=["map", "ttl"],
+)
+def test_a_state_renamed_or_replaced_at_its_id_is_refused(
+    function: KeyedProcessFunction, now: str
+) -> None:
+    """Ids are positional: a state replaced in place keeps the old one's id, and read its
+    entries as its own (with a TTL, every count read as an expiry in 1970 and deleted; a map
+    state got orphan entries a savepoint exported under its name). Matching by name saw
+    neither: the old name is no longer declared."""
+    old = pipeline((Count(), "counter"))
+    with pytest.raises(ConfigurationError) as refused:
+        continue_from_checkpoint(old, pipeline((function, "counter")))
+    message = str(refused.value)
+    assert (
+        "state id 1 holds 'count' of operator 'counter' (a value state, serde 'json') in "
+        f"checkpoint 7 but is {now} in the code"
+    ) in message
+    assert "savepoint from-checkpoint" in message
+    assert "--allow-non-restored-state" in message
+
+
+def test_a_checkpoint_of_the_same_states_continues() -> None:
+    """The same code; a TTL changed but kept; an operator given an explicit uid (its states
+    keep their ids and names)."""
+    continue_from_checkpoint(pipeline((Count(), "counter")), pipeline((Count(), "counter")))
+    continue_from_checkpoint(pipeline((Visits(), "v")), pipeline((Visits(), "v")))
+    continue_from_checkpoint(pipeline((Count(), None)), pipeline((Count(), "counter")))
+
+
+def test_a_renamed_operator_keeps_its_states_at_their_ids_unless_they_changed() -> None:
+    """Another uid, the same state name at the same id: the checks by name do not pair
+    them, the one by id does."""
+    from snapline.pipeline.state.compat import replaced_states
+
+    stored = [{"id": 1, "uid": "old", "name": "total", "kind": "value", "serde": "json"}]
+    renamed = {"id": 1, "uid": "new", "name": "total", "kind": "value", "serde": "json"}
+    assert replaced_states(stored, {("new", "total"): renamed}, "checkpoint 7") == []
+    as_pickle = {**renamed, "serde": "pickle"}
+    assert replaced_states(stored, {("new", "total"): as_pickle}, "checkpoint 7") == [
+        "state id 1 holds 'total' of operator 'old' (a value state, serde 'json') in "
+        "checkpoint 7 but is 'total' of operator 'new' (a value state, serde 'pickle') in the "
+        "code"
+    ]
+    # 'old' still names an operator of the code: its state went to another operator.
+    timers = {"id": 2, "uid": "old", "name": "__timers__", "kind": "timers", "serde": "json"}
+    code = {("new", "total"): renamed, ("old", "__timers__"): timers}
+    assert len(replaced_states(stored, code, "checkpoint 7")) == 1
+
+
 def test_unmoved_ids_pass_whatever_else_changed() -> None:
     """Same ids: an unchanged pipeline; a checkpoint of a version before operator uids (the
     operator's index names it); an operator given an explicit uid (its states are not

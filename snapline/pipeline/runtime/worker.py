@@ -135,7 +135,7 @@ from snapline.pipeline.savepoint.control import (
 )
 from snapline.pipeline.stages import SOURCE_STAGE, task_id_for
 from snapline.pipeline.state import create_backend
-from snapline.pipeline.state.compat import incompatibility, moved_states
+from snapline.pipeline.state.compat import incompatibility, moved_states, replaced_states
 
 log = logging.getLogger(__name__)
 
@@ -1226,7 +1226,8 @@ class Worker:
         entries carry their state's id, and ids are numbered by position (declared states in
         graph order, then every operator's timers): a state added, removed or reordered moves
         the ids after it, and the code would read one state's values as another's and lose
-        every timer, silently. A savepoint maps states by name instead."""
+        every timer, silently; so would a state renamed or replaced at its id. A savepoint
+        maps states by name instead."""
         problems = []
         moved = moved_states(meta.states, self._declared_states, self.pipeline.operator_uids())
         if moved:
@@ -1237,6 +1238,20 @@ class Worker:
                 "store states by number). Go through a savepoint, which maps states by name: "
                 "with the job stopped, 'snapline savepoint from-checkpoint SPEC' with this "
                 "code, then 'snapline run SPEC --from-savepoint PATH'"
+            )
+        replaced = replaced_states(
+            meta.states, self._declared_states, f"checkpoint {meta.ref.checkpoint_id}"
+        )
+        if replaced:
+            raise ConfigurationError(
+                f"task {task_id} cannot continue from checkpoint {meta.ref.checkpoint_id} with "
+                f"this code: {'; '.join(replaced)}. Checkpoints store states by number, so the "
+                "code's state would read the other's entries as its own. Go through a "
+                "savepoint, which maps states by operator uid and name: with the job stopped, "
+                "'snapline savepoint from-checkpoint SPEC' with this code, then 'snapline run "
+                "SPEC --from-savepoint PATH --allow-non-restored-state' (a renamed state starts "
+                "empty, the old one is dropped); or continue with the code that wrote the "
+                "checkpoint"
             )
         for stored in meta.states:
             now = self._declared_states.get((stored.get("uid"), stored.get("name") or ""))

@@ -6,7 +6,8 @@ A state's kind and serde decide how its bytes are read; a state with a TTL store
 behind its expiry (8 bytes), one without does not, so a TTL may change its length but not
 appear or disappear; a map state's key serde decides its keys' bytes. Any of these changed
 makes the stored state unreadable or silently wrong (every value expired in 1970, every read
-failing), so the restore is refused, naming the state.
+failing), so the restore is refused, naming the state. A checkpoint stores entries by state
+id, so there a state renamed, replaced or moved at an id is refused too.
 
 Pure logic.
 """
@@ -77,3 +78,51 @@ def moved_states(
         if now is not None and int(now["id"]) != int(desc["id"]):
             out.append(f"{desc.get('name')!r} of operator {uid!r}")
     return sorted(out)
+
+
+def replaced_states(
+    stored: Sequence[Mapping[str, Any]],
+    declared: Mapping[tuple[str, str], Mapping[str, Any]],
+    source: str,
+) -> list[str]:
+    """Why states a checkpoint (``stored``: its state descriptions, in ``source``) holds
+    would be read by another state of the code (``declared``: (uid, name) -> the code's
+    description) that has the same id: a state renamed or replaced in place, which
+    ``moved_states`` and ``incompatibility`` (matching by name) do not see. Entries are
+    stored by id, so the code's state would read the old one's entries as its own. A state
+    whose operator alone was renamed (its uid is gone from the code; same name, kind and
+    serde) keeps its entries; a checkpoint of a version before operator uids is compared by
+    name. An id the code no longer has (a state removed at the end) is not compared."""
+    by_id = {int(now["id"]): now for now in declared.values() if "id" in now}
+    uids = {uid for uid, _ in declared}
+    out = []
+    for desc in stored:
+        now = by_id.get(int(desc["id"])) if "id" in desc else None
+        if now is None:
+            continue
+        uid, name = desc.get("uid"), desc.get("name") or ""
+        if (uid, name) == (now["uid"], now.get("name") or ""):
+            continue  # the same state: checked by incompatibility
+        if name == (now.get("name") or "") and (uid is None or uid not in uids):
+            # A checkpoint's description names the TTL whenever there is one.
+            kept = {**desc, "ttl_ms": desc.get("ttl_ms")}
+            if "kind" not in desc or incompatibility(kept, now, "", source) is None:
+                continue
+        out.append(
+            f"state id {desc['id']} holds {_described(desc)} in {source} but is "
+            f"{_described(now)} in the code"
+        )
+    return out
+
+
+def _described(desc: Mapping[str, Any]) -> str:
+    """``'seen' of operator 'Visits' (a map state, serde 'json', keys 'json')``."""
+    out = repr(desc.get("name")) + (f" of operator {desc['uid']!r}" if desc.get("uid") else "")
+    if "kind" not in desc:
+        return out
+    what = [f"a {desc['kind']} state", f"serde {desc['serde']!r}"]
+    if desc.get("ttl_ms") is not None:
+        what.append(f"ttl={desc['ttl_ms']} ms")
+    if "key_serde" in desc:
+        what.append(f"keys {desc['key_serde']!r}")
+    return f"{out} ({', '.join(what)})"
