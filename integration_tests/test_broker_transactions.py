@@ -240,3 +240,20 @@ def test_a_record_the_broker_refuses_fails_the_commit_without_delivery_reports(
     if exactly_once:
         output.abort()
         assert read_all(kafka_bootstrap, topic, "read_committed") == []
+
+
+def test_a_transaction_timeout_above_the_brokers_maximum_is_a_configuration_error(
+    kafka_bootstrap: str, unique_name: str
+) -> None:
+    """librdkafka makes the broker's INVALID_TRANSACTION_TIMEOUT fatal: it was taken for a
+    fenced producer, and every restart failed the same way. It is the job's setting: a
+    ConfigurationError (exit 78) naming the fix."""
+    from snapline.pipeline.errors import ConfigurationError
+    from snapline.pipeline.runtime.transaction import TransactionalOutput
+
+    output = TransactionalOutput(
+        {"bootstrap.servers": kafka_bootstrap, "transaction.timeout.ms": 1_000_000},
+        transactional_id=f"{unique_name}-tx",
+    )
+    with pytest.raises(ConfigurationError, match="above their transaction.max.timeout.ms"):
+        output.init(timeout=30)

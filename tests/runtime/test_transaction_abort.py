@@ -251,3 +251,38 @@ def test_new_record_size_limits_replace_the_producer_at_the_abort_without_callin
     assert output.max_message_bytes == 60_000 and output._conf["batch.size"] == 50_000
     assert output._fatal is None and output._resized is None
     assert "new record size limits" in caplog.text and "cannot go on" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("config", "interval", "expected"),
+    [
+        ({}, 1.0, 60_000),  # the default: a transaction of a second and its checkpoint
+        ({}, 60.0, 90_000),  # a minute's transaction and 30 s for its checkpoint
+        ({}, 870.0, 900_000),  # the brokers' default maximum
+        ({"transaction.timeout.ms": 5000}, 1.0, 5000),  # a setting that fits is kept
+        ({"transaction.timeout.ms": "120000"}, 100.0, 120_000),
+    ],
+)
+def test_the_transaction_timeout_outlasts_a_checkpoint_interval(
+    config: dict[str, Any], interval: float, expected: int
+) -> None:
+    """A transaction is open from one commit to the next. Left at 60 s, a job checkpointing
+    every minute or more never committed: the broker aborted each transaction first."""
+    assert transaction.transaction_timeout(config, interval) == expected
+
+
+@pytest.mark.parametrize(
+    ("config", "interval", "message"),
+    [
+        ({"transaction.timeout.ms": 60000}, 120.0, "Set it to 150000 or more"),
+        ({"transaction.timeout.ms": "soon"}, 1.0, "is not a number of ms"),
+        ({}, 3600.0, "lower it to at most 870 s, or raise transaction.max.timeout.ms"),
+    ],
+)
+def test_a_transaction_timeout_a_checkpoint_cannot_fit_fails_at_start_with_the_fix(
+    config: dict[str, Any], interval: float, message: str
+) -> None:
+    from snapline.pipeline.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=message):
+        transaction.transaction_timeout(config, interval)

@@ -73,6 +73,52 @@ class TransactionFailedError(CheckpointError):
 #: record against ``message.max.bytes`` (RD_KAFKAP_MESSAGE_V2_MAX_OVERHEAD, rounded up).
 RECORD_OVERHEAD = 40
 
+#: The producer's ``transaction.timeout.ms`` unless the job needs more (``transaction_timeout``).
+TRANSACTION_TIMEOUT_MS = 60_000
+#: A transaction is open from one commit to the next: a checkpoint interval, then the
+#: checkpoint itself (alignment, snapshot, pre-commit); this long is left for the latter.
+CHECKPOINT_ALLOWANCE_MS = 30_000
+#: The brokers' default ``transaction.max.timeout.ms`` (15 minutes): a producer asking for
+#: more is refused (INVALID_TRANSACTION_TIMEOUT, fatal).
+BROKER_MAX_TRANSACTION_TIMEOUT_MS = 900_000
+
+
+def transaction_timeout(config: dict[str, Any], checkpoint_interval: float) -> int:
+    """The ``transaction.timeout.ms`` an exactly-once job's producer needs: longer than a
+    checkpoint interval plus its checkpoint (CHECKPOINT_ALLOWANCE_MS), since each transaction
+    stays open that long. Left at 60 s, a job checkpointing every minute or more never
+    committed: the broker aborted each transaction before its commit, which then failed as
+    fenced, and every restart again. Raised to what the interval needs when the config does
+    not set it. A setting no longer than the interval (plus a second for the checkpoint),
+    or a need above the brokers' default maximum, is a ConfigurationError naming the fix."""
+    interval_ms = int(checkpoint_interval * 1000)
+    needed = interval_ms + CHECKPOINT_ALLOWANCE_MS
+    given = config.get("transaction.timeout.ms")
+    if given is not None:
+        try:
+            value = int(given)
+        except (TypeError, ValueError):
+            raise ConfigurationError(
+                f"kafka_config transaction.timeout.ms={given!r} is not a number of ms"
+            ) from None
+        if value < interval_ms + 1000:
+            raise ConfigurationError(
+                f"kafka_config transaction.timeout.ms={value} is not longer than a checkpoint "
+                f"interval ({checkpoint_interval:g} s) and its checkpoint: each Kafka "
+                "transaction stays open that long, and the broker would abort every one "
+                f"before its commit. Set it to {needed} or more, or lower checkpoint_interval"
+            )
+        return value
+    if needed > BROKER_MAX_TRANSACTION_TIMEOUT_MS:
+        longest = (BROKER_MAX_TRANSACTION_TIMEOUT_MS - CHECKPOINT_ALLOWANCE_MS) // 1000
+        raise ConfigurationError(
+            f"checkpoint_interval={checkpoint_interval:g} keeps each Kafka transaction open "
+            f"longer than the brokers' default transaction.max.timeout.ms (15 min): lower it "
+            f"to at most {longest} s, or raise transaction.max.timeout.ms on the brokers and "
+            f"set transaction.timeout.ms (at least {needed}) in kafka_config"
+        )
+    return max(TRANSACTION_TIMEOUT_MS, needed)
+
 
 def too_large(size: int, limit: int) -> KafkaException:
     """The error librdkafka's produce raises for a record over ``message.max.bytes``: for
@@ -125,7 +171,7 @@ class TransactionalOutput:
         }
         if transactional_id is not None:
             conf["transactional.id"] = transactional_id
-            conf.setdefault("transaction.timeout.ms", 60000)
+            conf.setdefault("transaction.timeout.ms", TRANSACTION_TIMEOUT_MS)
         # Only failed deliveries are reported: a delivered record leaves no event for poll()
         # to serve. A failed one still fails the commit point: at-least-once through
         # on_delivery and flush, exactly-once through commit_transaction.
@@ -194,6 +240,15 @@ class TransactionalOutput:
                 error = kafka_error(exc)
                 if error is None:
                     raise CheckpointError(f"Kafka {what} failed: {exc}") from exc
+                if error.code() == KafkaError.INVALID_TRANSACTION_TIMEOUT:
+                    # Fatal for the producer, and no restart fixes it: the job's setting.
+                    raise ConfigurationError(
+                        f"the brokers refuse transaction.timeout.ms="
+                        f"{self._conf.get('transaction.timeout.ms')} ({error.str()}): it is "
+                        "above their transaction.max.timeout.ms. Lower checkpoint_interval (a "
+                        "transaction lasts an interval and its checkpoint), or raise "
+                        "transaction.max.timeout.ms on the brokers"
+                    ) from exc
                 fenced = self._fenced(what, exc)
                 if fenced is not None:
                     raise fenced from exc

@@ -125,6 +125,7 @@ from snapline.pipeline.runtime.transaction import (
     TransactionalOutput,
     TransactionFailedError,
     invalid_kafka_settings,
+    transaction_timeout,
 )
 from snapline.pipeline.savepoint.control import (
     MAX_PAUSE,
@@ -347,6 +348,13 @@ class Worker:
             **producer_limits,
             "client.id": f"{pipeline.name}-{settings.worker_id}",
         }
+        #: How long a previous owner's pending transactional offsets can keep a partition's
+        #: committed offset unreadable: its transaction's timeout, and a margin.
+        self._committed_offsets_wait = COMMITTED_OFFSETS_WAIT
+        if pipeline.exactly_once:
+            timeout_ms = transaction_timeout(kafka_config, pipeline.checkpoint_interval)
+            producer_config["transaction.timeout.ms"] = timeout_ms
+            self._committed_offsets_wait = max(COMMITTED_OFFSETS_WAIT, timeout_ms / 1000 + 30)
         self.output = TransactionalOutput(
             producer_config,
             transactional_id=transactional_id,
@@ -851,7 +859,7 @@ class Worker:
         committed or been aborted (at the latest after its transaction.timeout.ms), so this
         waits rather than start from offsets that are about to change."""
         request = [TopicPartition(tp.topic, tp.partition) for tp in partitions]
-        deadline = time.monotonic() + COMMITTED_OFFSETS_WAIT
+        deadline = time.monotonic() + self._committed_offsets_wait
         attempt = 0
         while True:
             try:
@@ -868,7 +876,7 @@ class Worker:
                     # Exit 75: a fresh worker waits again; nothing is lost by the restart.
                     raise KafkaClientError(
                         f"could not read the committed offsets of {len(request)} partitions "
-                        f"in {COMMITTED_OFFSETS_WAIT:.0f}s: {exc}; is a previous owner's "
+                        f"in {self._committed_offsets_wait:.0f}s: {exc}; is a previous owner's "
                         "transaction still open, or the group coordinator unreachable? If it "
                         "stays so across restarts after a broker crash, the broker may run "
                         "Kafka 4.3.x (KAFKA-20734, see docs/exactly-once.md 'Known limits')"
