@@ -70,10 +70,13 @@ class Message:
 @dataclass
 class TestRun:
     """What a run produced: per sink (by name, and by topic for Kafka sinks) the values of
-    every committed checkpoint, in order; the dead letters (value, reason); the checkpoints."""
+    every committed checkpoint, in order; the dead letters (value, reason); the late records
+    windows dropped (``on_late="drop"``); the checkpoints. Dead letters and late drops count
+    committed checkpoints only, so a crash does not count them twice."""
 
     outputs: dict[str, list[Any]] = field(default_factory=dict)
     dead_letters: list[tuple[Any, str]] = field(default_factory=list)
+    late_dropped: int = 0
     checkpoints: int = 0
     crashes: int = 0
 
@@ -307,6 +310,9 @@ class _Runner:
         #: Per stage: the committed checkpoint's clock (watermarks).
         self.committed_time: dict[int, dict[str, Any] | None] = {}
         self.snapshots: list[TaskSnapshot] = []
+        #: Per stage: its task's late drops up to the last committed checkpoint (the drops
+        #: after it are in epochs a crash throws away).
+        self.late_committed: dict[int, int] = {}
         self.restarts = 0
         self.tasks = self._new_tasks(1)
 
@@ -419,8 +425,11 @@ class _Runner:
             self.committed_time[stage] = snapshot.time
         # The commit point: every snapshot is durable; the output becomes visible.
         self.committed = handles
-        for task in tasks.values():
+        for stage, task in tasks.items():
             task.notify_committed(n)
+            dropped = task.late_dropped
+            self.result.late_dropped += dropped - self.late_committed.get(stage, 0)
+            self.late_committed[stage] = dropped
         repartitioned = {r.topic for r in self.plan.repartitions.values()}
         for topic, value, key, headers, timestamp in self.output.take_committed(n):
             if topic in repartitioned:
@@ -439,5 +448,6 @@ class _Runner:
             task.close()
         self.output.by_epoch.clear()
         self.snapshots.clear()
+        self.late_committed.clear()  # the new tasks count from 0
         self.tasks = self._new_tasks(epoch)
         return self._positions()

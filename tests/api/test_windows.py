@@ -521,3 +521,58 @@ def test_a_window_result_refused_by_the_next_operator_is_the_dead_letters_value(
     assert "raised ValueError('no b')" in reason
     assert value is not None
     assert orjson.loads(value) == {"key": "b", "start": 0, "end": 1000, "value": 2}
+
+
+def late_drop_pipeline() -> Pipeline:
+    """Tumbling windows of 1000 ms that drop late records; no dead-letter topic."""
+    pipeline = Pipeline("late-drops", on_error="fail")
+    (
+        pipeline.source(
+            KafkaSource("in", value_format="json", timestamp=lambda v: v["t"], idle_timeout=None)
+        )
+        .key_by()
+        .window(tumbling(1000), on_late="drop")
+        .count()
+        .sink(KafkaSink("out", value_format="json"))
+    )
+    return pipeline
+
+
+@pytest.mark.parametrize("crash", [(), (4,)])
+def test_late_records_dropped_by_a_window_are_counted_in_the_run(crash: tuple[int, ...]) -> None:
+    """on_late="drop" counted the late records in an attribute nothing read: the run (and the
+    metrics, and the logs) showed nothing of them. The run counts those of committed
+    checkpoints, so a crash does not count the ones it makes the task read again twice."""
+    # 20 and 30 arrive when 5000 moved the watermark past [0, 1000); 40 after 6000.
+    events = [10, 5000, 20, 30, 6000, 40]
+    run = run_pipeline(
+        late_drop_pipeline(),
+        {"in": [Message({"t": t}, key="a") for t in events]},
+        checkpoint_every=2,
+        crash_after=crash,
+    )
+    assert [(o["start"], o["value"]) for o in run.outputs["out"]] == [(0, 1), (5000, 1), (6000, 1)]
+    assert run.late_dropped == 3 and not run.dead_letters
+    assert run.crashes == len(crash)
+
+
+def test_late_records_dropped_are_logged_once_then_summarized(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first drop is logged with its times, the next ones as a count at most every
+    LATE_LOG_INTERVAL seconds (late records can be many)."""
+    from snapline.pipeline.runtime import window_operator
+
+    events = [Message({"t": t}, key="a") for t in [10, 5000, 20, 30, 40]]
+    with caplog.at_level("WARNING", logger=window_operator.__name__):
+        run_pipeline(late_drop_pipeline(), {"in": events})
+    [first] = [r.getMessage() for r in caplog.records]
+    assert "dropped a late record" in first and "event time 20, watermark 4999" in first
+
+    caplog.clear()
+    monkeypatch.setattr(window_operator, "LATE_LOG_INTERVAL", 0.0)
+    with caplog.at_level("WARNING", logger=window_operator.__name__):
+        run_pipeline(late_drop_pipeline(), {"in": events})
+    lines = [r.getMessage() for r in caplog.records]
+    assert "dropped a late record" in lines[0]
+    assert "late records dropped: 1 more" in lines[1] and "3 in all" in lines[-1]

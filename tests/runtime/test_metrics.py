@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -14,6 +16,7 @@ from snapline.pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.runtime.coordinator import CompletedCheckpoint, PendingCheckpoint
 from snapline.pipeline.runtime.metrics import WorkerMetrics, stage_of
+from snapline.pipeline.runtime.task import Task
 from snapline.pipeline.state.backend import StateFile, StateHandle
 from snapline.pipeline.supervisor import Supervisor
 
@@ -114,6 +117,33 @@ def test_checkpoints_and_restores_become_series_and_history(tmp_path: Path) -> N
     assert history[1].reason == "disk full"
     assert history[2].tasks["s1-p0"].incremental_bytes == 30
     assert history[2].tasks["s1-p0"].sync == 0.002
+
+
+def _task(dead_letters: int, late_dropped: int) -> Any:
+    """What ``count`` reads of a task."""
+    return SimpleNamespace(
+        records_in=10, sink_writers={}, dead_letters=dead_letters, late_dropped=late_dropped
+    )
+
+
+def test_dead_letters_and_late_records_dropped_are_counted_per_task(tmp_path: Path) -> None:
+    """Late records a window dropped (on_late="drop") were counted where nothing read them;
+    they are a counter next to the dead letters, which keeps growing when the worker replaces
+    the task (a restore: the new task counts from 0)."""
+    metrics = WorkerMetrics("orders", "w0", str(tmp_path), port=0, addr="127.0.0.1")
+    try:
+        assert metrics.port
+        task = _task(dead_letters=1, late_dropped=3)
+        metrics.count(cast(dict[str, Task], {"s1-p0": task}))
+        task.late_dropped, task.dead_letters = 5, 2
+        metrics.count(cast(dict[str, Task], {"s1-p0": task}))
+        metrics.count(cast(dict[str, Task], {"s1-p0": _task(dead_letters=0, late_dropped=1)}))
+        found = _scrape(metrics.port)
+    finally:
+        metrics.close()
+    task_labels = {"job": "orders", "worker": "w0", "stage": "1", "task": "s1-p0"}
+    assert found["snapline_late_records_dropped_total"] == [(task_labels, 6.0)]
+    assert found["snapline_dead_letters_total"] == [(task_labels, 2.0)]
 
 
 def test_history_is_written_without_a_metrics_port(tmp_path: Path) -> None:

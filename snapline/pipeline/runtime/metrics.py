@@ -61,9 +61,10 @@ class WorkerMetrics:
         self._checkpoint_dir = checkpoint_dir
         self.history = HistoryWriter(checkpoint_dir, job, worker)
         self._last_sample = 0.0
-        #: Task id -> (id of the Task object, records in, records out, dead letters) last seen:
-        #: counters grow by the difference (a restored task starts counting from 0 again).
-        self._seen: dict[str, tuple[int, int, int, int]] = {}
+        #: Task id -> (id of the Task object, records in, records out, dead letters, late
+        #: records dropped) last seen: counters grow by the difference (a restored task starts
+        #: counting from 0 again).
+        self._seen: dict[str, tuple[int, int, int, int, int]] = {}
         #: Task id -> state file paths of its last checkpoint (incremental bytes = new files).
         self._files: dict[str, set[str]] = {}
         self._lag_labels: set[tuple[str, ...]] = set()
@@ -108,22 +109,23 @@ class WorkerMetrics:
         self.sample(tasks, held, consumer)
 
     def count(self, tasks: Mapping[str, Task]) -> None:
-        """Add the records each task read and wrote since the last count. Also called just
-        before the worker drops its tasks (a rebalance, a failed checkpoint), so that what
-        they counted since the last sample is not lost with them."""
+        """Add the records each task read, wrote, dead-lettered and dropped as late since the
+        last count. Also called just before the worker drops its tasks (a rebalance, a failed
+        checkpoint), so that what they counted since the last sample is not lost with them."""
         prom = self._prom
         if prom is None:
             return
         for task_id, task in tasks.items():
             labels = (self.job, self.worker, stage_of(task_id), task_id)
             out = sum(getattr(op, "records_out", 0) for op in task.sink_writers.values())
-            now = (id(task), task.records_in, out, task.dead_letters)
+            now = (id(task), task.records_in, out, task.dead_letters, task.late_dropped)
             before = self._seen.get(task_id)
             if before is None or before[0] != now[0]:
-                before = (now[0], 0, 0, 0)
+                before = (now[0], 0, 0, 0, 0)
             prom.records_in.labels(*labels).inc(max(0, now[1] - before[1]))
             prom.records_out.labels(*labels).inc(max(0, now[2] - before[2]))
             prom.dead_letters.labels(*labels).inc(max(0, now[3] - before[3]))
+            prom.late_dropped.labels(*labels).inc(max(0, now[4] - before[4]))
             self._seen[task_id] = now
 
     def sample(self, tasks: Mapping[str, Task], held: int, consumer: Any) -> None:
@@ -375,6 +377,12 @@ class _Prometheus:
         self.dead_letters = Counter(
             "snapline_dead_letters",
             "Records a task sent to the dead-letter topic.",
+            task_labels,
+            registry=r,
+        )
+        self.late_dropped = Counter(
+            "snapline_late_records_dropped",
+            "Late records a task's windows dropped (on_late='drop').",
             task_labels,
             registry=r,
         )

@@ -189,6 +189,12 @@ class Task:
         return self._topic_partitions.get(self.stage.reads[0])
 
     @property
+    def late_dropped(self) -> int:
+        """Late records its windows dropped (``on_late="drop"``) since the task was built;
+        read by the metrics and the testing harness, like ``dead_letters``."""
+        return sum(getattr(op, "late_dropped", 0) for op in self.operators)
+
+    @property
     def watermark_floors(self) -> dict[int, int]:
         """Key-group -> event time above ``watermark`` (after a rescale: runtime/watermarks.py)."""
         return self.clock.floors

@@ -7,8 +7,11 @@ timers are per (key, time), so one timer may serve several windows and a timer l
 by a merged session finds nothing to do. A record is late when every window it belongs to is
 past ``end - 1 + allowed_lateness`` at the task's watermark (or its key-group's floor after a
 rescale: runtime/watermarks.py): it goes to the dead letters with
-the reason. A record that lands in a window that already fired (within the allowed lateness)
-emits that window again at once, with the updated value.
+the reason, or with ``on_late="drop"`` is counted in ``late_dropped`` (the task sums it into
+its own count, which metrics and the testing harness read) and logged: the first one with its
+times, then at most one summary per ``LATE_LOG_INTERVAL`` seconds. A record that lands in a
+window that already fired (within the allowed lateness) emits that window again at once,
+with the updated value.
 
 Everything a window emits is an output of the epoch in which its timer fired or its late
 record arrived, and the timers' deletion is in the same epoch's state snapshot: exactly once.
@@ -18,6 +21,8 @@ Threads: the task thread.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,7 +42,12 @@ from snapline.pipeline.windows import (
     WindowSpec,
 )
 
+log = logging.getLogger(__name__)
+
 _MISSING = object()
+#: Seconds between two log lines about late records dropped by one window operator: late
+#: records can be many, the count is in the metrics.
+LATE_LOG_INTERVAL = 60.0
 
 
 class WindowOperator(Operator):
@@ -80,7 +90,10 @@ class WindowOperator(Operator):
         assert timers is not None and self._windows is not None
         self._backend = backend
         self._timers = timers
-        self.late_records = 0
+        #: Late records dropped (``on_late="drop"``) since the operator was built.
+        self.late_dropped = 0
+        self._late_logged = 0
+        self._late_logged_at = 0.0
         self._out: list[Record] = []
         #: Encoded map keys of recent windows: every key of a window shares them.
         self._window_keys: dict[tuple[int, int], bytes] = {}
@@ -116,8 +129,21 @@ class WindowOperator(Operator):
         self._flush()
 
     def _late(self, r: Record, watermark: int, windows: Iterable[tuple[int, int]]) -> None:
-        self.late_records += 1
         if self._spec.on_late == "drop":
+            self.late_dropped += 1
+            if self.late_dropped == 1:
+                self._late_logged, self._late_logged_at = 1, time.monotonic()
+                log.warning(
+                    "%s (task %s): dropped a late record (on_late='drop'): event time %d, "
+                    "watermark %d, allowed lateness %d ms; further drops are counted and "
+                    "summarized at most every %.0f s",
+                    self.name,
+                    self.task.task_id,
+                    r.timestamp,
+                    watermark,
+                    self._lateness,
+                    LATE_LOG_INTERVAL,
+                )
             return
         spans = ", ".join(f"[{s}, {e})" for s, e in windows)
         self.task.dead_letter(
@@ -309,6 +335,25 @@ class WindowOperator(Operator):
     def _flush(self) -> None:
         out, self._out = self._out, []
         self.emit(out)
+        if self.late_dropped != self._late_logged:
+            self._log_late_summary()
+
+    def _log_late_summary(self) -> None:
+        """At most once per LATE_LOG_INTERVAL: the drops since the last line (checked once per
+        batch of records, not per record)."""
+        now = time.monotonic()
+        if now - self._late_logged_at < LATE_LOG_INTERVAL:
+            return
+        log.warning(
+            "%s (task %s): late records dropped: %d more in the last %.0f s, %d in all "
+            "(on_late='drop')",
+            self.name,
+            self.task.task_id,
+            self.late_dropped - self._late_logged,
+            now - self._late_logged_at,
+            self.late_dropped,
+        )
+        self._late_logged, self._late_logged_at = self.late_dropped, now
 
     def on_barrier(self, barrier: Any) -> None:
         self.task.snapshot_state(barrier.checkpoint_id)
