@@ -12,7 +12,9 @@ The savepoint is turned into the job's starting point once, before any worker pr
 3. each task of the new layout gets a checkpoint in the normal format: a keyed-stage task takes
    exactly the entries of its key-group range, a source-stage task the entries of its
    partition; positions are the savepoint's source offsets (for repartition topics: where
-   each partition starts after it was emptied);
+   each partition starts after it was emptied). A source-stage task without offsets in the
+   savepoint starts empty; state of its partition is refused like state without a place
+   (``seeded_tasks``);
 4. the consumer group's offsets are committed naming those checkpoints. Workers then start
    as after any restart: recovery restores the checkpoints the committed offsets name.
 
@@ -827,22 +829,9 @@ def _seed(
     scratch = tempfile.mkdtemp(prefix="snapline-restore-")
     offsets: list[TopicPartition] = []
     try:
-        all_tasks = job_tasks(pipeline, partitions)
-        chosen: list[tuple[JobTask, dict[tuple[str, int], int]]] = []
+        chosen = seeded_tasks(pipeline, savepoint, mapping, partitions, allow_non_restored)
         jobs: list[LoadJob] = []
-        for task in all_tasks:
-            positions = {
-                (t, p): (
-                    savepoint.source_offsets.get(t, {}).get(p, -1)
-                    if task.stage == SOURCE_STAGE
-                    else 0
-                )
-                for t, p in task.inputs
-            }
-            positions = {tp: o for tp, o in positions.items() if o >= 0}
-            if not positions:
-                continue  # nothing committed for it yet: it starts like a new task
-            chosen.append((task, positions))
+        for task, _ in chosen:
             jobs.append(
                 LoadJob(
                     backend=pipeline.state_backend,
@@ -1007,6 +996,85 @@ def _seed(
         len(offsets),
     )
     return checkpoint_id
+
+
+def seeded_tasks(
+    pipeline: Pipeline,
+    savepoint: SavepointMetadata,
+    mapping: dict[tuple[str, str], StateMapping],
+    partitions: dict[str, int],
+    allow_non_restored: bool,
+) -> list[tuple[JobTask, dict[tuple[str, int], int]]]:
+    """The tasks of the new layout that get a seeded checkpoint, each with its positions: a
+    keyed-stage task at the start of its repartition partitions (0 here: where the emptied
+    topic starts is known later), a source-stage task at the savepoint's offsets of its
+    partitions. A source-stage task the savepoint has no offset for starts like a new task,
+    at the source's starting position, with empty state.
+
+    The source stage's state is per source partition (``operators/<uid>/p00002.parquet`` is
+    task 2's), and a task is restored from the checkpoint its committed offsets name, so
+    state goes only to a task that has offsets. State of the savepoint that no seeded task
+    takes (its source topics renamed, e.g. by a MirrorMaker 2 migration, or fewer source
+    partitions now) is refused like any other state without a place, naming it, unless
+    ``allow_non_restored`` drops it (logged). It is not restored with offsets guessed: the
+    savepoint's offsets are of its topics, and where its state's input ends in another topic
+    the restore cannot know (its start repeats records the state holds, its end skips
+    records the state never saw)."""
+    tasks = job_tasks(pipeline, partitions)
+    chosen: list[tuple[JobTask, dict[tuple[str, int], int]]] = []
+    for task in tasks:
+        positions = {
+            (t, p): (
+                savepoint.source_offsets.get(t, {}).get(p, -1) if task.stage == SOURCE_STAGE else 0
+            )
+            for t, p in task.inputs
+        }
+        positions = {tp: o for tp, o in positions.items() if o >= 0}
+        if positions:
+            chosen.append((task, positions))
+    seeded = {task.partition for task, _ in chosen if task.stage == SOURCE_STAGE}
+    stage_of_node = {
+        node_id: stage.index for stage in pipeline.stages().stages for node_id in stage.node_ids
+    }
+    unplaced: list[str] = []
+    for op in savepoint.operators:
+        states = sorted(name for uid, name in mapping if uid == op.uid)
+        nodes = {m.node_id for m in mapping.values() if m.uid == op.uid}
+        if not states or any(stage_of_node[n] != SOURCE_STAGE for n in nodes):
+            continue  # nothing restored, or a keyed stage's (every one of its tasks is seeded)
+        lost = sorted(
+            {
+                f.partition
+                for f in op.files
+                if f.key_groups is None and f.rows and f.partition not in seeded
+            }
+        )
+        if lost:
+            unplaced.append(
+                f"states {', '.join(map(repr, states))} of operator {op.uid!r} for source "
+                f"partitions {', '.join(map(str, lost))}"
+            )
+    if not unplaced:
+        return chosen
+    if allow_non_restored:
+        for where in unplaced:
+            log.warning(
+                "dropping source-stage %s: the savepoint has no offsets of them for the "
+                "topics read now (--allow-non-restored-state)",
+                where,
+            )
+        return chosen
+    then = sorted(t for t, offsets in savepoint.source_offsets.items() if offsets)
+    now = sorted(pipeline.source_topics())
+    raise ConfigurationError(
+        f"the savepoint holds source-stage {'; '.join(unplaced)}, and no offsets for those "
+        f"partitions of the topics the source stage reads now ({', '.join(now)}): its offsets "
+        f"are of {', '.join(then) or 'no topic'}. Source-stage state is per partition of the "
+        "topics it was read from, and where its input ends in other topics (renamed or "
+        "mirrored) the restore cannot know: the state would be dropped. Restore with "
+        "--allow-non-restored-state to drop it on purpose (those tasks start empty at the "
+        "source's starting position), or with the source topics the savepoint was taken from"
+    )
 
 
 def _source_topic_ids(
