@@ -132,3 +132,37 @@ def test_a_state_file_written_again_by_another_attempt_is_named_as_it_is_now(
     assert read_table(storage, now).column("ttl").to_pylist() == [2000, 2001]
     assert said == [f"{path} was written again by another attempt of its task after its first "
                     "entry was taken: the savepoint names the file as it is now"]  # fmt: skip
+
+
+def test_a_savepoint_start_is_recorded_without_its_credentials(tmp_path: Path) -> None:
+    """Found by review: ``--from savepoint:s3://KEY:SECRET@...`` was recorded as given in the
+    run's range file, putting the credentials into checkpoint storage. It is recorded
+    redacted; a re-run from the same savepoint with other (rotated) credentials runs from the
+    same savepoint, one from another savepoint is still refused, and neither the file nor the
+    refusal shows a secret."""
+    from snapline.pipeline.errors import ConfigurationError
+
+    storage = CheckpointStorage(str(tmp_path))
+    said: list[str] = []
+    offsets = ({("in", 0): 4}, {("in", 0): 9})
+    start = "savepoint:s3://AKIAFAKE:FAKESECRET@bucket/sp/1"
+    assert _run_range(storage, "job", "r1", *offsets, said.append, start) == offsets
+    recorded = (tmp_path / "job" / "spark" / "r1" / "_range.json").read_bytes()
+    assert b"FAKESECRET" not in recorded and b"AKIAFAKE" not in recorded
+    assert b"savepoint:s3://***@bucket/sp/1" in recorded
+    rotated = "savepoint:s3://AKIAOTHER:OTHERSECRET@bucket/sp/1"
+    assert _run_range(storage, "job", "r1", *offsets, said.append, rotated) == offsets
+    assert _run_range(storage, "job", "r1", *offsets, said.append, start) == offsets
+    for other in ("savepoint:s3://AKIAFAKE:FAKESECRET@bucket/sp/2", "earliest"):
+        with pytest.raises(ConfigurationError, match="run r1 was started with --from") as refused:
+            _run_range(storage, "job", "r1", *offsets, said.append, other)
+        assert "FAKESECRET" not in str(refused.value) and "AKIAFAKE" not in str(refused.value)
+    # A range an earlier version recorded with the credentials still matches its savepoint.
+    body = {"starts": [["in", 4, 4]], "ends": [["in", 4, 9]], "from": start}
+    storage.write_bytes("job/spark/old/_range.json", encode_checked(body))
+    offsets = ({("in", 4): 4}, {("in", 4): 9})
+    assert _run_range(storage, "job", "old", *offsets, said.append, rotated) == offsets
+    with pytest.raises(ConfigurationError) as refused:
+        _run_range(storage, "job", "old", *offsets, said.append, "earliest")
+    assert "FAKESECRET" not in str(refused.value)
+    assert said == []

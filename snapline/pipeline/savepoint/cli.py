@@ -1,5 +1,8 @@
 """``snapline savepoint create|from-checkpoint|inspect|list|delete``: savepoints for people.
 
+What they print bypasses the log's redacting filter, so every path or URI goes through
+``redact_text``: a default savepoint URI carries the checkpoint dir's credentials.
+
 Threads: the CLI's main thread.
 """
 
@@ -14,6 +17,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from snapline.connectors.config import redact_text
 from snapline.pipeline.cli_help import FullSummaryGroup
 from snapline.pipeline.errors import SnaplineError
 from snapline.pipeline.progress import progress_bar
@@ -141,7 +145,9 @@ def create(
                     f"tasks {missing} were not paused by any worker (a rebalance during the "
                     "savepoint?); try again"
                 )
-            console.print(f"all {len(acks)} workers committed and paused; writing {target}")
+            console.print(
+                f"all {len(acks)} workers committed and paused; writing {redact_text(target)}"
+            )
             with progress_bar(console) as bar:
                 metadata = export_savepoint(
                     pipeline, config, directory, target, origin="savepoint", progress=bar
@@ -162,9 +168,12 @@ def create(
             try:
                 control.send(config, pipeline.name, "resume", request)
             except Exception as exc:  # a cleanup: never hides the outcome or the error
-                console.print(f"warning: could not send resume for savepoint {request}: {exc}")
+                console.print(
+                    f"warning: could not send resume for savepoint {request}: "
+                    f"{redact_text(str(exc))}"
+                )
     _summary(metadata)
-    click.echo(target)
+    click.echo(redact_text(target))
 
 
 @savepoint.command("from-checkpoint")
@@ -206,7 +215,7 @@ def from_checkpoint(
     except SnaplineError as exc:
         raise click.ClickException(str(exc)) from exc
     _summary(metadata)
-    click.echo(target)
+    click.echo(redact_text(target))
 
 
 def _summary(metadata: Any) -> None:
@@ -323,10 +332,10 @@ def list_savepoints(spec: str, checkpoint_dir: str | None) -> None:
         try:
             meta = read_metadata(CheckpointStorage(path))
         except SnaplineError as exc:
-            table.add_row(path, "", f"incomplete: {exc}", "", "")
+            table.add_row(redact_text(path), "", f"incomplete: {redact_text(str(exc))}", "", "")
             continue
         table.add_row(
-            path,
+            redact_text(path),
             time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(meta.created_at)),
             meta.origin,
             str(len(meta.operators)),
@@ -346,4 +355,4 @@ def delete(uri: str) -> None:
     if not storage.exists(METADATA_FILE):
         raise click.ClickException(f"{uri} is not a savepoint (no {METADATA_FILE}); not deleted")
     storage.delete_dir("")
-    click.echo(f"deleted {uri}")
+    click.echo(f"deleted {redact_text(uri)}")

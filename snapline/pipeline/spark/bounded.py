@@ -49,6 +49,7 @@ from typing import Any
 import orjson
 from confluent_kafka import KafkaException
 
+from snapline.connectors.config import redact_text
 from snapline.pipeline.errors import CheckpointError, ConfigurationError
 from snapline.pipeline.runtime.transaction import record_size, too_large
 from snapline.pipeline.state.compat import state_description
@@ -333,9 +334,10 @@ def run_stage_task(
             # offsets.retention.minutes (7 days) after its commit; the mark is not.
             raise CheckpointError(
                 f"task {task_id} of run {config.run_id} committed its output before "
-                f"({storage.full_path(committed_mark)}), but the run's ledger in Kafka no "
-                "longer says so: its offsets expired (offsets.retention.minutes). Running it "
-                "again would write that output twice; start a new run (another --run-id)"
+                f"({redact_text(storage.full_path(committed_mark))}), but the run's ledger in "
+                "Kafka no longer says so: its offsets expired (offsets.retention.minutes). "
+                "Running it again would write that output twice; start a new run (another "
+                "--run-id)"
             )
         if committed:
             kafka.close()
@@ -607,7 +609,7 @@ def run_bounded(
     )
     savepoint_out = savepoint_out or default_savepoint_uri(checkpoint_dir, pipeline.name)
     if CheckpointStorage(savepoint_out).exists(METADATA_FILE):
-        raise ConfigurationError(f"{savepoint_out} already holds a savepoint")
+        raise ConfigurationError(f"{redact_text(savepoint_out)} already holds a savepoint")
     config = RunConfig(
         spec,
         run_id,
@@ -715,7 +717,9 @@ def run_bounded(
             cluster_id=cluster,
         )
         CheckpointStorage(savepoint_out).write_bytes(METADATA_FILE, metadata.encode())
-        say(f"savepoint at the end offsets: {savepoint_out}")
+        # Printed, not logged (no redacting filter on the way), and a default savepoint URI
+        # carries the checkpoint dir's credentials.
+        say(f"savepoint at the end offsets: {redact_text(savepoint_out)}")
         for result in stage_rdds.values():
             result.unpersist()
     finally:
@@ -749,8 +753,9 @@ def files_as_written(
             if checksum != entry.checksum or len(data) != entry.size:
                 rows = pq.ParquetFile(pa.BufferReader(data)).metadata.num_rows
                 say(
-                    f"{entry.path} was written again by another attempt of its task after "
-                    "its first entry was taken: the savepoint names the file as it is now"
+                    f"{redact_text(entry.path)} was written again by another attempt of its "
+                    "task after its first entry was taken: the savepoint names the file as it "
+                    "is now"
                 )
                 entry = dataclasses.replace(entry, rows=rows, size=len(data), checksum=checksum)
             out.setdefault(uid, []).append(entry)
@@ -878,23 +883,29 @@ def _run_range(
     clocks and records in flight from it: a re-run without that ``--from`` ran the recorded
     range from empty state and without those records (lost from the sinks and from the
     savepoint handed over), and one from a savepoint where the first run had none counted
-    its state twice. Such a re-run is refused."""
+    its state twice. Such a re-run is refused.
+
+    ``start`` is recorded and compared redacted (``redact_text``): no credentials in storage,
+    and the credentials a savepoint is read with are no part of which savepoint it is (a
+    re-run with rotated keys runs from the same one). Earlier versions recorded it as given."""
     from snapline.pipeline.checkpoint.metadata import decode_checked, encode_checked
 
     path = f"{job}/spark/{run_id}/_range.json"
     if storage.exists(path):
         body = decode_checked(storage.read_bytes(path), storage.full_path(path))
         first = body.get("from")
+        if first is not None:
+            first = redact_text(first)
         if (
             first is not None
-            and first != start
+            and first != redact_text(start)
             and (first.startswith("savepoint:") or start.startswith("savepoint:"))
         ):
             raise ConfigurationError(
                 f"run {run_id} was started with --from {first}, and is run again with --from "
-                f"{start or '(none)'}: a run from a savepoint takes its state and records in "
-                "flight from it, so run it again with the --from it started with (or under a "
-                "new --run-id)"
+                f"{redact_text(start) or '(none)'}: a run from a savepoint takes its state and "
+                "records in flight from it, so run it again with the --from it started with "
+                "(or under a new --run-id)"
             )
         recorded = (
             {(t, int(p)): int(o) for t, p, o in body["starts"]},
@@ -910,7 +921,7 @@ def _run_range(
                 "starts": [[t, p, o] for (t, p), o in sorted(starts.items())],
                 "ends": [[t, p, o] for (t, p), o in sorted(ends.items())],
                 "transactional_ids": "job",  # _transactional_id, not _legacy_transactional_id
-                "from": start,
+                "from": redact_text(start),  # no credentials in storage
             }
         ),
     )

@@ -11,6 +11,7 @@ import sys
 
 import click
 
+from snapline.connectors.config import redact_text
 from snapline.pipeline.cli_help import FullSummaryGroup
 from snapline.pipeline.errors import SnaplineError
 
@@ -93,7 +94,7 @@ def run(
             master=master,
             savepoint_out=savepoint_out,
             run_id=run_id,
-            progress=lambda message: click.echo(f"[spark] {message}", err=True),
+            progress=lambda message: click.echo(f"[spark] {redact_text(message)}", err=True),
         )
     except SnaplineError as exc:
         raise click.ClickException(str(exc)) from exc
@@ -103,7 +104,9 @@ def run(
         f"{result.seconds:.1f}s ({rate:,.0f}/s)",
         err=True,
     )
-    click.echo(result.savepoint)
+    # Printed, not logged: no redacting filter on the way, and the default savepoint URI
+    # carries the checkpoint dir's credentials (passed in the environment, out of `ps`).
+    click.echo(redact_text(result.savepoint))
 
 
 @spark.command("stream")
@@ -177,7 +180,7 @@ def stream(
             master=master,
             max_records_per_batch=max_records_per_batch,
             state_partitions=state_partitions,
-            progress=lambda message: click.echo(f"[spark] {message}", err=True),
+            progress=lambda message: click.echo(f"[spark] {redact_text(message)}", err=True),
         )
     except SnaplineError as exc:
         raise click.ClickException(str(exc)) from exc
