@@ -1647,8 +1647,7 @@ class Worker:
                 offsets_sent=self._offsets_sent,
             )
         else:
-            self.output.flush()
-            self.consumer.commit(offsets=offsets, asynchronous=False)
+            self._commit_at_least_once(offsets)
         committed_at = time.monotonic()
         self.faults.point("after_kafka_commit")
         self.coordinator.finish()
@@ -1669,6 +1668,34 @@ class Worker:
         self._failures = 0
         self.checkpoints_committed += 1
         self._record_metrics(done, commit_start, committed_at)
+
+    def _commit_at_least_once(self, offsets: list[TopicPartition]) -> None:
+        """At-least-once's commit point: every output acknowledged, then the offsets. Its
+        failures are the exactly-once commit's: an unreachable broker or coordinator is a
+        BrokerOutageError (waited out, not counted), any other refusal (the member expired
+        or the group rebalanced: UNKNOWN_MEMBER_ID, ILLEGAL_GENERATION, REBALANCE_IN_PROGRESS)
+        a CheckpointError (the epoch is restored and read again); the commit is bounded like
+        every consumer call. They escaped the checkpoint's handling and ended the worker
+        (exit 75), and a flush that timed out in an outage counted as a failed checkpoint."""
+        try:
+            self.output.flush()
+        except CheckpointError as exc:
+            if "not delivered within" in str(exc):
+                raise BrokerOutageError(
+                    f"at-least-once commit: {exc}; is the broker reachable?"
+                ) from exc
+            raise
+        try:
+            self._consumer_call(
+                "commit",
+                20 + HANG_GRACE,
+                lambda: self.consumer.commit(offsets=offsets, asynchronous=False),
+            )
+        except KafkaException as exc:
+            error = kafka_error(exc)
+            if error is not None and is_unavailable(error):
+                raise BrokerOutageError(f"at-least-once commit: {error}") from exc
+            raise CheckpointError(f"at-least-once commit of the offsets failed: {exc}") from exc
 
     def _delete_consumed_records(self) -> None:
         """Keep repartition topics small: delete the records every retained checkpoint of a
