@@ -25,8 +25,6 @@ task thread handed over and never touches again (record batches are immutable).
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
 import math
 import os
@@ -46,6 +44,7 @@ import pyarrow.parquet as pq
 
 from snapline.pipeline.checkpoint.identity import IDENTITY_FILE, JobIdentity
 from snapline.pipeline.checkpoint.storage import SETTING_ERRNOS, crc32_checksum
+from snapline.pipeline.durable import fsync_path, makedirs_durable
 from snapline.pipeline.errors import ConfigurationError, SinkError
 from snapline.pipeline.record import Record
 from snapline.pipeline.sink import Sink, SinkContext
@@ -113,30 +112,9 @@ def hive_partition_dir(columns: Sequence[str], values: Sequence[Any]) -> str:
 # --------------------------------------------------------------------------- durability helpers
 
 
-def _fsync_path(path: Path | str, directory: bool = False) -> None:
-    flags = os.O_RDONLY | (os.O_DIRECTORY if directory else 0)
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        # Some network filesystems cannot fsync a directory; the rename is still atomic there.
-        if not (directory and exc.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _makedirs_durable(path: Path) -> None:
-    """``mkdir -p`` that fsyncs the parent of every directory it creates."""
-    missing = []
-    current = path
-    while not current.exists():
-        missing.append(current)
-        current = current.parent
-    for directory in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            directory.mkdir()
-        _fsync_path(directory.parent, directory=True)
+#: Module names the tests patch (a storage that fails on fsync).
+_fsync_path = fsync_path
+_makedirs_durable = makedirs_durable
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from snapline.connectors.config import redact_text
+from snapline.pipeline.durable import fsync_path, makedirs_durable
 from snapline.pipeline.errors import (
     CheckpointError,
     CheckpointStorageError,
@@ -112,7 +113,7 @@ class CheckpointStorage:
         if self._local:
             try:
                 # (Not checked for write permission: savepoints are also read from here.)
-                _makedirs_durable(self.root)
+                makedirs_durable(self.root)
             except OSError as exc:
                 if exc.errno not in SETTING_ERRNOS:  # EIO, ESTALE, ENOSPC...: restart me
                     raise CheckpointStorageError(
@@ -153,7 +154,7 @@ class CheckpointStorage:
         crc = 0
         size = 0
         if self._local:
-            _makedirs_durable(parent)
+            makedirs_durable(parent)
             tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
             views = [memoryview(part).cast("B") for part in parts]
             for view in views:
@@ -210,10 +211,10 @@ class CheckpointStorage:
         self._before_write(path)
         target = self.full_path(path)
         if self._local:
-            _makedirs_durable(target.rsplit("/", 1)[0])
+            makedirs_durable(target.rsplit("/", 1)[0])
             tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
             shutil.copyfile(local_path, tmp)
-            _fsync_path(tmp)
+            fsync_path(tmp)
             _replace_durable(tmp, target)
         else:
             import pyarrow.fs as pafs
@@ -339,41 +340,8 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
                 written = 0
 
 
-def _fsync_path(path: str, directory: bool = False) -> None:
-    """Flush a file, or a directory's entries, to stable storage."""
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        # Some network filesystems cannot fsync a directory; the rename is still atomic there.
-        if not (directory and exc.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)):
-            raise
-    finally:
-        os.close(fd)
-
-
 def _replace_durable(tmp: str, target: str) -> None:
     """``os.replace`` whose rename survives a power loss once this returns (``tmp`` is
     already fsynced by the caller)."""
     os.replace(tmp, target)
-    _fsync_path(os.path.dirname(target), directory=True)
-
-
-def _makedirs_durable(path: str) -> None:
-    """``mkdir -p`` that fsyncs the parent of every directory it creates (a checkpoint's
-    directory is new for each checkpoint: a lost entry would lose every file in it)."""
-    missing = []
-    current = path
-    while not os.path.isdir(current):
-        missing.append(current)
-        parent = os.path.dirname(current)
-        if parent == current:
-            break
-        current = parent
-    for directory in reversed(missing):
-        try:
-            os.mkdir(directory)
-        except FileExistsError:  # made meanwhile by another writer; a file there is an error
-            if not os.path.isdir(directory):
-                raise
-        _fsync_path(os.path.dirname(directory), directory=True)
+    fsync_path(os.path.dirname(target), directory=True)
