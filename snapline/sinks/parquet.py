@@ -204,12 +204,21 @@ def _fits_integer(values: list[Any]) -> bool:
 #: The longest file or directory name (bytes) of the filesystems a table lives on (ext4,
 #: xfs, btrfs, NFS): a partition's ``column=value`` directory must fit.
 MAX_NAME_BYTES = 255
+#: Partition values whose text is always short (a number, a flag, a day, a time).
+_SHORT_TYPES = frozenset({int, float, bool, date, datetime})
 
 
 def _long_partition(row: dict[str, Any], columns: Sequence[str]) -> str | None:
-    """Why ``row``'s partition directory cannot be made, or None."""
+    """Why ``row``'s partition directory cannot be made, or None (per row: the usual short
+    value is told apart by its length, a character escaping to at most 4 bytes)."""
     for column in columns:
-        name = hive_partition_dir([column], [row.get(column)])
+        value = row.get(column)
+        kind = type(value)
+        if value is None or kind in _SHORT_TYPES:
+            continue
+        if kind is str and 4 * len(value) + len(column) < MAX_NAME_BYTES:
+            continue
+        name = hive_partition_dir([column], [value])
         size = len(name.encode())
         if size > MAX_NAME_BYTES:
             return (
