@@ -137,6 +137,22 @@ def test_a_new_backend_instance_uploads_everything_once(
     assert second.extra["incremental_bytes"] == uploaded < first.extra["incremental_bytes"] / 2
 
 
+def test_a_restore_reports_progress_once_per_file(
+    make_rocksdb: MakeRocks, storage: CheckpointStorage
+) -> None:
+    """The worker's liveness beat is the backend's ``progress``: a restore of many files (a
+    task of gigabytes) beat once at its end, and the watchdog ended every attempt at its
+    timeout (the next one started over)."""
+    backend = make_rocksdb()
+    fill(backend, range(5000), b"a")
+    handle = take_checkpoint(backend, storage, 1)
+    beats: list[int] = []
+    restored = make_rocksdb()
+    restored.progress = lambda: beats.append(1)
+    restored.restore(handle, storage)
+    assert len(beats) == len(handle.files) > 1
+
+
 # ------------------------------------------------------------------ retention
 def _compact(backend: RocksDBStateBackend) -> None:
     backend.db.compact_range(None, None)

@@ -24,7 +24,7 @@ import re
 import shutil
 import threading
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -281,6 +281,7 @@ def fetch_files(
     *,
     local_candidates: Mapping[str, list[Path]] | None = None,
     threads: int = 4,
+    progress: Callable[[], None] | None = None,
 ) -> FetchResult:
     """Fetch ``files`` into ``target_dir`` under their local names, every one verified.
 
@@ -309,8 +310,12 @@ def fetch_files(
         _download_verified(storage, state_file, dest)
         return True, state_file.size
 
+    results: list[tuple[bool, int]] = []
     with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="state-fetch") as pool:
-        results = list(pool.map(fetch, files))
+        for result in pool.map(fetch, files):
+            results.append(result)
+            if progress is not None:
+                progress()  # a file fetched: the calling thread is not stalled
     down = [size for new, size in results if new]
     local = [size for new, size in results if not new]
     return FetchResult(len(down), sum(down), len(local), sum(local))

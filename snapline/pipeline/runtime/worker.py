@@ -922,6 +922,7 @@ class Worker:
             task_dir=str(self.local_dir / self.pipeline.name / task_id),
             options=self._backend_options,
         )
+        backend.progress = self.liveness.beat  # a beat per state file restored
         meta: TaskCheckpoint | None = None
         recreated: set[str] = set()
         if ref is not None:
@@ -2612,6 +2613,10 @@ class Worker:
             if done is not None and done.checkpoint_id == target:
                 log.info("%s: final checkpoint %d committed", reason, target)
                 return True
+            # A turn of a loop bounded by ``bound`` (up to checkpoint_timeout, 600 s): a large
+            # materialization on a revoke or for a savepoint is no stall of the task thread
+            # (the watchdog ended it at the liveness timeout, 180 s, on every attempt).
+            self.liveness.beat()
             time.sleep(0.001)
         return False
 

@@ -69,6 +69,11 @@ class KeyedStateBackend(ABC):
     """
 
     name: str = "abstract"
+    #: Called between the files of a long restore (a RocksDB checkpoint's files are fetched
+    #: one by one): the worker passes its liveness beat, so a restore of many gigabytes is
+    #: not taken for a stalled task thread (the watchdog ended every attempt at its timeout,
+    #: and the next attempt started over).
+    progress: Callable[[], None] | None = None
 
     @abstractmethod
     def get(self, key: bytes) -> bytes | None: ...

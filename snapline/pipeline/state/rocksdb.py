@@ -465,6 +465,7 @@ class RocksDBStateBackend(KeyedStateBackend):
                 staging,
                 local_candidates=self._local_candidates(),
                 threads=self.options.download_threads,
+                progress=self.progress,
             )
             if not (staging / "CURRENT").exists():
                 raise CorruptCheckpointError(
