@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -216,6 +217,42 @@ def test_a_record_that_raises_after_yielding_outputs_nothing_of_it() -> None:
     reasons = [reason for _, reason in run.dead_letters]
     assert len(reasons) == 2 and "raised ValueError('odd')" in reasons[0]
     assert "on_timer(30) raised ValueError('odd timer')" in reasons[1]
+
+
+class TimerResult(KeyedProcessFunction):
+    """Outputs a result from a timer only (no input bytes behind it)."""
+
+    def process(self, value: Any, ctx: Context) -> Any:
+        ctx.timers.register_event_time(value["t"] + 10)
+        return None
+
+    def on_timer(self, timestamp: int, ctx: Context) -> Any:
+        yield {"from_timer": timestamp}
+
+
+class HalfThenRaises(KeyedProcessFunction):
+    def process(self, value: Any, ctx: Context) -> Any:
+        yield {"partial": "half", "secret": "x"}
+        raise ValueError("after half")
+
+
+def test_the_dead_letter_of_a_timer_result_is_the_result_not_a_half_output() -> None:
+    """The first output of a function reuses its input's Record in place: when the function
+    then raised, the dead letter of an input without raw bytes (a timer's or window's
+    result) held the half output the function meant to throw away, not its input."""
+    pipeline = Pipeline("half-of-a-result")
+    (
+        pipeline.source(KafkaSource("in", value_format="json", timestamp=lambda v: v["t"]))
+        .key_by(lambda v: v["k"])
+        .process(TimerResult())
+        .process(HalfThenRaises())
+        .sink(KafkaSink("out", value_format="json"))
+    )
+    run = run_pipeline(pipeline, {"in": [Message({"k": "a", "t": 5})]})
+    assert run.outputs["out"] == []
+    [(value, reason)] = run.dead_letters
+    assert "raised ValueError('after half')" in reason
+    assert orjson.loads(value) == {"from_timer": 15}
 
 
 def test_deleted_timers_do_not_pile_up_in_memory(monkeypatch: Any) -> None:

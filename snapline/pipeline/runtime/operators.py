@@ -565,8 +565,9 @@ class ProcessOperator(Operator):
             ctx.partition = r.partition
             ctx.offset = r.offset
             mark = -1
+            value_in = r.value
             try:
-                produced = process(r.value, ctx)
+                produced = process(value_in, ctx)
                 if produced is not None:
                     mark = len(out)
                     reuse = in_place
@@ -582,6 +583,10 @@ class ProcessOperator(Operator):
                 # what it yielded before is not output too (it would be half of a result).
                 if mark >= 0:
                     del out[mark:]
+                    # Its first output may have taken the input's Record (in place): the dead
+                    # letter is the input, not a half result (a timer's or window's result has
+                    # no raw bytes, and its dead letter holds its value).
+                    r.value = value_in
                 self.task.dead_letter(r, f"{self.name} raised {exc!r}")
         scope.prefix = None
         self.emit(out)
