@@ -21,6 +21,7 @@ from snapline.pipeline.cli_help import FullSummaryGroup
 from snapline.pipeline.errors import ConfigurationError, SnaplineError
 from snapline.pipeline.runtime.liveness import DEFAULT_TIMEOUT as DEFAULT_LIVENESS_TIMEOUT
 from snapline.pipeline.runtime.liveness import check_timeout as check_liveness_timeout
+from snapline.pipeline.runtime.metrics import DEFAULT_METRICS_HOST
 from snapline.pipeline.supervisor import EX_CONFIG, EX_TEMPFAIL, MESSAGE_FILE_ENV
 
 log = logging.getLogger("snapline.pipeline.cli")  # also when run as __main__
@@ -158,6 +159,15 @@ def main() -> None:
     "them). With --workers N, worker i uses PORT+i. 0: any free port (logged).",
 )
 @click.option(
+    "--metrics-host",
+    envvar="SNAPLINE_METRICS_HOST",
+    show_envvar=True,
+    default=DEFAULT_METRICS_HOST,
+    show_default=True,
+    help="Address the metrics endpoint listens on: 0.0.0.0 every interface (scrapers on other "
+    "hosts), 127.0.0.1 this host only.",
+)
+@click.option(
     "--liveness-timeout",
     type=float,
     envvar="SNAPLINE_LIVENESS_TIMEOUT",
@@ -188,6 +198,7 @@ def run(
     from_savepoint: str | None,
     allow_non_restored_state: bool,
     metrics_port: int | None,
+    metrics_host: str,
     liveness_timeout: float,
     log_level: str,
 ) -> None:
@@ -267,6 +278,7 @@ def run(
                 skip_deleted_records=skip_deleted_records,
                 read_recreated_topics=read_recreated_topics,
                 metrics_port=metrics_port,
+                metrics_host=metrics_host,
                 liveness_timeout=liveness_timeout,
             )
             from snapline.pipeline.runtime.topics import KafkaUnavailableError
@@ -296,6 +308,8 @@ def run(
                 log_level,
                 "--liveness-timeout",
                 repr(liveness_timeout),
+                "--metrics-host",
+                metrics_host,
                 *(["--local-dir", local_dir] if local_dir else []),
                 *([f"--{on_missing}"] if on_missing != "fail" else []),
                 *(["--skip-deleted-records"] if skip_deleted_records else []),

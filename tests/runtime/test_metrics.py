@@ -1,21 +1,25 @@
 """Worker metrics without a broker: stage labels, the Prometheus series a checkpoint and a
-restore produce, the checkpoint history they write, and the supervisor's metrics ports."""
+restore produce, the checkpoint history they write, the supervisor's metrics ports and the
+address the endpoint binds."""
 
 from __future__ import annotations
 
+import sys
 import time
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
+import pytest
+from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 from snapline.pipeline.checkpoint.history import read_history
 from snapline.pipeline.checkpoint.metadata import CheckpointRef, TaskCheckpoint
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.runtime.coordinator import CompletedCheckpoint, PendingCheckpoint
-from snapline.pipeline.runtime.metrics import WorkerMetrics, stage_of
+from snapline.pipeline.runtime.metrics import DEFAULT_METRICS_HOST, WorkerMetrics, stage_of
 from snapline.pipeline.runtime.task import Task
 from snapline.pipeline.state.backend import StateFile, StateHandle
 from snapline.pipeline.supervisor import Supervisor
@@ -180,8 +184,6 @@ def test_incremental_bytes_after_a_restore_count_only_new_files(tmp_path: Path) 
 def test_a_taken_metrics_port_is_a_configuration_error(tmp_path: Path) -> None:
     import socket
 
-    import pytest
-
     from snapline.pipeline.errors import ConfigurationError
 
     with socket.socket() as taken:
@@ -190,3 +192,64 @@ def test_a_taken_metrics_port_is_a_configuration_error(tmp_path: Path) -> None:
         port = taken.getsockname()[1]
         with pytest.raises(ConfigurationError, match="--metrics-port"):
             WorkerMetrics("orders", "w0", str(tmp_path), port=port, addr="127.0.0.1")
+
+
+def test_the_endpoint_binds_the_metrics_host(tmp_path: Path) -> None:
+    local = WorkerMetrics("orders", "w0", str(tmp_path / "a"), port=0, addr="127.0.0.1")
+    everywhere = WorkerMetrics("orders", "w1", str(tmp_path / "b"), port=0)
+    try:
+        assert local._server.server_address[0] == "127.0.0.1"
+        assert local.port
+        _scrape(local.port)  # served on the loopback address
+        assert everywhere._server.server_address[0] == DEFAULT_METRICS_HOST == "0.0.0.0"
+    finally:
+        local.close()
+        everywhere.close()
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_metrics_host_reaches_the_worker_and_supervised_workers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """--metrics-host (or SNAPLINE_METRICS_HOST) -> WorkerSettings -> WorkerMetrics' address;
+    with --workers N, every worker's command line."""
+    import snapline.pipeline.runtime.worker as worker_module
+    from snapline.pipeline.cli import main
+    from snapline.pipeline.graph import load_pipeline
+
+    for name in ("SNAPLINE_METRICS_HOST", "SNAPLINE_CHECKPOINT_DIR", "SNAPLINE_WORKER_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # `run` puts the working directory first
+    settings: list[worker_module.WorkerSettings] = []
+    monkeypatch.setattr(worker_module, "run_worker", lambda _p, s: settings.append(s))
+    commands: list[list[str]] = []
+
+    def supervise(self: Supervisor) -> int:
+        commands.append(self._command(self.worker_ids[-1]))
+        return 0
+
+    monkeypatch.setattr(Supervisor, "run", supervise)
+    run = ["run", "examples.running_total:build", "--bootstrap-servers", "k:9092"]
+    run += ["--checkpoint-dir", str(tmp_path), "--metrics-port", "0"]
+    runner = CliRunner()
+    assert runner.invoke(main, [*run, "--metrics-host", "127.0.0.1"]).exit_code == 0
+    assert runner.invoke(main, run, env={"SNAPLINE_METRICS_HOST": "::1"}).exit_code == 0
+    assert runner.invoke(main, run).exit_code == 0
+    assert [s.metrics_host for s in settings] == ["127.0.0.1", "::1", "0.0.0.0"]
+    supervised = runner.invoke(main, [*run, "--workers", "2", "--metrics-host", "127.0.0.1"])
+    assert supervised.exit_code == 0
+    assert commands[0][commands[0].index("--metrics-host") + 1] == "127.0.0.1"
+
+    addresses: list[str] = []
+
+    def metrics(job: str, worker: str, directory: str, port: int | None, addr: str = "?") -> None:
+        addresses.append(addr)
+        raise _Stop
+
+    monkeypatch.setattr(worker_module, "WorkerMetrics", metrics)
+    with pytest.raises(_Stop):
+        worker_module.Worker(load_pipeline("examples.running_total:build"), settings[0])
+    assert addresses == ["127.0.0.1"]

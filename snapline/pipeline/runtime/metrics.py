@@ -1,5 +1,6 @@
-"""A worker's operational record: Prometheus metrics on ``--metrics-port`` and the checkpoint
-history in checkpoint storage (``checkpoint/history.py``), fed where the worker emits events.
+"""A worker's operational record: Prometheus metrics on ``--metrics-host``:``--metrics-port``
+and the checkpoint history in checkpoint storage (``checkpoint/history.py``), fed where the
+worker emits events.
 
 The metric names and labels are listed in docs/operations.md. Labels are the job, the worker
 id, the stage (the digit after ``s`` in a task id such as ``s1-p3``; 0 for ``p3``), the task
@@ -34,6 +35,9 @@ log = logging.getLogger(__name__)
 
 #: Lag, held records and state entries are sampled at most this often (seconds).
 SAMPLE_INTERVAL = 1.0
+#: Address the endpoint binds by default (``--metrics-host``): every interface, so scrapers on
+#: other hosts reach it; ``127.0.0.1`` keeps it on this host.
+DEFAULT_METRICS_HOST = "0.0.0.0"
 _STAGE = re.compile(r"^s(\d+)-")
 # Histogram buckets in seconds: checkpoints range from milliseconds to minutes.
 _BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -46,7 +50,8 @@ def stage_of(task_id: str) -> str:
 
 
 class WorkerMetrics:
-    """See module docstring. ``port=None``: no HTTP endpoint, the history is still written."""
+    """See module docstring. ``port=None``: no HTTP endpoint, the history is still written;
+    ``addr``: the address the endpoint binds (``--metrics-host``)."""
 
     def __init__(
         self,
@@ -54,7 +59,7 @@ class WorkerMetrics:
         worker: str,
         checkpoint_dir: str,
         port: int | None = None,
-        addr: str = "0.0.0.0",
+        addr: str = DEFAULT_METRICS_HOST,
     ) -> None:
         self.job = job
         self.worker = worker
@@ -86,7 +91,8 @@ class WorkerMetrics:
             self.history.close()
             raise ConfigurationError(
                 f"cannot serve metrics on {addr}:{port}: {exc}; choose a free --metrics-port "
-                "(with --workers N, PORT to PORT+N-1 must be free) or 0 for any free port"
+                "(with --workers N, PORT to PORT+N-1 must be free) or 0 for any free port, and "
+                "a --metrics-host that is an address of this machine"
             ) from exc
         self.port = int(self._server.server_port)
         log.info("metrics of worker %s: http://%s:%d/metrics", self.worker, addr, self.port)
@@ -137,6 +143,7 @@ class WorkerMetrics:
         self.count(tasks)
         for task_id, task in tasks.items():
             labels = (self.job, self.worker, stage_of(task_id), task_id)
+            # Reads the backend without changing it (no flush, no settling): every second.
             entries = task.backend.entry_count()
             if entries >= 0:
                 prom.state_entries.labels(*labels).set(entries)
@@ -465,7 +472,7 @@ class _Prometheus:
         )
         self.state_entries = Gauge(
             "snapline_state_entries",
-            "Entries in a task's keyed state (RocksDB: an estimate).",
+            "Entries in a task's keyed state (an estimate: see docs/operations.md).",
             task_labels,
             registry=r,
         )

@@ -109,7 +109,7 @@ from snapline.pipeline.runtime.kafka_calls import (
 from snapline.pipeline.runtime.liveness import DEFAULT_TIMEOUT as DEFAULT_LIVENESS_TIMEOUT
 from snapline.pipeline.runtime.liveness import Liveness, Watchdog
 from snapline.pipeline.runtime.local_lock import lock_local_dir, lock_wait
-from snapline.pipeline.runtime.metrics import WorkerMetrics
+from snapline.pipeline.runtime.metrics import DEFAULT_METRICS_HOST, WorkerMetrics
 from snapline.pipeline.runtime.sink_recovery import publish_staged
 from snapline.pipeline.runtime.source_ends import SourceEnds
 from snapline.pipeline.runtime.task import Task, TaskSnapshot
@@ -197,6 +197,8 @@ class WorkerSettings:
     read_recreated_topics: bool = False
     #: Serve Prometheus metrics on this port (None: no endpoint; 0: any free port).
     metrics_port: int | None = None
+    #: The address the metrics endpoint binds (--metrics-host); 127.0.0.1: this host only.
+    metrics_host: str = DEFAULT_METRICS_HOST
     #: Seconds the task thread may make no progress before the worker dumps every thread's
     #: stack and exits with EX_TEMPFAIL (0: no watchdog; runtime/liveness.py).
     liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT
@@ -294,7 +296,11 @@ class Worker:
         self._metrics_path = os.environ.get("SNAPLINE_METRICS_FILE")
         #: Prometheus metrics (--metrics-port) and the checkpoint history in storage.
         self.metrics = WorkerMetrics(
-            pipeline.name, settings.worker_id, settings.checkpoint_dir, settings.metrics_port
+            pipeline.name,
+            settings.worker_id,
+            settings.checkpoint_dir,
+            settings.metrics_port,
+            addr=settings.metrics_host,
         )
         #: Task id -> bytes of state its last restore read (for metrics).
         self._restored_bytes: dict[str, int] = {}

@@ -586,9 +586,19 @@ class RocksDBStateBackend(KeyedStateBackend):
                 yield stored, None, value
 
     def entry_count(self) -> int:
-        """RocksDB's estimate (exact only without overwrites and deletes)."""
-        count = self.db.property_int_value("rocksdb.estimate-num-keys")
-        return -1 if count is None else int(count)
+        """An estimate: RocksDB's ``estimate-num-keys`` plus the buffered puts minus the
+        buffered deletes. Overwritten keys count more than once (in the buffer and the
+        database, or in several files until a compaction), deleted ones may count still.
+
+        Metrics sample this every second, so it reads the database without ``db``: that would
+        write the buffer out and empty the read cache, which only a checkpoint should do."""
+        count = self._db.property_int_value("rocksdb.estimate-num-keys")
+        if count is None:
+            return -1
+        pending = self._pending
+        deletes = list(pending.values()).count(None) if self._deleted else 0
+        puts = len(pending) - deletes
+        return max(0, int(count) + puts - deletes)
 
 
 class _ClosedDB:
