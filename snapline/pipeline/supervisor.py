@@ -1,9 +1,11 @@
 """Runs N worker processes of one job on this host and restarts the ones that crash.
 
 Each child is ``snapline run <spec> --worker-id <base>-<i>`` (a stable id, so a restarted
-worker fences its previous incarnation). SIGTERM/SIGINT are forwarded; the children take a
-final checkpoint and exit. They get SIGTERM too when the supervisor dies by any means, SIGKILL
-included (Linux: ``PR_SET_PDEATHSIG``): no orphan outlives it.
+worker fences its previous incarnation). SIGTERM/SIGINT are forwarded as SIGTERM to every child,
+also to one being started when the signal comes (they are blocked from before its start until
+it is in ``children``); the children take a final checkpoint and exit. They get SIGTERM too
+when the supervisor dies by any means, SIGKILL included (Linux: ``PR_SET_PDEATHSIG``): no
+orphan outlives it.
 
 What a worker's exit code means (``decide`` is the whole policy, unit-tested alone):
 
@@ -17,11 +19,19 @@ What a worker's exit code means (``decide`` is the whole policy, unit-tested alo
   backoff; after ``max_failures`` failures in a row without a healthy run the supervisor gives
   up, stops the others and exits with that code.
 
-Backoff: ``initial_backoff * 2**(n-1)`` seconds before the n-th restart in a row, capped at
-``max_backoff``; a worker that ran ``healthy_after`` seconds starts again from n = 1.
+A run is healthy when the worker committed a checkpoint in it (``report_committed`` creates
+the file named by ``COMMITTED_FILE_ENV``), however long it ran: a worker that fails the same
+way every time after minutes (checkpoints that time out, a crash right after a long restore)
+is a crash loop, not a string of healthy runs. A worker with nothing to checkpoint (no
+partitions, no input since it started) commits nothing: its run counts as healthy once it
+lasted ``idle_healthy_after`` (30 minutes), so that the rare crashes of a job idle for days do
+not add up to giving up, while a crash loop of minutes still does.
+
+Backoff: ``initial_backoff * 2**(n-1)`` seconds before the n-th restart in a row (EX_TEMPFAIL
+included), capped at ``max_backoff``; after a healthy run it starts again from n = 1.
 
 Threads: everything runs on the main thread (signal handlers only set a flag and forward
-SIGTERM).
+SIGTERM). ``report_committed`` runs in the worker process, on its task thread.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -48,6 +58,9 @@ EX_TEMPFAIL = 75
 #: A supervised worker writes the message of its EX_CONFIG exit to this file (the
 #: supervisor prints it once instead of every worker printing it).
 MESSAGE_FILE_ENV = "SNAPLINE_SUPERVISOR_MESSAGE_FILE"
+#: A supervised worker creates this file at its first committed checkpoint: its run is then
+#: healthy (``report_committed``).
+COMMITTED_FILE_ENV = "SNAPLINE_SUPERVISOR_COMMITTED_FILE"
 POLL_INTERVAL = 0.2
 #: The supervisor tells a worker how often it restarted it (its snapline_worker_restarts).
 RESTARTS_ENV = "SNAPLINE_WORKER_RESTARTS"
@@ -55,6 +68,24 @@ RESTARTS_ENV = "SNAPLINE_WORKER_RESTARTS"
 
 #: prctl(2): the signal a process gets when its parent dies.
 PR_SET_PDEATHSIG = 1
+#: The signals that stop the supervisor (and, forwarded as SIGTERM, its workers).
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+
+
+def report_committed(checkpoints_committed: int) -> None:
+    """Tell the supervisor that this worker's run is healthy. A worker calls it after every
+    committed checkpoint with the number it committed since it started; only the first call
+    does anything (creates the file named by ``COMMITTED_FILE_ENV``, when a supervisor set it).
+    A failure to create it is logged, not raised: the run then only counts as unhealthy."""
+    if checkpoints_committed != 1:
+        return
+    path = os.environ.get(COMMITTED_FILE_ENV)
+    if not path:
+        return  # not started by a supervisor
+    try:
+        Path(path).touch()
+    except OSError as exc:
+        log.warning("could not tell the supervisor of the first committed checkpoint: %s", exc)
 
 
 def _stop_with_parent(parent: int) -> Callable[[], None]:
@@ -81,14 +112,32 @@ def _stop_with_parent(parent: int) -> Callable[[], None]:
     return preexec
 
 
+def _worker_preexec(parent: int, mask: Iterable[int]) -> Callable[[], None]:
+    """Run in a worker between fork and exec: ``_stop_with_parent``, then the stop signals,
+    blocked in the supervisor while it starts the worker, unblocked again (the mask would
+    survive exec, and the worker would never see SIGTERM). Their dispositions are reset first:
+    the supervisor's Python handler, inherited until exec, must not run in the child, and a
+    stop signal already pending ends the child before exec, like one a moment after it."""
+
+    stop_with_parent = _stop_with_parent(parent)
+
+    def preexec() -> None:
+        stop_with_parent()
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+    return preexec
+
+
 @dataclass(frozen=True)
 class RestartPolicy:
     """How eagerly crashed workers are restarted."""
 
     initial_backoff: float = 1.0
     max_backoff: float = 30.0
-    #: A run at least this long counts as healthy: the backoff and failure count reset.
-    healthy_after: float = 30.0
+    #: A run this long is healthy without a committed checkpoint (a worker with no input).
+    idle_healthy_after: float = 1800.0
     #: Failures in a row (without a healthy run, EX_TEMPFAIL excepted) before giving up.
     max_failures: int = 5
 
@@ -108,10 +157,11 @@ class Decision:
 
 
 def decide(
-    code: int, ran_for: float, failures_before: int, policy: RestartPolicy, stopping: bool
+    code: int, healthy: bool, failures_before: int, policy: RestartPolicy, stopping: bool
 ) -> Decision:
     """The restart policy of the module docstring, for a worker that exited with ``code``
-    after running ``ran_for`` seconds, having failed ``failures_before`` times in a row."""
+    after a run that was ``healthy`` (it committed a checkpoint) or not, having failed
+    ``failures_before`` times in a row before it."""
     if stopping:
         return Decision("done", exit_code=code, reason="stopping")
     if code == 0:
@@ -122,14 +172,13 @@ def decide(
             exit_code=EX_CONFIG,
             reason="configuration error, which a restart cannot fix",
         )
-    failures = (0 if ran_for >= policy.healthy_after else failures_before) + 1
+    failures = (0 if healthy else failures_before) + 1
     if code != EX_TEMPFAIL and failures > policy.max_failures:
         return Decision(
             "stop_all",
             failures=failures,
             exit_code=code if code > 0 else 1,
-            reason=f"failed {failures} times in a row without running {policy.healthy_after:g} "
-            "s; giving up",
+            reason=f"failed {failures} times in a row without committing a checkpoint; giving up",
         )
     delay = min(policy.max_backoff, policy.initial_backoff * 2 ** (failures - 1))
     what = "asked to be restarted" if code == EX_TEMPFAIL else "crashed"
@@ -199,19 +248,39 @@ class Supervisor:
     def _message_file(self, worker_id: str) -> Path:
         return self._messages / f"{worker_id}.message"
 
+    def _committed_file(self, worker_id: str) -> Path:
+        return self._messages / f"{worker_id}.committed"
+
     def _start(self, worker_id: str) -> None:
+        """Start the worker, unless the supervisor is stopping. A stop signal that comes
+        meanwhile waits (blocked) until the child is in ``children``, where ``stop`` finds it."""
         self._message_file(worker_id).unlink(missing_ok=True)
+        self._committed_file(worker_id).unlink(missing_ok=True)
         env = {
             **os.environ,
             **self.extra_env,
             MESSAGE_FILE_ENV: str(self._message_file(worker_id)),
+            COMMITTED_FILE_ENV: str(self._committed_file(worker_id)),
             RESTARTS_ENV: str(self.restarts[worker_id]),
         }
-        self.children[worker_id] = subprocess.Popen(
-            self._command(worker_id), env=env, preexec_fn=_stop_with_parent(os.getpid())
-        )
-        self.started_at[worker_id] = time.monotonic()
-        log.info("started worker %s (pid %d)", worker_id, self.children[worker_id].pid)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            if self._stopping:
+                return
+            child = subprocess.Popen(
+                self._command(worker_id),
+                env=env,
+                preexec_fn=_worker_preexec(os.getpid(), mask),
+            )
+            self.children[worker_id] = child
+            self.started_at[worker_id] = time.monotonic()
+            if self._stopping:
+                # stop() ran inside Popen, before the child was in children (a signal that
+                # came before the block, its Python handler run late)
+                child.send_signal(signal.SIGTERM)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        log.info("started worker %s (pid %d)", worker_id, child.pid)
 
     def stop(self, *_: Any) -> None:
         self._stopping = True
@@ -232,30 +301,44 @@ class Supervisor:
 
     def _run(self) -> int:
         for worker_id in self.worker_ids:
+            if self._stopping:
+                break
             self._start(worker_id)
         exit_code = 0
         while self.children or self.restart_due:
             time.sleep(POLL_INTERVAL)
             now = time.monotonic()
+            if self._stopping:
+                # a restart scheduled after stop() cleared them (a signal between decide and
+                # the scheduling) would otherwise keep this loop going forever
+                self.restart_due.clear()
             for worker_id, due in list(self.restart_due.items()):
-                if now >= due and not self._stopping:
-                    del self.restart_due[worker_id]
+                # pop, not del: a stop signal meanwhile empties restart_due
+                if now >= due and self.restart_due.pop(worker_id, None) is not None:
                     self._start(worker_id)
             for worker_id, child in list(self.children.items()):
                 code = child.poll()
                 if code is None:
                     continue
                 del self.children[worker_id]
+                ran_for = now - self.started_at[worker_id]
+                healthy = (
+                    self._committed_file(worker_id).exists()
+                    or ran_for >= self.policy.idle_healthy_after
+                )
                 decision = decide(
-                    code,
-                    now - self.started_at[worker_id],
-                    self.failures[worker_id],
-                    self.policy,
-                    self._stopping,
+                    code, healthy, self.failures[worker_id], self.policy, self._stopping
                 )
                 self.failures[worker_id] = decision.failures
                 if decision.action == "restart":
-                    log.warning("worker %s exited with %s: %s", worker_id, code, decision.reason)
+                    log.warning(
+                        "worker %s exited with %s after %.0f s (%s): %s",
+                        worker_id,
+                        code,
+                        ran_for,
+                        "committed checkpoints" if healthy else "no checkpoint committed",
+                        decision.reason,
+                    )
                     self.restart_due[worker_id] = now + decision.delay
                     self.restarts[worker_id] += 1
                 elif decision.action == "stop_all":

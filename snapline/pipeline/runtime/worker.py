@@ -137,6 +137,7 @@ from snapline.pipeline.savepoint.control import (
 from snapline.pipeline.stages import SOURCE_STAGE, task_id_for
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.compat import incompatibility, moved_states, replaced_states
+from snapline.pipeline.supervisor import report_committed
 
 log = logging.getLogger(__name__)
 
@@ -1674,6 +1675,7 @@ class Worker:
             self.output.begin(self.coordinator.next_id)
         self._failures = 0
         self.checkpoints_committed += 1
+        report_committed(self.checkpoints_committed)  # a healthy run, for a supervisor
         self._record_metrics(done, commit_start, committed_at)
 
     def _commit_at_least_once(self, offsets: list[TopicPartition]) -> None:
