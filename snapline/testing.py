@@ -1,12 +1,13 @@
 """Broker-free testing of a pipeline: run it in-process over lists of input records and get,
-per sink, the outputs that committed checkpoints made visible.
+per sink, the outputs a worker would have made visible.
 
 The records go through the same task, operators, keyed state backend and checkpoint code as a
 worker's (only Kafka is replaced: inputs are lists, and every sink is replaced by a writer that
-keeps what would have been committed). A crash can be simulated between checkpoints: the task
+keeps what would have been published). A crash can be simulated between checkpoints: the task
 is thrown away with its uncommitted output, its state is restored from the last checkpoint's
-files and the input is read again from that checkpoint's positions — so a test can assert that
-a function's output is the same with and without a crash::
+files and the input is read again from that checkpoint's positions. Checkpoints fall at the
+same input positions and channels are read in the same order with and without a crash, so a
+test can assert that an exactly-once pipeline's output is the same with and without one::
 
     from snapline.testing import run_pipeline
 
@@ -16,8 +17,17 @@ a function's output is the same with and without a crash::
 
 What differs from a deployment: one task per stage holds every partition of the stage, and a
 repartition topic is a list that the next stage reads once the checkpoint commits; there is
-no Kafka transaction (a checkpoint "commits" when its
-snapshot is durable in a temporary checkpoint directory).
+no Kafka transaction (a checkpoint "commits" when its snapshot is durable in a temporary
+checkpoint directory). With ``guarantee="at_least_once"`` a worker has no transaction
+either: Kafka sink records, dead letters and repartition records are visible (readable) as
+produced and stay after a crash, so the records read again produce them again, the
+duplicates a worker produces; two-phase-commit sinks (Parquet, PostgreSQL, user sinks) still
+publish at the checkpoint's commit.
+
+Sinks check what a worker's would: a ``KafkaSink`` value its format or key function cannot
+encode, a ``ParquetSink`` row that does not fit the table's schema (declared, else inferred
+from the first rows) or whose partition directory would be too long, is a dead letter. A
+``PostgresSink``'s rows are not checked (that needs the table).
 
 Event time works as in a worker: ``Message(timestamp=...)`` (or the source's ``timestamp=``
 function) drives the watermarks, which cross repartition topics as watermark records; one
@@ -31,7 +41,6 @@ Threads: everything runs on the caller's thread.
 from __future__ import annotations
 
 import tempfile
-from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -39,19 +48,23 @@ from typing import Any, cast
 
 from snapline.connectors.kafka_source import KafkaSource
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
-from snapline.pipeline.formats import encode_key, encoder, value_encoder
+from snapline.pipeline.formats import encoder
 from snapline.pipeline.graph import Node, Pipeline
-from snapline.pipeline.record import ListedMessage, Record
+from snapline.pipeline.record import ListedMessage
 from snapline.pipeline.runtime.faults import FaultInjector
 from snapline.pipeline.runtime.task import Task, TaskSnapshot
 from snapline.pipeline.runtime.timers import processing_time_ms
 from snapline.pipeline.runtime.transaction import TransactionalOutput
 from snapline.pipeline.runtime.watermarks import MAX_WATERMARK
-from snapline.pipeline.sink import PreCommitResult, Sink, SinkContext, SinkWriter
+from snapline.pipeline.sink import Sink
 from snapline.pipeline.stages import task_id_for
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.backend import StateHandle
-from snapline.sinks.kafka import KafkaSink
+from snapline.testing_capture import (
+    _CapturingSink,
+    _Output,
+    _Produced,
+)
 
 __all__ = ["Message", "TestRun", "run_pipeline"]
 
@@ -59,7 +72,8 @@ __all__ = ["Message", "TestRun", "run_pipeline"]
 @dataclass(frozen=True)
 class Message:
     """One input record: its value (encoded with the source's ``value_format``), and
-    optionally a key, a timestamp (ms) and a partition."""
+    optionally a key (encoded with its ``key_format``; bytes are taken as the raw Kafka key, as
+    a bytes value is taken as the raw value), a timestamp (ms) and a partition."""
 
     value: Any
     key: Any = None
@@ -69,10 +83,12 @@ class Message:
 
 @dataclass
 class TestRun:
-    """What a run produced: per sink (by name, and by topic for Kafka sinks) the values of
-    every committed checkpoint, in order; the dead letters (value, reason); the late records
-    windows dropped (``on_late="drop"``); the checkpoints. Dead letters and late drops count
-    committed checkpoints only, so a crash does not count them twice."""
+    """What a run produced: per sink (by name, and by topic for Kafka sinks) the values a
+    worker would have made visible, in order; the dead letters (value, reason); the late
+    records windows dropped (``on_late="drop"``); the checkpoints. Exactly-once, outputs and
+    dead letters are those of committed checkpoints, so a crash repeats none of them; at
+    least once, a Kafka sink's values and the dead letters of the records a crash makes the
+    task read again appear twice, as in a worker. Late drops count committed checkpoints."""
 
     outputs: dict[str, list[Any]] = field(default_factory=dict)
     dead_letters: list[tuple[Any, str]] = field(default_factory=list)
@@ -81,102 +97,7 @@ class TestRun:
     crashes: int = 0
 
 
-class _Output:
-    """Stands in for the transactional producer: records per epoch until their checkpoint
-    commits. The dead-letter and repartition topics reach it (sinks are replaced)."""
-
-    def __init__(self) -> None:
-        self.by_epoch: dict[int, list[tuple[str, bytes | None, bytes | None, Any, int]]] = (
-            defaultdict(list)
-        )
-
-    def produce(
-        self,
-        epoch: int,
-        topic: str,
-        value: bytes | None,
-        key: bytes | None,
-        headers: Any = None,
-        partition: int = -1,
-        timestamp: int = 0,
-    ) -> None:
-        self.by_epoch[epoch].append((topic, value, key, headers, timestamp))
-
-    def direct_producer(self, epoch: int) -> None:
-        """No producer: every record goes through ``produce``."""
-        return None
-
-    def take_committed(
-        self, checkpoint_id: int
-    ) -> list[tuple[str, bytes | None, bytes | None, Any, int]]:
-        done = []
-        for epoch in sorted(e for e in self.by_epoch if e <= checkpoint_id):
-            done.extend(self.by_epoch.pop(epoch))
-        return done
-
-
-class _CapturingSink(Sink):
-    """Replaces a declared sink: keeps each epoch's values, publishes them on commit."""
-
-    def __init__(self, name: str, committed: list[Any], declared: Sink | None = None) -> None:
-        self.name = name
-        self.committed = committed
-        self.declared = declared
-
-    def open(self, context: SinkContext) -> SinkWriter:
-        return _CapturingWriter(self.committed, self.declared, context)
-
-
-class _CapturingWriter(SinkWriter):
-    """Keeps the values; a value a declared KafkaSink could not encode (its format, its key
-    function) goes to the dead letters, as a worker's sink sends it."""
-
-    def __init__(
-        self, committed: list[Any], declared: Sink | None = None, context: SinkContext | None = None
-    ) -> None:
-        self._committed = committed
-        self._epochs: dict[int, list[Any]] = defaultdict(list)
-        self._check: Callable[[Record], None] | None = None
-        self._context = context
-        if isinstance(declared, KafkaSink) and context is not None:
-            encode, key_fn = value_encoder(declared.value_format), declared.key
-            topic = declared.topic
-
-            def check(record: Record) -> None:
-                if record.value is not None:
-                    encode(record.value)
-                if key_fn is not None:
-                    encode_key(key_fn(record.value))
-
-            self._check = check
-            self._topic = topic
-
-    def write(self, record: Record, epoch: int) -> None:
-        self.write_batch((record,), epoch)
-
-    def write_batch(self, records: Sequence[Record], epoch: int) -> None:
-        check = self._check
-        if check is None:
-            self._epochs[epoch].extend(r.value for r in records)
-            return
-        assert self._context is not None
-        kept = self._epochs[epoch]
-        for record in records:
-            try:
-                check(record)
-            except Exception as exc:  # as KafkaSinkWriter: bad output is a dead letter
-                self._context.dead_letter(
-                    record, f"{self._topic}: cannot encode output: {exc!r}", epoch
-                )
-                continue
-            kept.append(record.value)
-
-    def pre_commit(self, checkpoint_id: int) -> PreCommitResult:
-        return None
-
-    def commit(self, checkpoint_id: int) -> None:
-        for epoch in sorted(e for e in self._epochs if e <= checkpoint_id):
-            self._committed.extend(self._epochs.pop(epoch))
+#: A record produced to Kafka: topic, value, key, headers, timestamp.
 
 
 def _never_at_end(tp: tuple[str, int], since: float) -> bool:
@@ -200,17 +121,31 @@ def _encode_inputs(
     channels: dict[tuple[str, int], list[ListedMessage]] = {(t, 0): [] for t in sources}
     for topic, items in inputs.items():
         source = sources[topic]
-        encode_value = encoder(source.value_format)
+        encode_value, encode_message_key = encoder(source.value_format), encoder(source.key_format)
         for item in items:
             message = item if isinstance(item, Message) else Message(item)
             tp = (topic, message.partition)
             channel = channels.setdefault(tp, [])
-            value = (
-                message.value if isinstance(message.value, bytes) else encode_value(message.value)
-            )
-            key = message.key if isinstance(message.key, bytes | None) else encode_key(message.key)
+            value = _encoded(encode_value, message.value, "value", source.value_format, topic)
+            key = _encoded(encode_message_key, message.key, "key", source.key_format, topic)
             channel.append(ListedMessage(topic, tp[1], len(channel), value, key, message.timestamp))
     return channels
+
+
+def _encoded(
+    encode: Callable[[Any], bytes | None], value: Any, what: str, fmt: str, topic: str
+) -> bytes | None:
+    """An input's value or key as the Kafka bytes its source decodes (bytes: as they are)."""
+    if isinstance(value, bytes):
+        return value
+    try:
+        return encode(value)
+    except Exception as exc:
+        raise ValueError(
+            f"the input {what} {value!r} for topic {topic!r} cannot be encoded in the "
+            f"source's {what}_format {fmt!r} ({exc}); give a value of that format, or bytes "
+            "for the raw Kafka bytes"
+        ) from exc
 
 
 def run_pipeline(
@@ -224,9 +159,12 @@ def run_pipeline(
 ) -> TestRun:
     """Run ``pipeline`` over ``inputs`` (topic -> values or ``Message``s) in-process.
 
-    A checkpoint is taken and committed after every ``checkpoint_every`` input records and at
-    the end. ``crash_after``: after that many records read (one number or several), the task
-    crashes — uncommitted output is dropped, state is restored from the last committed
+    A checkpoint is taken and committed after every ``checkpoint_every`` records read (counted
+    by input position, repartition topics included, so that after a crash checkpoints fall
+    where they did without it) and at the end. ``crash_after``: after that many records read
+    (one number or several; records read again after a crash count too), the task crashes —
+    output not yet visible is dropped (at least once, Kafka sink records, dead letters and
+    repartition records are visible as produced), state is restored from the last committed
     checkpoint and input is re-read from its positions. ``end_watermark``: once the input is
     read, the watermark advances to the end of time, stage by stage (windows fire).
     ``processing_time``: the clock (ms) of processing-time timers and state TTL instead of
@@ -240,10 +178,10 @@ def run_pipeline(
     for node in pipeline.nodes:  # a copy of the graph with every sink replaced
         fn = node.fn
         if node.kind == "sink":
-            committed: list[Any] = []
+            published: list[Any] = []
             for name in _sink_names(node.fn):
-                sink_lists[name] = committed
-            fn = _CapturingSink(node.fn.name, committed, node.fn)
+                sink_lists[name] = published
+            fn = _CapturingSink(node.fn.name, published, node.fn, pipeline.exactly_once)
         copy = Node(
             node.kind,
             [by_id[i.id] for i in node.inputs],
@@ -272,11 +210,25 @@ def _clone(pipeline: Pipeline, nodes: list[Node]) -> Pipeline:
     return clone
 
 
+@dataclass(frozen=True)
+class _Schedule:
+    """Where a run is in its reading order: the next channel (an index into the fixed order),
+    whether the current round read anything, and the input position (records read from every
+    channel) of the next checkpoint. Saved with each committed checkpoint: the run restored
+    after a crash reads and checkpoints as the run without the crash did."""
+
+    index: int = 0
+    progressed: bool = False
+    next_checkpoint: int = 0
+
+
 class _Runner:
     """Feeds the channels through one task per stage, checkpoints, crashes and restores.
 
-    Repartition topics are lists: a record produced to one becomes readable by the next
-    stage's task when its checkpoint commits (as a read_committed consumer sees it)."""
+    Rounds over a fixed order of channels (stage by stage), one record from each channel
+    with one to read. Repartition topics are lists: exactly-once, a record produced to one
+    becomes readable by the next stage's task when its checkpoint commits (as a
+    read_committed consumer sees it); at-least-once, at once."""
 
     def __init__(
         self,
@@ -293,11 +245,12 @@ class _Runner:
         self.channels = dict(channels)
         for rep in self.plan.repartitions.values():
             self.channels[(rep.topic, 0)] = []
+        self.repartitioned = {r.topic for r in self.plan.repartitions.values()}
         stage_of = self.plan.stage_of_topics(pipeline.source_topics())
         self.storage = storage
         self.tmp = tmp
         self.result = result
-        self.output = _Output()
+        self.output = _Output(self._publish, transactional=pipeline.exactly_once)
         #: Per stage: the committed checkpoint's id, input positions and state handle.
         self.committed: dict[int, tuple[int, dict[tuple[str, int], int], StateHandle | None]] = {
             stage.index: (
@@ -307,6 +260,12 @@ class _Runner:
             )
             for stage in self.plan.stages
         }
+        #: Every channel, in the order of reading: by stage, then as the stage's task has them.
+        self.order = [
+            (stage, tp) for stage, (_, positions, _) in self.committed.items() for tp in positions
+        ]
+        #: The committed checkpoint's schedule.
+        self.schedule = _Schedule()
         #: Per stage: the committed checkpoint's clock (watermarks).
         self.committed_time: dict[int, dict[str, Any] | None] = {}
         self.snapshots: list[TaskSnapshot] = []
@@ -353,37 +312,21 @@ class _Runner:
         return {tp: o for _, positions, _ in self.committed.values() for tp, o in positions.items()}
 
     def run(self, checkpoint_every: int, crashes: list[int], end_watermark: bool) -> None:
-        read = 0
-        next_checkpoint = checkpoint_every
+        reads = 0  # every record read, again after a crash too (crash_after counts them)
         total = sum(len(c) for c in self.channels.values())
         positions = self._positions()
+        position = sum(positions.values())
+        self.schedule = _Schedule(next_checkpoint=checkpoint_every)
+        index, progressed, next_checkpoint = 0, False, checkpoint_every
         while True:
-            progressed = False
-            crashed = False
-            for task in list(self.tasks.values()):
-                for tp in task.channels:
-                    messages = self.channels[tp]
-                    offset = positions[tp]
-                    if offset >= len(messages):
-                        continue
-                    task.enqueue(tp, [messages[offset]])
-                    positions[tp] = offset + 1
-                    read += 1
-                    progressed = True
-                    task.run()
-                    if crashes and read >= crashes[0]:
-                        crashes.pop(0)
-                        positions = self._crash()
-                        crashed = True
-                        break
-                    if read >= next_checkpoint:
-                        self._checkpoint()
-                        next_checkpoint = read + checkpoint_every
-                if crashed:
-                    break  # the tasks of this round are gone
-            if not progressed:
+            if index == len(self.order):  # the end of a round
+                index = 0
+                if progressed:
+                    progressed = False
+                    continue
+                here = _Schedule(0, False, next_checkpoint)
                 if self.output.by_epoch:  # uncommitted repartition records: commit them
-                    self._checkpoint()
+                    self._checkpoint(here)
                     if any(positions[tp] < len(m) for tp, m in self.channels.items()):
                         continue
                 ending = [t for _, t in sorted(self.tasks.items()) if t.watermark < MAX_WATERMARK]
@@ -391,16 +334,42 @@ class _Runner:
                     # The lowest stage first: its watermark records carry the end of time to
                     # the next stage, which reads them after this checkpoint commits.
                     ending[0].end_of_input()
-                    self._checkpoint()
+                    self._checkpoint(here)
                     continue
                 break
-            if read > 10 * (total + sum(len(c) for c in self.channels.values())) + 1000:
+            stage, tp = self.order[index]
+            index += 1
+            messages = self.channels[tp]
+            offset = positions[tp]
+            if offset >= len(messages):
+                continue
+            task = self.tasks[stage]
+            task.enqueue(tp, [messages[offset]])
+            positions[tp] = offset + 1
+            position += 1
+            reads += 1
+            progressed = True
+            task.run()
+            if crashes and reads >= crashes[0]:
+                crashes.pop(0)
+                positions = self._crash()
+                position = sum(positions.values())
+                index, progressed, next_checkpoint = (
+                    self.schedule.index,
+                    self.schedule.progressed,
+                    self.schedule.next_checkpoint,
+                )
+            elif position >= next_checkpoint:
+                next_checkpoint = position + checkpoint_every
+                self._checkpoint(_Schedule(index, progressed, next_checkpoint))
+            if reads > 10 * (total + sum(len(c) for c in self.channels.values())) + 1000:
                 raise RuntimeError("the test run does not progress; check crash_after")
-        self._checkpoint()
+        self._checkpoint(_Schedule(0, False, next_checkpoint))
         for task in self.tasks.values():
             task.close()
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, schedule: _Schedule) -> None:
+        """Checkpoint every task and commit; ``schedule``: where the run goes on from."""
         tasks = self.tasks
         n = max(task.epoch for task in tasks.values())  # the barrier closes the open epoch
         for task in tasks.values():
@@ -425,23 +394,30 @@ class _Runner:
             self.committed_time[stage] = snapshot.time
         # The commit point: every snapshot is durable; the output becomes visible.
         self.committed = handles
+        self.schedule = schedule
         for stage, task in tasks.items():
             task.notify_committed(n)
             dropped = task.late_dropped
             self.result.late_dropped += dropped - self.late_committed.get(stage, 0)
             self.late_committed[stage] = dropped
-        repartitioned = {r.topic for r in self.plan.repartitions.values()}
-        for topic, value, key, headers, timestamp in self.output.take_committed(n):
-            if topic in repartitioned:
-                channel = self.channels[(topic, 0)]
-                channel.append(ListedMessage(topic, 0, len(channel), value, key, timestamp))
-                continue
-            reason = dict(headers or {}).get("snapline.error", b"").decode()
-            self.result.dead_letters.append((value, reason))
+        for record in self.output.take_committed(n):
+            self._publish(record)
         self.result.checkpoints += 1
 
+    def _publish(self, record: _Produced) -> None:
+        """A produced record becomes visible: a repartition topic's joins its channel, a dead
+        letter the run's dead letters."""
+        topic, value, key, headers, timestamp = record
+        if topic in self.repartitioned:
+            channel = self.channels[(topic, 0)]
+            channel.append(ListedMessage(topic, 0, len(channel), value, key, timestamp))
+            return
+        reason = dict(headers or {}).get("snapline.error", b"").decode()
+        self.result.dead_letters.append((value, reason))
+
     def _crash(self) -> dict[tuple[str, int], int]:
-        """Drop the tasks and everything uncommitted; restore the last checkpoint."""
+        """Drop the tasks and everything uncommitted; restore the last checkpoint. What is
+        published stays (at least once: the Kafka records produced since the checkpoint)."""
         self.result.crashes += 1
         epoch = max(task.epoch for task in self.tasks.values()) + 1
         for task in self.tasks.values():

@@ -9,7 +9,15 @@ from typing import Any
 import pytest
 
 from examples.running_total import RunningTotal
-from snapline import KafkaSink, KafkaSource, ParquetSink, Pipeline
+from snapline import (
+    Context,
+    KafkaSink,
+    KafkaSource,
+    KeyedProcessFunction,
+    ParquetSink,
+    Pipeline,
+    ValueState,
+)
 from snapline.testing import Message, run_pipeline
 
 
@@ -131,3 +139,139 @@ def test_output_that_is_not_bytes_for_a_bytes_sink_is_a_dead_letter() -> None:
     assert all("value_format='bytes' takes bytes" in reason for reason in reasons)
     assert any("not dict" in reason for reason in reasons)
     assert any("not str" in reason for reason in reasons)
+
+
+def counts_pipeline(guarantee: str, table: Any) -> Pipeline:
+    pipeline = Pipeline("counts", guarantee=guarantee)
+    counts = pipeline.source(KafkaSource("in")).key_by().count()
+    counts.sink(KafkaSink("counts"))
+    counts.sink(ParquetSink(str(table)))
+    return pipeline
+
+
+@pytest.mark.parametrize("guarantee", ["exactly_once", "at_least_once"])
+def test_at_least_once_shows_the_duplicates_a_crash_makes_as_a_worker_does(
+    guarantee: str, tmp_path: Any
+) -> None:
+    """The harness held every output until its checkpoint committed whatever the guarantee,
+    so an at-least-once pipeline looked exactly-once. At least once a worker has no
+    transaction: what a Kafka sink and the dead-letter topic got before the crash stays,
+    and the records read again produce it again; a two-phase-commit sink (Parquet) still
+    publishes committed checkpoints only."""
+    inputs: list[Any] = [Message(i, key="k") for i in range(10)]
+    inputs[5] = Message(b"{not json", key=b"k")
+    table = tmp_path / "table"
+    run = run_pipeline(
+        counts_pipeline(guarantee, table), {"in": inputs}, checkpoint_every=4, crash_after=7
+    )
+    counts = [o["value"] for o in run.outputs["counts"]]
+    rows = [o["value"] for o in run.outputs[f"parquet:{table}"]]
+    assert run.crashes == 1 and rows == list(range(1, 10))
+    if guarantee == "exactly_once":
+        assert counts == list(range(1, 10)) and len(run.dead_letters) == 1
+    else:  # records 5-7 were read before and after the crash (the 6th a dead letter)
+        assert counts == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9]
+        assert [value for value, _ in run.dead_letters] == [b"{not json"] * 2
+
+
+def test_parquet_rows_that_do_not_fit_the_table_are_dead_letters_as_in_a_worker(
+    tmp_path: Any,
+) -> None:
+    """Only a KafkaSink's output was checked: a ParquetSink took any value, and a worker then
+    dead-lettered the rows its RowConverter refuses and those whose partition directory is
+    too long for a filesystem."""
+    import pyarrow as pa
+
+    pipeline = Pipeline("rows")
+    source = pipeline.source(KafkaSource("in"))
+    declared = ParquetSink(str(tmp_path / "declared"), schema=pa.schema([("n", pa.int64())]))
+    source.filter(lambda v: "p" not in v).sink(declared)
+    inferred = ParquetSink(str(tmp_path / "inferred"), partition_by="p")
+    source.filter(lambda v: "p" in v).sink(inferred)
+    rows = [{"n": 1}, {"n": "two"}, [3], {"n": 1.5}]
+    rows += [{"p": "a", "n": 1}, {"p": "a", "n": "x"}]  # the first checkpoint's rows
+    rows += [{"p": "x" * 300, "n": 3}, {"p": "b", "n": "four"}, {"p": "b", "n": 4}]
+    run = run_pipeline(pipeline, {"in": rows}, checkpoint_every=6)
+    assert run.outputs[declared.name] == [{"n": 1}]
+    # The schema is inferred from the first checkpoint's rows (n: int64) and kept after it.
+    assert run.outputs[inferred.name] == [{"p": "a", "n": 1}, {"p": "b", "n": 4}]
+    reasons = [reason for _, reason in run.dead_letters]
+    assert len(reasons) == 6, reasons
+    assert "'two' (str) does not fit int64" in reasons[0]
+    assert "row is a list, a Parquet table needs a dict" in reasons[1]
+    assert "1.5 (float) does not fit int64" in reasons[2]
+    assert "'x' (str) does not fit int64" in reasons[3]
+    assert "is 302 bytes (escaped), over the 255" in reasons[4]
+    assert "'four' (str) does not fit int64" in reasons[5]  # not a new schema's string
+    assert not (tmp_path / "declared").exists() and not (tmp_path / "inferred").exists()
+
+
+class Reminder(KeyedProcessFunction):
+    """Each record sets an event-time timer 10 ms later; the timer reports the watermark
+    it fired at and the records its key had then."""
+
+    seen = ValueState("seen", default=0)
+
+    def process(self, value: dict[str, Any], ctx: Context) -> None:
+        assert ctx.timers is not None
+        self.seen.update(self.seen.value() + 1)
+        ctx.timers.register_event_time(ctx.timestamp + 10)
+
+    def on_timer(self, timestamp: int, ctx: Context) -> Any:
+        yield {
+            "key": ctx.key,
+            "at": timestamp,
+            "watermark": ctx.watermark,
+            "seen": self.seen.value(),
+        }
+
+
+def reminders_pipeline() -> Pipeline:
+    pipeline = Pipeline("reminders")
+    (
+        pipeline.source(KafkaSource("events", timestamp=lambda v: v["ts"]))
+        .key_by(lambda v: v["k"])  # a repartition topic: watermarks cross it at barriers
+        .process(Reminder())
+        .sink(KafkaSink("fired"))
+    )
+    return pipeline
+
+
+@pytest.mark.parametrize("crash_after", [1, 2, 5, 7, 11, 17, [2, 5, 11, 17, 30]])
+def test_a_crash_does_not_move_checkpoints_so_event_time_downstream_is_the_same(
+    crash_after: int | list[int],
+) -> None:
+    """After a crash the harness counted the records read again towards its next checkpoint
+    and started a new round over the channels, so checkpoints (where watermarks cross a
+    repartition topic) fell elsewhere than without the crash: a timer at 15 fired at
+    watermark 4 instead of 9. Checkpoints now follow input positions and the order of
+    reading is restored with the checkpoint."""
+    events = {"events": [{"k": f"k{i % 3}", "ts": i} for i in range(20)]}
+    clean = run_pipeline(reminders_pipeline(), events, checkpoint_every=3)
+    crashed = run_pipeline(
+        reminders_pipeline(), events, checkpoint_every=3, crash_after=crash_after
+    )
+    assert crashed.crashes == (1 if isinstance(crash_after, int) else len(crash_after))
+    assert crashed.outputs["fired"] == clean.outputs["fired"]
+    assert sorted(o["at"] for o in clean.outputs["fired"]) == list(range(10, 30))
+
+
+def test_message_keys_are_encoded_in_the_sources_key_format() -> None:
+    """A Message's key was encoded as a Kafka key is by a sink (a str as its UTF-8 bytes)
+    whatever the source's key_format: with "json" the key "abc" was a dead letter and "7"
+    arrived as the int 7."""
+    pipeline = Pipeline("keys")
+    source = KafkaSource("in", key_format="json")
+    pipeline.source(source).key_by().count().sink(KafkaSink("counts"))
+    inputs = [Message(1, key="abc"), Message(2, key="7"), Message(3, key=b'"abc"')]
+    run = run_pipeline(pipeline, {"in": inputs})
+    assert run.dead_letters == []
+    assert run.outputs["counts"] == [
+        {"key": "abc", "value": 1},
+        {"key": "7", "value": 1},
+        {"key": "abc", "value": 2},
+    ]
+    raw = Pipeline("raw-keys")
+    raw.source(KafkaSource("in", key_format="bytes")).sink(KafkaSink("out"))
+    with pytest.raises(ValueError, match="key 'abc' for topic 'in' cannot be encoded in the"):
+        run_pipeline(raw, {"in": [Message(1, key="abc")]})
