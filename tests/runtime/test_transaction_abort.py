@@ -286,3 +286,15 @@ def test_a_transaction_timeout_a_checkpoint_cannot_fit_fails_at_start_with_the_f
 
     with pytest.raises(ConfigurationError, match=message):
         transaction.transaction_timeout(config, interval)
+
+
+def test_a_restore_waits_for_the_transaction_timeout_the_workers_use() -> None:
+    """A restore waits out a worker's open transaction for the job's transaction timeout: the
+    one its workers use (raised for a long checkpoint interval), not the 60 s default."""
+    from snapline import Pipeline
+    from snapline.pipeline.savepoint.restore import _transaction_timeout
+
+    assert _transaction_timeout(Pipeline("j")) == 60.0
+    assert _transaction_timeout(Pipeline("j", checkpoint_interval=120)) == 150.0
+    given = Pipeline("j", kafka_config={"transaction.timeout.ms": 2000})
+    assert _transaction_timeout(given) == 2.0

@@ -98,6 +98,7 @@ from snapline.pipeline.runtime.topics import (
     refused_config,
     without_event_time_config,
 )
+from snapline.pipeline.runtime.transaction import transaction_timeout
 from snapline.pipeline.runtime.watermarks import decode_floors, encode_floors
 from snapline.pipeline.savepoint.export import (
     JobTask,
@@ -287,8 +288,15 @@ def _transient(exc: Exception, *codes: int) -> bool:
 
 
 def _transaction_timeout(pipeline: Pipeline) -> float:
-    """The job's ``transaction.timeout.ms`` in seconds (librdkafka's default 60 s)."""
-    return float(pipeline.kafka_config.get("transaction.timeout.ms", 60000)) / 1000
+    """The ``transaction.timeout.ms`` of the job's workers, in seconds: the setting, else what
+    the checkpoint interval needs (``transaction_timeout``: 60 s, or the interval plus 30 s)."""
+    config = dict(pipeline.kafka_config)
+    if pipeline.exactly_once:
+        try:
+            return transaction_timeout(config, pipeline.checkpoint_interval) / 1000
+        except ConfigurationError:
+            pass  # the workers refuse to start with it: as the setting says, else the default
+    return float(config.get("transaction.timeout.ms", 60000)) / 1000
 
 
 def _high_watermarks(
