@@ -14,7 +14,14 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaException,
+    Producer,
+    TopicCollection,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
 from integration_tests.conftest import create_topic
@@ -731,3 +738,34 @@ def test_a_restore_that_died_after_changing_kafka_keeps_workers_out_until_it_is_
     assert seed_from_savepoint(pipeline, config, str(checkpoints), str(earlier)) is not None
     assert not (checkpoints / job / restore.RESTORING).exists()
     restore.check_no_interrupted_restore(CheckpointStorage(str(checkpoints)), job)
+
+
+def test_a_restore_creates_a_repartition_topic_with_no_more_partitions_than_key_groups(
+    kafka_bootstrap: str, admin: AdminClient, unique_name: str, tmp_path: Path
+) -> None:
+    """Workers create a repartition topic with the sources' partition count, at most
+    max_parallelism (one partition per key-group at least); a restore created it with the
+    sources' count, more partitions than key-groups, which no task layout can load."""
+    job = unique_name
+    config = {"bootstrap.servers": kafka_bootstrap}
+    pipeline = Pipeline(job, max_parallelism=4)
+    source = create_topic(admin, f"{job}-in", partitions=8)
+    create_topic(admin, f"{job}-out")
+    (
+        pipeline.source(KafkaSource(source, value_format="json"))
+        .key_by(lambda v: v["k"], name="by-k")
+        .count(uid="counts")
+        .sink(KafkaSink(f"{job}-out"))
+    )
+    path = tmp_path / "sp"
+    storage = CheckpointStorage(str(path))
+    meta = SavepointMetadata(
+        job, "0.1.0", 4, {source: dict.fromkeys(range(8), 0)}, {source: 8}, [], []
+    )
+    storage.write_bytes(METADATA_FILE, meta.encode())
+    assert seed_from_savepoint(pipeline, config, str(tmp_path / "checkpoints"), str(path))
+    described = admin.describe_topics(
+        TopicCollection([f"{job}.by-k.repartition"]), request_timeout=30
+    )
+    (future,) = described.values()
+    assert len(future.result(timeout=30).partitions) == 4

@@ -46,16 +46,19 @@ def value_encoder(fmt: str) -> Callable[[Any], bytes]:
 
 
 def _as_bytes(value: Any) -> bytes:
-    """A ``bytes`` format's value: bytes as they are. Anything else raises (the record is a
-    dead letter) here, where it used to reach the producer, whose TypeError (or the held
-    records' copy of a str) ended the worker on every restart."""
+    """A ``bytes`` format's value: bytes as they are, a str as UTF-8 (as the producer takes
+    it). Anything else raises (the record is a dead letter) here, where it used to reach the
+    producer, whose TypeError (or the held records' copy of a str) ended the worker on every
+    restart."""
     if type(value) is bytes:
         return value
+    if isinstance(value, str):
+        return value.encode()
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
     raise TypeError(
-        f"value_format='bytes' takes bytes, not {type(value).__name__} (use 'json' or "
-        "'string', or encode the value before the sink)"
+        f"value_format='bytes' takes bytes or str, not {type(value).__name__} (use 'json', "
+        "or encode the value before the sink)"
     )
 
 

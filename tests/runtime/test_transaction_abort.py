@@ -254,29 +254,30 @@ def test_new_record_size_limits_replace_the_producer_at_the_abort_without_callin
 
 
 @pytest.mark.parametrize(
-    ("config", "interval", "expected"),
+    ("config", "interval", "timeout", "expected"),
     [
-        ({}, 1.0, 60_000),  # the default: a transaction of a second and its checkpoint
-        ({}, 60.0, 90_000),  # a minute's transaction and 30 s for its checkpoint
-        ({}, 870.0, 900_000),  # the brokers' default maximum
-        ({"transaction.timeout.ms": 5000}, 1.0, 5000),  # a setting that fits is kept
-        ({"transaction.timeout.ms": "120000"}, 100.0, 120_000),
+        ({}, 1.0, 60.0, 71_000),  # the defaults: a second, a checkpoint of up to 60 s, a commit
+        ({}, 1.0, 30.0, 60_000),  # never below the 60 s default
+        ({}, 60.0, 60.0, 130_000),  # a minute's transaction and its checkpoint
+        ({}, 290.0, 600.0, 900_000),  # the brokers' default maximum
+        ({"transaction.timeout.ms": 5000}, 1.0, 60.0, 5000),  # a setting is kept (logged)
+        ({"transaction.timeout.ms": "200000"}, 100.0, 60.0, 200_000),
     ],
 )
-def test_the_transaction_timeout_outlasts_a_checkpoint_interval(
-    config: dict[str, Any], interval: float, expected: int
+def test_the_transaction_timeout_outlasts_a_checkpoint_interval_and_its_checkpoint(
+    config: dict[str, Any], interval: float, timeout: float, expected: int
 ) -> None:
     """A transaction is open from one commit to the next. Left at 60 s, a job checkpointing
     every minute or more never committed: the broker aborted each transaction first."""
-    assert transaction.transaction_timeout(config, interval) == expected
+    assert transaction.transaction_timeout(config, interval, timeout) == expected
 
 
 @pytest.mark.parametrize(
     ("config", "interval", "message"),
     [
-        ({"transaction.timeout.ms": 60000}, 120.0, "Set it to 150000 or more"),
+        ({"transaction.timeout.ms": 60000}, 120.0, "Set it to 190000 or more"),
         ({"transaction.timeout.ms": "soon"}, 1.0, "is not a number of ms"),
-        ({}, 3600.0, "lower it to at most 870 s, or raise transaction.max.timeout.ms"),
+        ({}, 900.0, "together at most 890 s"),
     ],
 )
 def test_a_transaction_timeout_a_checkpoint_cannot_fit_fails_at_start_with_the_fix(
@@ -285,7 +286,7 @@ def test_a_transaction_timeout_a_checkpoint_cannot_fit_fails_at_start_with_the_f
     from snapline.pipeline.errors import ConfigurationError
 
     with pytest.raises(ConfigurationError, match=message):
-        transaction.transaction_timeout(config, interval)
+        transaction.transaction_timeout(config, interval, 60.0)
 
 
 def test_a_restore_waits_for_the_transaction_timeout_the_workers_use() -> None:
@@ -294,7 +295,7 @@ def test_a_restore_waits_for_the_transaction_timeout_the_workers_use() -> None:
     from snapline import Pipeline
     from snapline.pipeline.savepoint.restore import _transaction_timeout
 
-    assert _transaction_timeout(Pipeline("j")) == 60.0
-    assert _transaction_timeout(Pipeline("j", checkpoint_interval=120)) == 150.0
+    assert _transaction_timeout(Pipeline("j")) == 71.0
+    assert _transaction_timeout(Pipeline("j", checkpoint_interval=120)) == 190.0
     given = Pipeline("j", kafka_config={"transaction.timeout.ms": 2000})
     assert _transaction_timeout(given) == 2.0

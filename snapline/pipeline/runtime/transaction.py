@@ -76,23 +76,28 @@ RECORD_OVERHEAD = 40
 #: The producer's ``transaction.timeout.ms`` unless the job needs more (``transaction_timeout``).
 TRANSACTION_TIMEOUT_MS = 60_000
 #: A transaction is open from one commit to the next: a checkpoint interval, then the
-#: checkpoint itself (alignment, snapshot, pre-commit); this long is left for the latter.
-CHECKPOINT_ALLOWANCE_MS = 30_000
+#: checkpoint (alignment, snapshot, pre-commit: at most ``checkpoint_timeout``), then the
+#: commit, for which this much is left.
+COMMIT_ALLOWANCE_MS = 10_000
 #: The brokers' default ``transaction.max.timeout.ms`` (15 minutes): a producer asking for
 #: more is refused (INVALID_TRANSACTION_TIMEOUT, fatal).
 BROKER_MAX_TRANSACTION_TIMEOUT_MS = 900_000
 
 
-def transaction_timeout(config: dict[str, Any], checkpoint_interval: float) -> int:
+def transaction_timeout(
+    config: dict[str, Any], checkpoint_interval: float, checkpoint_timeout: float
+) -> int:
     """The ``transaction.timeout.ms`` an exactly-once job's producer needs: longer than a
-    checkpoint interval plus its checkpoint (CHECKPOINT_ALLOWANCE_MS), since each transaction
-    stays open that long. Left at 60 s, a job checkpointing every minute or more never
-    committed: the broker aborted each transaction before its commit, which then failed as
-    fenced, and every restart again. Raised to what the interval needs when the config does
-    not set it. A setting no longer than the interval (plus a second for the checkpoint),
-    or a need above the brokers' default maximum, is a ConfigurationError naming the fix."""
+    checkpoint interval plus its checkpoint (up to ``checkpoint_timeout``) plus the commit,
+    since each transaction stays open that long. Left at 60 s, a job checkpointing every
+    minute or more never committed: the broker aborted each transaction before its commit,
+    which then failed as fenced, and every restart again. Raised to what the job needs when
+    the config does not set it (71 s with the defaults). A setting is kept (tests and short
+    checkpoints may want less) unless it is no longer than the interval, which no checkpoint
+    fits: that, or a need above the brokers' default maximum, is a ConfigurationError naming
+    the fix."""
     interval_ms = int(checkpoint_interval * 1000)
-    needed = interval_ms + CHECKPOINT_ALLOWANCE_MS
+    needed = interval_ms + int(checkpoint_timeout * 1000) + COMMIT_ALLOWANCE_MS
     given = config.get("transaction.timeout.ms")
     if given is not None:
         try:
@@ -108,14 +113,25 @@ def transaction_timeout(config: dict[str, Any], checkpoint_interval: float) -> i
                 "transaction stays open that long, and the broker would abort every one "
                 f"before its commit. Set it to {needed} or more, or lower checkpoint_interval"
             )
+        if value < needed:
+            log.warning(
+                "kafka_config transaction.timeout.ms=%d: a checkpoint that takes longer than "
+                "%.0f s (checkpoint_timeout allows %g s) has its transaction aborted by the "
+                "broker and fails as fenced; %d fits every checkpoint",
+                value,
+                max(0, value - interval_ms - COMMIT_ALLOWANCE_MS) / 1000,
+                checkpoint_timeout,
+                needed,
+            )
         return value
     if needed > BROKER_MAX_TRANSACTION_TIMEOUT_MS:
-        longest = (BROKER_MAX_TRANSACTION_TIMEOUT_MS - CHECKPOINT_ALLOWANCE_MS) // 1000
         raise ConfigurationError(
-            f"checkpoint_interval={checkpoint_interval:g} keeps each Kafka transaction open "
-            f"longer than the brokers' default transaction.max.timeout.ms (15 min): lower it "
-            f"to at most {longest} s, or raise transaction.max.timeout.ms on the brokers and "
-            f"set transaction.timeout.ms (at least {needed}) in kafka_config"
+            f"checkpoint_interval={checkpoint_interval:g} plus checkpoint_timeout="
+            f"{checkpoint_timeout:g} keeps a Kafka transaction open longer than the brokers' "
+            "default transaction.max.timeout.ms (15 min) allows: lower them (together at most "
+            f"{(BROKER_MAX_TRANSACTION_TIMEOUT_MS - COMMIT_ALLOWANCE_MS) // 1000} s), or raise "
+            "transaction.max.timeout.ms on the brokers and set transaction.timeout.ms (at "
+            f"least {needed}) in kafka_config"
         )
     return max(TRANSACTION_TIMEOUT_MS, needed)
 

@@ -359,7 +359,9 @@ class Worker:
         #: committed offset unreadable: its transaction's timeout, and a margin.
         self._committed_offsets_wait = COMMITTED_OFFSETS_WAIT
         if pipeline.exactly_once:
-            timeout_ms = transaction_timeout(kafka_config, pipeline.checkpoint_interval)
+            timeout_ms = transaction_timeout(
+                kafka_config, pipeline.checkpoint_interval, pipeline.checkpoint_timeout
+            )
             producer_config["transaction.timeout.ms"] = timeout_ms
             self._committed_offsets_wait = max(COMMITTED_OFFSETS_WAIT, timeout_ms / 1000 + 30)
         self.output = TransactionalOutput(

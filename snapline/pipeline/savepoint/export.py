@@ -50,6 +50,7 @@ from snapline.pipeline.keygroups import key_group_range
 from snapline.pipeline.runtime import departed
 from snapline.pipeline.runtime.sink_recovery import publish_staged
 from snapline.pipeline.runtime.topics import cluster_id_of, ids_differ
+from snapline.pipeline.runtime.transaction import transaction_timeout
 from snapline.pipeline.runtime.watermarks import WATERMARK_KEY_TAG
 from snapline.pipeline.savepoint.format import (
     ENTRY_SCHEMA,
@@ -312,10 +313,29 @@ def _entry_tables(
     return {uid: table.filter(pa.compute.equal(uid_column, uid)) for uid in operators}
 
 
+def job_transaction_timeout(pipeline: Pipeline) -> float:
+    """The ``transaction.timeout.ms`` of the job's workers, in seconds: the setting, else what
+    its checkpoints need (``transaction_timeout``: at least 60 s, the interval plus
+    ``checkpoint_timeout`` plus 10 s)."""
+    config = dict(pipeline.kafka_config)
+    if pipeline.exactly_once:
+        try:
+            return (
+                transaction_timeout(
+                    config, pipeline.checkpoint_interval, pipeline.checkpoint_timeout
+                )
+                / 1000
+            )
+        except ConfigurationError:
+            pass  # the workers refuse to start with it: as the setting says, else the default
+    return float(config.get("transaction.timeout.ms", 60000)) / 1000
+
+
 def read_in_flight(
     kafka_config: dict[str, Any],
     topic: str,
     starts: dict[int, int],
+    timeout: float | None = None,
 ) -> pa.Table:
     """Committed records of ``topic`` from ``starts`` (partition -> offset) to its end.
 
@@ -324,7 +344,9 @@ def read_in_flight(
     committed behind it until it is aborted, at the latest ``transaction.timeout.ms`` after
     it began. Each partition is finished when the consumer's position (past transaction
     markers and aborted records) reaches its end; one not finished within
-    ``IN_FLIGHT_TIMEOUT`` is an error, never a savepoint that silently lacks records."""
+    ``timeout`` (at least ``IN_FLIGHT_TIMEOUT``, longer than the job's transactions: a
+    transaction left open ends by then) is an error, never a savepoint that silently lacks
+    records."""
     if not starts:
         return IN_FLIGHT_SCHEMA.empty_table()
     admin = AdminClient(kafka_config)
@@ -368,7 +390,9 @@ def read_in_flight(
         todo = {p for p in starts if starts[p] < ends[p]}
         if todo:
             consumer.assign([TopicPartition(topic, p, starts[p]) for p in sorted(todo)])
-        deadline = time.monotonic() + IN_FLIGHT_TIMEOUT
+        if timeout is None:
+            timeout = IN_FLIGHT_TIMEOUT
+        deadline = time.monotonic() + timeout
         while todo:
             if time.monotonic() > deadline:
                 positions = consumer.position([TopicPartition(topic, p) for p in sorted(todo)])
@@ -378,7 +402,7 @@ def read_in_flight(
                 }
                 raise CheckpointError(
                     f"reading the records in flight in {topic} took over "
-                    f"{IN_FLIGHT_TIMEOUT:.0f}s; partitions not finished: {where}. A "
+                    f"{timeout:.0f}s; partitions not finished: {where}. A "
                     "transaction left open (a worker killed in its epoch) holds readers back "
                     "until it is aborted (transaction.timeout.ms after it began, or when that "
                     "worker starts again); try again after that"
@@ -667,7 +691,12 @@ def export_savepoint(
                 )
                 for p in range(partitions[rep.topic])
             }
-            table = read_in_flight(kafka_config, rep.topic, starts)
+            table = read_in_flight(
+                kafka_config,
+                rep.topic,
+                starts,
+                max(IN_FLIGHT_TIMEOUT, job_transaction_timeout(pipeline) + 30),
+            )
             entry = write_table(out, f"in-flight/{rep.name}.parquet", table)
             in_flight.append(InFlight(rep.name, rep.topic, partitions[rep.topic], [entry]))
         # The records in flight were read to the topics' ends now, not at the checkpoints: a

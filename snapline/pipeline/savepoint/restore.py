@@ -98,12 +98,12 @@ from snapline.pipeline.runtime.topics import (
     refused_config,
     without_event_time_config,
 )
-from snapline.pipeline.runtime.transaction import transaction_timeout
 from snapline.pipeline.runtime.watermarks import decode_floors, encode_floors
 from snapline.pipeline.savepoint.export import (
     JobTask,
     active_members,
     job_tasks,
+    job_transaction_timeout,
     publish_committed_sinks,
     wait_until_stopped,
 )
@@ -288,15 +288,8 @@ def _transient(exc: Exception, *codes: int) -> bool:
 
 
 def _transaction_timeout(pipeline: Pipeline) -> float:
-    """The ``transaction.timeout.ms`` of the job's workers, in seconds: the setting, else what
-    the checkpoint interval needs (``transaction_timeout``: 60 s, or the interval plus 30 s)."""
-    config = dict(pipeline.kafka_config)
-    if pipeline.exactly_once:
-        try:
-            return transaction_timeout(config, pipeline.checkpoint_interval) / 1000
-        except ConfigurationError:
-            pass  # the workers refuse to start with it: as the setting says, else the default
-    return float(config.get("transaction.timeout.ms", 60000)) / 1000
+    """The ``transaction.timeout.ms`` of the job's workers, in seconds (``export``)."""
+    return job_transaction_timeout(pipeline)
 
 
 def _high_watermarks(
@@ -804,7 +797,9 @@ def _seed(
     default = max((topic_plan.partitions[t] for t in pipeline.source_topics()), default=1)
     partitions = {t: topic_plan.partitions[t] for t in pipeline.source_topics()}
     for rep in plan.repartitions.values():
-        partitions[rep.topic] = rep.partitions or default
+        # As the workers create it (topics.plan): the sources' count, at most one partition
+        # per key-group.
+        partitions[rep.topic] = rep.partitions or min(default, pipeline.max_parallelism)
     # Every check (names, checksums, state placement and loading) comes before the first
     # change to Kafka: a refused restore must leave the job's repartition topics, which its
     # committed checkpoints read from, as they were.
