@@ -256,3 +256,22 @@ def test_spark_run_prints_its_savepoint_without_credentials(
     assert "FAKESECRET" not in out + err and "AKIAFAKE" not in out + err, out + err
     assert out == "mock://***@bucket/ckpt/leaky/savepoints/sp-1\n", out + err
     assert "savepoint at the end offsets: mock://***@bucket/ckpt/leaky/savepoints/sp-1" in err
+
+
+def test_redaction_is_linear_in_a_long_token() -> None:
+    """Where a match failed, the pattern rescanned a token from every ``scheme://`` in it: a
+    150 KB comma-joined list of URIs took 1.5 s per redaction, and the log filter redacts
+    every record. Counted in regex steps, not timed: the callback sees each URI once."""
+    from snapline.connectors import config
+
+    calls = []
+    original = config._userinfo
+
+    def counting(match):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return original(match)
+
+    text = ",".join(f"s3://bucket/path{i}" for i in range(8000))
+    config._URI_USERINFO.sub(counting, text)
+    assert len(calls) == 1  # one token, one match, whatever the number of URIs in it
+    assert redact_text(text) == text

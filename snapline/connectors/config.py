@@ -41,7 +41,14 @@ def redact(config: Mapping[str, Any]) -> dict[str, Any]:
 #: ``scheme://user:password@``: the whole user part goes (an access key id is half a secret),
 #: up to the token's last ``@``: a secret pasted unencoded may hold ``/`` (half of AWS secret
 #: keys do) or ``@``. A path with an ``@`` loses its start too: more redacted, never less.
-_URI_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s'\"]*@")
+#: A URI and the rest of its token in one match, cut in ``_userinfo`` (linear in the text).
+_URI_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)([^\s'\"]*)")
+
+
+def _userinfo(match: re.Match[str]) -> str:
+    rest = match.group(2)
+    at = rest.rfind("@")
+    return match.group(0) if at < 0 else f"{match.group(1)}***{rest[at:]}"
 #: A query parameter or ``key=value`` setting whose name says secret.
 _SECRET_SETTING = re.compile(
     r"(?i)\b([\w.-]*(?:password|passwd|secret|token|passphrase|credential|access_key|"
@@ -70,7 +77,7 @@ def redact_text(text: str) -> str:
     ``***``."""
     if "=" not in text and "@" not in text and ":" not in text:
         return text
-    text = _SECRET_SETTING.sub(r"\1***", _URI_USERINFO.sub(r"\1***@", text))
+    text = _SECRET_SETTING.sub(r"\1***", _URI_USERINFO.sub(_userinfo, text))
     if "'" in text or '"' in text:
         text = _QUOTED_ITEM.sub(_quoted_item, text)
     return text

@@ -4,6 +4,7 @@ it. Threads: any."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from pathlib import Path
@@ -24,14 +25,21 @@ def fsync_path(path: Path | str, directory: bool = False) -> None:
         os.close(fd)
 
 
+def _fsync_parent(directory: str) -> None:
+    """fsync the directory holding ``directory``'s entry; one this process may not open (a
+    drop-box parent, mode 0711 or 0733) is left to the filesystem: the entry was made."""
+    with contextlib.suppress(PermissionError):
+        fsync_path(os.path.dirname(directory) or ".", directory=True)
+
+
 def makedirs_durable(path: Path | str) -> None:
     """``mkdir -p`` that fsyncs the parent of every directory it creates (a lost entry would
     lose every file under it)."""
     missing = []
-    current = str(path)
+    current = str(path) or "."
     while not os.path.isdir(current):
         missing.append(current)
-        parent = os.path.dirname(current)
+        parent = os.path.dirname(current) or "."
         if parent == current:
             break
         current = parent
@@ -43,4 +51,4 @@ def makedirs_durable(path: Path | str) -> None:
                 raise NotADirectoryError(
                     errno.ENOTDIR, "exists and is not a directory", directory
                 ) from None
-        fsync_path(os.path.dirname(directory) or ".", directory=True)
+        _fsync_parent(directory)
