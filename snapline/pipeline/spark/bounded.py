@@ -580,6 +580,7 @@ def run_bounded(
                     "--read-recreated-topics (they read the new topics from their start)"
                 )
             mapping = match_states(pipeline, saved, allow_non_restored=False)
+            _check_source_state_placed(saved, mapping, sources)
             clocks = _clocks_from(saved, plan, stage_partitions)
             starts = _offsets("earliest", admin, probe, sources, latest=False)
             for topic, parts in saved.source_offsets.items():
@@ -760,6 +761,30 @@ def files_as_written(
                 entry = dataclasses.replace(entry, rows=rows, size=len(data), checksum=checksum)
             out.setdefault(uid, []).append(entry)
     return out
+
+
+def _check_source_state_placed(saved: Any, mapping: dict[Any, Any], sources: list[str]) -> None:
+    """Source-stage state is per partition of the topics it was read from, and is restored
+    with the savepoint's offsets of those topics. A source topic the savepoint has no offsets
+    of (renamed, mirrored) starts at its earliest offset: its partition's state would then
+    count the records read again (the services' restore refuses it the same way,
+    ``seeded_tasks``)."""
+    uids = {uid for uid, _ in mapping}
+    stateful = [
+        op.uid
+        for op in saved.operators
+        if op.uid in uids and op.partitioning == "source" and any(f.rows for f in op.files)
+    ]
+    missing = sorted(t for t in sources if not saved.source_offsets.get(t))
+    if stateful and missing:
+        raise ConfigurationError(
+            f"the savepoint holds source-stage state of operators {', '.join(stateful)} and "
+            f"no offsets of source topics {', '.join(missing)} (its offsets are of "
+            f"{', '.join(sorted(saved.source_offsets)) or 'no topic'}): the state would be "
+            "restored while those topics are read from their start. Run from the savepoint "
+            "with the source topics it was taken from, or restore it into the services with "
+            "--allow-non-restored-state to drop that state"
+        )
 
 
 def _clocks_from(saved: Any, plan: Any, stage_partitions: dict[int, int]) -> dict[str, Any]:
