@@ -206,7 +206,8 @@ def run(
 
     Exit codes: 0 stopped; 78 configuration error (fix what the message names; a supervisor
     stops all workers); 75 restart me (a supervisor restarts the worker with backoff);
-    1 other errors (restarted with backoff, given up after 5 failures in a row).
+    1 other errors (restarted with backoff, given up when it fails again after 5 restarts in
+    a row without a healthy run).
 
     Without --bootstrap-servers the job runs on an embedded Kafka broker that behaves like a
     deployment across restarts: its data dir is beside the checkpoints (.snapline/kafka by

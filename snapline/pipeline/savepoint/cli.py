@@ -54,8 +54,9 @@ _checkpoints = click.option(
     "--checkpoint-dir",
     envvar="SNAPLINE_CHECKPOINT_DIR",
     default=None,
-    help="The job's checkpoint storage (default: the pipeline's checkpoint_dir, else "
-    ".snapline/checkpoints).",
+    show_envvar=True,
+    help="The job's checkpoint storage (env SNAPLINE_CHECKPOINT_DIR, which keeps credentials "
+    "out of ps; default: the pipeline's checkpoint_dir, else .snapline/checkpoints).",
 )
 
 
