@@ -398,6 +398,32 @@ def test_a_database_that_does_not_exist_is_a_refusal_not_an_outage(postgres_dsn:
     writer.close()
 
 
+def test_non_ascii_rows_arrive_intact_in_a_latin1_database(postgres_dsn: str) -> None:
+    """COPY writes UTF-8, and the session kept a LATIN1 database's encoding: "ä" was stored
+    as "Ã¤", and with a non-ASCII sink name (the writer key) the apply matched no staged row
+    and applied nothing, without an error."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    name = f"latin_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL(
+                "CREATE DATABASE {} ENCODING 'LATIN1' TEMPLATE template0 LC_COLLATE 'C' "
+                "LC_CTYPE 'C'"
+            ).format(sql.Identifier(name))
+        )
+    dsn = make_conninfo(**{**conninfo_to_dict(postgres_dsn), "dbname": name})
+    table = make_table(dsn)
+    writer = open_writer(PostgresSink(dsn, table, ["customer"], name="postgres:umsätze"))
+    writer.recover(None, None)
+    write(writer, [{"customer": "käse", "total": 1, "n": 1}], 1)
+    pre_commit(writer, 1)
+    writer.commit(1)
+    writer.close()
+    assert target(dsn, table) == {"käse": (1.0, 1, 1)}
+    assert staged(dsn, table) == 0
+
+
 # --------------------------------------------------------------------------- many tasks
 
 

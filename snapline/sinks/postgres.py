@@ -90,11 +90,13 @@ def _without_secrets(text: str, sink: PostgresSink) -> str:
 #: libpq's sslmode values.
 _SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
 #: What libpq says when the server refused the connection for its settings (user,
-#: password, database, pg_hba.conf), which restarts do not fix: not an outage.
+#: password, database, pg_hba.conf), which restarts do not fix: not an outage. Not the LDAP,
+#: PAM, RADIUS or GSSAPI "authentication failed for user": a server says that too when its
+#: LDAP server or KDC is down, an outage.
 _REFUSED = re.compile(
-    r"password authentication failed|authentication failed for user|no pg_hba\.conf entry|"
-    r"(database|role) \"[^\"]*\" does not exist|password is required|"
-    r"permission denied for database",
+    r"password authentication failed|no password supplied|no pg_hba\.conf entry|"
+    r"pg_hba\.conf rejects connection|is not permitted to log in|"
+    r"(database|role) \"[^\"]*\" does not exist|permission denied for database",
     re.IGNORECASE,
 )
 
@@ -197,6 +199,18 @@ def split_table_name(table: str) -> tuple[str, str]:
     raise ConfigurationError(
         f"PostgresSink table {table!r} must be 'table' or 'schema.table' without quotes"
     )
+
+
+def _staging_exists(connection: psycopg.Connection[Any], spec: TableSpec) -> bool:
+    """Whether the staging table and its index exist. ``CREATE INDEX IF NOT EXISTS`` takes a
+    ShareLock on the table before it looks: behind a writer frozen in its COPY (an active
+    session, which no idle timeout ends) every task's setup, and every COPY after it, waited."""
+    index = sql.Identifier(spec.schema, derived_name(spec.table, STAGING_SUFFIX + "_idx"))
+    found = connection.execute(
+        "SELECT to_regclass(%s)::oid, to_regclass(%s)::oid",
+        (spec.staging.as_string(connection), index.as_string(connection)),
+    ).fetchone()
+    return found is not None and found[0] is not None and found[1] is not None
 
 
 def staging_ddl(spec: TableSpec) -> list[sql.Composed]:
@@ -703,6 +717,10 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
                 **dict(self._sink.connect_kwargs),
             }
             connection = psycopg.connect(self._sink.dsn, autocommit=True, **kwargs)
+            # COPY writes UTF-8 bytes: on a database of another encoding (LATIN1) the session
+            # kept it, and every non-ASCII value was stored garbled, a non-ASCII writer key
+            # (the sink's name) matched no staged row, and the apply found nothing to apply.
+            connection.execute("SET client_encoding = 'UTF8'")
             # Staged rows must be durable when pre_commit reports success.
             connection.execute("SET synchronous_commit = on")
             idle = connection.execute("SHOW idle_in_transaction_session_timeout").fetchone()
@@ -770,8 +788,9 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
             else:
                 _check_fence_types(present, qualified)
             spec = self._spec_from(schema, table, columns, qualified)
-            for statement in staging_ddl(spec):
-                connection.execute(statement)
+            if not _staging_exists(connection, spec):
+                for statement in staging_ddl(spec):
+                    connection.execute(statement)
             self._create_tasks_table(connection, spec, upgrade=not fence)
             connection.execute(rejected_ddl(spec))
             if self._context.cluster_id:

@@ -261,3 +261,25 @@ def test_a_dsn_libpq_cannot_use_fails_at_start_without_its_password(dsn: str, me
 
 def test_a_dsn_with_several_hosts_and_ports_is_accepted() -> None:
     PostgresSink("postgresql://app@db1:5432,db2:5433/shop?sslmode=verify-full", "t", ["k"])
+
+
+@pytest.mark.parametrize(
+    ("message", "refused"),
+    [
+        ('FATAL:  password authentication failed for user "app"', True),
+        ("fe_sendauth: no password supplied", True),
+        ('FATAL:  pg_hba.conf rejects connection for host "10.0.0.5", user "app"', True),
+        ('FATAL:  no pg_hba.conf entry for host "10.0.0.5", user "app"', True),
+        ('FATAL:  role "app" is not permitted to log in', True),
+        ('FATAL:  database "shop" does not exist', True),
+        # LDAP, PAM, RADIUS, GSSAPI: also what a server says while its LDAP server or KDC is
+        # down, an outage that restarts wait out.
+        ('FATAL:  LDAP authentication failed for user "app"', False),
+        ('FATAL:  PAM authentication failed for user "app"', False),
+        ("connection failed: Connection refused", False),
+    ],
+)
+def test_a_refused_connection_is_told_apart_from_an_outage(message: str, refused: bool) -> None:
+    from snapline.sinks.postgres import _REFUSED
+
+    assert bool(_REFUSED.search(message)) is refused
