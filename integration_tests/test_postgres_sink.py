@@ -365,6 +365,27 @@ def test_rows_that_do_not_fit_are_dead_lettered_or_rejected(postgres_dsn: str) -
     writer.close()
 
 
+def test_a_key_over_the_index_row_size_is_rejected_not_an_outage(postgres_dsn: str) -> None:
+    """A key of ~3 KB of incompressible text is over the btree index row size: PostgreSQL
+    raises 54000, an OperationalError, which was taken for a database down: the worker
+    exited 75 and every restart applied the same row again. Now the row is rejected (kept in
+    the rejected table) and the others are applied."""
+    import random
+    import string
+
+    table = make_table(postgres_dsn)
+    writer = open_writer(PostgresSink(postgres_dsn, table, ["customer"]))
+    writer.recover(None, None)
+    huge = "".join(random.Random(7).choices(string.ascii_letters + string.digits, k=9000))
+    write(writer, [{"customer": "ok", "total": 1}, {"customer": huge, "total": 2}], 1)
+    pre_commit(writer, 1)
+    writer.commit(1)
+    assert set(target(postgres_dsn, table)) == {"ok"}
+    rejected = query(postgres_dsn, f'SELECT sqlstate FROM "{table}__snapline_rejected"')
+    assert rejected == [("54000",)]
+    writer.close()
+
+
 def test_configuration_errors_name_the_fix(postgres_dsn: str) -> None:
     with psycopg.connect(postgres_dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE IF NOT EXISTS no_key (customer text, total numeric)")

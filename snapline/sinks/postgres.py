@@ -87,6 +87,17 @@ def _without_secrets(text: str, sink: PostgresSink) -> str:
     return redact_text(text)
 
 
+#: What PostgreSQL raises for a row it refuses (the apply goes row by row, and the refused
+#: rows are kept in the rejected table): a bad value (22), a constraint (23), a program limit
+#: such as a key over the btree index row size (54, an OperationalError: it was taken for an
+#: outage, and restarts re-applied the row without end), a trigger's RAISE (P0001).
+_ROW_REFUSALS = (
+    psycopg.errors.DataError,
+    psycopg.errors.IntegrityError,
+    psycopg.errors.ProgramLimitExceeded,
+    psycopg.errors.RaiseException,
+)
+
 #: libpq's sslmode values.
 _SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
 #: What libpq says when the server refused the connection for its settings (user,
@@ -942,7 +953,7 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
                 try:
                     with connection.transaction():  # a savepoint
                         cursor.execute(apply_sql(spec), params)
-                except (psycopg.errors.DataError, psycopg.errors.IntegrityError) as exc:
+                except _ROW_REFUSALS as exc:
                     log.warning(
                         "%s: checkpoint %d has rows PostgreSQL refuses (%s); applying row by row",
                         self._sink.name,
@@ -986,7 +997,7 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
             try:
                 with connection.transaction():
                     cursor.execute(single, {**params, "seq": seq})
-            except (psycopg.errors.DataError, psycopg.errors.IntegrityError) as exc:
+            except _ROW_REFUSALS as exc:
                 self.rows_rejected += 1
                 cursor.execute(
                     sql.SQL(
