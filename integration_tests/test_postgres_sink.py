@@ -386,6 +386,25 @@ def test_a_key_over_the_index_row_size_is_rejected_not_an_outage(postgres_dsn: s
     writer.close()
 
 
+def test_a_large_checkpoint_with_one_refused_row_is_applied_row_by_row(postgres_dsn: str) -> None:
+    """Row by row, each statement found its row in the staging table by (writer,
+    checkpoint) only: a scan of the whole checkpoint per row. Now it reads a temporary copy
+    indexed by seq; every other row is applied, the refused one kept."""
+    table = make_table(postgres_dsn, extra=", CHECK (n IS NULL OR n >= 0)")
+    writer = open_writer(PostgresSink(postgres_dsn, table, ["customer"]))
+    writer.recover(None, None)
+    rows = [{"customer": f"c{i}", "total": i, "n": -1 if i == 2500 else i} for i in range(5000)]
+    write(writer, rows, 1)
+    pre_commit(writer, 1)
+    writer.commit(1)
+    applied = target(postgres_dsn, table)
+    assert len(applied) == 4999 and "c2500" not in applied and applied["c4999"][0] == 4999.0
+    rejected = query(postgres_dsn, f'SELECT row, sqlstate FROM "{table}__snapline_rejected"')
+    assert [(r[0]["customer"], r[1]) for r in rejected] == [("c2500", "23514")]
+    assert staged(postgres_dsn, table) == 0
+    writer.close()
+
+
 def test_configuration_errors_name_the_fix(postgres_dsn: str) -> None:
     with psycopg.connect(postgres_dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE IF NOT EXISTS no_key (customer text, total numeric)")
