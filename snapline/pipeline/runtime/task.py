@@ -556,18 +556,9 @@ class Task:
         if value is None:
             value = record.raw
             if value is None and record.value is not None:
-                # A window's or timer's result, refused by the operator after it: there is
-                # no input record behind it, and its state is gone once it fired. The dead
-                # letter holds the result itself (as much of it as fits).
-                value = _row_bytes(record.value)
-                if not self._fits(value, record.raw_key, []):
-                    limit = getattr(self.output, "max_message_bytes", None) or len(value)
-                    keep = max(0, limit // 2)
-                    reason += (
-                        f"; the result ({len(value)} bytes) is too large for the producer: "
-                        f"the dead letter holds its first {keep} bytes"
-                    )
-                    value = value[:keep]
+                # A window's or timer's result, refused by the operator or sink after it:
+                # there is no input record behind it, and its state is gone once it fired.
+                value, reason = self._result_bytes(record, reason)
         log.warning(
             "dead letter %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason
         )
@@ -609,26 +600,34 @@ class Task:
 
     def _sink_dead_letter(self, record: Record, reason: str, epoch: int) -> None:
         """A sink refused ``record``: the dead letter carries the row it refused, or the
-        input record when that row is too large for a Kafka record itself."""
+        input record when that row is too large for a Kafka record itself (a result with no
+        input record: as much of the row as fits, ``_result_bytes``)."""
         row = _row_bytes(record.value)
         # The reason and source position headers make up most of a dead letter's headers.
         headers = dead_letter_headers(reason, record.topic, 0, 0, self.task_id)
-        if not self._fits(row, record.raw_key, headers):
-            if record.raw is not None:  # dead_letter sends record.raw when given no value
-                reason += "; the dead letter holds the input record (the output is too large)"
-                self.dead_letter(record, reason)
-                return
-            # A window's or timer's result has no input record to send instead (its state is
-            # gone once it fired): keep as much of the row as fits, its key and window first.
-            limit = getattr(self.output, "max_message_bytes", None) or len(row)
-            keep = max(0, limit // 2)
-            reason += (
-                f"; the output ({len(row)} bytes) is too large for the producer: the dead "
-                f"letter holds its first {keep} bytes"
-            )
-            self.dead_letter(record, reason, row[:keep])
+        if self._fits(row, record.raw_key, headers):
+            self.dead_letter(record, reason, row)
             return
-        self.dead_letter(record, reason, row)
+        if record.raw is not None:
+            reason += "; the dead letter holds the input record (the output is too large)"
+        self.dead_letter(record, reason)  # record.raw, else the row cut to fit
+
+    def _result_bytes(self, record: Record, reason: str) -> tuple[bytes, str]:
+        """The dead letter's value for a result with no input record (a window's or timer's)
+        and its reason: the result's bytes, or as much of them as the producer takes, its key
+        and window first."""
+        row = _row_bytes(record.value)
+        headers = dead_letter_headers(
+            reason, record.topic, record.partition, record.offset, self.task_id
+        )
+        if self._fits(row, record.raw_key, headers):
+            return row, reason
+        limit = getattr(self.output, "max_message_bytes", None) or len(row)
+        keep = max(0, limit // 2)
+        return row[:keep], (
+            f"{reason}; the output ({len(row)} bytes) is too large for the producer: the dead "
+            f"letter holds its first {keep} bytes"
+        )
 
 
 _PASS_THROUGH = ("map", "filter", "flat_map", "union")

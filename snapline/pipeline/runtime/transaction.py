@@ -501,10 +501,14 @@ class TransactionalOutput:
             raise CheckpointError(f"records failed delivery: {errors[:3]}")
 
     def flush(self, timeout: float = 60.0) -> None:
-        """At-least-once: wait until every record is acknowledged."""
+        """At-least-once: wait until every record is acknowledged. Records still waiting
+        after ``timeout`` are an outage (BrokerOutageError: waited out, not counted as a failed
+        checkpoint); records refused are a CheckpointError."""
         remaining = self._call("flush", timeout + HANG_GRACE, self.producer.flush, timeout)
         if remaining:
-            raise CheckpointError(f"{remaining} records not delivered within {timeout}s")
+            raise BrokerOutageError(
+                f"{remaining} records not delivered within {timeout}s; is the broker reachable?"
+            )
         if self._delivery_errors:
             errors, self._delivery_errors = self._delivery_errors, []
             raise CheckpointError(f"records failed delivery: {errors[:3]}")
