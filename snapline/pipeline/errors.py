@@ -2,6 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
+
+def error_chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, then what it was raised from (``__cause__``, else ``__context__``), and so
+    on, each once."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def first_in_chain(
+    exc: BaseException, match: Callable[[BaseException], bool]
+) -> BaseException | None:
+    """The first error of ``error_chain(exc)`` that ``match`` accepts, or None."""
+    return next((e for e in error_chain(exc) if match(e)), None)
+
 
 class SnaplineError(Exception):
     """Base of all Snapline errors."""

@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from snapline.pipeline.errors import SinkError, SinkUnavailableError
+from snapline.pipeline.errors import SinkError, SinkUnavailableError, first_in_chain
 from snapline.pipeline.sink import PreCommitResult, SinkWriter
 
 __all__ = ["METADATA_FORMAT", "Staged", "StagingSinkWriter"]
@@ -206,14 +206,8 @@ def unreachable(exc: BaseException) -> bool:
     """Whether ``exc``, or an error it was raised from, is an ``OSError`` that says a storage
     cannot be reached (UNREACHABLE_ERRNOS), not that it refused (permissions, a full disk, a
     missing directory)."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in UNREACHABLE_ERRNOS:
-            return True
-        current = current.__cause__ or current.__context__
-    return False
+    found = first_in_chain(exc, lambda e: isinstance(e, OSError) and e.errno in UNREACHABLE_ERRNOS)
+    return found is not None
 
 
 def _metadata_future(futures: Sequence[Future[S]]) -> Future[dict[str, Any]]:

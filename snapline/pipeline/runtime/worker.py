@@ -84,6 +84,7 @@ from snapline.pipeline.errors import (
     CheckpointStorageError,
     ConfigurationError,
     SinkUnavailableError,
+    first_in_chain,
 )
 from snapline.pipeline.graph import Pipeline
 from snapline.pipeline.runtime import coverage, departed
@@ -2810,14 +2811,8 @@ def tune_interpreter() -> None:
 def unavailable_sink(exc: BaseException) -> SinkUnavailableError | None:
     """The sink outage that ended a worker, if one did: ``exc`` itself, or what it was
     raised from (the last error of the checkpoints that failed in a row)."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if isinstance(current, SinkUnavailableError):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None
+    found = first_in_chain(exc, lambda e: isinstance(e, SinkUnavailableError))
+    return found if isinstance(found, SinkUnavailableError) else None
 
 
 def run_worker(pipeline: Pipeline, settings: WorkerSettings) -> None:
