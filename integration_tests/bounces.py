@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import statistics
 import struct
@@ -128,9 +129,9 @@ class BounceJob(WarehouseJob):
         self.metrics = workdir / "metrics.jsonl"
         #: (worker id, exit code) of every exit the test did not cause
         self.self_exits: list[tuple[str, int | None]] = []
-        #: Indexes into ``self_exits`` of exits (75) on a client call librdkafka left hung
-        #: past its bound (librdkafka #5456), which the worker names in its last log line.
-        self.librdkafka_hangs: set[int] = set()
+        #: Index into ``self_exits`` -> when the hung client call began, for exits (75) on a
+        #: call librdkafka left hung past its bound (librdkafka #5456: the worker says so).
+        self.librdkafka_hangs: dict[int, float] = {}
         self._produce_lock = threading.Lock()
         self._input_stop = threading.Event()
         self._input: threading.Thread | None = None
@@ -178,8 +179,9 @@ class BounceJob(WarehouseJob):
         """Restart workers that exited by themselves (what the supervisor does)."""
         for worker in self.workers:
             if worker.proc is not None and not worker.alive:
-                if worker.proc.returncode == 75 and hung_in_librdkafka(worker):
-                    self.librdkafka_hangs.add(len(self.self_exits))
+                began = hung_in_librdkafka(worker) if worker.proc.returncode == 75 else None
+                if began is not None:
+                    self.librdkafka_hangs[len(self.self_exits)] = began
                 self.self_exits.append((worker.worker_id, worker.proc.returncode))
                 stall = stall_report(worker)
                 if stall:
@@ -204,13 +206,23 @@ class BounceJob(WarehouseJob):
         return "\n".join(f"--- {w.worker_id}\n{w.tail(60)}" for w in self.workers)
 
 
-def hung_in_librdkafka(worker: WorkerProcess) -> bool:
-    """Whether ``worker``'s last incarnation exited on a client call that librdkafka left
-    hung past its bound after the broker was back (librdkafka #5456: the worker says so)."""
+def hung_in_librdkafka(worker: WorkerProcess) -> float | None:
+    """When the client call began that ``worker``'s last incarnation exited on, if librdkafka
+    left it hung past its bound (librdkafka #5456: the worker says so, with the bound), else
+    None. Its log's time (local) less the bound."""
     if not worker.log_path.exists():
-        return False
+        return None
     last = worker.log_path.read_text(errors="replace").rsplit("\n===== start ", 1)[-1]
-    return "librdkafka can block past its timeout" in last and "#5456" in last
+    for line in reversed(last.splitlines()):
+        found = re.search(r"did not return within (\d+)s \(librdkafka can block.*#5456", line)
+        if found is None:
+            continue
+        try:
+            logged = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S"))
+        except ValueError:
+            return None
+        return logged - int(found.group(1))
+    return None
 
 
 def stall_report(worker: WorkerProcess) -> str | None:
@@ -619,8 +631,11 @@ class BounceRun:
         # Every survivor exited (75) on a call librdkafka left hung after the broker was back
         # (#5456): the documented way out (docs/exactly-once.md), restarted as a supervisor
         # would; reported below, not failed. Any other exit still fails the test.
+        # The hung call must have begun once the broker was back (1 s for the log's
+        # whole seconds): a call hung in the outage itself is no excuse.
         upstream = bool(exits) and all(
-            i in job.librdkafka_hangs for i in range(outage.exits_before, len(job.self_exits))
+            job.librdkafka_hangs.get(i, -1.0) >= outage.back_at - 1.0
+            for i in range(outage.exits_before, len(job.self_exits))
         )
         assert recommits or not survivor_must_commit or upstream, (
             f"after the {outage.kind} outage no worker that lived through it committed again "

@@ -386,10 +386,13 @@ def test_a_key_over_the_index_row_size_is_rejected_not_an_outage(postgres_dsn: s
     writer.close()
 
 
-def test_a_large_checkpoint_with_one_refused_row_is_applied_row_by_row(postgres_dsn: str) -> None:
-    """Row by row, each statement found its row in the staging table by (writer,
-    checkpoint) only: a scan of the whole checkpoint per row. Now it reads a temporary copy
-    indexed by seq; every other row is applied, the refused one kept."""
+def test_a_large_checkpoint_with_one_refused_row_applies_every_other_row(
+    postgres_dsn: str,
+) -> None:
+    """The row-by-row apply from its temporary copy of the checkpoint's rows (indexed by seq;
+    each statement used to scan the whole checkpoint in staging) applies every other row and
+    keeps the refused one. Its speed is not asserted here: measured by hand, 30,000 rows took
+    87 s before and 10 s after (docs/sinks.md)."""
     table = make_table(postgres_dsn, extra=", CHECK (n IS NULL OR n >= 0)")
     writer = open_writer(PostgresSink(postgres_dsn, table, ["customer"]))
     writer.recover(None, None)

@@ -246,8 +246,10 @@ def test_a_directory_fsync_the_filesystem_refuses_is_not_an_error(
     assert storage.list_dir("job") == ["a.json", "b.sst"]
 
     def failing(fd: int) -> None:
-        raise OSError(errno.EIO, "Input/output error")
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):  # the file's fsync, before its rename
+            raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(os, "fsync", failing)
     with pytest.raises(OSError, match="Input/output error"):
         storage.upload_file(str(local), "job/c.sst")
+    assert not storage.exists("job/c.sst"), "a file whose fsync failed was put in place"

@@ -230,6 +230,13 @@ class Visits(KeyedProcessFunction):  # 'count' (id 1) renamed 'visits', given a 
         self.visits.update(self.visits.value() + 1)
 
 
+class LongerVisits(KeyedProcessFunction):  # Visits with another TTL
+    visits = ValueState("visits", default=0, ttl=7200)
+
+    def process(self, value: Any, ctx: Context) -> None:
+        self.visits.update(self.visits.value() + 1)
+
+
 class Seen(KeyedProcessFunction):  # 'count' (id 1) replaced by a map state
     seen = MapState("seen")
 
@@ -301,6 +308,7 @@ def test_a_checkpoint_of_the_same_states_continues() -> None:
     keep their ids and names)."""
     continue_from_checkpoint(pipeline((Count(), "counter")), pipeline((Count(), "counter")))
     continue_from_checkpoint(pipeline((Visits(), "v")), pipeline((Visits(), "v")))
+    continue_from_checkpoint(pipeline((Visits(), "v")), pipeline((LongerVisits(), "v")))
     continue_from_checkpoint(pipeline((Count(), None)), pipeline((Count(), "counter")))
 
 

@@ -17,7 +17,12 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from snapline.pipeline.errors import ConfigurationError, SinkError, SinkUnavailableError
+from snapline.pipeline.errors import (
+    ConfigurationError,
+    SinkError,
+    SinkUnavailableError,
+    error_chain,
+)
 from snapline.pipeline.record import Record
 from snapline.pipeline.runtime.worker import unavailable_sink
 from snapline.pipeline.sink import SinkContext
@@ -765,6 +770,8 @@ def test_an_unreachable_storage_is_a_sink_outage_and_a_refusal_is_not(
     for raised in (staged.value, published.value, recovered.value):
         assert (unavailable_sink(raised) is not None) is unavailable
         assert isinstance(raised, SinkUnavailableError) is unavailable
+        assert isinstance(raised, (SinkError, OSError))
+        assert error in error_chain(raised), "raised for another reason than the storage's"
     monkeypatch.undo()
     writer.recover(1, meta)  # the storage is back: the committed checkpoint is published
     assert visible_ids(table) == sorted(f"1-{i}" for i in range(5))
