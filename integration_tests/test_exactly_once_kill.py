@@ -357,6 +357,72 @@ def test_zombie_woken_inside_the_commit_protocol(job_factory, point: str) -> Non
         )
 
 
+def test_a_zombie_replaced_by_a_worker_with_its_id_stops_instead_of_fencing_it(
+    job_factory, tmp_path: Path
+) -> None:
+    """Worker w0 freezes (SIGSTOP: a paused VM), and its orchestrator starts a replacement
+    with the same worker id on another host (its own local directory, the same checkpoint
+    storage). The replacement's start fences the frozen one's producer and consumer. When the
+    old process wakes, it must stop (exit 78, naming the successor) rather than replace its
+    fenced clients, which would fence the replacement in turn: the replacement fails no
+    checkpoint and replaces no client after the wake, and every order's effect is there
+    exactly once."""
+    job = job_factory(interval=0.5, workers=1)
+    (zombie,) = job.workers
+    zombie.start()
+    job.produce(10_000)
+
+    def committed_by(worker: WorkerProcess, since: float) -> bool:
+        return any(
+            e["event"] == "checkpoint" and e["time"] > since
+            for e in read_events(worker.metrics_path)
+        )
+
+    started = time.time()
+    deadline = time.monotonic() + 90  # bounded: the worker commits within seconds
+    while not committed_by(zombie, started):
+        assert time.monotonic() < deadline, "the first worker never committed\n" + job.logs()
+        time.sleep(0.2)
+    producer = job.produce_in_background(30_000, waves=30)
+    time.sleep(1)
+    zombie.signal(signal.SIGSTOP)
+    host2 = tmp_path / "host2"
+    host2.mkdir()
+    successor = WorkerProcess(
+        SPEC, zombie.worker_id, job.bootstrap, job.workdir / "checkpoints", host2, zombie.env
+    )
+    successor.start(extra_args=["--local-dir", str(host2 / "local")])
+    try:
+        replaced_at = time.time()
+        deadline = time.monotonic() + 90  # bounded: join, restore, a checkpoint
+        while not committed_by(successor, replaced_at):
+            assert time.monotonic() < deadline, "the successor never committed\n" + (
+                successor.tail()
+            )
+            time.sleep(0.2)
+        zombie.signal(signal.SIGCONT)
+        woke_at = time.time()
+        code = zombie.wait_exit(60)  # bounded: its next commit or heartbeat is refused
+        assert code == 78, f"the woken zombie exited with {code}\n{zombie.tail()}"
+        assert "was replaced" in zombie.tail(), zombie.tail()
+        producer.join()
+        job.workers.append(successor)  # caught up and stopped with the job
+        job.wait_until_caught_up()
+        job.verify()
+        after_wake = [e for e in read_events(successor.metrics_path) if e["time"] > woke_at]
+        assert any(e["event"] == "checkpoint" for e in after_wake), successor.tail()
+        disturbed = [
+            e for e in after_wake if e["event"] in ("checkpoint_failed", "consumer_replaced")
+        ]
+        assert not disturbed, f"the zombie disturbed its successor: {disturbed}\n" + (
+            successor.tail()
+        )
+        assert "replacing it" not in successor.tail(200), successor.tail()
+    finally:
+        successor.kill()
+    job.stop_all()
+
+
 def test_materialization_runs_while_processing_continues(job_factory) -> None:
     """Slow checkpoint storage (each write sleeps 1.5 s): records keep being read and
     processed while the snapshot is written; the output is still exactly once."""

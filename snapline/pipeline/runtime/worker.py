@@ -87,7 +87,7 @@ from snapline.pipeline.errors import (
     first_in_chain,
 )
 from snapline.pipeline.graph import Pipeline
-from snapline.pipeline.runtime import coverage, departed
+from snapline.pipeline.runtime import coverage, departed, incarnation
 from snapline.pipeline.runtime.consumer_watch import LIMIT as WATCH_LIMIT
 from snapline.pipeline.runtime.consumer_watch import ConsumerStuckError, ConsumerWatch
 from snapline.pipeline.runtime.coordinator import CheckpointCoordinator, CompletedCheckpoint
@@ -346,6 +346,10 @@ class Worker:
         if pipeline.exactly_once:
             departed.check_no_namesake(kafka_config, pipeline.name, settings.worker_id)
             self.faults.point("after_namesake_check")
+        #: This process's mark as the newest incarnation of its worker id (before its first
+        #: init_transactions or join fences an earlier one): a fenced worker whose mark was
+        #: replaced since stops instead of fencing its successor (runtime/incarnation.py).
+        self.incarnation = incarnation.register(self.storage, pipeline.name, settings.worker_id)
         transactional_id = (
             departed.transactional_id(pipeline.name, settings.worker_id)
             if pipeline.exactly_once
@@ -375,9 +379,13 @@ class Worker:
             # Two colliding workers started in the same instant both pass the check above;
             # the first fencing tells them apart: the fenced one stops (exit 78) instead of
             # fencing the other in turn with a new producer.
-            self.output.may_refence = lambda: departed.check_no_namesake(
-                kafka_config, pipeline.name, settings.worker_id, timeout=REFENCE_CHECK_TIMEOUT
-            )
+            def may_refence() -> None:
+                self._check_incarnation("producer")
+                departed.check_no_namesake(
+                    kafka_config, pipeline.name, settings.worker_id, timeout=REFENCE_CHECK_TIMEOUT
+                )
+
+            self.output.may_refence = may_refence
         self._consumer_fatal: str | None = None
         # Tests shorten the pause limit to watch holds work (seconds).
         self._pause_limit = float(os.environ.get("SNAPLINE_TEST_PAUSE_LIMIT", PAUSE_LIMIT))
@@ -2186,12 +2194,21 @@ class Worker:
             return 0
         return sum(max(0, ends[key] - position) for key, position in positions.items())
 
+    def _check_incarnation(self, fenced: str) -> None:
+        """Before a fenced client is replaced: SupersededError (exit 78) if a later process
+        with this worker id started since this one (runtime/incarnation.py)."""
+        incarnation.check_current(
+            self.storage, self.pipeline.name, self.settings.worker_id, self.incarnation, fenced
+        )
+
     def _replace_consumer(self, exc: KafkaClientError) -> None:
         """A fresh consumer (same group.instance.id) instead of one that failed fatally.
 
         The epoch is aborted first: nothing read under the old membership may commit. The new
         consumer joins the group, replacing the stale static member, and its assignment
         restores the tasks from the committed checkpoint (_on_assign)."""
+        if isinstance(exc, ConsumerFencedError):
+            self._check_incarnation("consumer")
         now = time.monotonic()
         self._consumer_replaced = [t for t in self._consumer_replaced if now - t < 600] + [now]
         if len(self._consumer_replaced) > MAX_CONSUMER_REPLACEMENTS:
