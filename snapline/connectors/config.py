@@ -49,6 +49,8 @@ def _userinfo(match: re.Match[str]) -> str:
     rest = match.group(2)
     at = rest.rfind("@")
     return match.group(0) if at < 0 else f"{match.group(1)}***{rest[at:]}"
+
+
 #: A query parameter or ``key=value`` setting whose name says secret.
 _SECRET_SETTING = re.compile(
     r"(?i)\b([\w.-]*(?:password|passwd|secret|token|passphrase|credential|access_key|"
