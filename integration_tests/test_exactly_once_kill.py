@@ -294,19 +294,33 @@ def test_zombie_worker_commits_nothing(job_factory) -> None:
     assert not zombie_commits, f"zombie committed {zombie_commits}\n{job.logs()}"
 
 
-@pytest.mark.parametrize("point", ["after_metadata_write", "after_offsets_sent"])
-def test_zombie_woken_inside_the_commit_protocol(job_factory, point: str) -> None:
+@pytest.mark.parametrize(
+    ("point", "abort_departed"),
+    [
+        ("after_metadata_write", True),
+        ("after_offsets_sent", True),
+        ("after_offsets_sent", False),
+    ],
+)
+def test_zombie_woken_inside_the_commit_protocol(
+    job_factory, point: str, abort_departed: bool
+) -> None:
     """Worker a freezes itself (SIGSTOP) inside the commit protocol, b takes its partitions,
     then a is woken and carries on from exactly that point.
 
     - ``after_metadata_write``: a has not sent its offsets yet; when it does, the group
       coordinator rejects its stale generation, so nothing of that epoch commits.
     - ``after_offsets_sent``: a's offsets were accepted while it was still a member and wait
-      in its open transaction; b's offset fetch for those partitions must wait for that
-      transaction (KIP-447 stable offsets) instead of starting from the older offsets, and
-      a's late commit then stands. Either way: every order's effect exactly once.
+      in its open transaction; b's offset fetch for those partitions cannot read them
+      (KIP-447 stable offsets), so it cannot start from the older offsets. b finds a, the
+      writer of the tasks' newest checkpoint, gone from the group and aborts its transaction:
+      b restores before a wakes, and a's late commit fails. With that abort turned off
+      (``SNAPLINE_ABORT_DEPARTED=0``) b waits for a's transaction instead, and a's late commit
+      stands. Either way: every order's effect exactly once.
     """
-    job = job_factory(interval=0.5)
+    job = job_factory(
+        interval=0.5, extra_env={} if abort_departed else {"SNAPLINE_ABORT_DEPARTED": "0"}
+    )
     a, b = job.workers
     b.start()
     job.produce(10_000)
@@ -339,17 +353,24 @@ def test_zombie_woken_inside_the_commit_protocol(job_factory, point: str) -> Non
     first = next((e for e in after_wake if e["event"] in ("checkpoint", "checkpoint_failed")), None)
     b_assigned = [e for e in theirs if e["event"] == "assigned" and e["time"] > frozen_at]
     assert b_assigned, "b never took over while a was frozen\n" + job.logs()
-    if point == "after_metadata_write":
+    b_restored = next(
+        e for e in theirs if e["event"] == "restored" and e["time"] > b_assigned[0]["time"]
+    )
+    if point == "after_metadata_write" or abort_departed:
         assert first is not None and first["event"] == "checkpoint_failed", (
             f"the zombie's first act after waking was {first}, not a failed commit\n" + job.logs()
         )
-    else:
+    if point == "after_offsets_sent" and abort_departed:
+        fenced = [e for e in theirs if e["event"] == "fenced_departed" and e["departed"] == "w0"]
+        assert fenced, "b did not abort the frozen a's transaction\n" + job.logs()
+        assert b_restored["time"] < resumed_at, (
+            "b waited for the frozen a's pending offsets instead of aborting its transaction: "
+            f"restored at {b_restored['time']:.1f}, a woke at {resumed_at:.1f}"
+        )
+    if point == "after_offsets_sent" and not abort_departed:
         assert first is not None and first["event"] == "checkpoint", (
             f"a's offsets were accepted while it was a member, so its commit stands; "
             f"its first act after waking was {first}\n" + job.logs()
-        )
-        b_restored = next(
-            e for e in theirs if e["event"] == "restored" and e["time"] > b_assigned[0]["time"]
         )
         assert b_restored["time"] >= resumed_at, (
             "b started on a's partitions before a's pending transactional offsets were "

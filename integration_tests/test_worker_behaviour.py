@@ -15,7 +15,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewPartitions
 
 from examples.orders import create_topics, produce_orders, read_committed, verify_totals
-from examples.workers import WorkerProcess, process_state, read_events
+from examples.workers import WorkerProcess, fault_hits, process_state, read_events
 from integration_tests.conftest import create_topic
 from snapline.pipeline.runtime.topics import INTERNAL_TOPIC_CONFIG, without_event_time_config
 
@@ -473,6 +473,66 @@ def test_a_dead_workers_open_transaction_is_aborted_by_the_worker_taking_its_tas
         b.kill()
     check = verify_totals(outputs, expected, range(produced))
     assert check.ok, f"{check} ({seen_after:.1f}s after the kill)"
+    assert seen_after < 45, f"every output seen only {seen_after:.1f}s after the kill"
+    fenced = [e for e in events if e["event"] == "fenced_departed"]
+    assert fenced and fenced[0]["departed"] == "b" and fenced[0]["worker"] == "a", events[-20:]
+
+
+def test_a_dead_workers_pending_offsets_are_aborted_before_its_transaction_times_out(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """Worker b dies for good between sending its offsets to its transaction and committing
+    it (SIGKILL at ``after_offsets_sent``). The broker keeps those offsets pending, and
+    unreadable to worker a, which takes b's tasks once b's session times out (10 s), until
+    b's transaction times out (71 s with the defaults). a looks for the writers of the
+    tasks' newest checkpoints, finds b gone from the group and aborts its transaction: a
+    restores and every order's effect is visible, exactly once, long before that."""
+    prefix = f"{unique_name}-"
+    create_topics(kafka_bootstrap, {f"{prefix}orders": 4, f"{prefix}customer-totals": 4})
+    env = {"SNAPLINE_EXAMPLE_PREFIX": prefix, "SNAPLINE_EXAMPLE_JOB": unique_name}
+    a, b = (
+        WorkerProcess(
+            "examples.running_total:pipeline", w, kafka_bootstrap, tmp_path / "chk", tmp_path, env
+        )
+        for w in ("a", "b")
+    )
+    expected: dict[str, int] = {}
+    produced = 0
+
+    def feed(count: int) -> None:
+        nonlocal produced
+        batch = produce_orders(kafka_bootstrap, f"{prefix}orders", count, 50, start_id=produced)
+        for customer, amount in batch.items():
+            expected[customer] = expected.get(customer, 0) + amount
+        produced += count
+
+    a.start()
+    try:
+        deadline = time.monotonic() + 90  # a joined and committed a checkpoint
+        while not any(e["event"] == "checkpoint" for e in read_events(a.metrics_path)):
+            assert time.monotonic() < deadline, "no checkpoint of a\n" + a.tail()
+            feed(20)
+            time.sleep(0.2)
+        b.start({"SNAPLINE_FAULT": "after_offsets_sent:1"})  # killed at its first commit
+        deadline = time.monotonic() + 90  # b joins, gets tasks and commits (bounded)
+        while b.alive:
+            assert time.monotonic() < deadline, "b never reached its first commit\n" + b.tail()
+            feed(20)
+            time.sleep(0.2)
+        killed = time.monotonic()
+        assert fault_hits(b.fault_log).get("after_offsets_sent") == 1, b.tail()
+        feed(200)
+        # Without the abort a restores b's tasks only after b's transaction timed out.
+        outputs = read_committed(
+            kafka_bootstrap, f"{prefix}customer-totals", produced, timeout=50, settle=2
+        )
+        seen_after = time.monotonic() - killed
+        events = read_events(a.metrics_path)
+    finally:
+        a.stop()
+        b.kill()
+    check = verify_totals(outputs, expected, range(produced))
+    assert check.ok, f"{check} ({seen_after:.1f}s after the kill)\n{a.tail()}"
     assert seen_after < 45, f"every output seen only {seen_after:.1f}s after the kill"
     fenced = [e for e in events if e["event"] == "fenced_departed"]
     assert fenced and fenced[0]["departed"] == "b" and fenced[0]["worker"] == "a", events[-20:]

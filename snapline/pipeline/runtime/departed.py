@@ -23,6 +23,12 @@ round after a CI run found orders output twice after a restart from a savepoint;
 test counting the orders in flight at the savepoint twice (integration_tests/test_savepoints.py),
 not this abort.
 
+The same abort runs before a restore when the committed offsets cannot be read: a worker
+that died between sending its offsets to its transaction and committing it leaves them pending,
+unreadable until its transaction times out. The writers of the tasks' newest checkpoints (the
+dead worker wrote one just before) that are not members are fenced then
+(``Worker._fence_pending_writers``).
+
 Checkpoints that ``snapline run --from-savepoint`` seeded name the writer ``SEEDED`` (no
 worker, no transaction): nothing to abort for them.
 

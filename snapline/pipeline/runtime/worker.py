@@ -167,6 +167,9 @@ CONSUMER_BLIND_AFTER = 20.0
 #: Records of repartition topics consumed by every retained checkpoint are deleted at most this
 #: often (seconds).
 REPARTITION_DELETE_INTERVAL = 5.0
+#: Seconds the first read of the committed offsets at a restore may take; a failed one looks
+#: for a departed worker's pending offsets (``_fence_pending_writers``), then the reads go on.
+FIRST_COMMITTED_TIMEOUT = 2.0
 #: Bound of the namesake check before a fenced producer is replaced (seconds, each call).
 REFENCE_CHECK_TIMEOUT = 10.0
 #: A fenced consumer is replaced in place at most this often per 10 minutes; more means two
@@ -879,17 +882,27 @@ class Worker:
         request = [TopicPartition(tp.topic, tp.partition) for tp in partitions]
         deadline = time.monotonic() + self._committed_offsets_wait
         attempt = 0
+        fencing: threading.Thread | None = None
         while True:
+            # The first try is short: pending offsets of a departed writer are worth
+            # looking for (below) long before its transaction times out.
+            timeout = FIRST_COMMITTED_TIMEOUT if attempt == 0 else 20
             try:
                 return list(
                     self._consumer_call(
-                        "committed", 20 + HANG_GRACE, self.consumer.committed, request, 20
+                        "committed",
+                        timeout + HANG_GRACE,
+                        self.consumer.committed,
+                        request,
+                        timeout,
                     )
                 )
             except KafkaException as exc:
                 error = kafka_error(exc)
                 if error is not None and classify(error) is ErrorClass.FATAL:
                     raise ConsumerFencedError(f"consumer: committed() failed: {error}") from exc
+                if fencing is None:
+                    fencing = self._fence_pending_writers(request)
                 if time.monotonic() > deadline or self._stopping:
                     # Exit 75: a fresh worker waits again; nothing is lost by the restart.
                     raise KafkaClientError(
@@ -903,6 +916,55 @@ class Worker:
                 self._event({"event": "offsets_pending", "error": str(exc)[:200]})
                 sleep_unless(lambda: self._stopping, backoff(attempt, cap=2.0))
                 attempt += 1
+
+    def _fence_pending_writers(self, partitions: list[TopicPartition]) -> threading.Thread:
+        """The committed offsets of ``partitions`` cannot be read (yet): if a worker that
+        left the group for good sent offsets to its transaction and died before it ended it,
+        the broker keeps them pending, and unreadable, until that transaction times out
+        (``transaction.timeout.ms``, 71 s with the defaults). Such a worker wrote the newest
+        checkpoints of those tasks just before, so their writers that are not members of the
+        group now have their transactions aborted (``departed.fence_departed``; a writer that
+        is a member is left to end its own transaction). All of it in a daemon thread (the
+        reads of the offsets go on meanwhile), which it returns; it does nothing when the
+        abort of departed workers is off."""
+        tasks = sorted(
+            {task_id_for(self._stage_of_topic[tp.topic], tp.partition) for tp in partitions}
+        )
+
+        def fence() -> None:
+            if not (self.pipeline.exactly_once and departed.enabled()):
+                return
+            writers: set[str] = set()
+            for task_id in tasks:
+                writers |= self._newest_writers(task_id)
+            departed.fence_departed(
+                self._kafka_config,
+                self.pipeline.name,
+                self.settings.worker_id,
+                writers,
+                self._event,
+            )
+
+        thread = threading.Thread(target=fence, name="fence-pending", daemon=True)
+        thread.start()
+        return thread
+
+    def _newest_writers(self, task_id: str, newest: int = 3) -> set[str]:
+        """The workers that wrote the ``newest`` checkpoints stored for ``task_id`` (committed
+        or not; one whose metadata cannot be read names nobody)."""
+        writers: set[str] = set()
+        try:
+            refs = list_checkpoints(self.storage, self.pipeline.name, task_id)[-newest:]
+        except Exception as exc:  # a courtesy: the wait for the timeout stays correct
+            log.info("task %s: could not list its checkpoints: %s", task_id, exc)
+            return writers
+        for ref in refs:
+            try:
+                meta = TaskCheckpoint.read(self.storage, self.pipeline.name, task_id, ref)
+            except Exception:  # in progress (no metadata yet), or being deleted
+                continue
+            writers.add(meta.worker_id)
+        return writers
 
     def _restore_task(
         self,
