@@ -18,6 +18,7 @@ from examples.orders import create_topics, produce_orders, read_committed, verif
 from examples.workers import WorkerProcess, fault_hits, process_state, read_events
 from integration_tests.conftest import create_topic
 from snapline.pipeline.runtime.topics import INTERNAL_TOPIC_CONFIG, without_event_time_config
+from snapline.pipeline.supervisor import COMMITTED_FILE_ENV, IDLE_HEALTHY_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -536,6 +537,44 @@ def test_a_dead_workers_pending_offsets_are_aborted_before_its_transaction_times
     assert seen_after < 45, f"every output seen only {seen_after:.1f}s after the kill"
     fenced = [e for e in events if e["event"] == "fenced_departed"]
     assert fenced and fenced[0]["departed"] == "b" and fenced[0]["worker"] == "a", events[-20:]
+
+
+def test_a_supervised_worker_with_nothing_to_commit_reports_its_run_healthy_once_quiet(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    """A worker with no input commits nothing; told by its supervisor (the environment) to
+    report after 3 s of quiet, it creates the supervisor's file 3 s after its restore ended,
+    not before (a restore is not quiet time), without any checkpoint."""
+    prefix = f"{unique_name}-"
+    create_topics(kafka_bootstrap, {f"{prefix}orders": 2, f"{prefix}customer-totals": 2})
+    healthy = tmp_path / "w0.committed"
+    worker = WorkerProcess(
+        "examples.running_total:pipeline",
+        "w0",
+        kafka_bootstrap,
+        tmp_path / "chk",
+        tmp_path,
+        {
+            "SNAPLINE_EXAMPLE_PREFIX": prefix,
+            "SNAPLINE_EXAMPLE_JOB": unique_name,
+            COMMITTED_FILE_ENV: str(healthy),
+            IDLE_HEALTHY_ENV: "3",
+        },
+    )
+    worker.start()
+    try:
+        deadline = time.monotonic() + 60  # bounded: start, join, restore, 3 s of quiet
+        while not healthy.exists():
+            assert time.monotonic() < deadline, "never reported healthy\n" + worker.tail()
+            assert worker.alive, worker.tail()
+            time.sleep(0.2)
+        reported = healthy.stat().st_mtime
+        events = read_events(worker.metrics_path)
+    finally:
+        worker.stop()
+    restored = [e["time"] for e in events if e["event"] == "restored"]
+    assert restored and reported >= restored[-1] + 3 - 0.05, (reported, restored)
+    assert not [e for e in events if e["event"] == "checkpoint"], events
 
 
 @pytest.mark.parametrize("repartition", ["created", "existing"])

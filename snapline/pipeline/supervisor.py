@@ -19,13 +19,17 @@ What a worker's exit code means (``decide`` is the whole policy, unit-tested alo
   backoff; after ``max_failures`` failures in a row without a healthy run the supervisor gives
   up, stops the others and exits with that code.
 
-A run is healthy when the worker committed a checkpoint in it (``report_committed`` creates
-the file named by ``COMMITTED_FILE_ENV``), however long it ran: a worker that fails the same
-way every time after minutes (checkpoints that time out, a crash right after a long restore)
-is a crash loop, not a string of healthy runs. A worker with nothing to checkpoint (no
-partitions, no input since it started) commits nothing: its run counts as healthy once it
-lasted ``idle_healthy_after`` (30 minutes), so that the rare crashes of a job idle for days do
-not add up to giving up, while a crash loop of minutes still does.
+A run is healthy when the worker says so by creating the file named by
+``COMMITTED_FILE_ENV``, however long it ran: a worker that fails the same way every time after
+minutes or hours (checkpoints that time out, a crash right after a long restore) is a crash
+loop, not a string of healthy runs. The worker creates it at its first committed checkpoint
+(``report_committed``), or once it was quiet for ``idle_healthy_after`` (30 minutes, passed in
+``IDLE_HEALTHY_ENV``) in a row: no restore running, no checkpoint failed, so nothing to
+commit (no partitions, no input since its last restore; ``report_idle_healthy``). The rare
+crashes of a job idle for days then do not add up to giving up, while a worker whose every run
+ends in failures, however long it lasts, is given up on. (Before, any run of 30 minutes counted
+as healthy: a worker that crashed after each restore of more than 30 minutes was restarted
+without end.)
 
 Backoff: ``initial_backoff * 2**(n-1)`` seconds before the n-th restart in a row (EX_TEMPFAIL
 included), capped at ``max_backoff``; after a healthy run it starts again from n = 1.
@@ -61,6 +65,9 @@ MESSAGE_FILE_ENV = "SNAPLINE_SUPERVISOR_MESSAGE_FILE"
 #: A supervised worker creates this file at its first committed checkpoint: its run is then
 #: healthy (``report_committed``).
 COMMITTED_FILE_ENV = "SNAPLINE_SUPERVISOR_COMMITTED_FILE"
+#: Seconds a supervised worker must be quiet (nothing to commit, nothing failing) in a row
+#: before its run is healthy without a committed checkpoint (``report_idle_healthy``).
+IDLE_HEALTHY_ENV = "SNAPLINE_SUPERVISOR_IDLE_HEALTHY_AFTER"
 POLL_INTERVAL = 0.2
 #: The supervisor tells a worker how often it restarted it (its snapline_worker_restarts).
 RESTARTS_ENV = "SNAPLINE_WORKER_RESTARTS"
@@ -86,6 +93,28 @@ def report_committed(checkpoints_committed: int) -> None:
         Path(path).touch()
     except OSError as exc:
         log.warning("could not tell the supervisor of the first committed checkpoint: %s", exc)
+
+
+def idle_healthy_after() -> float | None:
+    """Seconds a supervised worker must be quiet before its run is healthy without a
+    committed checkpoint; None when no supervisor asked (or its value is not a number)."""
+    try:
+        return float(os.environ[IDLE_HEALTHY_ENV]) if os.environ.get(COMMITTED_FILE_ENV) else None
+    except (KeyError, ValueError):
+        return None
+
+
+def report_idle_healthy() -> None:
+    """Tell the supervisor that this worker's run is healthy although it committed nothing:
+    it was quiet (no restore running, no checkpoint failed) for ``idle_healthy_after()``
+    seconds in a row. Creates the file of ``report_committed``; a failure is logged."""
+    path = os.environ.get(COMMITTED_FILE_ENV)
+    if not path:
+        return
+    try:
+        Path(path).touch()
+    except OSError as exc:
+        log.warning("could not tell the supervisor that this worker is idle and well: %s", exc)
 
 
 def _stop_with_parent(parent: int) -> Callable[[], None]:
@@ -136,7 +165,8 @@ class RestartPolicy:
 
     initial_backoff: float = 1.0
     max_backoff: float = 30.0
-    #: A run this long is healthy without a committed checkpoint (a worker with no input).
+    #: A worker quiet this long in a row (no restore running, no checkpoint failed: nothing
+    #: to commit) reports its run healthy without a committed checkpoint.
     idle_healthy_after: float = 1800.0
     #: Failures in a row (without a healthy run, EX_TEMPFAIL excepted) before giving up.
     max_failures: int = 5
@@ -261,6 +291,7 @@ class Supervisor:
             **self.extra_env,
             MESSAGE_FILE_ENV: str(self._message_file(worker_id)),
             COMMITTED_FILE_ENV: str(self._committed_file(worker_id)),
+            IDLE_HEALTHY_ENV: repr(self.policy.idle_healthy_after),
             RESTARTS_ENV: str(self.restarts[worker_id]),
         }
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
@@ -322,10 +353,7 @@ class Supervisor:
                     continue
                 del self.children[worker_id]
                 ran_for = now - self.started_at[worker_id]
-                healthy = (
-                    self._committed_file(worker_id).exists()
-                    or ran_for >= self.policy.idle_healthy_after
-                )
+                healthy = self._committed_file(worker_id).exists()
                 decision = decide(
                     code, healthy, self.failures[worker_id], self.policy, self._stopping
                 )
@@ -336,7 +364,7 @@ class Supervisor:
                         worker_id,
                         code,
                         ran_for,
-                        "committed checkpoints" if healthy else "no checkpoint committed",
+                        "healthy" if healthy else "no checkpoint committed",
                         decision.reason,
                     )
                     self.restart_due[worker_id] = now + decision.delay

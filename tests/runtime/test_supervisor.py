@@ -25,11 +25,14 @@ from snapline.pipeline.supervisor import (
     COMMITTED_FILE_ENV,
     EX_CONFIG,
     EX_TEMPFAIL,
+    IDLE_HEALTHY_ENV,
     MESSAGE_FILE_ENV,
     RestartPolicy,
     Supervisor,
     decide,
+    idle_healthy_after,
     report_committed,
+    report_idle_healthy,
 )
 
 POLICY = RestartPolicy(initial_backoff=1.0, max_backoff=30.0, max_failures=5)
@@ -212,15 +215,50 @@ def test_long_runs_without_a_committed_checkpoint_are_given_up() -> None:
     assert sup.failures_at_start["w0"] == [0, 1, 2, 3]  # then it gave up
 
 
-def test_a_run_idle_for_longer_than_idle_healthy_after_is_healthy() -> None:
-    """A worker with no input commits nothing: the rare crashes of a job idle for days must
-    not add up to giving up."""
+def test_a_run_is_not_healthy_by_its_length() -> None:
+    """A worker that crashes after each restore of more than ``idle_healthy_after`` (30
+    minutes) is a crash loop: only the worker's own report (a commit, or a quiet run) makes
+    a run healthy, not the time it lasted."""
     policy = RestartPolicy(initial_backoff=0.05, max_backoff=0.1, max_failures=3)
     sup = LongRuns({"w0": "import sys; sys.exit(1)"}, policy)
-    sup.seconds = policy.idle_healthy_after
+    sup.seconds = 2 * policy.idle_healthy_after
+    assert sup.run() == 1
+    assert sup.failures_at_start["w0"] == [0, 1, 2, 3]  # then it gave up
+
+
+# Reports a quiet run (as report_idle_healthy does, told how long by the supervisor), then
+# crashes.
+QUIET_THEN_CRASHES = f"""
+import os, sys
+assert float(os.environ[{IDLE_HEALTHY_ENV!r}]) == 1800.0
+open(os.environ[{COMMITTED_FILE_ENV!r}], "w").close()
+sys.exit(1)
+"""
+
+
+def test_a_run_the_worker_reports_quiet_is_healthy() -> None:
+    """A worker with nothing to commit reports its run healthy once quiet for the time the
+    supervisor passes it: the rare crashes of a job idle for days never add up to giving up."""
+    policy = RestartPolicy(initial_backoff=0.05, max_backoff=0.1, max_failures=3)
+    sup = LongRuns({"w0": QUIET_THEN_CRASHES}, policy)
     sup.limit = 6
     sup.run()
     assert sup.failures_at_start["w0"] == [0, 1, 1, 1, 1, 1]  # never given up
+
+
+def test_idle_healthy_after_is_read_only_under_a_supervisor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(IDLE_HEALTHY_ENV, "5")
+    monkeypatch.delenv(COMMITTED_FILE_ENV, raising=False)
+    assert idle_healthy_after() is None  # not supervised: nothing to report to
+    path = tmp_path / "w0.committed"
+    monkeypatch.setenv(COMMITTED_FILE_ENV, str(path))
+    assert idle_healthy_after() == 5.0
+    monkeypatch.setenv(IDLE_HEALTHY_ENV, "soon")
+    assert idle_healthy_after() is None
+    report_idle_healthy()
+    assert path.exists()
 
 
 def test_runs_that_commit_reset_the_failures_however_short() -> None:

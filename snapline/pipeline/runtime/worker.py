@@ -138,7 +138,7 @@ from snapline.pipeline.savepoint.control import (
 from snapline.pipeline.stages import SOURCE_STAGE, task_id_for
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.compat import incompatibility, moved_states, replaced_states
-from snapline.pipeline.supervisor import report_committed
+from snapline.pipeline.supervisor import idle_healthy_after, report_committed, report_idle_healthy
 
 log = logging.getLogger(__name__)
 
@@ -353,6 +353,11 @@ class Worker:
         #: init_transactions or join fences an earlier one): a fenced worker whose mark was
         #: replaced since stops instead of fencing its successor (runtime/incarnation.py).
         self.incarnation = incarnation.register(self.storage, pipeline.name, settings.worker_id)
+        #: A supervised worker quiet this long in a row reports its run healthy without a
+        #: committed checkpoint (supervisor.py); quiet since (monotonic) the worker started,
+        #: its last restore ended or its last checkpoint failed.
+        self._idle_healthy_after = idle_healthy_after()
+        self._quiet_since = time.monotonic()
         transactional_id = (
             departed.transactional_id(pipeline.name, settings.worker_id)
             if pipeline.exactly_once
@@ -693,6 +698,7 @@ class Worker:
         self._last_trigger = time.monotonic()
         self._records_at_trigger = 0
         self._first_after_restore = True
+        self._quiet_since = time.monotonic()  # a restore is not a quiet time (supervisor)
         return seek
 
     def _commit_latest_starts(self) -> None:
@@ -2053,6 +2059,7 @@ class Worker:
 
     def _fail_checkpoint(self, exc: Exception) -> None:
         """Abort the epoch and restore every task from its committed checkpoint."""
+        self._quiet_since = time.monotonic()
         self._count_failure(exc)
         if "MSG_SIZE_TOO_LARGE" in str(exc) or isinstance(exc, TransactionFailedError):
             # The broker refused a batch as too large (a failed commit says so; a produce
@@ -2384,6 +2391,15 @@ class Worker:
         finally:
             self._close()
 
+    def _report_idle_healthy(self, now: float) -> None:
+        """Once per run, for a supervisor: healthy after ``_idle_healthy_after`` seconds in a
+        row with no restore running and no checkpoint failing (a worker that commits reports
+        at its first commit instead)."""
+        after = self._idle_healthy_after
+        if after is not None and now - self._quiet_since >= after:
+            self._idle_healthy_after = None
+            report_idle_healthy()
+
     def _check_coverage(self, now: float) -> None:
         """Once after each assignment, when a checkpoint committed under it: are partitions
         the job reads assigned to no worker (a static member's restart hid them,
@@ -2462,6 +2478,7 @@ class Worker:
         if messages:
             self._watch.fetched(now)
         self._check_coverage(now)
+        self._report_idle_healthy(now)
         self._watch.check(
             now,
             bool(self.tasks) and self._paused is None and held < MAX_HELD_RECORDS,
