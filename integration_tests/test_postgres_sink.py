@@ -437,7 +437,7 @@ def test_a_database_that_does_not_exist_is_a_refusal_not_an_outage(postgres_dsn:
     with pytest.raises(SinkError, match="refused the connection.*does not exist") as raised:
         writer.recover(None, None)
     assert not isinstance(raised.value, SinkUnavailableError)
-    assert "check the dsn's user, password and database" in str(raised.value)
+    assert "check the dsn's user, password, database and options" in str(raised.value)
     writer.close()
 
 
@@ -465,6 +465,206 @@ def test_non_ascii_rows_arrive_intact_in_a_latin1_database(postgres_dsn: str) ->
     writer.close()
     assert target(dsn, table) == {"käse": (1.0, 1, 1)}
     assert staged(dsn, table) == 0
+
+
+def test_a_bad_server_option_in_the_dsn_is_a_refusal_not_an_outage(postgres_dsn: str) -> None:
+    """``options=-c statement_timeout=abc``: only the server checks it, and it refuses every
+    connection (FATAL). That was taken for a database down: exit 75, restarted without end."""
+    from psycopg.conninfo import make_conninfo
+
+    table = make_table(postgres_dsn)
+    dsn = make_conninfo(postgres_dsn, options="-c statement_timeout=abc")
+    writer = open_writer(PostgresSink(dsn, table, ["customer"]))
+    with pytest.raises(SinkError, match="refused the connection.*statement_timeout") as raised:
+        writer.recover(None, None)
+    assert not isinstance(raised.value, SinkUnavailableError)
+    writer.close()
+
+
+# --------------------------------------------------------------------------- timeouts
+
+#: Seconds each statement writing the target sleeps in its trigger, far past TINY_TIMEOUT.
+SLOW_APPLY = 0.2
+#: The role's or DSN's statement_timeout and lock_timeout in the tests below, milliseconds.
+TINY_TIMEOUT = 50
+
+
+def slow_down_writes(dsn: str, table: str) -> None:
+    """Every statement that writes ``table`` takes SLOW_APPLY s more (a statement trigger)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL(
+                "CREATE FUNCTION {} () RETURNS trigger LANGUAGE plpgsql AS "
+                "'BEGIN PERFORM pg_sleep({}); RETURN NULL; END'"
+            ).format(sql.Identifier(f"{table}_slow"), sql.Literal(SLOW_APPLY))
+        )
+        conn.execute(
+            sql.SQL(
+                "CREATE TRIGGER slow AFTER INSERT OR UPDATE ON {} FOR EACH STATEMENT "
+                "EXECUTE FUNCTION {} ()"
+            ).format(sql.Identifier(table), sql.Identifier(f"{table}_slow"))
+        )
+
+
+def timeout_dsn(
+    postgres_dsn: str, table: str, how: str, settings: tuple[str, ...]
+) -> tuple[str, Callable[[], None]]:
+    """A DSN whose sessions have ``settings`` (statement_timeout, lock_timeout) of
+    TINY_TIMEOUT ms, set in the DSN's options or on its role (which then owns ``table``); and
+    a cleanup."""
+    from psycopg.conninfo import make_conninfo
+
+    if how == "dsn":
+        options = " ".join(f"-c {setting}={TINY_TIMEOUT}" for setting in settings)
+        return make_conninfo(postgres_dsn, options=options), lambda: None
+    role = f"{table}_role"
+    password = uuid.uuid4().hex
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        ident = sql.Identifier(role)
+        conn.execute(
+            sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(ident, sql.Literal(password))
+        )
+        for setting in settings:
+            conn.execute(
+                sql.SQL("ALTER ROLE {} SET {} = {}").format(
+                    ident, sql.Identifier(setting), sql.Literal(f"{TINY_TIMEOUT}ms")
+                )
+            )
+        conn.execute(sql.SQL("GRANT CREATE ON SCHEMA public TO {}").format(ident))
+        conn.execute(sql.SQL("ALTER TABLE {} OWNER TO {}").format(sql.Identifier(table), ident))
+
+    def drop_role() -> None:
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+    return make_conninfo(postgres_dsn, user=role, password=password), drop_role
+
+
+@pytest.mark.parametrize("how", ["dsn", "role"])
+def test_applies_that_outlast_the_statement_timeout_of_the_dsn_or_role_go_through(
+    postgres_dsn: str, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every apply outlasts the role's (``ALTER ROLE ... SET statement_timeout``) or the DSN's
+    (``options=-c statement_timeout=...``) statement_timeout. PostgreSQL canceled it (57014,
+    an OperationalError), which was taken for a database down: the worker exited 75, and its
+    restart applied the same checkpoint again, canceled again, without end. The sink's session
+    now has no statement timeout (the worker's liveness watchdog bounds it): each checkpoint
+    is applied, and a recovery too, exactly once."""
+    table = make_table(postgres_dsn)
+    dsn, cleanup = timeout_dsn(postgres_dsn, table, how, ("statement_timeout", "lock_timeout"))
+    try:
+        slow_down_writes(postgres_dsn, table)
+        with psycopg.connect(dsn) as conn, pytest.raises(psycopg.errors.QueryCanceled):
+            conn.execute("SELECT pg_sleep(%s)", (SLOW_APPLY,))  # the timeout is in force
+        sink = PostgresSink(dsn, table, ["customer"])
+        writer = open_writer(sink)
+        with caplog.at_level("INFO", logger="snapline.sinks.postgres"):
+            writer.recover(None, None)
+        expected: dict[str, tuple[float, int | None, int]] = {}
+        for checkpoint in (1, 2):
+            rows = [
+                {"customer": f"c{k}", "total": checkpoint * 100 + k}
+                for k in range(0, 200, checkpoint)
+            ]
+            write(writer, rows, checkpoint)
+            pre_commit(writer, checkpoint)
+            writer.commit(checkpoint)  # raised SinkUnavailableError: statement timeout
+            expected.update({r["customer"]: (float(r["total"]), None, checkpoint) for r in rows})
+            assert target(postgres_dsn, table) == expected
+        # Past its commit point, the writer is gone before commit(3): recovery applies it.
+        write(writer, [{"customer": "c1", "total": 301}, {"customer": "new", "total": 1}], 3)
+        meta3 = pre_commit(writer, 3)
+        writer.close()
+        recovered = open_writer(sink)
+        recovered.recover(3, meta3)
+        recovered.close()
+        expected.update({"c1": (301.0, None, 3), "new": (1.0, None, 3)})
+        assert target(postgres_dsn, table) == expected  # no loss, no duplicate, no stale value
+        assert staged(postgres_dsn, table) == 0
+        assert query(postgres_dsn, f'SELECT count(*) FROM "{table}__snapline_rejected"') == [(0,)]
+        for setting in ("statement_timeout", "lock_timeout"):  # the sink says what it lifted
+            assert f"{setting} = {TINY_TIMEOUT}ms" in caplog.text
+    finally:
+        cleanup()
+
+
+def test_an_apply_waits_for_a_lock_past_the_lock_timeout_of_the_dsn(postgres_dsn: str) -> None:
+    """Someone holds a lock on the table a while longer than the DSN's lock_timeout. The
+    apply's wait ended in 55P03 (an OperationalError), taken for a database down: the worker
+    exited 75, and every restart applied the checkpoint again while the lock was held. The
+    apply now waits for the lock (a lock held too long ends the worker at its liveness
+    timeout, integration_tests/test_sink_lock.py) and goes through."""
+    table = make_table(postgres_dsn)
+    dsn, _ = timeout_dsn(postgres_dsn, table, "dsn", ("lock_timeout",))
+    writer = open_writer(PostgresSink(dsn, table, ["customer"]))
+    writer.recover(None, None)
+    write(writer, [{"customer": "a", "total": 1}, {"customer": "b", "total": 2}], 1)
+    pre_commit(writer, 1)
+    locked = threading.Event()
+    failures: list[BaseException] = []
+    hold = 1.0  # seconds, twenty times the lock_timeout
+
+    def locker() -> None:
+        try:
+            with psycopg.connect(postgres_dsn) as conn:
+                conn.execute(sql.SQL("LOCK TABLE {} IN SHARE MODE").format(sql.Identifier(table)))
+                locked.set()
+                time.sleep(hold)
+                conn.rollback()
+        except BaseException as exc:
+            failures.append(exc)
+            locked.set()
+
+    thread = threading.Thread(target=locker, name="locker")
+    thread.start()
+    try:
+        assert locked.wait(30), "the locker did not lock the table in 30 s"
+        start = time.monotonic()
+        writer.commit(1)  # raised SinkUnavailableError: canceling statement due to lock timeout
+        waited = time.monotonic() - start
+    finally:
+        thread.join(30)
+    assert not failures and not thread.is_alive(), failures
+    assert waited > hold / 2, f"the apply did not wait for the lock ({waited:.2f} s)"
+    assert target(postgres_dsn, table) == {"a": (1.0, None, 1), "b": (2.0, None, 1)}
+    assert staged(postgres_dsn, table) == 0
+    writer.close()
+
+
+def test_a_worker_whose_every_apply_outlasts_the_statement_timeout_does_not_loop(
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list[Any]
+) -> None:
+    """The warehouse job's worker writes through a DSN with a statement_timeout (and a
+    lock_timeout) every apply outlasts. It exited 75 at its first commit, and each restart
+    failed the same way, without end. Now it keeps running, and every order is in every
+    sink exactly once (read_committed consumer, pyarrow on the table, SQL)."""
+    # Here, not at the top: this file is also the SIGKILLed writer's script (writer_main).
+    from integration_tests.warehouse_job import WarehouseJob, wait_for
+
+    job = WarehouseJob(kafka_bootstrap, unique_name, tmp_path, postgres_dsn, workers=1)
+    jobs.append(job)
+    slow_down_writes(postgres_dsn, job.pg_table)
+    dsn, _ = timeout_dsn(postgres_dsn, job.pg_table, "dsn", ("statement_timeout", "lock_timeout"))
+    (worker,) = job.workers
+    worker.start({"SNAPLINE_POSTGRES_DSN": dsn})
+    job.produce(500)
+
+    def applied_or_exited() -> bool:
+        db = job.database()
+        return not worker.alive or (
+            {c: t for c, (t, _) in db.items()} == job.expected
+            and sum(n for _, n in db.values()) == job.produced
+        )
+
+    wait_for("every order in PostgreSQL", applied_or_exited, 120, job.logs)
+    assert worker.alive, f"the worker exited {worker.proc and worker.proc.returncode}\n{job.logs()}"
+    job.produce(500)
+    job.wait_until_caught_up()
+    assert worker.stop() == 0, job.logs()
+    # The worker's sessions had the timeouts (the sink lifted them), and never exited 75.
+    assert f"statement_timeout = {TINY_TIMEOUT}ms" in worker.log_path.read_text(), job.logs()
+    job.verify()
 
 
 # --------------------------------------------------------------------------- many tasks

@@ -7,7 +7,9 @@ within the checkpoint wins — and deletes them from staging. Every target row c
 ``_snapline_checkpoint`` and ``_snapline_task``; the upsert only overwrites a row written by
 the same task at a checkpoint ≤ n, so a replay never overwrites newer data. Re-running a commit
 finds nothing staged: a no-op. Rows the database refuses at commit (a CHECK constraint, a
-foreign key...) go, in the same transaction, to ``<table>__snapline_rejected``.
+foreign key...) go, in the same transaction, to ``<table>__snapline_rejected``. The sink's
+session has no statement, lock or transaction timeout (``SESSION_TIMEOUTS``): a checkpoint
+that outlasted one failed again at every restart.
 
 Threads: the task thread validates and encodes rows (dead-lettering those that do not fit the
 table) and waits for commit/abort/recover. The background thread of the writer
@@ -22,6 +24,8 @@ import contextlib
 import logging
 import math
 import re
+import socket
+import sys
 import uuid
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -33,7 +37,7 @@ from typing import Any
 import orjson
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from snapline.connectors.config import redact_text
 from snapline.pipeline.checkpoint.identity import JobIdentity
@@ -64,6 +68,11 @@ _COPY_CHUNK = 1 << 20
 #: recovery of the same task (and, inside the table's setup, every writer of the table) for
 #: as long as it stays frozen.
 IDLE_IN_TRANSACTION_TIMEOUT = 30
+#: Session settings that end a statement, a lock wait or a transaction that lasts too long
+#: (``transaction_timeout``: PostgreSQL 17). Each writer's session sets them to 0: the sink's
+#: work is bounded by the worker's liveness watchdog and checkpoint timeout instead
+#: (``PostgresSinkWriter._lift_timeouts``).
+SESSION_TIMEOUTS = ("statement_timeout", "lock_timeout", "transaction_timeout")
 _INT_RANGES = {"int2": 2**15, "int4": 2**31, "int8": 2**63}
 
 
@@ -100,14 +109,57 @@ _ROW_REFUSALS = (
 
 #: libpq's sslmode values.
 _SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+#: libpq's options that take one of a few words (libpq-connect.html). libpq refuses any other
+#: value, an empty one too, at every connection: an OperationalError, taken for an outage.
+_ENUMERATED: dict[str, tuple[str, ...]] = {
+    "sslmode": _SSLMODES,
+    "target_session_attrs": (
+        "any",
+        "read-write",
+        "read-only",
+        "primary",
+        "standby",
+        "prefer-standby",
+    ),
+    "gssencmode": ("disable", "prefer", "require"),
+    "channel_binding": ("disable", "prefer", "require"),
+    "load_balance_hosts": ("disable", "random"),
+    "sslnegotiation": ("postgres", "direct"),
+    "sslcertmode": ("disable", "allow", "require"),
+}
+#: libpq's integer options, with the unit the fix names. libpq takes what C's strtol reads
+#: whole (blanks around, a sign) within a C int; psycopg reads connect_timeout itself.
+_INTEGERS = {
+    "connect_timeout": "seconds",
+    "keepalives": "1: on, 0: off",
+    "keepalives_idle": "seconds",
+    "keepalives_interval": "seconds",
+    "keepalives_count": "probes",
+    "tcp_user_timeout": "milliseconds",
+}
+_C_INT = re.compile(r"\s*[+-]?[0-9]+\s*")
+#: What Linux's setsockopt takes for the keepalive options (TCP_KEEPIDLE, TCP_KEEPINTVL,
+#: TCP_KEEPCNT): libpq passes anything else on, and every TCP connection fails (EINVAL) —
+#: 0 too, which libpq's documentation calls the system default.
+_LINUX_KEEPALIVE_RANGES = {
+    "keepalives_idle": 32767,
+    "keepalives_interval": 32767,
+    "keepalives_count": 127,
+}
+#: psycopg.connect's own arguments; every other ``connect_kwargs`` key is a libpq option.
+_PSYCOPG_ARGUMENTS = frozenset(
+    ("autocommit", "prepare_threshold", "context", "row_factory", "cursor_factory")
+)
 #: What libpq says when the server refused the connection for its settings (user,
-#: password, database, pg_hba.conf), which restarts do not fix: not an outage. Not the LDAP,
-#: PAM, RADIUS or GSSAPI "authentication failed for user": a server says that too when its
-#: LDAP server or KDC is down, an outage.
+#: password, database, pg_hba.conf, a bad ``options=-c ...``), which restarts do not fix: not
+#: an outage. Not the LDAP, PAM, RADIUS or GSSAPI "authentication failed for user": a server
+#: says that too when its LDAP server or KDC is down, an outage.
 _REFUSED = re.compile(
     r"password authentication failed|no password supplied|no pg_hba\.conf entry|"
     r"pg_hba\.conf rejects connection|is not permitted to log in|"
-    r"(database|role) \"[^\"]*\" does not exist|permission denied for database",
+    r"(database|role) \"[^\"]*\" does not exist|permission denied for database|"
+    r"invalid value for parameter|unrecognized configuration parameter|"
+    r"permission denied to set parameter",
     re.IGNORECASE,
 )
 
@@ -115,24 +167,112 @@ _REFUSED = re.compile(
 def _check_dsn(sink: PostgresSink) -> None:
     """A DSN libpq cannot use fails at start, naming why (its password never shown), not
     at the first connection: a malformed DSN was an OperationalError there, taken for a
-    database down, and the worker was restarted for it without end (exit 75)."""
+    database down, and the worker was restarted for it without end (exit 75).
+
+    Checks what the sink is given, the DSN and the libpq options of ``connect_kwargs`` (which
+    win over the DSN's): libpq's parse (syntax, option names), then the values libpq and
+    psycopg check only when they connect. Values libpq would take from its environment
+    (``PGPORT``, ``PGSSLMODE``...) are not checked: they are read at each connection."""
     try:
-        info = conninfo_to_dict(sink.dsn)
+        info = {k: str(v) for k, v in conninfo_to_dict(sink.dsn).items()}
     except psycopg.ProgrammingError as exc:
         raise ConfigurationError(
             f"PostgresSink dsn is not valid: {_without_secrets(str(exc).strip(), sink)} "
             "(use 'postgresql://user@host:5432/db' or 'host=... dbname=...')"
         ) from None
-    info.update({k: v for k, v in sink.connect_kwargs.items() if k in ("port", "sslmode")})
-    for port in str(info.get("port") or "").split(","):
-        if port and not (port.strip().isdigit() and 0 < int(port) < 65536):
-            raise ConfigurationError(
-                f"PostgresSink dsn: port {port.strip()!r} is not a port number (1..65535)"
-            )
-    sslmode = info.get("sslmode")
-    if sslmode is not None and sslmode not in _SSLMODES:
+    given = {
+        k: str(v)
+        for k, v in sink.connect_kwargs.items()
+        if k not in _PSYCOPG_ARGUMENTS and v is not None
+    }
+    try:
+        make_conninfo("", **given)
+    except psycopg.ProgrammingError as exc:
         raise ConfigurationError(
-            f"PostgresSink dsn: sslmode {sslmode!r} is not one of {', '.join(_SSLMODES)}"
+            f"PostgresSink connect_kwargs are not valid: "
+            f"{_without_secrets(str(exc).strip(), sink)} (its keys are libpq connection "
+            f"options or psycopg.connect's {', '.join(sorted(_PSYCOPG_ARGUMENTS))})"
+        ) from None
+    info.update(given)
+
+    def refuse(name: str, problem: str) -> ConfigurationError:
+        where = "connect_kwargs" if name in given else "dsn"
+        return ConfigurationError(_without_secrets(f"PostgresSink {where}: {problem}", sink))
+
+    for port in info.get("port", "").split(","):
+        if port and not (port.strip().isdigit() and 0 < int(port) < 65536):
+            raise refuse("port", f"port {port.strip()!r} is not a port number (1..65535)")
+    for name, values in _ENUMERATED.items():
+        value = info.get(name)
+        if value is not None and value not in values:
+            raise refuse(name, f"{name} {value!r} is not one of {', '.join(values)}")
+    for name, unit in _INTEGERS.items():
+        value = info.get(name)
+        if value is not None and _integer(name, value) is None:
+            kind = "a number" if name == "connect_timeout" else "an integer"
+            raise refuse(name, f"{name} {value!r} is not {kind} ({unit})")
+    if sys.platform.startswith("linux") and _integer("keepalives", info.get("keepalives", "1")):
+        for name, most in _LINUX_KEEPALIVE_RANGES.items():
+            number = _integer(name, info.get(name, "1"))
+            if number is not None and not 0 < number <= most:
+                raise refuse(
+                    name,
+                    f"{name} {info[name]!r} is not within 1..{most}, the range Linux takes "
+                    f"(libpq passes it on, 0 too, and every connection fails; leave {name} "
+                    "out for the system's default)",
+                )
+    for address in info.get("hostaddr", "").split(","):
+        if address and not _numeric_address(address):
+            raise refuse(
+                "hostaddr",
+                f"hostaddr {address!r} is not a numeric IP address (a host name goes in host=)",
+            )
+    _check_host_counts(info, refuse)
+
+
+def _integer(name: str, value: str) -> int | None:
+    """``value`` as the integer libpq (psycopg for connect_timeout) reads, or None."""
+    if name == "connect_timeout":
+        try:
+            return int(float(value))  # psycopg's own reading (conninfo.timeout_from_conninfo)
+        except (ValueError, OverflowError):
+            return None
+    if _C_INT.fullmatch(value) is None or not -(2**31) <= int(value) < 2**31:
+        return None
+    return int(value)
+
+
+def _numeric_address(address: str) -> bool:
+    """Whether libpq reads ``address`` as a numeric address (as it does: getaddrinfo with
+    AI_NUMERICHOST, which never looks a name up)."""
+    try:
+        socket.getaddrinfo(address, None, flags=socket.AI_NUMERICHOST)
+    except (OSError, UnicodeError):
+        return False
+    return True
+
+
+def _check_host_counts(
+    info: Mapping[str, str], refuse: Callable[[str, str], ConfigurationError]
+) -> None:
+    """One hostaddr per host, and one port for all hosts or one per host: psycopg checks
+    that at every connection (an OperationalError, taken for an outage). Only where the
+    hosts are given: ``PGHOST`` may give them otherwise."""
+    hosts = info["host"].split(",") if info.get("host") else []
+    addresses = info["hostaddr"].split(",") if info.get("hostaddr") else []
+    ports = info["port"].split(",") if info.get("port") else []
+    if hosts and addresses and len(hosts) != len(addresses):
+        raise refuse(
+            "hostaddr",
+            f"hostaddr gives {len(addresses)} addresses for the {len(hosts)} names of host "
+            "(give one per name, an empty one for a name to look up)",
+        )
+    count = max(len(hosts), len(addresses))
+    if count and 1 < len(ports) != count:
+        raise refuse(
+            "port",
+            f"port gives {len(ports)} ports for {count} hosts (give one port for every host, "
+            "or one per host)",
         )
 
 
@@ -514,7 +654,11 @@ class PostgresSink(Sink):
     ``<table>__snapline_staging`` and ``<table>__snapline_rejected`` next to it.
     ``columns``: the columns a row sets (default: every column except the fence and generated
     ones); a column missing from a row is set to NULL.
-    ``connect_kwargs``: passed to ``psycopg.connect`` (e.g. ``options="-c statement_timeout=60s"``).
+    ``connect_kwargs``: passed to ``psycopg.connect`` (e.g. ``sslrootcert="/etc/ca.pem"``).
+    The DSN and ``connect_kwargs`` are checked when the sink is built (``ConfigurationError``).
+    The sink's session sets ``statement_timeout``, ``lock_timeout`` and
+    ``transaction_timeout`` to 0, whatever the role, database or DSN set: the worker's
+    liveness watchdog and checkpoint timeout bound its statements.
     """
 
     dsn: str = field(repr=False)  # may hold a password
@@ -714,8 +858,8 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
             # 75, without end) would not fix it; a SinkError ends the worker (exit 1).
             return SinkError(
                 f"{self._sink.name}: {self._where()} refused the connection: {text} (check "
-                "the dsn's user, password and database, and the server's pg_hba.conf; "
-                "staged rows are kept)"
+                "the dsn's user, password, database and options, and the server's "
+                "pg_hba.conf; staged rows are kept)"
             )
         return (SinkUnavailableError if unreachable else SinkError)(
             f"{self._sink.name}: could not {what} {self._where()} table {self._sink.table!r}: "
@@ -731,6 +875,7 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
                 **dict(self._sink.connect_kwargs),
             }
             connection = psycopg.connect(self._sink.dsn, autocommit=True, **kwargs)
+            self._lift_timeouts(connection)
             # COPY writes UTF-8 bytes: on a database of another encoding (LATIN1) the session
             # kept it, and every non-ASCII value was stored garbled, a non-ASCII writer key
             # (the sink's name) matched no staged row, and the apply found nothing to apply.
@@ -744,6 +889,31 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
                 )
             self._connection = connection
         return connection
+
+    def _lift_timeouts(self, connection: psycopg.Connection[Any]) -> None:
+        """Sets the session's ``SESSION_TIMEOUTS`` to 0 (none) and logs the ones the role,
+        the database, the server or the DSN had set.
+
+        The sink's statements are bounded by the worker (its liveness watchdog and the
+        checkpoint timeout), not by a per-statement limit meant for interactive sessions:
+        an apply that outlasted ``statement_timeout`` (57014) or waited past ``lock_timeout``
+        (55P03) was an OperationalError, taken for a database down; every restart applied the
+        same checkpoint again and failed the same way, without end (exit 75)."""
+        # On its own, first: until it has run, each statement (this one too, which takes
+        # microseconds) runs under the role's or the DSN's statement_timeout.
+        connection.execute("SET statement_timeout = 0")
+        lifted = connection.execute(
+            "SELECT name, reset_val, unit, set_config(name, '0', false) FROM pg_settings "
+            "WHERE name = ANY(%s) AND reset_val <> '0'",
+            (list(SESSION_TIMEOUTS),),
+        ).fetchall()
+        if lifted:
+            log.info(
+                "%s: not bounding the sink's own statements by %s (bounded by the worker's "
+                "liveness and checkpoint timeouts instead)",
+                self._sink.name,
+                ", ".join(f"{name} = {value}{unit or ''}" for name, value, unit, _ in lifted),
+            )
 
     def _close_background(self) -> None:
         self._disconnect()

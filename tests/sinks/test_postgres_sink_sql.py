@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import uuid
 from datetime import date, datetime
 from decimal import Decimal
@@ -248,6 +249,29 @@ def test_sink_defaults() -> None:
         ("postgresql://app:FAKEPW@db/shop?sslmode=on", "sslmode 'on' is not one of"),
         ("postgresql://app:FAKEPW@db/shop?nope=1", "dsn is not valid"),
         ("db shop FAKEPW", "dsn is not valid"),
+        # Each of these was accepted, and failed at every connection (exit 75 without end).
+        (
+            "postgresql://app:FAKEPW@db/shop?target_session_attrs=bogus",
+            "dsn: target_session_attrs 'bogus' is not one of any, read-write, read-only, "
+            "primary, standby, prefer-standby",
+        ),
+        ("host=db password=FAKEPW target_session_attrs=", "target_session_attrs '' is not one"),
+        ("host=db password=FAKEPW keepalives_idle=abc", r"keepalives_idle 'abc' is not an integer"),
+        ("host=db password=FAKEPW keepalives_interval=1.5", "keepalives_interval '1.5' is not an"),
+        ("host=db password=FAKEPW keepalives_count=", "keepalives_count '' is not an integer"),
+        ("host=db password=FAKEPW tcp_user_timeout=9999999999", "tcp_user_timeout '9999999999'"),
+        ("host=db password=FAKEPW connect_timeout=x", r"connect_timeout 'x' is not a number"),
+        ("host=db password=FAKEPW keepalives=maybe", r"keepalives 'maybe' is not an integer"),
+        ("host=db password=FAKEPW hostaddr=not-an-ip", "hostaddr 'not-an-ip' is not a numeric IP"),
+        ("host=a,b password=FAKEPW hostaddr='10.0.0.1, ::1'", "hostaddr ' ::1' is not a numeric"),
+        ("host=db password=FAKEPW gssencmode=bogus", "gssencmode 'bogus' is not one of disable"),
+        ("host=db password=FAKEPW channel_binding=bogus", "channel_binding 'bogus' is not one of"),
+        ("host=db password=FAKEPW load_balance_hosts=no", "load_balance_hosts 'no' is not one of"),
+        ("host=db password=FAKEPW sslnegotiation=bogus", "sslnegotiation 'bogus' is not one of"),
+        ("host=db password=FAKEPW sslcertmode=bogus", "sslcertmode 'bogus' is not one of"),
+        ("host=a,b password=FAKEPW hostaddr=10.0.0.1", "hostaddr gives 1 addresses for the 2"),
+        ("postgresql://app:FAKEPW@db1,db2/shop?port=1,2,3", "port gives 3 ports for 2 hosts"),
+        ("postgresql://app:FAKEPW@db/shop?keepalives=FAKEPW", "keepalives '\\*\\*\\*' is not"),
     ],
 )
 def test_a_dsn_libpq_cannot_use_fails_at_start_without_its_password(dsn: str, message: str) -> None:
@@ -259,8 +283,68 @@ def test_a_dsn_libpq_cannot_use_fails_at_start_without_its_password(dsn: str, me
     assert "FAKEPW" not in str(refused.value)
 
 
-def test_a_dsn_with_several_hosts_and_ports_is_accepted() -> None:
-    PostgresSink("postgresql://app@db1:5432,db2:5433/shop?sslmode=verify-full", "t", ["k"])
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's setsockopt ranges")
+@pytest.mark.parametrize(
+    ("dsn", "message"),
+    [
+        (
+            "host=db password=FAKEPW keepalives_idle=0",
+            r"keepalives_idle '0' is not within 1\.\.32767",
+        ),
+        (
+            "host=db password=FAKEPW keepalives_interval=-1",
+            "keepalives_interval '-1' is not within",
+        ),
+        ("host=db password=FAKEPW keepalives_count=128", r"keepalives_count '128' .* 1\.\.127"),
+    ],
+)
+def test_keepalive_values_linux_refuses_fail_at_start(dsn: str, message: str) -> None:
+    """libpq passes these to setsockopt, which refuses them (EINVAL) at every connection:
+    0 too, which libpq's documentation calls the system default."""
+    with pytest.raises(ConfigurationError, match=message) as refused:
+        PostgresSink(dsn, "totals", ["customer"])
+    assert "FAKEPW" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("connect_kwargs", "message"),
+    [
+        ({"port": "54x2", "password": "FAKEPW"}, "connect_kwargs: port '54x2' is not a port"),
+        ({"nope": 1, "password": "FAKEPW"}, 'connect_kwargs are not valid: .*"nope"'),
+        ({"sslmode": "on", "password": "FAKEPW"}, "connect_kwargs: sslmode 'on' is not one of"),
+        ({"keepalives_idle": "FAKEPW", "password": "FAKEPW"}, "keepalives_idle '\\*\\*\\*'"),
+        ({"connect_timeout": "soon"}, "connect_kwargs: connect_timeout 'soon' is not a number"),
+    ],
+)
+def test_connect_kwargs_libpq_cannot_use_fail_at_start(
+    connect_kwargs: dict[str, Any], message: str
+) -> None:
+    """``connect_kwargs`` win over the DSN's options at the connection: checked the same way."""
+    with pytest.raises(ConfigurationError, match=message) as refused:
+        PostgresSink("postgresql://db/shop", "totals", ["customer"], connect_kwargs=connect_kwargs)
+    assert "FAKEPW" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "postgresql://app@db1:5432,db2:5433/shop?sslmode=verify-full",
+        "postgresql://app@db1,db2:5433/shop",  # one port for every host
+        "host=db1,db2 hostaddr=,10.0.0.2 port=5432",  # an empty hostaddr: look the name up
+        "host=db hostaddr=127.1",  # what getaddrinfo reads as numeric, as libpq does
+        "host=db hostaddr=fe80::1%eth0",
+        "host=db hostaddr=",
+        "host=db keepalives=2 keepalives_idle=' 30 ' keepalives_count=+5 tcp_user_timeout=-1",
+        "host=db keepalives=0 keepalives_idle=0",  # keepalives off: libpq ignores the rest
+        "host=db connect_timeout=2.5",  # psycopg reads it as a number
+        "host=db target_session_attrs=prefer-standby load_balance_hosts=random "
+        "gssencmode=disable channel_binding=require sslnegotiation=direct sslmode=require "
+        "sslcertmode=allow",
+        "port=5432,5433",  # PGHOST may name two hosts: not checked here
+    ],
+)
+def test_dsns_libpq_can_use_are_accepted(dsn: str) -> None:
+    PostgresSink(dsn, "t", ["k"], connect_kwargs={"prepare_threshold": None})
 
 
 @pytest.mark.parametrize(
@@ -272,6 +356,10 @@ def test_a_dsn_with_several_hosts_and_ports_is_accepted() -> None:
         ('FATAL:  no pg_hba.conf entry for host "10.0.0.5", user "app"', True),
         ('FATAL:  role "app" is not permitted to log in', True),
         ('FATAL:  database "shop" does not exist', True),
+        # A bad options=-c ... in the DSN, which only the server can check.
+        ('FATAL:  invalid value for parameter "statement_timeout": "abc"', True),
+        ('FATAL:  unrecognized configuration parameter "statment_timeout"', True),
+        ('FATAL:  permission denied to set parameter "log_min_duration_statement"', True),
         # LDAP, PAM, RADIUS, GSSAPI: also what a server says while its LDAP server or KDC is
         # down, an outage that restarts wait out.
         ('FATAL:  LDAP authentication failed for user "app"', False),
