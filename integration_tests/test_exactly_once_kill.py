@@ -385,9 +385,9 @@ def test_a_zombie_replaced_by_a_worker_with_its_id_stops_instead_of_fencing_it(
     with the same worker id on another host (its own local directory, the same checkpoint
     storage). The replacement's start fences the frozen one's producer and consumer. When the
     old process wakes, it must stop (exit 78, naming the successor) rather than replace its
-    fenced clients, which would fence the replacement in turn: the replacement fails no
-    checkpoint and replaces no client after the wake, and every order's effect is there
-    exactly once."""
+    fenced clients, which would fence the replacement in turn; and so must a restart of it on
+    its host. The replacement fails no checkpoint and replaces no client after the wake, and
+    every order's effect is there exactly once."""
     job = job_factory(interval=0.5, workers=1)
     (zombie,) = job.workers
     zombie.start()
@@ -426,6 +426,13 @@ def test_a_zombie_replaced_by_a_worker_with_its_id_stops_instead_of_fencing_it(
         code = zombie.wait_exit(60)  # bounded: its next commit or heartbeat is refused
         assert code == 78, f"the woken zombie exited with {code}\n{zombie.tail()}"
         assert "was replaced" in zombie.tail(), zombie.tail()
+        # A zombie frozen past its liveness timeout is ended by its watchdog on waking (exit
+        # 1 or 75) and restarted on its host: the restart must not take the id back from the
+        # live successor (bounded: a session timeout and a margin, then it stops).
+        zombie.start()
+        code = zombie.wait_exit(90)
+        assert code == 78, f"the zombie's restart exited with {code}\n{zombie.tail()}"
+        assert "took it over" in zombie.tail(), zombie.tail()
         producer.join()
         job.workers.append(successor)  # caught up and stopped with the job
         job.wait_until_caught_up()

@@ -167,12 +167,31 @@ def instance_id(job: str, worker_id: str) -> str:
     return f"{job}-{worker_id}"
 
 
-def group_instances(kafka_config: dict[str, Any], group: str) -> set[str]:
-    """The static member ids of the group's current members (raises on failure)."""
+def group_instances(
+    kafka_config: dict[str, Any], group: str, timeout: float = CALL_TIMEOUT
+) -> set[str]:
+    """The static member ids of the group's current members (raises on failure). The group
+    is described only when ListGroups says it may have members (``listed_groups``: a
+    DescribeGroups whose coordinator lookup times out can abort the process later, and the
+    callers ask exactly when a coordinator may be slow)."""
     admin = AdminClient(kafka_config)
-    future = admin.describe_consumer_groups([group], request_timeout=CALL_TIMEOUT)[group]
-    description = future.result(timeout=CALL_TIMEOUT)
+    if not listed_groups(admin, timeout, [group]).get(group):
+        return set()
+    future = admin.describe_consumer_groups([group], request_timeout=timeout)[group]
+    description = future.result(timeout=timeout)
     return {m.group_instance_id for m in description.members if m.group_instance_id}
+
+
+def is_member(
+    kafka_config: dict[str, Any], job: str, worker_id: str, timeout: float = 10.0
+) -> bool | None:
+    """Whether worker ``worker_id`` (its static member id) is a member of the job's group
+    now; None when Kafka cannot say."""
+    try:
+        return instance_id(job, worker_id) in group_instances(kafka_config, job, timeout)
+    except Exception as exc:
+        log.warning("could not read the members of group %s: %s", job, exc)
+        return None
 
 
 def fence_departed(

@@ -13,15 +13,31 @@ that was gone only for a moment), so the woken zombie fenced its successor in tu
 two aborted each other's epochs until one gave up.
 
 So each worker writes ``<job>/workers/<worker id>.json`` (a random token, host, pid, start
-time; checksummed) into checkpoint storage at start, before its first ``init_transactions``.
+time; checksummed) into checkpoint storage just before its first ``init_transactions``.
 A worker that is fenced reads it back before it replaces the fenced client: another token
-means a later process with this id started (after this one, since it overwrote the mark), and
-this one stops with ``SupersededError`` (exit 78) instead. Its own token, or a mark it cannot
-read, and it goes on as before: the check can stop a zombie, never a worker that is the newest
-of its id. Two services deliberately given one worker id get the same message, which names
-the fix.
+means a later process with this id registered since, and this one stops with
+``SupersededError`` (exit 78) instead. Its own token, or a mark it cannot read, and it goes on
+as before.
 
-Threads: ``register`` on the main thread at start; ``check_current`` on the task thread
+A zombie frozen for longer than the liveness timeout does not get that far: on waking, its
+watchdog ends it (exit 1 or 75), and its supervisor or orchestrator starts it again on the
+same host, where the new process would take the id back from the successor. So each worker
+also keeps the token it registered in its local directory (one per host and worker id,
+``local_lock.py``). A new process whose local directory names a token other than the mark's
+knows another host took the id since this host's last incarnation: it registers only once
+that holder is gone from the consumer group (its static member ``<job>-<id>``), waiting for up
+to a session timeout and a margin (the holder may have just died), and stops with
+``SupersededError`` while it is still a member. A new host (no local token), the usual
+restart (the local token is the mark's) and a mark or group that cannot be read register at
+once, as before.
+
+What the check cannot tell apart: a process of this id that registered and died before it
+fenced anyone makes the next fence of the live one look like a successor's (it stops, exit
+78, and its restart registers again); and storage that may return an older version of an
+overwritten file could show an earlier incarnation's token. Two services deliberately given
+one worker id get the same message, which names the fix.
+
+Threads: ``register`` on the task thread at start; ``check_current`` on the task thread
 (before a producer or consumer is replaced).
 """
 
@@ -32,11 +48,14 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from snapline.pipeline.checkpoint.metadata import decode_checked, encode_checked
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
+from snapline.pipeline.durable import fsync_path
 from snapline.pipeline.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
@@ -65,12 +84,76 @@ def mark_path(job: str, worker_id: str) -> str:
     return f"{job}/workers/{worker_id}.json"
 
 
-def register(storage: CheckpointStorage, job: str, worker_id: str) -> Incarnation:
-    """Write this process's mark (replacing an earlier incarnation's); returns it."""
+def register(
+    storage: CheckpointStorage,
+    job: str,
+    worker_id: str,
+    local_token: Path,
+    holder_is_member: Callable[[], bool | None],
+    wait: float,
+) -> Incarnation:
+    """Write this process's mark, replacing an earlier incarnation's, and keep its token in
+    ``local_token`` (a file in the worker's local directory); returns the mark.
+
+    SupersededError when another host took the id since this local directory's last
+    incarnation and its holder is still a member of the group after ``wait`` seconds
+    (``holder_is_member``: True, False, or None when Kafka cannot say)."""
+    mine = _read_local(local_token)
+    try:
+        newest: Incarnation | None = read(storage, job, worker_id)
+    except Exception as exc:  # none yet, or unreadable: nothing proves a successor
+        log.debug("no readable mark of worker %s: %s", worker_id, exc)
+        newest = None
+    if newest is not None and mine is not None and newest.token != mine:
+        deadline = time.monotonic() + wait
+        while holder_is_member():
+            if time.monotonic() > deadline:
+                raise SupersededError(
+                    f"worker {worker_id!r} of job {job!r}: another process with this worker "
+                    f"id ({newest.describe()}) took it over since this host's last process "
+                    f"of it, and is a member of consumer group {job!r} now; this process "
+                    "stops rather than take the id back from it (a process frozen or cut "
+                    "off for a while, then restarted, was replaced meanwhile). If that "
+                    "process is gone for good, start this one again once the group's "
+                    "session timeout has passed; if both are meant to run, give each its "
+                    "own --worker-id (SNAPLINE_WORKER_ID)"
+                )
+            time.sleep(1.0)
+        log.warning(
+            "worker %s: another process (%s) had this worker id since this host's last "
+            "process of it, and is gone from the group: taking it back",
+            worker_id,
+            newest.describe(),
+        )
     me = Incarnation(uuid.uuid4().hex, socket.gethostname(), os.getpid(), time.time())
     body = {"token": me.token, "host": me.host, "pid": me.pid, "started": me.started}
     storage.write_bytes(mark_path(job, worker_id), encode_checked(body))
+    try:
+        _write_local(local_token, me.token)
+    except OSError as exc:  # only the check at a later restart is weaker for it
+        log.warning("could not keep this incarnation's token in %s: %s", local_token, exc)
     return me
+
+
+def _write_local(path: Path, token: str) -> None:
+    """Replace ``path``'s content with ``token``, durably (written beside it, fsynced, moved
+    into place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    written.write_text(token)
+    fsync_path(written)
+    os.replace(written, path)
+    fsync_path(path.parent, directory=True)
+
+
+def _read_local(path: Path) -> str | None:
+    """The token this local directory's last incarnation registered (None: none, or not
+    readable)."""
+    try:
+        token = path.read_text().strip()
+    except OSError:
+        return None
+    return token or None
 
 
 def read(storage: CheckpointStorage, job: str, worker_id: str) -> Incarnation:

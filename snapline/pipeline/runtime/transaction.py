@@ -211,7 +211,7 @@ class TransactionalOutput:
         #: fatal failure's is (exactly-once: at the next begin or abort).
         self._resized: dict[str, int] | None = None
         self.replaced = 0
-        #: Called before a producer that failed fatally is replaced (the new one's
+        #: Called before an exactly-once producer is replaced (the new one's
         #: init_transactions fences whoever holds the transactional id now); it raises to stop
         #: the worker instead. Its error is kept: the fenced producer is never replaced after.
         self.may_refence: Callable[[], None] | None = None
@@ -557,13 +557,14 @@ class TransactionalOutput:
 
         Its init_transactions bumps the epoch, aborting the transaction the old one left open,
         so nothing of the failed epoch becomes visible; a commit the coordinator had already
-        logged completes instead, offsets included, and recovery restores from it. Should
-        another live incarnation of this worker own the id, it is fenced in turn; its consumer
-        (same static group.instance.id) is fenced by the group coordinator and that worker
-        exits."""
+        logged completes instead, offsets included, and recovery restores from it. A later
+        incarnation of this worker holding the id is not fenced in turn: ``may_refence``
+        (the worker's incarnation check) stops this one first."""
         if self._refused is not None:
             raise self._refused
-        if self._fatal is not None and self.may_refence is not None:
+        if self.exactly_once and self.may_refence is not None:
+            # Every replacement's init_transactions fences whoever holds the id now (a
+            # resize's too), so every one is checked.
             if self._liveness is not None:
                 self._liveness.allow(REFENCE_CHECK_BOUND)  # Kafka calls, bounded
             try:

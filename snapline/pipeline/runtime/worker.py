@@ -32,6 +32,7 @@ librdkafka runs its own threads.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import json
@@ -45,6 +46,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,7 +140,13 @@ from snapline.pipeline.savepoint.control import (
 from snapline.pipeline.stages import SOURCE_STAGE, task_id_for
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.compat import incompatibility, moved_states, replaced_states
-from snapline.pipeline.supervisor import idle_healthy_after, report_committed, report_idle_healthy
+from snapline.pipeline.supervisor import (
+    EX_CONFIG,
+    MESSAGE_FILE_ENV,
+    idle_healthy_after,
+    report_committed,
+    report_idle_healthy,
+)
 
 log = logging.getLogger(__name__)
 
@@ -349,10 +357,11 @@ class Worker:
         if pipeline.exactly_once:
             departed.check_no_namesake(kafka_config, pipeline.name, settings.worker_id)
             self.faults.point("after_namesake_check")
-        #: This process's mark as the newest incarnation of its worker id (before its first
-        #: init_transactions or join fences an earlier one): a fenced worker whose mark was
-        #: replaced since stops instead of fencing its successor (runtime/incarnation.py).
-        self.incarnation = incarnation.register(self.storage, pipeline.name, settings.worker_id)
+        #: This process's mark as the newest incarnation of its worker id, written just
+        #: before its first init_transactions or join fences an earlier one (``run``): a
+        #: fenced worker whose mark was replaced since stops instead of fencing its successor
+        #: (runtime/incarnation.py).
+        self.incarnation: incarnation.Incarnation | None = None
         #: A supervised worker quiet this long in a row reports its run healthy without a
         #: committed checkpoint (supervisor.py); quiet since (monotonic) the worker started,
         #: its last restore ended or its last checkpoint failed.
@@ -388,7 +397,7 @@ class Worker:
             # the first fencing tells them apart: the fenced one stops (exit 78) instead of
             # fencing the other in turn with a new producer.
             def may_refence() -> None:
-                self._check_incarnation("producer")
+                self._check_incarnation("producer was fenced or failed")
                 departed.check_no_namesake(
                     kafka_config, pipeline.name, settings.worker_id, timeout=REFENCE_CHECK_TIMEOUT
                 )
@@ -940,14 +949,13 @@ class Worker:
         def fence() -> None:
             if not (self.pipeline.exactly_once and departed.enabled()):
                 return
-            writers: set[str] = set()
-            for task_id in tasks:
-                writers |= self._newest_writers(task_id)
+            with ThreadPoolExecutor(8, thread_name_prefix="fence-pending-read") as pool:
+                found = list(pool.map(self._newest_writers, tasks))
             departed.fence_departed(
                 self._kafka_config,
                 self.pipeline.name,
                 self.settings.worker_id,
-                writers,
+                set().union(*found),
                 self._event,
             )
 
@@ -955,21 +963,26 @@ class Worker:
         thread.start()
         return thread
 
-    def _newest_writers(self, task_id: str, newest: int = 3) -> set[str]:
-        """The workers that wrote the ``newest`` checkpoints stored for ``task_id`` (committed
-        or not; one whose metadata cannot be read names nobody)."""
+    def _newest_writers(self, task_id: str, most: int = 20) -> set[str]:
+        """The workers that wrote ``task_id``'s checkpoints newer than its newest one marked
+        committed, and that one's (at most ``most`` directories, newest first; one whose
+        metadata cannot be read, in progress or being deleted, names nobody). The writer of
+        offsets still pending wrote one of them: its metadata comes before the offsets are
+        sent, the committed marker after the commit."""
         writers: set[str] = set()
         try:
-            refs = list_checkpoints(self.storage, self.pipeline.name, task_id)[-newest:]
+            refs = list_checkpoints(self.storage, self.pipeline.name, task_id)[-most:]
         except Exception as exc:  # a courtesy: the wait for the timeout stays correct
             log.info("task %s: could not list its checkpoints: %s", task_id, exc)
             return writers
-        for ref in refs:
+        for ref in reversed(refs):
             try:
                 meta = TaskCheckpoint.read(self.storage, self.pipeline.name, task_id, ref)
+                writers.add(meta.worker_id)
+                if is_marked_committed(self.storage, self.pipeline.name, task_id, ref):
+                    break
             except Exception:  # in progress (no metadata yet), or being deleted
                 continue
-            writers.add(meta.worker_id)
         return writers
 
     def _restore_task(
@@ -2060,6 +2073,10 @@ class Worker:
     def _fail_checkpoint(self, exc: Exception) -> None:
         """Abort the epoch and restore every task from its committed checkpoint."""
         self._quiet_since = time.monotonic()
+        if isinstance(exc, FencedError):
+            # Before the failure counts: a superseded worker stops with exit 78, not with a
+            # "too many failed checkpoints" exit 1 that its supervisor restarts.
+            self._check_incarnation("producer was fenced")
         self._count_failure(exc)
         if "MSG_SIZE_TOO_LARGE" in str(exc) or isinstance(exc, TransactionFailedError):
             # The broker refused a batch as too large (a failed commit says so; a produce
@@ -2263,12 +2280,30 @@ class Worker:
             return 0
         return sum(max(0, ends[key] - position) for key, position in positions.items())
 
-    def _check_incarnation(self, fenced: str) -> None:
-        """Before a fenced client is replaced: SupersededError (exit 78) if a later process
-        with this worker id started since this one (runtime/incarnation.py)."""
-        incarnation.check_current(
-            self.storage, self.pipeline.name, self.settings.worker_id, self.incarnation, fenced
+    def _register_incarnation(self) -> None:
+        """Mark this process as the newest of its worker id (runtime/incarnation.py); it may
+        wait up to a session timeout and a margin for another host's holder of the id to
+        leave the group, or stop (SupersededError, exit 78)."""
+        wait = float(self._consumer_config()["session.timeout.ms"]) / 1000 + 5
+        self.liveness.allow(wait + 45)  # each membership read is bounded (10 s + 5 s)
+        self.incarnation = incarnation.register(
+            self.storage,
+            self.pipeline.name,
+            self.settings.worker_id,
+            self.local_dir / f"{self.pipeline.name}.incarnation",
+            lambda: departed.is_member(
+                self._kafka_config, self.pipeline.name, self.settings.worker_id
+            ),
+            wait,
         )
+
+    def _check_incarnation(self, what: str) -> None:
+        """Before a client is replaced: SupersededError (exit 78) if a later process with this
+        worker id registered since this one (runtime/incarnation.py)."""
+        if self.incarnation is not None:
+            incarnation.check_current(
+                self.storage, self.pipeline.name, self.settings.worker_id, self.incarnation, what
+            )
 
     def _replace_consumer(self, exc: KafkaClientError) -> None:
         """A fresh consumer (same group.instance.id) instead of one that failed fatally.
@@ -2276,8 +2311,11 @@ class Worker:
         The epoch is aborted first: nothing read under the old membership may commit. The new
         consumer joins the group, replacing the stale static member, and its assignment
         restores the tasks from the committed checkpoint (_on_assign)."""
-        if isinstance(exc, ConsumerFencedError):
-            self._check_incarnation("consumer")
+        self._check_incarnation(
+            "consumer was fenced"
+            if isinstance(exc, ConsumerFencedError)
+            else "consumer stopped working and is to be replaced"
+        )
         now = time.monotonic()
         self._consumer_replaced = [t for t in self._consumer_replaced if now - t < 600] + [now]
         if len(self._consumer_replaced) > MAX_CONSUMER_REPLACEMENTS:
@@ -2345,6 +2383,7 @@ class Worker:
         try:
             # Startup phases as events (the recovery benchmark splits restart time by them).
             self._event({"event": "started"})
+            self._register_incarnation()
             self.output.init()
             self._event({"event": "transactions_ready"})
             self._subscribe()
@@ -2954,7 +2993,15 @@ def run_worker(pipeline: Pipeline, settings: WorkerSettings) -> None:
             )
             _exit_now(EX_TEMPFAIL)
         if worker.hung_jobs:
-            # A normal exit would join the hung threads, i.e. never end.
+            # A normal exit would join the hung threads, i.e. never end. A configuration error
+            # (a superseded worker too) keeps its exit code: a supervisor must not restart it.
+            if isinstance(exc, ConfigurationError):
+                message_file = os.environ.get(MESSAGE_FILE_ENV)
+                if message_file:
+                    with contextlib.suppress(OSError):
+                        Path(message_file).write_text(redact_text(str(exc)))
+                log.error("%s (exit %d)", exc, EX_CONFIG)
+                _exit_now(EX_CONFIG)
             log.error("%s (exit 1)", exc)
             _exit_now(1)
         raise
