@@ -700,6 +700,320 @@ def test_tasks_write_one_table_concurrently(postgres_dsn: str) -> None:
     assert got == {f"t{i}-k{k}": (500.0 + k, 5, 5) for i in range(4) for k in range(200)}
 
 
+# --------------------------------------------------------------------------- lock order, retries
+
+#: Seconds an update of a row that another task wrote (or none) sleeps holding its lock.
+HOLD = 1.0
+
+
+def hold_row_locks(dsn: str, table: str) -> None:
+    """Every update of a row of ``table`` that changes its task sleeps HOLD s (a row trigger)
+    holding the row's lock: time for another writer to come and wait for it."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL(
+                "CREATE FUNCTION {} () RETURNS trigger LANGUAGE plpgsql AS "
+                "'BEGIN PERFORM pg_sleep({}); RETURN NEW; END'"
+            ).format(sql.Identifier(f"{table}_hold"), sql.Literal(HOLD))
+        )
+        conn.execute(
+            sql.SQL(
+                "CREATE TRIGGER hold BEFORE UPDATE ON {} FOR EACH ROW "
+                "WHEN (OLD._snapline_task IS DISTINCT FROM NEW._snapline_task) "
+                "EXECUTE FUNCTION {} ()"
+            ).format(sql.Identifier(table), sql.Identifier(f"{table}_hold"))
+        )
+
+
+def sleeping(dsn: str, task: str) -> bool:
+    """Whether the session of the writer of ``task`` is sleeping in ``pg_sleep``."""
+    rows = query(
+        dsn,
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s "
+        "AND wait_event = 'PgSleep'",
+        f"snapline:pg-test/{task}",
+    )
+    return bool(rows[0][0])
+
+
+def test_writers_of_shared_keys_do_not_deadlock_when_one_applies_row_by_row(
+    postgres_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two tasks write the same keys (a sink not fed by a key_by on the table's key). One
+    checkpoint has a row the database refuses, so it is applied row by row, which locked its
+    rows in seq order while the other task's bulk upsert locked them in key order: with the
+    orders crossed, PostgreSQL aborted one apply (40P01, deadlock_detected), taken for a
+    database down (SinkUnavailableError: the worker exited 75 and was restarted). Both passes
+    now lock in key order: both commits go through, without a deadlock, each exactly once."""
+    table = make_table(postgres_dsn, extra=", CHECK (n IS NULL OR n >= 0)")
+    sink = PostgresSink(postgres_dsn, table, ["customer"])
+    writers = {task: open_writer(sink, task=task) for task in ("shared-0", "shared-1")}
+    for writer in writers.values():
+        writer.recover(None, None)  # connects, adds the fence columns the trigger reads
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("INSERT INTO {} (customer, total) VALUES ('a', 0), ('z', 0)").format(
+                sql.Identifier(table)
+            )
+        )
+    hold_row_locks(postgres_dsn, table)
+    rows = {
+        # Its bulk upsert locks a (key order), then fails on 'bad'; row by row, in seq order,
+        # it locked z, then waited for a, which the other writer had taken meanwhile.
+        "shared-0": [
+            {"customer": "z", "total": 1, "n": 1},
+            {"customer": "a", "total": 2, "n": 1},
+            {"customer": "bad", "total": 3, "n": -1},  # the CHECK refuses it
+            {"customer": "z", "total": 4, "n": 2},  # the last write of a key wins
+            {"customer": "only-0", "total": 5, "n": 1},
+            {"customer": "a", "total": 6, "n": 2},
+        ],
+        "shared-1": [
+            {"customer": "a", "total": 10, "n": 3},
+            {"customer": "z", "total": 11, "n": 3},
+            {"customer": "a", "total": 12, "n": 4},
+            {"customer": "only-1", "total": 13, "n": 3},
+        ],
+    }
+    for task, writer in writers.items():
+        write(writer, rows[task], 1)
+        pre_commit(writer, 1)
+    failures: dict[str, BaseException] = {}
+
+    def commit(task: str) -> None:
+        try:
+            writers[task].commit(1)
+        except BaseException as exc:
+            failures[task] = exc
+
+    threads = {
+        task: threading.Thread(target=commit, args=(task,), name=f"commit-{task}")
+        for task in writers
+    }
+    with caplog.at_level("WARNING", logger="snapline.sinks.postgres"):
+        threads["shared-0"].start()
+        # The other writer starts once shared-0's bulk upsert holds a, so it waits for a.
+        deadline = time.monotonic() + 30
+        while not sleeping(postgres_dsn, "shared-0") and threads["shared-0"].is_alive():
+            assert time.monotonic() < deadline, "shared-0 never held a row lock in 30 s"
+            time.sleep(0.01)
+        threads["shared-1"].start()
+        for thread in threads.values():
+            thread.join(60)
+    assert not any(t.is_alive() for t in threads.values()), "a commit took more than 60 s"
+    assert not failures, failures  # was: SinkUnavailableError ... deadlock detected
+    # No deadlock at all: not one waited out by the sink's retries.
+    assert "rolled back the apply" not in caplog.text, caplog.text
+    # An independent read: each key once, a key's last write in the task that wrote it last.
+    got = {
+        r[0]: (float(r[1]), r[2], r[3], r[4])
+        for r in query(
+            postgres_dsn,
+            f'SELECT customer, total, n, _snapline_checkpoint, _snapline_task FROM "{table}"',
+        )
+    }
+    last = {
+        "shared-0": {"a": (6.0, 2), "z": (4.0, 2), "only-0": (5.0, 1)},
+        "shared-1": {"a": (12.0, 4), "z": (11.0, 3), "only-1": (13.0, 3)},
+    }
+    winner = str(got["a"][3]).removeprefix("pg-test/")
+    assert winner in last and got["z"][3] == got["a"][3], got
+    expected = {
+        key: (*value, 1, f"pg-test/{task}")
+        for task in ("shared-0", "shared-1")
+        for key, value in last[task].items()
+        if key not in ("a", "z") or task == winner
+    }
+    assert got == expected
+    rejected = query(postgres_dsn, f'SELECT row, sqlstate FROM "{table}__snapline_rejected"')
+    assert [(r[0]["customer"], r[1]) for r in rejected] == [("bad", "23514")]
+    assert writers["shared-0"].rows_rejected == 1
+    assert staged(postgres_dsn, table) == 0
+    tasks = query(postgres_dsn, f'SELECT task, checkpoint FROM "{table}__snapline_tasks"')
+    assert sorted(tasks) == [("pg-test/shared-0", 1), ("pg-test/shared-1", 1)]
+    for writer in writers.values():
+        writer.close()
+
+
+@pytest.mark.parametrize("refused", ["a key it cannot read", "a CHECK"])
+def test_row_by_row_applies_in_the_key_order_of_the_keys_type(
+    postgres_dsn: str, refused: str
+) -> None:
+    """The row-by-row pass applies a checkpoint's rows in the bulk upsert's key order (an
+    enum's order here, not its labels' text order), a key's rows in seq order (the last one
+    wins); it did so in seq order. A key PostgreSQL cannot read (a label the enum does not
+    have) makes it read the rows' keys one by one: that row is refused, the others keep the
+    order."""
+    table = f"sizes_{uuid.uuid4().hex[:10]}"
+    kind = sql.Identifier(f"{table}_size")
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE TYPE {} AS ENUM ('small', 'medium', 'large')").format(kind))
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE {} (size {} PRIMARY KEY, total numeric NOT NULL CHECK (total >= 0))"
+            ).format(sql.Identifier(table), kind)
+        )
+        # Which rows were applied, in which order (rolled back with a refused statement).
+        conn.execute(
+            sql.SQL("CREATE TABLE {} (n bigserial, size text, total numeric)").format(
+                sql.Identifier(f"{table}_applied")
+            )
+        )
+        conn.execute(
+            sql.SQL(
+                "CREATE FUNCTION {0} () RETURNS trigger LANGUAGE plpgsql AS 'BEGIN "
+                "INSERT INTO {1} (size, total) VALUES (NEW.size, NEW.total); RETURN NULL; END'"
+            ).format(sql.Identifier(f"{table}_log"), sql.Identifier(f"{table}_applied"))
+        )
+        conn.execute(
+            sql.SQL(
+                "CREATE TRIGGER log AFTER INSERT OR UPDATE ON {} FOR EACH ROW "
+                "EXECUTE FUNCTION {} ()"
+            ).format(sql.Identifier(table), sql.Identifier(f"{table}_log"))
+        )
+    writer = open_writer(PostgresSink(postgres_dsn, table, ["size"]))
+    writer.recover(None, None)
+    bad = {"size": "huge", "total": 3} if refused == "a key it cannot read" else None
+    rows = [
+        {"size": "large", "total": 1},
+        {"size": "small", "total": 2},
+        {"size": "medium", "total": 5},
+        {"size": "small", "total": 4},
+        bad or {"size": "medium", "total": -3},  # the last of its key: the bulk upsert fails
+        {"size": "large", "total": 6},
+    ]
+    write(writer, rows, 1)
+    pre_commit(writer, 1)
+    writer.commit(1)
+    applied = query(postgres_dsn, f'SELECT size, total FROM "{table}_applied" ORDER BY n')
+    assert [(s, float(t)) for s, t in applied] == [
+        ("small", 2.0),
+        ("small", 4.0),
+        ("medium", 5.0),
+        ("large", 1.0),
+        ("large", 6.0),
+    ]
+    final = query(postgres_dsn, f'SELECT size::text AS label, total FROM "{table}" ORDER BY size')
+    assert [(s, float(t)) for s, t in final] == [("small", 4.0), ("medium", 5.0), ("large", 6.0)]
+    rejected = query(postgres_dsn, f'SELECT row, sqlstate FROM "{table}__snapline_rejected"')
+    assert [(r[0], r[1]) for r in rejected] == [(rows[4], "22P02" if bad else "23514")]
+    assert staged(postgres_dsn, table) == 0
+    writer.close()
+
+
+def roll_back_applies(dsn: str, table: str, sqlstate: str, times: int) -> Callable[[], int]:
+    """The first ``times`` statements that write ``table`` raise ``sqlstate`` (a statement
+    trigger; counted by a sequence, which a rollback does not undo), as PostgreSQL does for
+    a deadlock (40P01) or a serialization failure (40001); and how many statements wrote."""
+    sequence = sql.Identifier(f"{table}_writes")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE SEQUENCE {}").format(sequence))
+        body = (
+            sql.SQL(
+                "BEGIN IF nextval({}) <= {} THEN RAISE EXCEPTION 'rolled back by the test' "
+                "USING ERRCODE = {}; END IF; RETURN NULL; END"
+            )
+            .format(
+                sql.Literal(sequence.as_string(conn)), sql.Literal(times), sql.Literal(sqlstate)
+            )
+            .as_string(conn)
+        )
+        conn.execute(
+            sql.SQL("CREATE FUNCTION {} () RETURNS trigger LANGUAGE plpgsql AS {}").format(
+                sql.Identifier(f"{table}_roll_back"), sql.Literal(body)
+            )
+        )
+        conn.execute(
+            sql.SQL(
+                "CREATE TRIGGER roll_back AFTER INSERT OR UPDATE ON {} FOR EACH STATEMENT "
+                "EXECUTE FUNCTION {} ()"
+            ).format(sql.Identifier(table), sql.Identifier(f"{table}_roll_back"))
+        )
+
+    def writes() -> int:
+        with psycopg.connect(dsn) as conn:
+            row = conn.execute(
+                sql.SQL("SELECT last_value, is_called FROM {}").format(sequence)
+            ).fetchone()
+        assert row is not None
+        return int(row[0]) if row[1] else 0
+
+    return writes
+
+
+@pytest.mark.parametrize("sqlstate", ["40P01", "40001"])
+def test_an_apply_rolled_back_for_a_deadlock_is_run_again(
+    postgres_dsn: str, sqlstate: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PostgreSQL rolls the apply's transaction back twice for a deadlock (40P01) or a
+    serialization failure (40001), in its row-by-row pass. That was taken for a database
+    down: SinkUnavailableError, and the worker exited 75 and was restarted. The sink now runs
+    the apply again (logging each retry) and it goes through, exactly once: the refused row
+    is kept once, not once per attempt."""
+    table = make_table(postgres_dsn, extra=", CHECK (n IS NULL OR n >= 0)")
+    writer = open_writer(PostgresSink(postgres_dsn, table, ["customer"]))
+    writer.recover(None, None)
+    writes = roll_back_applies(postgres_dsn, table, sqlstate, times=2)
+    write(
+        writer,
+        [
+            {"customer": "a", "total": 1, "n": 1},
+            {"customer": "bad", "total": 2, "n": -1},  # refused: the row-by-row pass
+            {"customer": "a", "total": 3, "n": 2},
+            {"customer": "b", "total": 4, "n": 1},
+        ],
+        1,
+    )
+    pre_commit(writer, 1)
+    with caplog.at_level("WARNING", logger="snapline.sinks.postgres"):
+        writer.commit(1)  # raised SinkUnavailableError
+    retries = [r.getMessage() for r in caplog.records if "rolled back the apply" in r.getMessage()]
+    assert len(retries) == 2 and all(sqlstate in m for m in retries), retries
+    assert "attempt 2 of 5" in retries[0] and "attempt 3 of 5" in retries[1]
+    # Two rolled back, then a, a and b, each firing the INSERT and the UPDATE statement
+    # triggers (ON CONFLICT DO UPDATE); bad's statement failed before they fire.
+    assert writes() == 2 + 3 * 2
+    assert target(postgres_dsn, table) == {"a": (3.0, 2, 1), "b": (4.0, 1, 1)}
+    rejected = query(postgres_dsn, f'SELECT row, sqlstate FROM "{table}__snapline_rejected"')
+    assert [(r[0]["customer"], r[1]) for r in rejected] == [("bad", "23514")]
+    assert writer.rows_rejected == 1
+    assert staged(postgres_dsn, table) == 0
+    writer.close()
+
+
+def test_an_apply_rolled_back_at_every_attempt_fails_as_before(postgres_dsn: str) -> None:
+    """A deadlock at every attempt: after APPLY_ATTEMPTS of them the commit fails as an
+    outage (SinkUnavailableError: the worker exits 75), staged rows kept, nothing applied;
+    the restarted worker's recovery applies the checkpoint, once."""
+    from snapline.sinks.postgres import APPLY_ATTEMPTS
+
+    table = make_table(postgres_dsn)
+    sink = PostgresSink(postgres_dsn, table, ["customer"])
+    writer = open_writer(sink)
+    writer.recover(None, None)
+    writes = roll_back_applies(postgres_dsn, table, "40P01", times=1000)
+    write(writer, [{"customer": "a", "total": 1}, {"customer": "b", "total": 2}], 1)
+    meta = pre_commit(writer, 1)
+    start = time.monotonic()
+    with pytest.raises(
+        SinkUnavailableError,
+        match=rf"(?s)could not commit checkpoint 1 \({APPLY_ATTEMPTS} attempts\) into .*rolled "
+        r"back by the test.*\(the checkpoint fails and is retried; staged rows are kept\)",
+    ):
+        writer.commit(1)
+    assert time.monotonic() - start < 10, "the retries were not short"
+    assert writes() == APPLY_ATTEMPTS
+    assert target(postgres_dsn, table) == {} and staged(postgres_dsn, table) == 2
+    writer.close()
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP TRIGGER roll_back ON {}").format(sql.Identifier(table)))
+    recovered = open_writer(sink)
+    recovered.recover(1, meta)
+    assert target(postgres_dsn, table) == {"a": (1.0, None, 1), "b": (2.0, None, 1)}
+    assert staged(postgres_dsn, table) == 0
+    recovered.close()
+
+
 # --------------------------------------------------------------------------- outage
 
 

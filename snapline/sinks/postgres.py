@@ -7,15 +7,19 @@ within the checkpoint wins — and deletes them from staging. Every target row c
 ``_snapline_checkpoint`` and ``_snapline_task``; the upsert only overwrites a row written by
 the same task at a checkpoint ≤ n, so a replay never overwrites newer data. Re-running a commit
 finds nothing staged: a no-op. Rows the database refuses at commit (a CHECK constraint, a
-foreign key...) go, in the same transaction, to ``<table>__snapline_rejected``. The sink's
-session has no statement, lock or transaction timeout (``SESSION_TIMEOUTS``): a checkpoint
-that outlasted one failed again at every restart.
+foreign key...) go, in the same transaction, to ``<table>__snapline_rejected``. Both ways of
+applying (the bulk upsert, and row by row when a row is refused) lock the table's rows in key
+order, so two tasks that write the same keys cannot deadlock each other; an apply that
+PostgreSQL rolls back anyway (a deadlock with someone else, a serialization failure) is run
+again, ``APPLY_ATTEMPTS`` times at most, before it is taken for an outage. The sink's session
+has no statement, lock or transaction timeout (``SESSION_TIMEOUTS``): a checkpoint that
+outlasted one failed again at every restart.
 
 Threads: the task thread validates and encodes rows (dead-lettering those that do not fit the
 table) and waits for commit/abort/recover. The background thread of the writer
 (``staging.StagingSinkWriter``) owns the database connection and runs every statement in order:
 the staging COPYs (whose futures ``pre_commit`` returns), the applies and the deletions. It
-reads only immutable encoded rows.
+reads only immutable encoded rows, and sleeps there between attempts of an apply.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import random
 import re
 import socket
 import sys
@@ -32,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import date, datetime, time
 from decimal import Decimal
+from time import sleep
 from typing import Any
 
 import orjson
@@ -73,6 +79,14 @@ IDLE_IN_TRANSACTION_TIMEOUT = 30
 #: work is bounded by the worker's liveness watchdog and checkpoint timeout instead
 #: (``PostgresSinkWriter._lift_timeouts``).
 SESSION_TIMEOUTS = ("statement_timeout", "lock_timeout", "transaction_timeout")
+#: How many times a checkpoint's apply is run when PostgreSQL rolls its transaction back for a
+#: deadlock (40P01) or a serialization failure (40001) before the failure is taken for an
+#: outage (``SinkUnavailableError``: the worker exits 75 and its restart applies it again).
+APPLY_ATTEMPTS = 5
+#: Seconds between the first and the second attempt; the wait doubles after each attempt, up
+#: to ``APPLY_RETRY_MAX_DELAY``, and each wait is jittered (``apply_retry_delay``).
+APPLY_RETRY_DELAY = 0.1
+APPLY_RETRY_MAX_DELAY = 1.0
 _INT_RANGES = {"int2": 2**15, "int4": 2**31, "int8": 2**63}
 
 
@@ -106,6 +120,10 @@ _ROW_REFUSALS = (
     psycopg.errors.ProgramLimitExceeded,
     psycopg.errors.RaiseException,
 )
+#: What PostgreSQL raises when it rolled a whole transaction back for its concurrency with
+#: another one (the other goes on): a deadlock (40P01) or a serialization failure (40001).
+#: Another attempt of the same transaction usually goes through (``PostgresSinkWriter._apply``).
+_ROLLED_BACK = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
 
 #: libpq's sslmode values.
 _SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
@@ -408,7 +426,8 @@ def tasks_ddl(spec: TableSpec) -> sql.Composed:
 def apply_sql(
     spec: TableSpec, single_row: bool = False, staging: sql.Composable | None = None
 ) -> sql.Composed:
-    """Upsert one checkpoint's staged rows (last per key) into the target, fenced.
+    """Upsert one checkpoint's staged rows (last per key) into the target, fenced, in key order
+    (the order in which the rows are locked; the row-by-row apply keeps it: ``key_order_sql``).
 
     Parameters: writer (staging key), token, checkpoint, task (the fence column's value), and
     seq when ``single_row``. ``staging``: the table to read the rows from (the staging table,
@@ -434,7 +453,7 @@ def apply_sql(
         "AND s.checkpoint_id = %(checkpoint)s{row_filter} "
         "ORDER BY {r_keys}, s.seq DESC) "
         "INSERT INTO {target} AS t ({cols}, {chk}, {task}) "
-        "SELECT {cols}, __snapline_checkpoint, %(task)s FROM src "
+        "SELECT {cols}, __snapline_checkpoint, %(task)s FROM src ORDER BY {keys} "
         "ON CONFLICT ({keys}) DO UPDATE SET {updates} "
         "WHERE t.{task} IS DISTINCT FROM EXCLUDED.{task} OR t.{chk} IS NULL "
         "OR t.{chk} <= EXCLUDED.{chk}"
@@ -450,6 +469,65 @@ def apply_sql(
         keys=sql.SQL(", ").join(keys),
         updates=sql.SQL(", ").join(updates),
     )
+
+
+@dataclass(frozen=True)
+class KeyOrderSql:
+    """The statements that put a checkpoint's rows (copied into ``rows``) in the order in which
+    ``apply_sql`` locks their keys, through a temporary table ``keys`` of their keys."""
+
+    #: Creates ``keys`` (seq, key_0, key_1...), its key columns of the target's key columns'
+    #: types and collations, so that they sort as ``apply_sql`` sorts.
+    create: sql.Composed
+    #: Fills ``keys`` with every row's key: the key columns only are read, so a bad value in
+    #: another column does not fail it (a key PostgreSQL cannot read does).
+    fill: sql.Composed
+    #: Fills ``keys`` with the key of the row of seq %(seq)s, read as its apply reads it.
+    fill_row: sql.Composed
+    #: Every row's seq: by key, then by seq (a row without a key in ``keys`` last).
+    ordered: sql.Composed
+
+
+def key_order_sql(spec: TableSpec, rows: sql.Identifier, keys: sql.Identifier) -> KeyOrderSql:
+    """``KeyOrderSql`` for the row-by-row apply of the rows in ``rows``."""
+    names = [f"key_{i}" for i in range(len(spec.key_columns))]
+    picked = sql.SQL(", ").join(
+        sql.SQL("r.{} AS {}").format(sql.Identifier(k), sql.Identifier(n))
+        for k, n in zip(spec.key_columns, names, strict=True)
+    )
+    key_json = sql.SQL("jsonb_build_object({})").format(
+        sql.SQL(", ").join(
+            sql.SQL("{0}::text, s.row -> {0}").format(sql.Literal(k)) for k in spec.key_columns
+        )
+    )
+    select = sql.SQL(
+        "SELECT s.seq, {picked} FROM {rows} AS s "
+        "CROSS JOIN LATERAL jsonb_populate_record(NULL::{target}, {json}) AS r"
+    )
+    whole = select.format(picked=picked, rows=rows, target=spec.target, json=sql.SQL("s.row"))
+    return KeyOrderSql(
+        create=sql.SQL("CREATE TEMPORARY TABLE {} ON COMMIT DROP AS {} WITH NO DATA").format(
+            keys, whole
+        ),
+        fill=sql.SQL("INSERT INTO {} ").format(keys)
+        + select.format(picked=picked, rows=rows, target=spec.target, json=key_json),
+        fill_row=sql.SQL("INSERT INTO {} {} WHERE s.seq = %(seq)s").format(keys, whole),
+        ordered=sql.SQL(
+            "SELECT s.seq FROM {} AS s LEFT JOIN {} AS k ON k.seq = s.seq ORDER BY {}, s.seq"
+        ).format(
+            rows,
+            keys,
+            sql.SQL(", ").join(sql.SQL("k.{}").format(sql.Identifier(n)) for n in names),
+        ),
+    )
+
+
+def apply_retry_delay(attempt: int, rng: random.Random) -> float:
+    """Seconds to wait after the ``attempt``-th (1, 2...) apply that PostgreSQL rolled back:
+    ``APPLY_RETRY_DELAY`` doubled after each attempt, at most ``APPLY_RETRY_MAX_DELAY``, times
+    a random factor from 0.5 to 1, so that two writers that deadlocked do not meet in step."""
+    delay = min(APPLY_RETRY_MAX_DELAY, APPLY_RETRY_DELAY * 2 ** (attempt - 1))
+    return delay * rng.uniform(0.5, 1.0)
 
 
 # --------------------------------------------------------------------------- row checks
@@ -752,6 +830,7 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
         self.rows_rejected = 0
         #: The highest checkpoint id this task applied, read at recovery (None: none).
         self._ids_above: int | None = None
+        self._jitter = random.Random()  # background thread only: apply_retry_delay
 
     # ------------------------------------------------------------------ task thread: rows
     def write(self, record: Record, epoch: int) -> None:
@@ -1104,7 +1183,48 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
             raise self._fail(exc, f"stage checkpoint {checkpoint_id} into") from exc
 
     def _apply(self, token: str, checkpoint_id: int) -> None:
-        """ONE transaction: upsert the checkpoint's staged rows, fenced, and delete them."""
+        """Apply one staged checkpoint (``_apply_once``), again if PostgreSQL rolled its
+        transaction back for a deadlock or a serialization failure (``_ROLLED_BACK``): at most
+        ``APPLY_ATTEMPTS`` times, after a short jittered wait each, before it fails as an
+        outage would (``SinkUnavailableError``; the worker's restart applies it again).
+
+        Running it again is safe: PostgreSQL ended the whole transaction (40P01 and 40001
+        abort the transaction, not the statement; raised inside a savepoint, they leave the
+        outer ``transaction()`` block too, which rolls back), so none of the attempt's upserts,
+        rejected rows, tasks row or staging deletion happened, its advisory lock is released
+        and its temporary tables (created in it) are gone; the staged rows are all still
+        there, and the next attempt reads the same ones. Its refused rows are counted only
+        once the transaction committed. And an apply is idempotent anyway: one that committed
+        deleted its staged rows, so running it again is a no-op."""
+        for attempt in range(1, APPLY_ATTEMPTS + 1):
+            try:
+                refused = self._apply_once(token, checkpoint_id)
+            except _ROLLED_BACK as exc:
+                if attempt == APPLY_ATTEMPTS:
+                    what = f"commit checkpoint {checkpoint_id} ({attempt} attempts) into"
+                    raise self._fail(exc, what) from exc
+                delay = apply_retry_delay(attempt, self._jitter)
+                log.warning(
+                    "%s: PostgreSQL rolled back the apply of checkpoint %d (%s: %s); "
+                    "attempt %d of %d in %.2f s",
+                    self._sink.name,
+                    checkpoint_id,
+                    exc.sqlstate,
+                    (str(exc).strip().splitlines() or [""])[0],
+                    attempt + 1,
+                    APPLY_ATTEMPTS,
+                    delay,
+                )
+                sleep(delay)
+            except psycopg.Error as exc:
+                raise self._fail(exc, f"commit checkpoint {checkpoint_id} into") from exc
+            else:
+                self.rows_rejected += refused
+                return
+
+    def _apply_once(self, token: str, checkpoint_id: int) -> int:
+        """ONE transaction: upsert the checkpoint's staged rows, fenced, and delete them.
+        Returns how many rows PostgreSQL refused (kept in the rejected table)."""
         spec = self._spec
         assert spec is not None
         params = {
@@ -1113,50 +1233,57 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
             "checkpoint": checkpoint_id,
             "task": self.task_key,
         }
-        try:
-            connection = self._conn()
-            with connection.transaction(), connection.cursor() as cursor:
-                # One apply of a staged checkpoint at a time (its old owner's commit and its
-                # new owner's recovery can meet): the second finds the rows gone, a no-op,
-                # instead of copying refused rows to the rejected table a second time.
-                cursor.execute(
-                    "SELECT pg_advisory_xact_lock(hashtext(%s))",
-                    (f"snapline-apply:{self.writer_key}:{token}:{checkpoint_id}",),
+        refused = 0
+        connection = self._conn()
+        with connection.transaction(), connection.cursor() as cursor:
+            # One apply of a staged checkpoint at a time (its old owner's commit and its
+            # new owner's recovery can meet): the second finds the rows gone, a no-op,
+            # instead of copying refused rows to the rejected table a second time.
+            cursor.execute(
+                "SELECT pg_advisory_xact_lock(hashtext(%s))",
+                (f"snapline-apply:{self.writer_key}:{token}:{checkpoint_id}",),
+            )
+            try:
+                with connection.transaction():  # a savepoint
+                    cursor.execute(apply_sql(spec), params)
+            except _ROW_REFUSALS as exc:
+                log.warning(
+                    "%s: checkpoint %d has rows PostgreSQL refuses (%s); applying row by row",
+                    self._sink.name,
+                    checkpoint_id,
+                    exc.sqlstate,
                 )
-                try:
-                    with connection.transaction():  # a savepoint
-                        cursor.execute(apply_sql(spec), params)
-                except _ROW_REFUSALS as exc:
-                    log.warning(
-                        "%s: checkpoint %d has rows PostgreSQL refuses (%s); applying row by row",
-                        self._sink.name,
-                        checkpoint_id,
-                        exc.sqlstate,
-                    )
-                    self._apply_row_by_row(cursor, spec, params)
-                self._context.fault_point("mid_sink_apply")
-                cursor.execute(
-                    sql.SQL(
-                        "INSERT INTO {0} AS t (task, checkpoint) VALUES (%(task)s, "
-                        "%(checkpoint)s) ON CONFLICT (task) DO UPDATE SET checkpoint = "
-                        "GREATEST(t.checkpoint, EXCLUDED.checkpoint)"
-                    ).format(spec.tasks),
-                    params,
-                )
-                cursor.execute(
-                    sql.SQL(
-                        "DELETE FROM {} WHERE writer = %(writer)s AND ("
-                        "(token = %(token)s AND checkpoint_id = %(checkpoint)s) OR "
-                        "(token <> %(mine)s AND checkpoint_id <= %(checkpoint)s))"
-                    ).format(spec.staging),
-                    {**params, "mine": self.token},
-                )
-        except psycopg.Error as exc:
-            raise self._fail(exc, f"commit checkpoint {checkpoint_id} into") from exc
+                refused = self._apply_row_by_row(cursor, spec, params)
+            self._context.fault_point("mid_sink_apply")
+            cursor.execute(
+                sql.SQL(
+                    "INSERT INTO {0} AS t (task, checkpoint) VALUES (%(task)s, "
+                    "%(checkpoint)s) ON CONFLICT (task) DO UPDATE SET checkpoint = "
+                    "GREATEST(t.checkpoint, EXCLUDED.checkpoint)"
+                ).format(spec.tasks),
+                params,
+            )
+            cursor.execute(
+                sql.SQL(
+                    "DELETE FROM {} WHERE writer = %(writer)s AND ("
+                    "(token = %(token)s AND checkpoint_id = %(checkpoint)s) OR "
+                    "(token <> %(mine)s AND checkpoint_id <= %(checkpoint)s))"
+                ).format(spec.staging),
+                {**params, "mine": self.token},
+            )
+        return refused
 
     def _apply_row_by_row(
         self, cursor: psycopg.Cursor[Any], spec: TableSpec, params: dict[str, Any]
-    ) -> None:
+    ) -> int:
+        """Apply the checkpoint's rows one statement each, keeping the ones PostgreSQL refuses
+        in the rejected table (in the caller's transaction); returns how many it refused.
+
+        In key order, as the bulk upsert locks them, and a key's rows in seq order (its last
+        row applied last: the last write of a key wins, as in the bulk upsert, unless the
+        database refuses it). In seq order, this pass and another writer's bulk upsert (or
+        its row-by-row pass) took the locks of shared keys in crossed orders and deadlocked
+        (40P01), which cost the worker a restart."""
         # The checkpoint's rows in a temporary table indexed by seq: each single-row
         # statement looked its row up in the staging table by (writer, checkpoint) only, a
         # scan of the checkpoint's rows per row (a checkpoint of 100k rows with one refused
@@ -1172,15 +1299,15 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
         )
         cursor.execute(sql.SQL("CREATE INDEX ON {} (seq)").format(rows))
         cursor.execute(sql.SQL("ANALYZE {}").format(rows))
-        seqs = cursor.execute(sql.SQL("SELECT seq FROM {} ORDER BY seq").format(rows)).fetchall()
         single = apply_sql(spec, single_row=True, staging=rows)
         connection = cursor.connection
-        for (seq,) in seqs:
+        refused = 0
+        for seq in self._in_key_order(cursor, spec, rows):
             try:
                 with connection.transaction():
                     cursor.execute(single, {**params, "seq": seq})
             except _ROW_REFUSALS as exc:
-                self.rows_rejected += 1
+                refused += 1
                 cursor.execute(
                     sql.SQL(
                         "INSERT INTO {} (writer, checkpoint_id, seq, row, sqlstate, error) "
@@ -1198,6 +1325,32 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
                     exc.sqlstate,
                     spec.rejected.as_string(connection),
                 )
+        return refused
+
+    def _in_key_order(
+        self, cursor: psycopg.Cursor[Any], spec: TableSpec, rows: sql.Identifier
+    ) -> list[int]:
+        """The seqs of the rows in ``rows`` by key, sorted as the bulk upsert sorts them (the
+        key columns' types and collations), then by seq (``key_order_sql``)."""
+        statements = key_order_sql(spec, rows, sql.Identifier("snapline_apply_keys"))
+        connection = cursor.connection
+        cursor.execute(statements.create)
+        try:
+            with connection.transaction():
+                cursor.execute(statements.fill)
+        except _ROW_REFUSALS:
+            # A key PostgreSQL cannot read (a bad enum label, inet...; or a NOT NULL domain
+            # column, read as NULL without the row's other values): read each row's key as
+            # its apply reads the row. A row that cannot be read is refused by its apply
+            # before it locks anything, so where it comes (last) does not matter.
+            seqs = cursor.execute(sql.SQL("SELECT seq FROM {} ORDER BY seq").format(rows))
+            for (seq,) in seqs.fetchall():
+                try:
+                    with connection.transaction():
+                        cursor.execute(statements.fill_row, {"seq": seq})
+                except _ROW_REFUSALS:
+                    pass
+        return [int(seq) for (seq,) in cursor.execute(statements.ordered).fetchall()]
 
     def _applied_id(self) -> int | None:
         """The highest checkpoint id this task applied to the table (``tasks_ddl``)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import sys
 import uuid
 from datetime import date, datetime
@@ -11,16 +12,22 @@ from typing import Any
 
 import orjson
 import pytest
+from psycopg import sql
 
 from snapline.pipeline.errors import ConfigurationError
 from snapline.sinks.postgres import (
+    APPLY_ATTEMPTS,
+    APPLY_RETRY_DELAY,
+    APPLY_RETRY_MAX_DELAY,
     MAX_IDENTIFIER,
     ColumnSpec,
     PostgresSink,
     RowEncoder,
     TableSpec,
+    apply_retry_delay,
     apply_sql,
     derived_name,
+    key_order_sql,
     rejected_ddl,
     split_table_name,
     staging_ddl,
@@ -79,6 +86,51 @@ def test_apply_sql_is_one_fenced_upsert_of_the_last_row_per_key() -> None:
     assert "SELECT " + '"customer", "total"' in text and "__snapline_checkpoint, %(task)s" in text
     assert "%(seq)s" not in text
     assert "s.seq = %(seq)s" in render(apply_sql(SPEC, single_row=True))
+    # Rows are inserted, so locked, in key order (the row-by-row apply keeps it).
+    assert 'FROM src ORDER BY "customer" ON CONFLICT' in text
+
+
+def test_the_row_by_row_order_is_the_upserts_key_order_then_seq() -> None:
+    spec = TableSpec(
+        "public",
+        "pairs",
+        (
+            ColumnSpec("a", "int8", "bigint", is_key=True),
+            ColumnSpec("seq", "text", "text", is_key=True),  # names of its own never clash
+            ColumnSpec("v", "text", "text"),
+        ),
+        ("a", "seq"),
+    )
+    order = key_order_sql(spec, sql.Identifier("rows"), sql.Identifier("keys"))
+    populate = 'jsonb_populate_record(NULL::"public"."pairs", '
+    # Typed as the target's key columns (their types and collations sort as the upsert's).
+    assert render(order.create) == (
+        'CREATE TEMPORARY TABLE "keys" ON COMMIT DROP AS SELECT s.seq, r."a" AS "key_0", '
+        'r."seq" AS "key_1" FROM "rows" AS s CROSS JOIN LATERAL ' + populate + "s.row) AS r "
+        "WITH NO DATA"
+    )
+    # Every row's key at once, reading the key columns only.
+    assert populate + "jsonb_build_object('a'::text, s.row -> 'a', 'seq'::text, " in render(
+        order.fill
+    )
+    assert render(order.fill).startswith('INSERT INTO "keys" SELECT s.seq, r."a" AS "key_0"')
+    # One row, read whole as its apply reads it.
+    assert render(order.fill_row).endswith(populate + "s.row) AS r WHERE s.seq = %(seq)s")
+    assert render(order.ordered) == (
+        'SELECT s.seq FROM "rows" AS s LEFT JOIN "keys" AS k ON k.seq = s.seq '
+        'ORDER BY k."key_0", k."key_1", s.seq'
+    )
+
+
+def test_retries_of_a_rolled_back_apply_are_few_short_and_jittered() -> None:
+    rng = random.Random(1)
+    delays = [[apply_retry_delay(a, rng) for a in range(1, APPLY_ATTEMPTS)] for _ in range(200)]
+    for attempt, seen in enumerate(zip(*delays, strict=True), start=1):
+        most = min(APPLY_RETRY_MAX_DELAY, APPLY_RETRY_DELAY * 2 ** (attempt - 1))
+        assert all(most / 2 <= d <= most for d in seen)
+        assert len(set(seen)) > 100  # two writers that deadlocked do not retry in step
+    assert 2 <= APPLY_ATTEMPTS <= 10
+    assert sum(max(s) for s in zip(*delays, strict=True)) < 5  # the worker waits seconds at most
 
 
 def test_composite_keys_and_key_only_tables() -> None:
