@@ -294,14 +294,19 @@ def test_sigterm_takes_final_checkpoint_and_exits_cleanly(
     assert verify_totals(outputs, expected, range(5000)).ok
 
 
+@pytest.mark.parametrize("slow_storage", [False, True], ids=["storage", "slow-storage"])
 def test_rebalance_commits_the_work_done_instead_of_redoing_it(
-    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str, slow_storage: bool
 ) -> None:
     """A second worker joins long before the first one's next periodic checkpoint: the first
     commits everything it read while its partitions are revoked, so the group's committed
     offsets cover all input at once and nothing is processed twice. (A restored worker's
     first checkpoint comes right after its first input, so the test feeds a first batch,
-    waits for that checkpoint, and then the input the rebalance must commit.)"""
+    waits for that checkpoint, and then the input the rebalance must commit.)
+
+    With slow storage (3 s per write) that final checkpoint takes longer than the first
+    worker's liveness timeout (5 s): its task thread waits for it in a loop that tells the
+    watchdog it is alive, so the worker is not ended in the middle of it."""
     prefix = f"{unique_name}-"
     create_topics(kafka_bootstrap, {f"{prefix}orders": 4, f"{prefix}customer-totals": 4})
     env = {
@@ -317,7 +322,10 @@ def test_rebalance_commits_the_work_done_instead_of_redoing_it(
     )
     first = 200
     expected = produce_orders(kafka_bootstrap, f"{prefix}orders", first, 50)
-    a.start()
+    if slow_storage:
+        a.start({"SNAPLINE_TEST_STORAGE_WRITE_DELAY": "3"}, ["--liveness-timeout", "5"])
+    else:
+        a.start()
     try:
         deadline = time.monotonic() + 60
         while not any(e.get("event") == "checkpoint" for e in read_events(a.metrics_path)):
@@ -338,9 +346,12 @@ def test_rebalance_commits_the_work_done_instead_of_redoing_it(
             time.sleep(0.5)
             committed = _committed_sum(kafka_bootstrap, unique_name, prefix)
         assert committed == total, f"committed {committed} of {total} offsets\n{a.tail()}"
+        assert a.alive, a.tail()
         events = read_events(a.metrics_path)
         revokes = [e for e in events if e["event"] == "revoke_checkpoint"]
         assert revokes and revokes[0]["committed"], events
+        if slow_storage:  # longer than the liveness timeout, or the test proves nothing
+            assert revokes[0]["seconds"] > 5, revokes
         outputs = read_committed(kafka_bootstrap, f"{prefix}customer-totals", total, timeout=30)
         assert verify_totals(outputs, expected, range(total)).ok
         # b restored a's checkpoint and found nothing left to do: no order was processed twice
