@@ -40,6 +40,7 @@ def _configuration_error(exc: ConfigurationError) -> NoReturn:
     the supervisor, which stops the job and prints it once for all its workers."""
     message_file = os.environ.get(MESSAGE_FILE_ENV)
     if message_file:
+        Path(message_file).parent.mkdir(exist_ok=True)  # a cleaner of /tmp may have removed it
         Path(message_file).write_text(redact_text(str(exc)))
         log.error("configuration error: exiting with %d (the supervisor prints why)", EX_CONFIG)
         sys.exit(EX_CONFIG)

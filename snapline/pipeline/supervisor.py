@@ -90,9 +90,16 @@ def report_committed(checkpoints_committed: int) -> None:
     if not path:
         return  # not started by a supervisor
     try:
-        Path(path).touch()
+        _touch(Path(path))
     except OSError as exc:
         log.warning("could not tell the supervisor of the first committed checkpoint: %s", exc)
+
+
+def _touch(path: Path) -> None:
+    """Create ``path``, and its directory if a cleaner of /tmp removed it (by age, during a
+    long run)."""
+    path.parent.mkdir(exist_ok=True)
+    path.touch()
 
 
 def idle_healthy_after() -> float | None:
@@ -112,7 +119,7 @@ def report_idle_healthy() -> None:
     if not path:
         return
     try:
-        Path(path).touch()
+        _touch(Path(path))
     except OSError as exc:
         log.warning("could not tell the supervisor that this worker is idle and well: %s", exc)
 
@@ -250,6 +257,9 @@ class Supervisor:
         self.failure_message: str | None = None
         self._stopping = False
         self._messages = Path(tempfile.mkdtemp(prefix="snapline-supervisor-"))
+        #: Whether each worker's current run was seen healthy (its file, looked at every poll:
+        #: a cleaner of /tmp may remove it before the worker exits).
+        self.healthy: dict[str, bool] = {}
 
     def _command(self, worker_id: str) -> list[str]:
         return [
@@ -284,8 +294,11 @@ class Supervisor:
     def _start(self, worker_id: str) -> None:
         """Start the worker, unless the supervisor is stopping. A stop signal that comes
         meanwhile waits (blocked) until the child is in ``children``, where ``stop`` finds it."""
+        # A cleaner of /tmp (by age: systemd-tmpfiles) may have removed it during a long run.
+        self._messages.mkdir(parents=True, exist_ok=True)
         self._message_file(worker_id).unlink(missing_ok=True)
         self._committed_file(worker_id).unlink(missing_ok=True)
+        self.healthy[worker_id] = False
         env = {
             **os.environ,
             **self.extra_env,
@@ -349,11 +362,13 @@ class Supervisor:
                     self._start(worker_id)
             for worker_id, child in list(self.children.items()):
                 code = child.poll()
+                if not self.healthy.get(worker_id):
+                    self.healthy[worker_id] = self._committed_file(worker_id).exists()
                 if code is None:
                     continue
                 del self.children[worker_id]
                 ran_for = now - self.started_at[worker_id]
-                healthy = self._committed_file(worker_id).exists()
+                healthy = self.healthy[worker_id]
                 decision = decide(
                     code, healthy, self.failures[worker_id], self.policy, self._stopping
                 )

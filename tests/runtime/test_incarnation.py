@@ -123,3 +123,21 @@ def test_a_mark_that_cannot_be_read_stops_nobody(tmp_path: Path, damage: str) ->
         path.write_bytes(bytes(data))
     incarnation.check_current(storage, "job", "w0", me, "producer was fenced")
     _register(storage, tmp_path / "host2")
+
+
+def test_a_stop_during_the_wait_for_the_holder_writes_nothing(tmp_path: Path) -> None:
+    storage = CheckpointStorage(str(tmp_path / "chk"))
+    _register(storage, tmp_path / "host1")
+    holder = _register(storage, tmp_path / "host2")
+    stops = iter([False, False, True])
+    with pytest.raises(incarnation.StopRequested):
+        incarnation.register(
+            storage,
+            "job",
+            "w0",
+            tmp_path / "host1" / "job.incarnation",
+            _answers(True),
+            60.0,
+            stopping=lambda: next(stops),
+        )
+    incarnation.check_current(storage, "job", "w0", holder, "producer was fenced")  # unmoved

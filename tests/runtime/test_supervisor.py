@@ -111,8 +111,13 @@ def test_report_committed_creates_the_file_at_the_first_checkpoint_only(
     # not supervised: nothing to do
     monkeypatch.delenv(COMMITTED_FILE_ENV)
     report_committed(1)
-    # a directory gone (the supervisor died): logged, the worker goes on
-    monkeypatch.setenv(COMMITTED_FILE_ENV, str(tmp_path / "gone" / "w0.committed"))
+    # its directory removed by a cleaner of /tmp during a long run: made again
+    again = tmp_path / "cleaned" / "w0.committed"
+    monkeypatch.setenv(COMMITTED_FILE_ENV, str(again))
+    report_committed(1)
+    assert again.exists()
+    # nowhere to write it: logged, the worker goes on
+    monkeypatch.setenv(COMMITTED_FILE_ENV, str(tmp_path / "gone" / "gone" / "w0.committed"))
     with caplog.at_level(logging.WARNING):
         report_committed(1)
     assert "first committed checkpoint" in caplog.text
@@ -154,6 +159,14 @@ sys.exit({EX_CONFIG})
 COMMITS_THEN_CRASHES = f"""
 import os, sys
 open(os.environ[{COMMITTED_FILE_ENV!r}], "w").close()
+sys.exit(1)
+"""
+# Commits a checkpoint, then its file is removed (a cleaner of /tmp) before it crashes.
+COMMITS_THEN_CLEANED_THEN_CRASHES = f"""
+import os, sys, time
+open(os.environ[{COMMITTED_FILE_ENV!r}], "w").close()
+time.sleep(1.0)  # five polls of the supervisor
+os.unlink(os.environ[{COMMITTED_FILE_ENV!r}])
 sys.exit(1)
 """
 # Runs until SIGTERM, then exits 0 like a worker after its final checkpoint.
@@ -259,6 +272,16 @@ def test_idle_healthy_after_is_read_only_under_a_supervisor(
     assert idle_healthy_after() is None
     report_idle_healthy()
     assert path.exists()
+
+
+def test_a_healthy_run_stays_healthy_when_its_file_is_removed_before_it_ends() -> None:
+    """The supervisor notes a run's health while it runs: a cleaner of /tmp removing the
+    file during a long run does not make the run's crash count against the worker."""
+    policy = RestartPolicy(initial_backoff=0.05, max_backoff=0.1, max_failures=3)
+    sup = LongRuns({"w0": COMMITS_THEN_CLEANED_THEN_CRASHES}, policy)
+    sup.limit = 5
+    sup.run()
+    assert sup.failures_at_start["w0"] == [0, 1, 1, 1, 1]  # never given up
 
 
 def test_runs_that_commit_reset_the_failures_however_short() -> None:

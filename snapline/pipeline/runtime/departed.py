@@ -46,7 +46,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from confluent_kafka import Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
 from snapline.pipeline.errors import ConfigurationError
@@ -175,8 +175,13 @@ def group_instances(
     DescribeGroups whose coordinator lookup times out can abort the process later, and the
     callers ask exactly when a coordinator may be slow)."""
     admin = AdminClient(kafka_config)
-    if not listed_groups(admin, timeout, [group]).get(group):
-        return set()
+    listed = listed_groups(admin, timeout, [group])
+    if group not in listed:
+        # No broker listed it and none failed: its coordinator may be missing from the
+        # metadata (no leader for its __consumer_offsets partition). Not "no members".
+        raise KafkaException(KafkaError(KafkaError._UNKNOWN_GROUP, f"group {group} not listed"))
+    if not listed[group]:
+        return set()  # listed as empty or dead: no members
     future = admin.describe_consumer_groups([group], request_timeout=timeout)[group]
     description = future.result(timeout=timeout)
     return {m.group_instance_id for m in description.members if m.group_instance_id}

@@ -65,6 +65,10 @@ class SupersededError(ConfigurationError):
     """A later process with this worker id took over: this one stops (exit 78)."""
 
 
+class StopRequested(Exception):
+    """The worker was told to stop while ``register`` waited."""
+
+
 @dataclass(frozen=True)
 class Incarnation:
     """One process of a worker id: a random token, and where and when it started."""
@@ -91,13 +95,15 @@ def register(
     local_token: Path,
     holder_is_member: Callable[[], bool | None],
     wait: float,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> Incarnation:
     """Write this process's mark, replacing an earlier incarnation's, and keep its token in
     ``local_token`` (a file in the worker's local directory); returns the mark.
 
     SupersededError when another host took the id since this local directory's last
     incarnation and its holder is still a member of the group after ``wait`` seconds
-    (``holder_is_member``: True, False, or None when Kafka cannot say)."""
+    (``holder_is_member``: True, False, or None when Kafka cannot say). StopRequested when
+    ``stopping`` says so during that wait: nothing is written then."""
     mine = _read_local(local_token)
     try:
         newest: Incarnation | None = read(storage, job, worker_id)
@@ -118,10 +124,14 @@ def register(
                     "session timeout has passed; if both are meant to run, give each its "
                     "own --worker-id (SNAPLINE_WORKER_ID)"
                 )
-            time.sleep(1.0)
+            for _ in range(10):
+                if stopping():
+                    raise StopRequested
+                time.sleep(0.1)
         log.warning(
             "worker %s: another process (%s) had this worker id since this host's last "
-            "process of it, and is gone from the group: taking it back",
+            "process of it, and is gone from the group (or Kafka could not say): taking it "
+            "back",
             worker_id,
             newest.describe(),
         )

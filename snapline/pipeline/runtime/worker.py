@@ -660,6 +660,7 @@ class Worker:
 
     def _restore(self, partitions: list[TopicPartition]) -> dict[tuple[str, int], int]:
         """Rebuild the tasks of ``partitions`` from their committed checkpoints."""
+        restore_started = time.monotonic()
         by_task: dict[str, list[TopicPartition]] = defaultdict(list)
         for tp in partitions:
             by_task[task_id_for(self._stage_of_topic[tp.topic], tp.partition)].append(tp)
@@ -707,7 +708,9 @@ class Worker:
         self._last_trigger = time.monotonic()
         self._records_at_trigger = 0
         self._first_after_restore = True
-        self._quiet_since = time.monotonic()  # a restore is not a quiet time (supervisor)
+        # A restore's time is not quiet time (a crash after each long restore is a crash
+        # loop), but a short one (a rebalance) does not undo the quiet time before it.
+        self._quiet_since += time.monotonic() - restore_started
         return seek
 
     def _commit_latest_starts(self) -> None:
@@ -2041,6 +2044,7 @@ class Worker:
     def _count_failure(self, exc: Exception) -> None:
         """One more checkpoint failed in a row; past the tolerance the worker stops. A broker
         outage is waited out (_fail_checkpoint), not held against the job."""
+        self._quiet_since = time.monotonic()  # not a quiet run (supervisor)
         if not isinstance(exc, BrokerOutageError):
             self._failures += 1
         log.error("checkpoint failed (%d in a row): %s", self._failures, exc)
@@ -2072,7 +2076,6 @@ class Worker:
 
     def _fail_checkpoint(self, exc: Exception) -> None:
         """Abort the epoch and restore every task from its committed checkpoint."""
-        self._quiet_since = time.monotonic()
         if isinstance(exc, FencedError):
             # Before the failure counts: a superseded worker stops with exit 78, not with a
             # "too many failed checkpoints" exit 1 that its supervisor restarts.
@@ -2284,18 +2287,23 @@ class Worker:
         """Mark this process as the newest of its worker id (runtime/incarnation.py); it may
         wait up to a session timeout and a margin for another host's holder of the id to
         leave the group, or stop (SupersededError, exit 78)."""
-        wait = float(self._consumer_config()["session.timeout.ms"]) / 1000 + 5
+        # A holder being stopped stays a member for up to its STOP_BOUND, then the session.
+        wait = float(self._consumer_config()["session.timeout.ms"]) / 1000 + STOP_BOUND + 5
         self.liveness.allow(wait + 45)  # each membership read is bounded (10 s + 5 s)
-        self.incarnation = incarnation.register(
-            self.storage,
-            self.pipeline.name,
-            self.settings.worker_id,
-            self.local_dir / f"{self.pipeline.name}.incarnation",
-            lambda: departed.is_member(
-                self._kafka_config, self.pipeline.name, self.settings.worker_id
-            ),
-            wait,
-        )
+        try:
+            self.incarnation = incarnation.register(
+                self.storage,
+                self.pipeline.name,
+                self.settings.worker_id,
+                self.local_dir / f"{self.pipeline.name}.incarnation",
+                lambda: departed.is_member(
+                    self._kafka_config, self.pipeline.name, self.settings.worker_id
+                ),
+                wait,
+                stopping=lambda: self._stopping,
+            )
+        except incarnation.StopRequested:
+            raise _StopNow("stopped while waiting for the worker id's holder to leave") from None
 
     def _check_incarnation(self, what: str) -> None:
         """Before a client is replaced: SupersededError (exit 78) if a later process with this
