@@ -24,8 +24,10 @@ A run is healthy when the worker says so by creating the file named by
 minutes or hours (checkpoints that time out, a crash right after a long restore) is a crash
 loop, not a string of healthy runs. The worker creates it at its first committed checkpoint
 (``report_committed``), or once it was quiet for ``idle_healthy_after`` (30 minutes, passed in
-``IDLE_HEALTHY_ENV``) in a row: no restore running, no checkpoint failed, so nothing to
-commit (no partitions, no input since its last restore; ``report_idle_healthy``). The rare
+``IDLE_HEALTHY_ENV``): no checkpoint failed in that time and its restores' time not counted,
+so nothing to commit (no partitions, no input since its last restore;
+``report_idle_healthy``). The supervisor looks at the file at every poll while the worker
+runs (a cleaner of /tmp may remove it before the worker exits). The rare
 crashes of a job idle for days then do not add up to giving up, while a worker whose every run
 ends in failures, however long it lasts, is given up on. (Before, any run of 30 minutes counted
 as healthy: a worker that crashed after each restore of more than 30 minutes was restarted
