@@ -363,8 +363,8 @@ class Worker:
         #: (runtime/incarnation.py).
         self.incarnation: incarnation.Incarnation | None = None
         #: A supervised worker quiet this long in a row reports its run healthy without a
-        #: committed checkpoint (supervisor.py); quiet since (monotonic) the worker started,
-        #: its last restore ended or its last checkpoint failed.
+        #: committed checkpoint (supervisor.py); quiet since (monotonic) the worker started
+        #: or its last checkpoint failed, moved on by the time each restore took.
         self._idle_healthy_after = idle_healthy_after()
         self._quiet_since = time.monotonic()
         transactional_id = (
@@ -2439,9 +2439,9 @@ class Worker:
             self._close()
 
     def _report_idle_healthy(self, now: float) -> None:
-        """Once per run, for a supervisor: healthy after ``_idle_healthy_after`` seconds in a
-        row with no restore running and no checkpoint failing (a worker that commits reports
-        at its first commit instead)."""
+        """Once per run, for a supervisor: healthy after ``_idle_healthy_after`` seconds with
+        no checkpoint failing, restores' time not counted (``_quiet_since``; a worker that
+        commits reports at its first commit instead)."""
         after = self._idle_healthy_after
         if after is not None and now - self._quiet_since >= after:
             self._idle_healthy_after = None
