@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +31,7 @@ from snapline.connectors.local.postgres import LocalPostgres
 from snapline.pipeline.errors import ConfigurationError, SinkError, SinkUnavailableError
 from snapline.pipeline.record import Record
 from snapline.pipeline.sink import SinkContext
+from snapline.sinks import postgres as postgres_module
 from snapline.sinks.postgres import PostgresSink, PostgresSinkWriter
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]
@@ -549,8 +551,8 @@ def test_applies_that_outlast_the_statement_timeout_of_the_dsn_or_role_go_throug
     (``options=-c statement_timeout=...``) statement_timeout. PostgreSQL canceled it (57014,
     an OperationalError), which was taken for a database down: the worker exited 75, and its
     restart applied the same checkpoint again, canceled again, without end. The sink's session
-    now has no statement timeout (the worker's liveness watchdog bounds it): each checkpoint
-    is applied, and a recovery too, exactly once."""
+    now bounds its statements at SESSION_TIMEOUT (10 minutes): each checkpoint is applied, and
+    a recovery too, exactly once."""
     table = make_table(postgres_dsn)
     dsn, cleanup = timeout_dsn(postgres_dsn, table, how, ("statement_timeout", "lock_timeout"))
     try:
@@ -583,7 +585,7 @@ def test_applies_that_outlast_the_statement_timeout_of_the_dsn_or_role_go_throug
         assert target(postgres_dsn, table) == expected  # no loss, no duplicate, no stale value
         assert staged(postgres_dsn, table) == 0
         assert query(postgres_dsn, f'SELECT count(*) FROM "{table}__snapline_rejected"') == [(0,)]
-        for setting in ("statement_timeout", "lock_timeout"):  # the sink says what it lifted
+        for setting in ("statement_timeout", "lock_timeout"):  # the sink says what it raised
             assert f"{setting} = {TINY_TIMEOUT}ms" in caplog.text
     finally:
         cleanup()
@@ -594,7 +596,8 @@ def test_an_apply_waits_for_a_lock_past_the_lock_timeout_of_the_dsn(postgres_dsn
     apply's wait ended in 55P03 (an OperationalError), taken for a database down: the worker
     exited 75, and every restart applied the checkpoint again while the lock was held. The
     apply now waits for the lock (a lock held too long ends the worker at its liveness
-    timeout, integration_tests/test_sink_lock.py) and goes through."""
+    timeout, integration_tests/test_sink_lock.py, and its session's wait at SESSION_TIMEOUT)
+    and goes through."""
     table = make_table(postgres_dsn)
     dsn, _ = timeout_dsn(postgres_dsn, table, "dsn", ("lock_timeout",))
     writer = open_writer(PostgresSink(dsn, table, ["customer"]))
@@ -632,6 +635,129 @@ def test_an_apply_waits_for_a_lock_past_the_lock_timeout_of_the_dsn(postgres_dsn
     writer.close()
 
 
+def session_settings(writer: PostgresSinkWriter, names: tuple[str, ...]) -> dict[str, str]:
+    """``SHOW`` of each of ``names`` the server has, on the writer's own connection."""
+
+    def show() -> dict[str, str]:
+        connection = writer._conn()
+        found = connection.execute(
+            "SELECT name FROM pg_settings WHERE name = ANY(%s)", (list(names),)
+        ).fetchall()
+        shown = {}
+        for (name,) in found:
+            row = connection.execute(sql.SQL("SHOW {}").format(sql.Identifier(name))).fetchone()
+            assert row is not None
+            shown[name] = str(row[0])
+        return shown
+
+    return writer._call(show)
+
+
+SESSION_SETTINGS = (
+    "statement_timeout",
+    "lock_timeout",
+    "transaction_timeout",
+    "client_connection_check_interval",
+)
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ("", ("10min", "10min", "10min", "10s")),
+        # A role's or DSN's short timeout is raised to the sink's bound.
+        (
+            f"-c statement_timeout={TINY_TIMEOUT} -c lock_timeout={TINY_TIMEOUT}",
+            ("10min",) * 3 + ("10s",),
+        ),
+        # A longer one, and a check interval, set in the DSN are kept.
+        (
+            "-c statement_timeout=2h -c lock_timeout=3h -c client_connection_check_interval=30s",
+            ("2h", "3h", "10min", "30s"),
+        ),
+    ],
+)
+def test_the_sinks_session_bounds_its_statements_and_checks_its_client(
+    postgres_dsn: str, options: str, expected: tuple[str, ...]
+) -> None:
+    """The sink's session set statement_timeout, lock_timeout and transaction_timeout to 0: a
+    backend waiting for a lock (someone's ALTER TABLE, an idle transaction) stayed queued for
+    as long as the lock was held, after its worker had exited 75 at its liveness timeout (or
+    forever, with the watchdog off), one more at every restart, each holding a connection
+    slot. Now they are finite, and the backend checks that its client is still there."""
+    from psycopg.conninfo import make_conninfo
+
+    table = make_table(postgres_dsn)
+    dsn = make_conninfo(postgres_dsn, options=options) if options else postgres_dsn
+    writer = open_writer(PostgresSink(dsn, table, ["customer"]))
+    writer.recover(None, None)
+    settings = session_settings(writer, SESSION_SETTINGS)
+    writer.close()
+    wanted = {n: e for n, e in zip(SESSION_SETTINGS, expected, strict=True) if n in settings}
+    assert settings == wanted
+    assert "statement_timeout" in settings and "client_connection_check_interval" in settings
+
+
+def test_a_sink_session_waiting_for_a_lock_ends_once_its_client_is_gone(
+    postgres_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker whose apply waits for a lock is ended by its liveness watchdog (exit 75). Its
+    backend, waiting for the lock, did not read from the closed connection: it stayed in the
+    lock's queue, holding a connection slot, until the lock was released (the session had no
+    lock_timeout), and every restart left one more. Now it checks its client while it waits
+    (client_connection_check_interval, 1 s here instead of 10 s) and ends."""
+    monkeypatch.setattr(postgres_module, "CLIENT_CONNECTION_CHECK_INTERVAL", 1)
+    table = make_table(postgres_dsn)
+    sink = PostgresSink(postgres_dsn, table, ["customer"])
+    writer = open_writer(sink)
+    writer.recover(None, None)
+    write(writer, [{"customer": "a", "total": 1}, {"customer": "b", "total": 2}], 1)
+    meta = pre_commit(writer, 1)
+    pid, fd = writer._call(lambda: (writer._conn().info.backend_pid, writer._conn().fileno()))
+
+    def backend() -> list[tuple[Any, ...]]:
+        return query(
+            postgres_dsn, "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", pid
+        )
+
+    failures: list[BaseException] = []
+
+    def commit() -> None:
+        try:
+            writer.commit(1)
+        except BaseException as exc:
+            failures.append(exc)
+
+    committer = threading.Thread(target=commit, name="committer")
+    with psycopg.connect(postgres_dsn) as locker:
+        locker.execute(
+            sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(sql.Identifier(table))
+        )
+        committer.start()
+        deadline = time.monotonic() + 30
+        while backend() != [("Lock",)]:
+            assert time.monotonic() < deadline, f"the apply did not wait for the lock: {backend()}"
+            time.sleep(0.05)
+        # The worker is gone (its watchdog's exit 75, a SIGKILL): its socket is closed.
+        with socket.socket(fileno=os.dup(fd)) as gone:
+            gone.shutdown(socket.SHUT_RDWR)
+        start = time.monotonic()
+        while backend() and time.monotonic() < start + 20:
+            time.sleep(0.1)
+        waited = time.monotonic() - start
+        left = backend()  # while the lock is still held
+        locker.rollback()
+    committer.join(30)
+    assert not left, f"the backend of a gone client still waits for the lock after {waited:.0f} s"
+    assert len(failures) == 1 and isinstance(failures[0], SinkUnavailableError), failures
+    writer.close()
+    recovered = open_writer(sink)  # the restart applies the committed checkpoint
+    recovered.recover(1, meta)
+    recovered.close()
+    assert target(postgres_dsn, table) == {"a": (1.0, None, 1), "b": (2.0, None, 1)}
+    assert staged(postgres_dsn, table) == 0
+
+
 def test_a_worker_whose_every_apply_outlasts_the_statement_timeout_does_not_loop(
     kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list[Any]
 ) -> None:
@@ -662,7 +788,7 @@ def test_a_worker_whose_every_apply_outlasts_the_statement_timeout_does_not_loop
     job.produce(500)
     job.wait_until_caught_up()
     assert worker.stop() == 0, job.logs()
-    # The worker's sessions had the timeouts (the sink lifted them), and never exited 75.
+    # The worker's sessions had the timeouts (the sink raised them), and never exited 75.
     assert f"statement_timeout = {TINY_TIMEOUT}ms" in worker.log_path.read_text(), job.logs()
     job.verify()
 

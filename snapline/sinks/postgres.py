@@ -12,8 +12,9 @@ applying (the bulk upsert, and row by row when a row is refused) lock the table'
 order, so two tasks that write the same keys cannot deadlock each other; an apply that
 PostgreSQL rolls back anyway (a deadlock with someone else, a serialization failure) is run
 again, ``APPLY_ATTEMPTS`` times at most, before it is taken for an outage. The sink's session
-has no statement, lock or transaction timeout (``SESSION_TIMEOUTS``): a checkpoint that
-outlasted one failed again at every restart.
+bounds its statements, lock waits and transactions at ``SESSION_TIMEOUT`` (or the longer bound
+its role or DSN set: a short one failed the same apply again at every restart), and checks
+that its client is still there while a statement runs (``CLIENT_CONNECTION_CHECK_INTERVAL``).
 
 Threads: the task thread validates and encodes rows (dead-lettering those that do not fit the
 table) and waits for commit/abort/recover. The background thread of the writer
@@ -75,10 +76,26 @@ _COPY_CHUNK = 1 << 20
 #: as long as it stays frozen.
 IDLE_IN_TRANSACTION_TIMEOUT = 30
 #: Session settings that end a statement, a lock wait or a transaction that lasts too long
-#: (``transaction_timeout``: PostgreSQL 17). Each writer's session sets them to 0: the sink's
-#: work is bounded by the worker's liveness watchdog and checkpoint timeout instead
-#: (``PostgresSinkWriter._lift_timeouts``).
+#: (``transaction_timeout``: PostgreSQL 17). Each writer's session sets them to
+#: ``SESSION_TIMEOUT``, or keeps the longer one the server, database, role or DSN set
+#: (``PostgresSinkWriter._set_timeouts``).
 SESSION_TIMEOUTS = ("statement_timeout", "lock_timeout", "transaction_timeout")
+#: Seconds a statement of the sink, its wait for a lock, or its transaction may last before
+#: PostgreSQL ends it (an outage: exit 75, and the restart runs it again). Far above what a
+#: healthy apply needs (33 000 rows/s at the least measured: 20 million rows of one task's
+#: checkpoint), above the liveness watchdog's default (180 s: the watchdog, which prints where
+#: the worker waited, ends a stuck worker first) and the longest ``checkpoint_timeout``
+#: (600 s). Without a bound (0), a backend waiting for a lock stayed queued after its worker
+#: was gone, holding a connection slot, one more at every restart; a role's or DSN's few
+#: seconds canceled a large apply at every restart, without end. A longer bound set on the
+#: role or in the DSN (``options=-c statement_timeout=2h``) is kept: the way to allow longer
+#: applies.
+SESSION_TIMEOUT = 600
+#: Seconds between the checks that a running statement's client is still connected
+#: (``client_connection_check_interval``, PostgreSQL 14, set unless the server, role or DSN
+#: set one): a backend waiting for a lock does not read from its client, and stayed queued
+#: after its worker had exited (the watchdog's exit 75) until ``SESSION_TIMEOUT``.
+CLIENT_CONNECTION_CHECK_INTERVAL = 10
 #: How many times a checkpoint's apply is run when PostgreSQL rolls its transaction back for a
 #: deadlock (40P01) or a serialization failure (40001) before the failure is taken for an
 #: outage (``SinkUnavailableError``: the worker exits 75 and its restart applies it again).
@@ -99,15 +116,57 @@ class _Misfit(Exception):
 
 def _without_secrets(text: str, sink: PostgresSink) -> str:
     """``text`` (a libpq error can quote the DSN, or a piece of a malformed one) without the
-    sink's password, wherever it appears, nor credentials in URIs or settings."""
-    secrets = [str(sink.connect_kwargs.get("password") or "")]
-    match = _DSN_PASSWORD.search(sink.dsn)
-    if match is not None:
-        secrets.append(match.group(1) or match.group(2) or "")
-    for secret in secrets:
-        if len(secret) >= 3:
-            text = text.replace(secret, "***")
+    sink's password (``_secrets``), wherever it appears, nor credentials in URIs or settings."""
+    for secret in _secrets(sink):
+        text = text.replace(secret, "***")
     return redact_text(text)
+
+
+def _secrets(sink: PostgresSink) -> list[str]:
+    """The sink's password as each place may write it, longest first (those of 3 characters
+    or more: shorter ones would mask any text): ``connect_kwargs``'; the DSN's, as libpq reads
+    it and as written in a ``password=`` setting; and in a URI, everything between the user
+    name's ``:`` and the last ``@``. That is the password the user meant: libpq ends the user
+    info at a ``/`` or the first ``@``, and reads the rest of a password with an unencoded
+    ``/`` or ``@`` in it as the host, port, database or query (a refusal quoted
+    ``port 'hunter2'`` for ``postgresql://app:hunter2/x@db/shop``)."""
+    found = [str(sink.connect_kwargs.get("password") or "")]
+    with contextlib.suppress(psycopg.Error):
+        found.append(str(conninfo_to_dict(sink.dsn).get("password") or ""))
+    for match in _DSN_PASSWORD.finditer(sink.dsn):
+        found.append(match.group(1) or match.group(2) or "")
+    scheme = _URI_SCHEME.match(sink.dsn)
+    if scheme is not None:
+        userinfo, at, _ = sink.dsn[scheme.end() :].rpartition("@")
+        if at and ":" in userinfo:
+            found.append(userinfo.partition(":")[2])
+    return sorted({secret for secret in found if len(secret) >= 3}, key=len, reverse=True)
+
+
+def _hide(value: str, secrets: Sequence[str]) -> str:
+    """``value`` (a piece of the DSN) as ``***`` if it is a piece of one of ``secrets``, else
+    with every run of 3 characters or more that is one replaced by ``***``: a malformed URI
+    can split its password among several options, so a value may hold a part of it only, or
+    a part and something else."""
+    if any(value in secret for secret in secrets):
+        return "***" if value else value
+    out: list[str] = []
+    i = 0
+    while i < len(value):
+        longest = 0
+        for secret in secrets:
+            n = 3
+            while i + n <= len(value) and value[i : i + n] in secret:
+                n += 1
+            longest = max(longest, n - 1)
+        if longest >= 3:
+            if not out or out[-1] != "***":
+                out.append("***")
+            i += longest
+        else:
+            out.append(value[i])
+            i += 1
+    return "".join(out)
 
 
 #: What PostgreSQL raises for a row it refuses (the apply goes row by row, and the refused
@@ -164,10 +223,9 @@ _LINUX_KEEPALIVE_RANGES = {
     "keepalives_interval": 32767,
     "keepalives_count": 127,
 }
-#: psycopg.connect's own arguments; every other ``connect_kwargs`` key is a libpq option.
-_PSYCOPG_ARGUMENTS = frozenset(
-    ("autocommit", "prepare_threshold", "context", "row_factory", "cursor_factory")
-)
+#: psycopg.connect's own arguments that ``connect_kwargs`` may hold (not ``autocommit``: the
+#: sink's own); every other key is a libpq option.
+_PSYCOPG_ARGUMENTS = frozenset(("prepare_threshold", "context", "row_factory", "cursor_factory"))
 #: What libpq says when the server refused the connection for its settings (user,
 #: password, database, pg_hba.conf, a bad ``options=-c ...``), which restarts do not fix: not
 #: an outage. Not the LDAP, PAM, RADIUS or GSSAPI "authentication failed for user": a server
@@ -183,21 +241,37 @@ _REFUSED = re.compile(
 
 
 def _check_dsn(sink: PostgresSink) -> None:
-    """A DSN libpq cannot use fails at start, naming why (its password never shown), not
-    at the first connection: a malformed DSN was an OperationalError there, taken for a
-    database down, and the worker was restarted for it without end (exit 75).
+    """A DSN libpq cannot use fails at start, naming why (no piece of its password shown:
+    ``_hide``), not at the first connection: a malformed DSN was an OperationalError there,
+    taken for a database down, and the worker was restarted for it without end (exit 75).
 
     Checks what the sink is given, the DSN and the libpq options of ``connect_kwargs`` (which
     win over the DSN's): libpq's parse (syntax, option names), then the values libpq and
     psycopg check only when they connect. Values libpq would take from its environment
     (``PGPORT``, ``PGSSLMODE``...) are not checked: they are read at each connection."""
+    secrets = _secrets(sink)
+    uri = _URI_SCHEME.match(sink.dsn) is not None
+    encode = (
+        " (in a URI, percent-encode '@', '/', '?' and '%' in the user info: %40, %2F, %3F, %25)"
+        if uri
+        else ""
+    )
     try:
         info = {k: str(v) for k, v in conninfo_to_dict(sink.dsn).items()}
     except psycopg.ProgrammingError as exc:
+        problem = _without_secrets(_hide(str(exc).strip(), secrets), sink)
         raise ConfigurationError(
-            f"PostgresSink dsn is not valid: {_without_secrets(str(exc).strip(), sink)} "
+            f"PostgresSink dsn is not valid: {problem} "
             "(use 'postgresql://user@host:5432/db' or 'host=... dbname=...')"
+            + (encode if "***" in problem else "")
         ) from None
+    if "autocommit" in sink.connect_kwargs:
+        # _conn's own: psycopg.connect raised TypeError (a keyword argument given twice) at
+        # the first connection.
+        raise ConfigurationError(
+            "PostgresSink connect_kwargs: autocommit is the sink's own (its session is in "
+            "autocommit mode, and runs each step in a transaction of its own); remove it"
+        )
     given = {
         k: str(v)
         for k, v in sink.connect_kwargs.items()
@@ -215,37 +289,86 @@ def _check_dsn(sink: PostgresSink) -> None:
 
     def refuse(name: str, problem: str) -> ConfigurationError:
         where = "connect_kwargs" if name in given else "dsn"
-        return ConfigurationError(_without_secrets(f"PostgresSink {where}: {problem}", sink))
+        text = _without_secrets(f"PostgresSink {where}: {problem}", sink)
+        return ConfigurationError(text + (encode if where == "dsn" and "***" in text else ""))
 
+    def shown(value: str) -> str:
+        """``value`` quoted, without a piece of the password (a malformed URI's)."""
+        return repr(_hide(value, secrets))
+
+    if uri and "@" in _uri_path(sink.dsn):
+        # Not quoted: libpq took the database name from a password's unencoded '/' on.
+        raise refuse(
+            "dbname",
+            "the URI's path (its database name) holds an '@': libpq ends the user info at a "
+            "'/', and reads what follows as the database name (percent-encode '@', '/', '?' "
+            "and '%' in the user info: %40, %2F, %3F, %25; an '@' in a database name: %40)",
+        )
+    for host in info.get("host", "").split(","):
+        if "@" in host and not host.startswith(("/", "@")):
+            # libpq looked it up at every connection, and quoted it in its error.
+            raise refuse(
+                "host", f"host {shown(host)} is not a host name, an IP address or a socket path"
+            )
     for port in info.get("port", "").split(","):
         if port and not (port.strip().isdigit() and 0 < int(port) < 65536):
-            raise refuse("port", f"port {port.strip()!r} is not a port number (1..65535)")
+            raise refuse("port", f"port {shown(port.strip())} is not a port number (1..65535)")
     for name, values in _ENUMERATED.items():
         value = info.get(name)
         if value is not None and value not in values:
-            raise refuse(name, f"{name} {value!r} is not one of {', '.join(values)}")
+            raise refuse(name, f"{name} {shown(value)} is not one of {', '.join(values)}")
     for name, unit in _INTEGERS.items():
         value = info.get(name)
         if value is not None and _integer(name, value) is None:
             kind = "a number" if name == "connect_timeout" else "an integer"
-            raise refuse(name, f"{name} {value!r} is not {kind} ({unit})")
-    if sys.platform.startswith("linux") and _integer("keepalives", info.get("keepalives", "1")):
+            raise refuse(name, f"{name} {shown(value)} is not {kind} ({unit})")
+    if (
+        sys.platform.startswith("linux")
+        and not _unix_sockets_only(info)
+        and _integer("keepalives", info.get("keepalives", "1"))
+    ):
         for name, most in _LINUX_KEEPALIVE_RANGES.items():
             number = _integer(name, info.get(name, "1"))
             if number is not None and not 0 < number <= most:
                 raise refuse(
                     name,
-                    f"{name} {info[name]!r} is not within 1..{most}, the range Linux takes "
-                    f"(libpq passes it on, 0 too, and every connection fails; leave {name} "
-                    "out for the system's default)",
+                    f"{name} {shown(info[name])} is not within 1..{most}, the range Linux "
+                    f"takes (libpq passes it on, 0 too, and every TCP connection fails; leave "
+                    f"{name} out for the system's default)",
                 )
     for address in info.get("hostaddr", "").split(","):
         if address and not _numeric_address(address):
             raise refuse(
                 "hostaddr",
-                f"hostaddr {address!r} is not a numeric IP address (a host name goes in host=)",
+                f"hostaddr {shown(address)} is not a numeric IP address (a host name goes in "
+                "host=)",
             )
     _check_host_counts(info, refuse)
+
+
+def _uri_path(dsn: str) -> str:
+    """The path (the database name) of a URI DSN as written, as libpq finds it: the user info
+    ends at the first ``@`` unless a ``/`` comes first, the hosts at a ``/`` or a ``?``, the
+    path at a ``?``."""
+    scheme = _URI_SCHEME.match(dsn)
+    rest = dsn[scheme.end() :] if scheme is not None else dsn
+    userinfo = re.match(r"[^@/]*@", rest)
+    if userinfo is not None:
+        rest = rest[userinfo.end() :]
+    rest = rest[len(re.match(r"[^/?]*", rest).group()) :]  # type: ignore[union-attr]
+    return rest[1:].partition("?")[0] if rest.startswith("/") else ""
+
+
+def _unix_sockets_only(info: Mapping[str, str]) -> bool:
+    """Whether every host the options name is a Unix-domain socket (a directory, or ``@`` and
+    an abstract name), to which libpq applies no TCP keepalive option. Not where no host is
+    given (``PGHOST`` may name a TCP host), nor for a host with a ``hostaddr`` (TCP)."""
+    hosts = info["host"].split(",") if info.get("host") else []
+    addresses = info["hostaddr"].split(",") if info.get("hostaddr") else []
+    return bool(hosts) and all(
+        host.startswith(("/", "@")) and not (addresses[i] if i < len(addresses) else "")
+        for i, host in enumerate(hosts)
+    )
 
 
 def _integer(name: str, value: str) -> int | None:
@@ -296,6 +419,8 @@ def _check_host_counts(
 
 #: The password of a URI DSN (``://user:password@``) or of a ``password=`` setting.
 _DSN_PASSWORD = re.compile(r"://[^:/@\s]*:([^@\s]+)@|password\s*=\s*'?([^'\s]+)")
+#: How a URI DSN starts (libpq's two schemes).
+_URI_SCHEME = re.compile(r"postgres(?:ql)?://")
 
 
 @dataclass(frozen=True)
@@ -735,8 +860,8 @@ class PostgresSink(Sink):
     ``connect_kwargs``: passed to ``psycopg.connect`` (e.g. ``sslrootcert="/etc/ca.pem"``).
     The DSN and ``connect_kwargs`` are checked when the sink is built (``ConfigurationError``).
     The sink's session sets ``statement_timeout``, ``lock_timeout`` and
-    ``transaction_timeout`` to 0, whatever the role, database or DSN set: the worker's
-    liveness watchdog and checkpoint timeout bound its statements.
+    ``transaction_timeout`` to ``SESSION_TIMEOUT`` (10 minutes), unless the role, database or
+    DSN set a longer one (``options="-c statement_timeout=2h"`` allows longer applies).
     """
 
     dsn: str = field(repr=False)  # may hold a password
@@ -921,9 +1046,11 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
             info = conninfo_to_dict(self._sink.dsn)
         except psycopg.ProgrammingError:
             return "PostgreSQL"
-        return f"PostgreSQL at {info.get('host', 'localhost')}:{info.get('port', 5432)}" + (
+        secrets = _secrets(self._sink)  # a piece of a malformed URI's, in case
+        where = f"{info.get('host', 'localhost')}:{info.get('port', 5432)}" + (
             f"/{info['dbname']}" if info.get("dbname") else ""
         )
+        return f"PostgreSQL at {_hide(where, secrets)}"
 
     def _fail(self, exc: BaseException, what: str) -> SinkError:
         unreachable = isinstance(exc, psycopg.OperationalError) or (
@@ -932,6 +1059,14 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
         if unreachable:
             self._disconnect()
         text = _without_secrets(str(exc).strip(), self._sink) or type(exc).__name__
+        if getattr(exc, "sqlstate", None) in ("57014", "55P03", "25P04"):
+            text += (
+                f" (the sink's session ends a statement, a lock wait or a transaction after "
+                f"{SESSION_TIMEOUT} s, or the longer bound its role or dsn set: look for a "
+                "session that holds a lock on the table for that long; an apply that needs "
+                "longer is allowed by options='-c statement_timeout=... -c lock_timeout=...' "
+                "in the dsn)"
+            )
         if unreachable and _REFUSED.search(text):
             # Reached, and refused for the DSN's user, password or database: restarts (exit
             # 75, without end) would not fix it; a SinkError ends the worker (exit 1).
@@ -954,7 +1089,7 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
                 **dict(self._sink.connect_kwargs),
             }
             connection = psycopg.connect(self._sink.dsn, autocommit=True, **kwargs)
-            self._lift_timeouts(connection)
+            self._set_timeouts(connection)
             # COPY writes UTF-8 bytes: on a database of another encoding (LATIN1) the session
             # kept it, and every non-ASCII value was stored garbled, a non-ASCII writer key
             # (the sink's name) matched no staged row, and the apply found nothing to apply.
@@ -969,30 +1104,57 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
             self._connection = connection
         return connection
 
-    def _lift_timeouts(self, connection: psycopg.Connection[Any]) -> None:
-        """Sets the session's ``SESSION_TIMEOUTS`` to 0 (none) and logs the ones the role,
-        the database, the server or the DSN had set.
+    def _set_timeouts(self, connection: psycopg.Connection[Any]) -> None:
+        """Bounds the session's ``SESSION_TIMEOUTS`` at ``SESSION_TIMEOUT``, or at the longer
+        one the role, the database, the server or the DSN set (a shorter one is logged), and
+        sets ``client_connection_check_interval`` where the server has it and none is set.
 
-        The sink's statements are bounded by the worker (its liveness watchdog and the
-        checkpoint timeout), not by a per-statement limit meant for interactive sessions:
-        an apply that outlasted ``statement_timeout`` (57014) or waited past ``lock_timeout``
-        (55P03) was an OperationalError, taken for a database down; every restart applied the
-        same checkpoint again and failed the same way, without end (exit 75)."""
+        A per-statement limit meant for interactive sessions (a few seconds) canceled an apply
+        that outlasted it (57014, 55P03: an OperationalError, taken for a database down), and
+        every restart applied the same checkpoint again and failed the same way, without end
+        (exit 75). No limit at all (0) left a backend waiting for a lock (someone's ALTER
+        TABLE, an idle transaction) queued for as long as the lock was held, its worker long
+        gone: a backend that waits for a lock does not notice that its client closed the
+        connection, unless it checks (``CLIENT_CONNECTION_CHECK_INTERVAL``)."""
+        bound = SESSION_TIMEOUT * 1000  # milliseconds, the unit of the three settings
         # On its own, first: until it has run, each statement (this one too, which takes
         # microseconds) runs under the role's or the DSN's statement_timeout.
-        connection.execute("SET statement_timeout = 0")
-        lifted = connection.execute(
-            "SELECT name, reset_val, unit, set_config(name, '0', false) FROM pg_settings "
-            "WHERE name = ANY(%s) AND reset_val <> '0'",
-            (list(SESSION_TIMEOUTS),),
+        connection.execute(f"SET statement_timeout = {bound}")
+        settings = connection.execute(
+            "SELECT name, reset_val, unit, "
+            "set_config(name, GREATEST(reset_val::bigint, %s)::text, false) "
+            "FROM pg_settings WHERE name = ANY(%s) AND unit = 'ms'",
+            (bound, list(SESSION_TIMEOUTS)),
         ).fetchall()
-        if lifted:
+        raised = [
+            (name, value, unit) for name, value, unit, _ in settings if 0 < int(value) < bound
+        ]
+        if raised:
             log.info(
-                "%s: not bounding the sink's own statements by %s (bounded by the worker's "
-                "liveness and checkpoint timeouts instead)",
+                "%s: bounding the sink's own statements at %d s, not by %s (an apply that "
+                "outlasted it failed again at every restart; a longer bound set in the dsn's "
+                "options or on the role is kept)",
                 self._sink.name,
-                ", ".join(f"{name} = {value}{unit or ''}" for name, value, unit, _ in lifted),
+                SESSION_TIMEOUT,
+                ", ".join(f"{name} = {value}{unit or ''}" for name, value, unit in raised),
             )
+        check = connection.execute(
+            "SELECT reset_val FROM pg_settings WHERE name = 'client_connection_check_interval'"
+        ).fetchone()
+        if check is not None and str(check[0]) == "0":
+            try:
+                connection.execute(
+                    "SELECT set_config('client_connection_check_interval', %s, false)",
+                    (f"{CLIENT_CONNECTION_CHECK_INTERVAL}s",),
+                )
+            except psycopg.errors.InvalidParameterValue as exc:
+                # A server on a platform whose kernel cannot report a closed socket (Windows)
+                # takes only 0: an orphaned backend then ends at SESSION_TIMEOUT.
+                log.info(
+                    "%s: the server does not check that a statement's client is connected: %s",
+                    self._sink.name,
+                    (str(exc).strip().splitlines() or [""])[0],
+                )
 
     def _close_background(self) -> None:
         self._disconnect()

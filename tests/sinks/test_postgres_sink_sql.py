@@ -11,15 +11,18 @@ from decimal import Decimal
 from typing import Any
 
 import orjson
+import psycopg
 import pytest
 from psycopg import sql
 
-from snapline.pipeline.errors import ConfigurationError
+from snapline.pipeline.errors import ConfigurationError, SinkUnavailableError
+from snapline.pipeline.sink import SinkContext
 from snapline.sinks.postgres import (
     APPLY_ATTEMPTS,
     APPLY_RETRY_DELAY,
     APPLY_RETRY_MAX_DELAY,
     MAX_IDENTIFIER,
+    SESSION_TIMEOUT,
     ColumnSpec,
     PostgresSink,
     RowEncoder,
@@ -358,6 +361,110 @@ def test_keepalive_values_linux_refuses_fail_at_start(dsn: str, message: str) ->
     assert "FAKEPW" not in str(refused.value)
 
 
+def fragments(secret: str) -> set[str]:
+    """Every piece of ``secret`` of 3 characters or more."""
+    return {secret[i:j] for i in range(len(secret)) for j in range(i + 3, len(secret) + 1)}
+
+
+@pytest.mark.parametrize(
+    ("dsn", "secret", "message"),
+    [
+        # libpq ends the user info at the '/': host 'user', port 'hunter2', dbname 'x@db...'.
+        (
+            "postgresql://user:hunter2/x@db:5432/app",
+            "hunter2/x",
+            "the URI's path .* holds an '@'.*percent-encode '@', '/'",
+        ),
+        ("postgresql://user:p@ss:word@h:5432/app", "p@ss:word", r"port '\*\*\*@h:5432'"),
+        # A port libpq takes: accepted, and the first connection went to host 'app'.
+        ("postgresql://app:1234/x9q@db/shop", "1234/x9q", "holds an '@'"),
+        # Port 'zq' (2 characters, masked as a piece of the password), dbname 'x', and the
+        # query 'keepalives=kw9q@db/shop'.
+        ("postgresql://app:zq/x?keepalives=kw9q@db/shop", "zq/x?keepalives=kw9q", r"port '\*\*\*'"),
+        # Port 1, dbname 'x', and host 'kw9q@db' from the query: accepted, and libpq's error
+        # at every connection quoted the host.
+        ("postgresql://app:1/x?host=kw9q@db", "1/x?host=kw9q", r"host '\*\*\*@db' is not a"),
+        ("postgresql://app:kq%zzw@db/shop", "kq%zzw", r'percent-encoded token: "\*\*\*"'),
+        ("postgresql://app:k q w@db/shop", "k q w", r'unexpected spaces found in "\*\*\*"'),
+        ("postgresql://app:kq@[w@db/shop", "kq@[w", 'matching "]"'),
+        ("host=db password='k9 qw' sslmode=k9", "k9 qw", r"sslmode '\*\*\*' is not one of"),
+    ],
+)
+def test_no_piece_of_a_password_is_in_a_refusal(dsn: str, secret: str, message: str) -> None:
+    """A password with an unencoded '/' or '@' in a URI is split by libpq among the host, the
+    port, the database and the query: ``postgresql://user:hunter2/x@db:5432/app`` was refused
+    with ``port 'hunter2'``, ``p@ss:word`` with ``port 'word@h'`` (only the whole password,
+    as a regular expression found it, was masked)."""
+    with pytest.raises(ConfigurationError, match=message) as refused:
+        PostgresSink(dsn, "totals", ["customer"])
+    text = str(refused.value)
+    named = fragments("host")  # the option a message names, not a piece of the DSN it quotes
+    assert not [piece for piece in fragments(secret) - named if piece in text], text
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "host=/var/run/postgresql keepalives_idle=0",
+        "host=/tmp,@abstract keepalives_count=0 keepalives_interval=-1",
+        "postgresql:///shop?host=/var/run/postgresql&keepalives_idle=0",
+    ],
+)
+def test_keepalive_values_are_not_checked_for_unix_sockets(dsn: str) -> None:
+    """libpq applies the keepalive options to TCP connections only: a Unix-socket DSN with
+    ``keepalives_idle=0`` connects, and was refused."""
+    PostgresSink(dsn, "totals", ["customer"])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's setsockopt ranges")
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "host=/tmp,db keepalives_idle=0",  # one TCP host
+        "host=/tmp hostaddr=127.0.0.1 keepalives_idle=0",  # hostaddr: TCP
+        "keepalives_idle=0",  # PGHOST may name a TCP host
+    ],
+)
+def test_keepalive_values_are_checked_where_a_host_may_be_tcp(dsn: str) -> None:
+    with pytest.raises(ConfigurationError, match="keepalives_idle '0' is not within"):
+        PostgresSink(dsn, "totals", ["customer"])
+
+
+@pytest.mark.parametrize("autocommit", [True, False])
+def test_autocommit_in_connect_kwargs_fails_at_start(autocommit: bool) -> None:
+    """The sink passes autocommit=True itself: psycopg.connect raised TypeError (a keyword
+    argument given twice) at the first connection, and the check's message suggested it."""
+    with pytest.raises(ConfigurationError, match="autocommit is the sink's own.*remove it"):
+        PostgresSink(
+            "postgresql://db/shop",
+            "totals",
+            ["customer"],
+            connect_kwargs={"autocommit": autocommit},
+        )
+    with pytest.raises(ConfigurationError, match="connect_kwargs are not valid") as refused:
+        PostgresSink("postgresql://db/shop", "totals", ["customer"], connect_kwargs={"nope": 1})
+    assert "autocommit" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        psycopg.errors.QueryCanceled("canceling statement due to statement timeout"),
+        psycopg.errors.LockNotAvailable("canceling statement due to lock timeout"),
+    ],
+)
+def test_a_statement_past_the_sessions_bound_says_how_to_allow_longer(error: Exception) -> None:
+    """An outage (exit 75, the restart runs it again) whose message names the session's bound
+    and how to raise it, for an apply that needs longer than SESSION_TIMEOUT."""
+    sink = PostgresSink("postgresql://app:FAKEPW@db/shop", "totals", ["customer"])
+    context = SinkContext("job", "orders-0", "w1", sink.name, None, lambda *a: None)  # type: ignore[arg-type]
+    failure = sink.open(context)._fail(error, "commit checkpoint 3 into")
+    assert isinstance(failure, SinkUnavailableError)
+    assert f"after {SESSION_TIMEOUT} s" in str(failure)
+    assert "options='-c statement_timeout=... -c lock_timeout=...' in the dsn" in str(failure)
+    assert "FAKEPW" not in str(failure)
+
+
 @pytest.mark.parametrize(
     ("connect_kwargs", "message"),
     [
@@ -365,6 +472,7 @@ def test_keepalive_values_linux_refuses_fail_at_start(dsn: str, message: str) ->
         ({"nope": 1, "password": "FAKEPW"}, 'connect_kwargs are not valid: .*"nope"'),
         ({"sslmode": "on", "password": "FAKEPW"}, "connect_kwargs: sslmode 'on' is not one of"),
         ({"keepalives_idle": "FAKEPW", "password": "FAKEPW"}, "keepalives_idle '\\*\\*\\*'"),
+        ({"keepalives_idle": "1FAKEP", "password": "FAKEPW"}, "keepalives_idle '1\\*\\*\\*'"),
         ({"connect_timeout": "soon"}, "connect_kwargs: connect_timeout 'soon' is not a number"),
     ],
 )
