@@ -424,6 +424,51 @@ def test_repartition_topic_with_other_partitions_fails_at_start_naming_the_fix(
     assert "has 2 partitions" in stderr and "partitions=4 is declared" in stderr
 
 
+class _HandOver:
+    """Workers a and b of the running-total example on 4 partitions, the orders fed to them
+    and their expected totals; ``check`` asserts what a hand-over from b to a must show."""
+
+    def __init__(self, bootstrap: str, tmp_path: Path, unique_name: str) -> None:
+        self.bootstrap = bootstrap
+        self.prefix = f"{unique_name}-"
+        create_topics(bootstrap, {f"{self.prefix}orders": 4, f"{self.prefix}customer-totals": 4})
+        env = {"SNAPLINE_EXAMPLE_PREFIX": self.prefix, "SNAPLINE_EXAMPLE_JOB": unique_name}
+        self.a, self.b = (
+            WorkerProcess(
+                "examples.running_total:pipeline", w, bootstrap, tmp_path / "chk", tmp_path, env
+            )
+            for w in ("a", "b")
+        )
+        self.expected: dict[str, int] = {}
+        self.produced = 0
+
+    def feed(self, count: int) -> None:
+        batch = produce_orders(
+            self.bootstrap, f"{self.prefix}orders", count, 50, start_id=self.produced
+        )
+        for customer, amount in batch.items():
+            self.expected[customer] = self.expected.get(customer, 0) + amount
+        self.produced += count
+
+    def read(self, timeout: float) -> list[Any]:
+        return read_committed(
+            self.bootstrap,
+            f"{self.prefix}customer-totals",
+            self.produced,
+            timeout=timeout,
+            settle=2,
+        )
+
+    def check(self, outputs: list[Any], seen_after: float, events: list[dict[str, Any]]) -> None:
+        """Every order's effect exactly once, all of it seen within 45 s of b's kill, and a
+        aborted b's transaction."""
+        check = verify_totals(outputs, self.expected, range(self.produced))
+        assert check.ok, f"{check} ({seen_after:.1f}s after the kill)\n{self.a.tail()}"
+        assert seen_after < 45, f"every output seen only {seen_after:.1f}s after the kill"
+        fenced = [e for e in events if e["event"] == "fenced_departed"]
+        assert fenced and fenced[0]["departed"] == "b" and fenced[0]["worker"] == "a", events[-20:]
+
+
 def test_a_dead_workers_open_transaction_is_aborted_by_the_worker_taking_its_tasks(
     kafka_bootstrap: str, tmp_path: Path, unique_name: str
 ) -> None:
@@ -433,28 +478,8 @@ def test_a_dead_workers_open_transaction_is_aborted_by_the_worker_taking_its_tas
     (transaction.timeout.ms) after it began. Worker a takes b's tasks once b's session times
     out (10 s), sees that b is no longer a member of the group and aborts b's transaction: every
     output is visible long before 60 s, exactly once."""
-    prefix = f"{unique_name}-"
-    create_topics(kafka_bootstrap, {f"{prefix}orders": 4, f"{prefix}customer-totals": 4})
-    env = {
-        "SNAPLINE_EXAMPLE_PREFIX": prefix,
-        "SNAPLINE_EXAMPLE_JOB": unique_name,
-    }
-    a, b = (
-        WorkerProcess(
-            "examples.running_total:pipeline", w, kafka_bootstrap, tmp_path / "chk", tmp_path, env
-        )
-        for w in ("a", "b")
-    )
-    expected: dict[str, int] = {}
-    produced = 0
-
-    def feed(count: int) -> None:
-        nonlocal produced
-        batch = produce_orders(kafka_bootstrap, f"{prefix}orders", count, 50, start_id=produced)
-        for customer, amount in batch.items():
-            expected[customer] = expected.get(customer, 0) + amount
-        produced += count
-
+    job = _HandOver(kafka_bootstrap, tmp_path, unique_name)
+    a, b = job.a, job.b
     a.start()
     b.start()
     try:
@@ -464,30 +489,24 @@ def test_a_dead_workers_open_transaction_is_aborted_by_the_worker_taking_its_tas
             "b",
         }:
             assert time.monotonic() < deadline, "no checkpoint of both workers\n" + b.tail()
-            feed(20)
+            job.feed(20)
             time.sleep(0.2)
         for _ in range(10):  # input keeps flowing: b's open transaction holds outputs
-            feed(50)
+            job.feed(50)
             time.sleep(0.05)
         b.kill()
         killed = time.monotonic()
         for _ in range(20):
-            feed(50)
+            job.feed(50)
             time.sleep(0.1)
         # Without the abort nothing after b's open transaction is readable before ~60 s.
-        outputs = read_committed(
-            kafka_bootstrap, f"{prefix}customer-totals", produced, timeout=40, settle=2
-        )
+        outputs = job.read(timeout=40)
         seen_after = time.monotonic() - killed
         events = read_events(a.metrics_path)
     finally:
         a.stop()
         b.kill()
-    check = verify_totals(outputs, expected, range(produced))
-    assert check.ok, f"{check} ({seen_after:.1f}s after the kill)"
-    assert seen_after < 45, f"every output seen only {seen_after:.1f}s after the kill"
-    fenced = [e for e in events if e["event"] == "fenced_departed"]
-    assert fenced and fenced[0]["departed"] == "b" and fenced[0]["worker"] == "a", events[-20:]
+    job.check(outputs, seen_after, events)
 
 
 def test_a_dead_workers_pending_offsets_are_aborted_before_its_transaction_times_out(
@@ -499,55 +518,32 @@ def test_a_dead_workers_pending_offsets_are_aborted_before_its_transaction_times
     b's transaction times out (71 s with the defaults). a looks for the writers of the
     tasks' newest checkpoints, finds b gone from the group and aborts its transaction: a
     restores and every order's effect is visible, exactly once, long before that."""
-    prefix = f"{unique_name}-"
-    create_topics(kafka_bootstrap, {f"{prefix}orders": 4, f"{prefix}customer-totals": 4})
-    env = {"SNAPLINE_EXAMPLE_PREFIX": prefix, "SNAPLINE_EXAMPLE_JOB": unique_name}
-    a, b = (
-        WorkerProcess(
-            "examples.running_total:pipeline", w, kafka_bootstrap, tmp_path / "chk", tmp_path, env
-        )
-        for w in ("a", "b")
-    )
-    expected: dict[str, int] = {}
-    produced = 0
-
-    def feed(count: int) -> None:
-        nonlocal produced
-        batch = produce_orders(kafka_bootstrap, f"{prefix}orders", count, 50, start_id=produced)
-        for customer, amount in batch.items():
-            expected[customer] = expected.get(customer, 0) + amount
-        produced += count
-
+    job = _HandOver(kafka_bootstrap, tmp_path, unique_name)
+    a, b = job.a, job.b
     a.start()
     try:
         deadline = time.monotonic() + 90  # a joined and committed a checkpoint
         while not any(e["event"] == "checkpoint" for e in read_events(a.metrics_path)):
             assert time.monotonic() < deadline, "no checkpoint of a\n" + a.tail()
-            feed(20)
+            job.feed(20)
             time.sleep(0.2)
         b.start({"SNAPLINE_FAULT": "after_offsets_sent:1"})  # killed at its first commit
         deadline = time.monotonic() + 90  # b joins, gets tasks and commits (bounded)
         while b.alive:
             assert time.monotonic() < deadline, "b never reached its first commit\n" + b.tail()
-            feed(20)
+            job.feed(20)
             time.sleep(0.2)
         killed = time.monotonic()
         assert fault_hits(b.fault_log).get("after_offsets_sent") == 1, b.tail()
-        feed(200)
+        job.feed(200)
         # Without the abort a restores b's tasks only after b's transaction timed out.
-        outputs = read_committed(
-            kafka_bootstrap, f"{prefix}customer-totals", produced, timeout=50, settle=2
-        )
+        outputs = job.read(timeout=50)
         seen_after = time.monotonic() - killed
         events = read_events(a.metrics_path)
     finally:
         a.stop()
         b.kill()
-    check = verify_totals(outputs, expected, range(produced))
-    assert check.ok, f"{check} ({seen_after:.1f}s after the kill)\n{a.tail()}"
-    assert seen_after < 45, f"every output seen only {seen_after:.1f}s after the kill"
-    fenced = [e for e in events if e["event"] == "fenced_departed"]
-    assert fenced and fenced[0]["departed"] == "b" and fenced[0]["worker"] == "a", events[-20:]
+    job.check(outputs, seen_after, events)
 
 
 def test_a_supervised_worker_with_nothing_to_commit_reports_its_run_healthy_once_quiet(
