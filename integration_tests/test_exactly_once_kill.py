@@ -24,6 +24,7 @@ import pytest
 
 from examples.orders import create_topics, produce_orders, read_committed, verify_totals
 from examples.workers import WorkerProcess, fault_hits, process_state, read_events
+from snapline.pipeline.supervisor import EX_SUPERSEDED
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -384,7 +385,7 @@ def test_a_zombie_replaced_by_a_worker_with_its_id_stops_instead_of_fencing_it(
     """Worker w0 freezes (SIGSTOP: a paused VM), and its orchestrator starts a replacement
     with the same worker id on another host (its own local directory, the same checkpoint
     storage). The replacement's start fences the frozen one's producer and consumer. When the
-    old process wakes, it must stop (exit 78, naming the successor) rather than replace its
+    old process wakes, it must stop (exit 79, naming the successor) rather than replace its
     fenced clients, which would fence the replacement in turn; and so must a restart of it on
     its host. The replacement fails no checkpoint and replaces no client after the wake, and
     every order's effect is there exactly once."""
@@ -424,14 +425,14 @@ def test_a_zombie_replaced_by_a_worker_with_its_id_stops_instead_of_fencing_it(
         zombie.signal(signal.SIGCONT)
         woke_at = time.time()
         code = zombie.wait_exit(60)  # bounded: its next commit or heartbeat is refused
-        assert code == 78, f"the woken zombie exited with {code}\n{zombie.tail()}"
+        assert code == EX_SUPERSEDED, f"the woken zombie exited with {code}\n{zombie.tail()}"
         assert "was replaced" in zombie.tail(), zombie.tail()
         # A zombie frozen past its liveness timeout is ended by its watchdog on waking (exit
         # 1 or 75) and restarted on its host: the restart must not take the id back from the
         # live successor (bounded: a session timeout and a margin, then it stops).
         zombie.start()
         code = zombie.wait_exit(90)
-        assert code == 78, f"the zombie's restart exited with {code}\n{zombie.tail()}"
+        assert code == EX_SUPERSEDED, f"the zombie's restart exited with {code}\n{zombie.tail()}"
         assert "took it over" in zombie.tail(), zombie.tail()
         producer.join()
         job.workers.append(successor)  # caught up and stopped with the job

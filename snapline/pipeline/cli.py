@@ -2,7 +2,8 @@
 
 Exit codes of ``snapline run``: 0 after a stop; 78 (EX_CONFIG) on a configuration error (a
 missing topic, a bad setting: restarting cannot help; the message says what to fix); 75
-(EX_TEMPFAIL) when a worker asks to be restarted; 1 on other errors. The supervisor
+(EX_TEMPFAIL) when a worker asks to be restarted; 79 (EX_SUPERSEDED) when a later process with
+the worker's id took over elsewhere; 1 on other errors. The supervisor
 (``--workers``) acts on them: see ``snapline.pipeline.supervisor``.
 """
 
@@ -22,7 +23,7 @@ from snapline.pipeline.errors import ConfigurationError, SnaplineError
 from snapline.pipeline.runtime.liveness import DEFAULT_TIMEOUT as DEFAULT_LIVENESS_TIMEOUT
 from snapline.pipeline.runtime.liveness import check_timeout as check_liveness_timeout
 from snapline.pipeline.runtime.metrics import DEFAULT_METRICS_HOST
-from snapline.pipeline.supervisor import EX_CONFIG, EX_TEMPFAIL, MESSAGE_FILE_ENV
+from snapline.pipeline.supervisor import EX_CONFIG, EX_SUPERSEDED, EX_TEMPFAIL, MESSAGE_FILE_ENV
 
 log = logging.getLogger("snapline.pipeline.cli")  # also when run as __main__
 
@@ -37,16 +38,26 @@ def _setup_logging(level: str) -> None:
 
 def _configuration_error(exc: ConfigurationError) -> NoReturn:
     """Exit EX_CONFIG with the message: printed here, or, in a supervised worker, handed to
-    the supervisor, which stops the job and prints it once for all its workers."""
+    the supervisor, which stops the job and prints it once for all its workers. A worker
+    replaced by a later process with its id exits EX_SUPERSEDED instead (the supervisor
+    stops only that worker)."""
+    code = exit_code_of(exc)
     message_file = os.environ.get(MESSAGE_FILE_ENV)
     if message_file:
         Path(message_file).parent.mkdir(exist_ok=True)  # a cleaner of /tmp may have removed it
         Path(message_file).write_text(redact_text(str(exc)))
-        log.error("configuration error: exiting with %d (the supervisor prints why)", EX_CONFIG)
-        sys.exit(EX_CONFIG)
+        log.error("configuration error: exiting with %d (the supervisor prints why)", code)
+        sys.exit(code)
     error = click.ClickException(str(exc))
-    error.exit_code = EX_CONFIG
+    error.exit_code = code
     raise error
+
+
+def exit_code_of(exc: ConfigurationError) -> int:
+    """EX_SUPERSEDED for a worker a later process with its id replaced, else EX_CONFIG."""
+    from snapline.pipeline.runtime.incarnation import SupersededError
+
+    return EX_SUPERSEDED if isinstance(exc, SupersededError) else EX_CONFIG
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

@@ -13,6 +13,9 @@ What a worker's exit code means (``decide`` is the whole policy, unit-tested alo
 - ``EX_CONFIG`` (78): a configuration error that no restart can fix (a missing topic, a bad
   setting). The supervisor stops every worker and exits 78; the worker's message (passed in
   the file named by ``MESSAGE_FILE_ENV``) is printed once by the CLI.
+- ``EX_SUPERSEDED`` (79): a later process with this worker id runs elsewhere (the host was
+  replaced while this one was frozen or cut off; or two services share the id). That worker
+  is not restarted, and the others go on; the supervisor exits 79 once none is left.
 - ``EX_TEMPFAIL`` (75): "restart me" (e.g. the broker is unreachable): restarted with backoff,
   never given up on.
 - anything else (an exception, a signal such as SIGKILL or the OOM killer): restarted with
@@ -61,6 +64,9 @@ log = logging.getLogger(__name__)
 EX_CONFIG = 78
 #: sysexits.h: a temporary failure; restart the worker (it recovers from its checkpoint).
 EX_TEMPFAIL = 75
+#: Snapline's own: a later process with this worker id took over elsewhere
+#: (runtime/incarnation.py). This worker is not restarted; the others go on.
+EX_SUPERSEDED = 79
 #: A supervised worker writes the message of its EX_CONFIG exit to this file (the
 #: supervisor prints it once instead of every worker printing it).
 MESSAGE_FILE_ENV = "SNAPLINE_SUPERVISOR_MESSAGE_FILE"
@@ -205,6 +211,12 @@ def decide(
         return Decision("done", exit_code=code, reason="stopping")
     if code == 0:
         return Decision("done", reason="exited cleanly; not restarted")
+    if code == EX_SUPERSEDED:
+        return Decision(
+            "done",
+            exit_code=EX_SUPERSEDED,
+            reason="was replaced by a later process with its worker id; not restarted",
+        )
     if code == EX_CONFIG:
         return Decision(
             "stop_all",
@@ -399,6 +411,8 @@ class Supervisor:
                         self.stop()
                     exit_code = exit_code or decision.exit_code
                 else:
+                    if code == EX_SUPERSEDED and not self._stopping:
+                        log.error("worker %s: %s", worker_id, self._read_message(worker_id))
                     if decision.reason != "stopping":
                         log.info("worker %s %s", worker_id, decision.reason)
                     exit_code = exit_code or decision.exit_code

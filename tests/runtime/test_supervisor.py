@@ -24,6 +24,7 @@ from snapline.pipeline import supervisor as supervisor_module
 from snapline.pipeline.supervisor import (
     COMMITTED_FILE_ENV,
     EX_CONFIG,
+    EX_SUPERSEDED,
     EX_TEMPFAIL,
     IDLE_HEALTHY_ENV,
     MESSAGE_FILE_ENV,
@@ -44,6 +45,11 @@ def test_configuration_error_stops_everything_with_its_code() -> None:
     # also after a healthy run: restarting cannot fix configuration
     d = decide(EX_CONFIG, healthy=True, failures_before=0, policy=POLICY, stopping=False)
     assert d.action == "stop_all"
+
+
+def test_a_superseded_worker_is_not_restarted_and_stops_nobody_else() -> None:
+    d = decide(EX_SUPERSEDED, healthy=True, failures_before=0, policy=POLICY, stopping=False)
+    assert (d.action, d.exit_code) == ("done", EX_SUPERSEDED)
 
 
 def test_clean_exit_is_not_restarted() -> None:
@@ -186,6 +192,34 @@ def test_configuration_error_of_one_worker_stops_all_at_once(tmp_path: Path) -> 
     assert time.monotonic() - started < 10  # w1 was stopped, not waited for (60 s)
     assert sup.failure_message == "topics ['nope'] do not exist; create them"
     assert {w: len(s) for w, s in sup.starts.items()} == {"w0": 1, "w1": 1}
+
+
+SUPERSEDED = f"""
+import os, sys
+open(os.environ[{MESSAGE_FILE_ENV!r}], "w").write("worker 'w0' was replaced by pid 7 on host b")
+sys.exit({EX_SUPERSEDED})
+"""
+# Runs 2 s, then exits 0 by itself (it was not stopped).
+RUNS_TWO_SECONDS = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))
+time.sleep(2)
+"""
+
+
+def test_a_superseded_worker_leaves_the_others_running(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The host was not replaced as a whole (or two services share an id): the worker another
+    process replaced stops, its message is logged, the others go on, and the supervisor ends
+    with EX_SUPERSEDED once they are done."""
+    sup = ScriptedSupervisor({"w0": SUPERSEDED, "w1": RUNS_TWO_SECONDS}, POLICY)
+    with caplog.at_level(logging.ERROR):
+        code = sup.run()
+    assert code == EX_SUPERSEDED
+    assert {w: len(s) for w, s in sup.starts.items()} == {"w0": 1, "w1": 1}
+    assert "replaced by pid 7 on host b" in caplog.text
+    assert "stopping all workers" not in caplog.text  # w1 ran to its end (else exit 3)
 
 
 def test_crashing_worker_is_restarted_with_backoff_then_given_up(tmp_path: Path) -> None:

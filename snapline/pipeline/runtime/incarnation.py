@@ -16,7 +16,8 @@ So each worker writes ``<job>/workers/<worker id>.json`` (a random token, host, 
 time; checksummed) into checkpoint storage just before its first ``init_transactions``.
 A worker that is fenced reads it back before it replaces the fenced client: another token
 means a later process with this id registered since, and this one stops with
-``SupersededError`` (exit 78) instead. Its own token, or a mark it cannot read, and it goes on
+``SupersededError`` (exit 79, ``EX_SUPERSEDED``: a supervisor restarts neither it nor stops
+the others) instead. Its own token, or a mark it cannot read, and it goes on
 as before.
 
 A zombie frozen for longer than the liveness timeout does not get that far: on waking, its
@@ -33,7 +34,7 @@ once, as before.
 
 What the check cannot tell apart: a process of this id that registered and died before it
 fenced anyone makes the next fence of the live one look like a successor's (it stops, exit
-78, and its restart registers again); and storage that may return an older version of an
+79; restarted by hand or by an orchestrator, it registers again); and storage that may return an older version of an
 overwritten file could show an earlier incarnation's token. Two services deliberately given
 one worker id get the same message, which names the fix.
 
@@ -62,7 +63,8 @@ log = logging.getLogger(__name__)
 
 
 class SupersededError(ConfigurationError):
-    """A later process with this worker id took over: this one stops (exit 78)."""
+    """A later process with this worker id took over: this one stops (exit 79,
+    ``EX_SUPERSEDED``; a ConfigurationError everywhere else: no restart can help)."""
 
 
 class StopRequested(Exception):

@@ -142,6 +142,7 @@ from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.compat import incompatibility, moved_states, replaced_states
 from snapline.pipeline.supervisor import (
     EX_CONFIG,
+    EX_SUPERSEDED,
     MESSAGE_FILE_ENV,
     idle_healthy_after,
     report_committed,
@@ -2077,7 +2078,7 @@ class Worker:
     def _fail_checkpoint(self, exc: Exception) -> None:
         """Abort the epoch and restore every task from its committed checkpoint."""
         if isinstance(exc, FencedError):
-            # Before the failure counts: a superseded worker stops with exit 78, not with a
+            # Before the failure counts: a superseded worker stops with exit 79, not with a
             # "too many failed checkpoints" exit 1 that its supervisor restarts.
             self._check_incarnation("producer was fenced")
         self._count_failure(exc)
@@ -2286,7 +2287,7 @@ class Worker:
     def _register_incarnation(self) -> None:
         """Mark this process as the newest of its worker id (runtime/incarnation.py); it may
         wait up to a session timeout and a margin for another host's holder of the id to
-        leave the group, or stop (SupersededError, exit 78)."""
+        leave the group, or stop (SupersededError, exit 79)."""
         # A holder being stopped stays a member for up to its STOP_BOUND, then the session.
         wait = float(self._consumer_config()["session.timeout.ms"]) / 1000 + STOP_BOUND + 5
         self.liveness.allow(wait + 45)  # each membership read is bounded (10 s + 5 s)
@@ -2306,7 +2307,7 @@ class Worker:
             raise _StopNow("stopped while waiting for the worker id's holder to leave") from None
 
     def _check_incarnation(self, what: str) -> None:
-        """Before a client is replaced: SupersededError (exit 78) if a later process with this
+        """Before a client is replaced: SupersededError (exit 79) if a later process with this
         worker id registered since this one (runtime/incarnation.py)."""
         if self.incarnation is not None:
             incarnation.check_current(
@@ -3004,12 +3005,14 @@ def run_worker(pipeline: Pipeline, settings: WorkerSettings) -> None:
             # A normal exit would join the hung threads, i.e. never end. A configuration error
             # (a superseded worker too) keeps its exit code: a supervisor must not restart it.
             if isinstance(exc, ConfigurationError):
+                code = EX_SUPERSEDED if isinstance(exc, incarnation.SupersededError) else EX_CONFIG
                 message_file = os.environ.get(MESSAGE_FILE_ENV)
                 if message_file:
                     with contextlib.suppress(OSError):
+                        Path(message_file).parent.mkdir(exist_ok=True)
                         Path(message_file).write_text(redact_text(str(exc)))
-                log.error("%s (exit %d)", exc, EX_CONFIG)
-                _exit_now(EX_CONFIG)
+                log.error("%s (exit %d)", exc, code)
+                _exit_now(code)
             log.error("%s (exit 1)", exc)
             _exit_now(1)
         raise
