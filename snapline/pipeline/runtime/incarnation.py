@@ -34,9 +34,9 @@ once, as before.
 
 What the check cannot tell apart: a process of this id that registered and died before it
 fenced anyone makes the next fence of the live one look like a successor's (it stops, exit
-79; restarted by hand or by an orchestrator, it registers again); and storage that may return an older version of an
-overwritten file could show an earlier incarnation's token. Two services deliberately given
-one worker id get the same message, which names the fix.
+79; restarted by hand or by an orchestrator, it registers again); and storage that may
+return an older version of an overwritten file could show an earlier incarnation's token.
+Two services deliberately given one worker id get the same message, which names the fix.
 
 Threads: ``register`` on the task thread at start; ``check_current`` on the task thread
 (before a producer or consumer is replaced).
