@@ -25,7 +25,7 @@ from examples.workers import WorkerProcess, read_events
 from snapline.pipeline.savepoint import control
 
 pytestmark = pytest.mark.integration
-PAUSE_LIMIT = 3.0  # the worker's, shortened (SNAPLINE_TEST_PAUSE_LIMIT); 300 s in a job
+PAUSE_LIMIT = 5.0  # the worker's, shortened (SNAPLINE_TEST_PAUSE_LIMIT); 300 s in a job
 DELAY_MS = 12000  # each record comes out this long after it was read (a processing-time timer)
 
 

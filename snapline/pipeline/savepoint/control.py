@@ -257,13 +257,21 @@ def holding(
 ) -> Iterator[None]:
     """Send ``hold`` for ``request_id`` every ``every`` seconds while the block runs (a
     thread): the paused workers' ``PAUSE_LIMIT`` starts again at each. A hold that cannot
-    be sent is logged; the export's own check then finds a job that resumed."""
+    be sent is logged; the export's own check then finds a job that resumed. One producer
+    sends them all: a new one per hold (its connection, its metadata, its destruction) made
+    holds late on a loaded machine, by seconds, and a worker with a short limit resumed."""
     stop = threading.Event()
+    hold = orjson.dumps({"id": request_id, "action": "hold", "stop": False})
 
     def run() -> None:
+        producer: Producer | None = None
         while not stop.wait(every):
             try:
-                send(kafka_config, job, "hold", request_id)
+                if producer is None:
+                    producer = Producer(kafka_config)
+                producer.produce(control_topic(job), hold)
+                if producer.flush(30):
+                    raise CheckpointError(f"could not send 'hold' to {control_topic(job)}")
             except (CheckpointError, KafkaException) as exc:
                 log.warning("could not tell the workers to stay paused: %s", exc)
 
