@@ -25,7 +25,10 @@ from examples.workers import WorkerProcess, read_events
 from snapline.pipeline.savepoint import control
 
 pytestmark = pytest.mark.integration
-PAUSE_LIMIT = 5.0  # the worker's, shortened (SNAPLINE_TEST_PAUSE_LIMIT); 300 s in a job
+#: The worker's, shortened (SNAPLINE_TEST_PAUSE_LIMIT); 300 s in a job. Not shorter: on the
+#: 2-core CI machine, a test beside it that restarts its own broker (a JVM start) starved
+#: this one's holds of 3-5 s, twice, and the worker rightly resumed at a 3 s or 5 s limit.
+PAUSE_LIMIT = 10.0
 DELAY_MS = 12000  # each record comes out this long after it was read (a processing-time timer)
 
 
@@ -41,8 +44,8 @@ def test_a_paused_worker_commits_nothing_while_holds_come_and_resumes_when_they_
     kafka_bootstrap: str, tmp_path: Path, unique_name: str
 ) -> None:
     """Records 1..5 are read and committed, each with a timer due 12 s later; then a
-    savepoint request pauses the worker, and holds come every half second until 6 s past
-    the timers' due time: several times its pause limit (3 s here). No checkpoint may commit
+    savepoint request pauses the worker, and holds come every half second until 20 s past
+    the timers' due time: twice its pause limit (10 s here). No checkpoint may commit
     until the holds stop: not one with the timers' output, not one after a resume at the
     limit (a worker that ignored holds). Then it resumes by itself and every record comes
     out once."""
