@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from pathlib import Path
 from typing import NoReturn
 
 import click
@@ -23,7 +22,7 @@ from snapline.pipeline.errors import ConfigurationError, SnaplineError
 from snapline.pipeline.runtime.liveness import DEFAULT_TIMEOUT as DEFAULT_LIVENESS_TIMEOUT
 from snapline.pipeline.runtime.liveness import check_timeout as check_liveness_timeout
 from snapline.pipeline.runtime.metrics import DEFAULT_METRICS_HOST
-from snapline.pipeline.supervisor import EX_CONFIG, EX_SUPERSEDED, EX_TEMPFAIL, MESSAGE_FILE_ENV
+from snapline.pipeline.supervisor import EX_TEMPFAIL, hand_over_message
 
 log = logging.getLogger("snapline.pipeline.cli")  # also when run as __main__
 
@@ -41,23 +40,15 @@ def _configuration_error(exc: ConfigurationError) -> NoReturn:
     the supervisor, which stops the job and prints it once for all its workers. A worker
     replaced by a later process with its id exits EX_SUPERSEDED instead (the supervisor
     stops only that worker)."""
+    from snapline.pipeline.runtime.incarnation import exit_code_of
+
     code = exit_code_of(exc)
-    message_file = os.environ.get(MESSAGE_FILE_ENV)
-    if message_file:
-        Path(message_file).parent.mkdir(exist_ok=True)  # a cleaner of /tmp may have removed it
-        Path(message_file).write_text(redact_text(str(exc)))
+    if hand_over_message(redact_text(str(exc))):
         log.error("configuration error: exiting with %d (the supervisor prints why)", code)
         sys.exit(code)
     error = click.ClickException(str(exc))
     error.exit_code = code
     raise error
-
-
-def exit_code_of(exc: ConfigurationError) -> int:
-    """EX_SUPERSEDED for a worker a later process with its id replaced, else EX_CONFIG."""
-    from snapline.pipeline.runtime.incarnation import SupersededError
-
-    return EX_SUPERSEDED if isinstance(exc, SupersededError) else EX_CONFIG
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

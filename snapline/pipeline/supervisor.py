@@ -103,6 +103,18 @@ def report_committed(checkpoints_committed: int) -> None:
         log.warning("could not tell the supervisor of the first committed checkpoint: %s", exc)
 
 
+def hand_over_message(text: str) -> bool:
+    """Write a supervised worker's configuration-error message (already redacted) to the file
+    named by ``MESSAGE_FILE_ENV``, for the supervisor to print once; False when no supervisor
+    asked for it. Its directory is made again if a cleaner of /tmp removed it."""
+    path = os.environ.get(MESSAGE_FILE_ENV)
+    if not path:
+        return False
+    Path(path).parent.mkdir(exist_ok=True)
+    Path(path).write_text(text)
+    return True
+
+
 def _touch(path: Path) -> None:
     """Create ``path``, and its directory if a cleaner of /tmp removed it (by age, during a
     long run)."""

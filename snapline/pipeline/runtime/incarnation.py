@@ -67,6 +67,13 @@ class SupersededError(ConfigurationError):
     ``EX_SUPERSEDED``; a ConfigurationError everywhere else: no restart can help)."""
 
 
+def exit_code_of(exc: ConfigurationError) -> int:
+    """EX_SUPERSEDED for a worker a later process with its id replaced, else EX_CONFIG."""
+    from snapline.pipeline.supervisor import EX_CONFIG, EX_SUPERSEDED
+
+    return EX_SUPERSEDED if isinstance(exc, SupersededError) else EX_CONFIG
+
+
 class StopRequested(Exception):
     """The worker was told to stop while ``register`` waited."""
 

@@ -141,9 +141,7 @@ from snapline.pipeline.stages import SOURCE_STAGE, task_id_for
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.compat import incompatibility, moved_states, replaced_states
 from snapline.pipeline.supervisor import (
-    EX_CONFIG,
-    EX_SUPERSEDED,
-    MESSAGE_FILE_ENV,
+    hand_over_message,
     idle_healthy_after,
     report_committed,
     report_idle_healthy,
@@ -901,7 +899,7 @@ class Worker:
         request = [TopicPartition(tp.topic, tp.partition) for tp in partitions]
         deadline = time.monotonic() + self._committed_offsets_wait
         attempt = 0
-        fencing: threading.Thread | None = None
+        fencing = False  # the departed writers' abort started (once per call)
         while True:
             # The first try is short: pending offsets of a departed writer are worth
             # looking for (below) long before its transaction times out.
@@ -920,8 +918,9 @@ class Worker:
                 error = kafka_error(exc)
                 if error is not None and classify(error) is ErrorClass.FATAL:
                     raise ConsumerFencedError(f"consumer: committed() failed: {error}") from exc
-                if fencing is None:
-                    fencing = self._fence_pending_writers(request)
+                if not fencing:
+                    self._fence_pending_writers(request)
+                    fencing = True
                 if time.monotonic() > deadline or self._stopping:
                     # Exit 75: a fresh worker waits again; nothing is lost by the restart.
                     raise KafkaClientError(
@@ -936,7 +935,7 @@ class Worker:
                 sleep_unless(lambda: self._stopping, backoff(attempt, cap=2.0))
                 attempt += 1
 
-    def _fence_pending_writers(self, partitions: list[TopicPartition]) -> threading.Thread:
+    def _fence_pending_writers(self, partitions: list[TopicPartition]) -> None:
         """The committed offsets of ``partitions`` cannot be read (yet): if a worker that
         left the group for good sent offsets to its transaction and died before it ended it,
         the broker keeps them pending, and unreadable, until that transaction times out
@@ -944,8 +943,8 @@ class Worker:
         checkpoints of those tasks just before, so their writers that are not members of the
         group now have their transactions aborted (``departed.fence_departed``; a writer that
         is a member is left to end its own transaction). All of it in a daemon thread (the
-        reads of the offsets go on meanwhile), which it returns; it does nothing when the
-        abort of departed workers is off."""
+        reads of the offsets go on meanwhile); it does nothing when the abort of departed
+        workers is off."""
         tasks = sorted(
             {task_id_for(self._stage_of_topic[tp.topic], tp.partition) for tp in partitions}
         )
@@ -963,9 +962,7 @@ class Worker:
                 self._event,
             )
 
-        thread = threading.Thread(target=fence, name="fence-pending", daemon=True)
-        thread.start()
-        return thread
+        threading.Thread(target=fence, name="fence-pending", daemon=True).start()
 
     def _newest_writers(self, task_id: str, most: int = 20) -> set[str]:
         """The workers that wrote ``task_id``'s checkpoints newer than its newest one marked
@@ -3005,12 +3002,9 @@ def run_worker(pipeline: Pipeline, settings: WorkerSettings) -> None:
             # A normal exit would join the hung threads, i.e. never end. A configuration error
             # (a superseded worker too) keeps its exit code: a supervisor must not restart it.
             if isinstance(exc, ConfigurationError):
-                code = EX_SUPERSEDED if isinstance(exc, incarnation.SupersededError) else EX_CONFIG
-                message_file = os.environ.get(MESSAGE_FILE_ENV)
-                if message_file:
-                    with contextlib.suppress(OSError):
-                        Path(message_file).parent.mkdir(exist_ok=True)
-                        Path(message_file).write_text(redact_text(str(exc)))
+                code = incarnation.exit_code_of(exc)
+                with contextlib.suppress(OSError):
+                    hand_over_message(redact_text(str(exc)))
                 log.error("%s (exit %d)", exc, code)
                 _exit_now(code)
             log.error("%s (exit 1)", exc)
