@@ -452,6 +452,65 @@ def test_a_zombie_replaced_by_a_worker_with_its_id_stops_instead_of_fencing_it(
     job.stop_all()
 
 
+def test_a_worker_fenced_by_a_process_of_its_id_that_died_at_start_goes_on(
+    job_factory, tmp_path: Path
+) -> None:
+    """A second process with w0's id starts on another host (a mistaken deployment, a
+    replacement the orchestrator killed at once): it leaves its mark as the id's newest
+    incarnation and fences w0's producer with init_transactions, then dies before it joins
+    the group. w0 must not stop (exit 79) with nobody left to run the id: it waits a
+    session timeout and a margin for that process to join, takes the id back, and goes on
+    committing; every order's effect is there exactly once."""
+    from confluent_kafka import Producer
+
+    from snapline.pipeline.checkpoint.storage import CheckpointStorage
+    from snapline.pipeline.runtime import departed, incarnation
+
+    job = job_factory(interval=0.5, workers=1)
+    (worker,) = job.workers
+    worker.start()
+    job.produce(5_000)
+    started = time.time()
+    deadline = time.monotonic() + 90  # bounded: the worker commits within seconds
+    while not any(
+        e["event"] == "checkpoint" and e["time"] > started for e in read_events(worker.metrics_path)
+    ):
+        assert time.monotonic() < deadline, "the worker never committed\n" + job.logs()
+        time.sleep(0.2)
+    storage = CheckpointStorage(str(job.workdir / "checkpoints"))
+    dead = incarnation.register(
+        storage, job.name, worker.worker_id, tmp_path / "host2" / "mark", lambda: None, 0.0
+    )
+    fencer = Producer(
+        {
+            "bootstrap.servers": job.bootstrap,
+            "transactional.id": departed.transactional_id(job.name, worker.worker_id),
+        }
+    )
+    fencer.init_transactions(30)
+    del fencer  # it dies here, never a member of the group
+    fenced_at = time.time()
+    producer = job.produce_in_background(20_000, waves=20)  # the fence meets a commit
+    # Bounded: the worker's next commit is refused at once; it then waits a session timeout
+    # (10 s) + STOP_BOUND (30 s) + 5 s for the dead process to join, and restores.
+    deadline = time.monotonic() + 150
+    while not any(
+        e["event"] == "checkpoint" and e["time"] > fenced_at + 40
+        for e in read_events(worker.metrics_path)
+    ):
+        assert worker.alive, f"w0 exited with {worker.proc.poll()}\n{worker.tail()}"
+        assert time.monotonic() < deadline, "w0 never committed again\n" + worker.tail()
+        time.sleep(0.5)
+    log = worker.tail(400)
+    assert "waiting up to" in log and "taken for dead" in log, log
+    assert incarnation.read(storage, job.name, worker.worker_id).token != dead.token
+    producer.join()
+    job.wait_until_caught_up()
+    job.verify()
+    assert worker.alive, worker.tail()
+    job.stop_all()
+
+
 def test_materialization_runs_while_processing_continues(job_factory) -> None:
     """Slow checkpoint storage (each write sleeps 1.5 s): records keep being read and
     processed while the snapshot is written; the output is still exactly once."""

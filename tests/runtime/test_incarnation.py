@@ -141,3 +141,65 @@ def test_a_stop_during_the_wait_for_the_holder_writes_nothing(tmp_path: Path) ->
             stopping=lambda: next(stops),
         )
     incarnation.check_current(storage, "job", "w0", holder, "producer was fenced")  # unmoved
+
+
+@pytest.mark.parametrize(
+    "answers",
+    [(True,), (False, False, True), (None, True), (None,)],
+    ids=["joined", "joins-during-the-wait", "kafka-says-later", "kafka-cannot-say"],
+)
+def test_a_fenced_worker_stops_once_the_later_holder_proves_to_run(
+    tmp_path: Path, answers: tuple[bool | None, ...]
+) -> None:
+    """The successor holds the membership (it joined the group), or Kafka cannot say at all
+    and the mark decides: the replaced process stops."""
+    storage = CheckpointStorage(str(tmp_path / "chk"))
+    old = _register(storage, tmp_path / "host1")
+    new = _register(storage, tmp_path / "host2")
+    with pytest.raises(SupersededError):
+        incarnation.check_current(
+            storage, "job", "w0", old, "producer was fenced", _answers(*answers), wait=2.5
+        )
+    incarnation.check_current(storage, "job", "w0", new, "producer was fenced")  # unmoved
+
+
+@pytest.mark.parametrize(
+    "answers", [(False,), (None, False)], ids=["never-joined", "kafka-says-later"]
+)
+def test_a_later_mark_whose_process_never_joins_is_a_dead_ones(
+    tmp_path: Path, answers: tuple[bool | None, ...]
+) -> None:
+    """A process of the id registered and died before it joined the group (killed at start):
+    the live worker must not stop for it, with nobody left to run the id. It writes its own
+    mark back, so the next check needs no wait, and the dead one's restart on its host does
+    not take the id while the live one is a member."""
+    storage = CheckpointStorage(str(tmp_path / "chk"))
+    live = _register(storage, tmp_path / "host1")
+    dead = _register(storage, tmp_path / "host2")
+    asked = _answers(*answers)
+    incarnation.check_current(storage, "job", "w0", live, "producer was fenced", asked, wait=1.5)
+    assert incarnation.read(storage, "job", "w0") == live
+    incarnation.check_current(storage, "job", "w0", live, "producer was fenced", _never_asked)
+    with pytest.raises(SupersededError):
+        incarnation.check_current(storage, "job", "w0", dead, "producer was fenced")
+    with pytest.raises(SupersededError):
+        _register(storage, tmp_path / "host2", _answers(True), wait=0.0)
+
+
+def test_a_stop_during_the_wait_for_a_later_holder_to_join(tmp_path: Path) -> None:
+    storage = CheckpointStorage(str(tmp_path / "chk"))
+    old = _register(storage, tmp_path / "host1")
+    new = _register(storage, tmp_path / "host2")
+    stops = iter([False, False, True])
+    with pytest.raises(incarnation.StopRequested):
+        incarnation.check_current(
+            storage,
+            "job",
+            "w0",
+            old,
+            "producer was fenced",
+            _answers(False),
+            wait=60.0,
+            stopping=lambda: next(stops),
+        )
+    assert incarnation.read(storage, "job", "w0") == new  # nothing written

@@ -170,7 +170,15 @@ def instance_id(job: str, worker_id: str) -> str:
 def group_instances(
     kafka_config: dict[str, Any], group: str, timeout: float = CALL_TIMEOUT
 ) -> set[str]:
-    """The static member ids of the group's current members (raises on failure). The group
+    """The static member ids of the group's current members (raises on failure)."""
+    return set(group_members(kafka_config, group, timeout))
+
+
+def group_members(
+    kafka_config: dict[str, Any], group: str, timeout: float = CALL_TIMEOUT
+) -> dict[str, str]:
+    """Static member id -> member id of the group's current static members (raises on
+    failure). The group
     is described only when ListGroups says it may have members (``listed_groups``: a
     DescribeGroups whose coordinator lookup times out can abort the process later, and the
     callers ask exactly when a coordinator may be slow)."""
@@ -181,10 +189,10 @@ def group_instances(
         # metadata (no leader for its __consumer_offsets partition). Not "no members".
         raise KafkaException(KafkaError(KafkaError._UNKNOWN_GROUP, f"group {group} not listed"))
     if not listed[group]:
-        return set()  # listed as empty or dead: no members
+        return {}  # listed as empty or dead: no members
     future = admin.describe_consumer_groups([group], request_timeout=timeout)[group]
     description = future.result(timeout=timeout)
-    return {m.group_instance_id for m in description.members if m.group_instance_id}
+    return {m.group_instance_id: m.member_id for m in description.members if m.group_instance_id}
 
 
 def is_member(
@@ -197,6 +205,24 @@ def is_member(
     except Exception as exc:
         log.warning("could not read the members of group %s: %s", job, exc)
         return None
+
+
+def held_by_another(
+    kafka_config: dict[str, Any],
+    job: str,
+    worker_id: str,
+    own_member_id: str | None,
+    timeout: float = 10.0,
+) -> bool | None:
+    """Whether worker ``worker_id``'s static membership of the job's group is held now by a
+    member other than ``own_member_id`` (this process's consumer's member id: None when it has
+    none); None when Kafka cannot say."""
+    try:
+        member = group_members(kafka_config, job, timeout).get(instance_id(job, worker_id))
+    except Exception as exc:
+        log.warning("could not read the members of group %s: %s", job, exc)
+        return None
+    return member is not None and member != own_member_id
 
 
 def fence_departed(

@@ -15,10 +15,10 @@ two aborted each other's epochs until one gave up.
 So each worker writes ``<job>/workers/<worker id>.json`` (a random token, host, pid, start
 time; checksummed) into checkpoint storage just before its first ``init_transactions``.
 A worker that is fenced reads it back before it replaces the fenced client: another token
-means a later process with this id registered since, and this one stops with
-``SupersededError`` (exit 79, ``EX_SUPERSEDED``: a supervisor restarts neither it nor stops
-the others) instead. Its own token, or a mark it cannot read, and it goes on
-as before.
+means a later process with this id registered since, and once that one proves to run (below)
+this one stops with ``SupersededError`` (exit 79, ``EX_SUPERSEDED``: a supervisor restarts
+neither it nor stops the others) instead. Its own token, or a mark it cannot read, and it
+goes on as before.
 
 A zombie frozen for longer than the liveness timeout does not get that far: on waking, its
 watchdog ends it (exit 1 or 75), and its supervisor or orchestrator starts it again on the
@@ -32,11 +32,21 @@ to a session timeout and a margin (the holder may have just died), and stops wit
 restart (the local token is the mark's) and a mark or group that cannot be read register at
 once, as before.
 
-What the check cannot tell apart: a process of this id that registered and died before it
-fenced anyone makes the next fence of the live one look like a successor's (it stops, exit
-79; restarted by hand or by an orchestrator, it registers again); and storage that may
-return an older version of an overwritten file could show an earlier incarnation's token.
-Two services deliberately given one worker id get the same message, which names the fix.
+A mark is not proof by itself: a process of this id may have registered and died before it
+joined the group (killed at start, or its host lost), and the live worker would then stop at
+its next fence or client replacement with nobody left to run the id. So a worker that finds
+another token waits, up to a session timeout and a margin, for proof that the mark's holder
+runs: the group's static member ``<job>-<id>`` held by a member id other than this process's
+consumer's (the successor joined, replacing this one's membership). With that it stops (exit
+79); when the wait ends and the group says nobody else holds the membership, the holder is
+taken for dead: this process writes its own mark back and goes on (a holder that joins later
+still is fenced at its next call and stops in turn, so one of them runs, never both); when
+Kafka could not say at any time during the wait, the mark decides, and it stops.
+
+What the check cannot tell apart: storage that may return an older version of an overwritten
+file could show an earlier incarnation's token (the wait above then ends with this process
+writing its mark back). Two services deliberately given one worker id get the same message,
+which names the fix.
 
 Threads: ``register`` on the task thread at start; ``check_current`` on the task thread
 (before a producer or consumer is replaced).
@@ -145,13 +155,17 @@ def register(
             newest.describe(),
         )
     me = Incarnation(uuid.uuid4().hex, socket.gethostname(), os.getpid(), time.time())
-    body = {"token": me.token, "host": me.host, "pid": me.pid, "started": me.started}
-    storage.write_bytes(mark_path(job, worker_id), encode_checked(body))
+    _write_mark(storage, job, worker_id, me)
     try:
         _write_local(local_token, me.token)
     except OSError as exc:  # only the check at a later restart is weaker for it
         log.warning("could not keep this incarnation's token in %s: %s", local_token, exc)
     return me
+
+
+def _write_mark(storage: CheckpointStorage, job: str, worker_id: str, me: Incarnation) -> None:
+    body = {"token": me.token, "host": me.host, "pid": me.pid, "started": me.started}
+    storage.write_bytes(mark_path(job, worker_id), encode_checked(body))
 
 
 def _write_local(path: Path, token: str) -> None:
@@ -183,11 +197,24 @@ def read(storage: CheckpointStorage, job: str, worker_id: str) -> Incarnation:
 
 
 def check_current(
-    storage: CheckpointStorage, job: str, worker_id: str, me: Incarnation, fenced: str
+    storage: CheckpointStorage,
+    job: str,
+    worker_id: str,
+    me: Incarnation,
+    fenced: str,
+    holder_joined: Callable[[], bool | None] | None = None,
+    wait: float = 0.0,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> None:
     """Raise SupersededError if a later process with ``worker_id`` left its mark since ``me``
-    did. ``fenced`` says what was fenced (for the message). A mark that cannot be read proves
-    nothing: logged, and the worker goes on."""
+    did and runs. ``fenced`` says what was fenced (for the message). A mark that cannot be
+    read proves nothing: logged, and the worker goes on.
+
+    ``holder_joined`` says whether another process holds the worker's membership of the group
+    now (True, False, or None when Kafka cannot say); it is asked until it says True or
+    ``wait`` seconds passed. None for it: the mark alone decides. When the wait ends with the
+    group saying False, the holder is taken for dead and ``me`` is written back as the
+    newest mark. StopRequested when ``stopping`` says so during the wait."""
     try:
         newest = read(storage, job, worker_id)
     except Exception as exc:
@@ -199,9 +226,58 @@ def check_current(
         return
     if newest.token == me.token:
         return
+    if holder_joined is not None and not _holder_runs(
+        holder_joined, wait, stopping, worker_id, newest
+    ):
+        log.warning(
+            "worker %s: another process (%s) left its mark as this worker id's newest, but "
+            "did not join the group within %.0fs: it is taken for dead, and this process "
+            "(%s) takes the id back",
+            worker_id,
+            newest.describe(),
+            wait,
+            me.describe(),
+        )
+        _write_mark(storage, job, worker_id, me)
+        return
     raise SupersededError(
         f"worker {worker_id!r} of job {job!r}: its {fenced} was fenced by another process with "
         f"this worker id, which started later ({newest.describe()}); this process "
         f"({me.describe()}) was replaced and stops, rather than fence its successor in turn. "
         "If both are meant to run, give each its own --worker-id (SNAPLINE_WORKER_ID)"
     )
+
+
+def _holder_runs(
+    holder_joined: Callable[[], bool | None],
+    wait: float,
+    stopping: Callable[[], bool],
+    worker_id: str,
+    newest: Incarnation,
+) -> bool:
+    """Whether the mark's holder proves to run within ``wait`` seconds (it holds the
+    membership), or Kafka could never say (the mark then decides); False when the group
+    said, at least at the end, that nobody else holds it."""
+    deadline = time.monotonic() + wait
+    known = False
+    logged = False
+    while True:
+        answer = holder_joined()
+        if answer:
+            return True
+        known = known or answer is not None
+        if time.monotonic() >= deadline:
+            return not known
+        if not logged:
+            logged = True
+            log.warning(
+                "worker %s: another process (%s) left its mark as this worker id's newest; "
+                "waiting up to %.0fs for it to join the group before this one stops",
+                worker_id,
+                newest.describe(),
+                wait,
+            )
+        for _ in range(10):
+            if stopping():
+                raise StopRequested
+            time.sleep(0.1)

@@ -2285,8 +2285,7 @@ class Worker:
         """Mark this process as the newest of its worker id (runtime/incarnation.py); it may
         wait up to a session timeout and a margin for another host's holder of the id to
         leave the group, or stop (SupersededError, exit 79)."""
-        # A holder being stopped stays a member for up to its STOP_BOUND, then the session.
-        wait = float(self._consumer_config()["session.timeout.ms"]) / 1000 + STOP_BOUND + 5
+        wait = self._holder_wait()
         self.liveness.allow(wait + 45)  # each membership read is bounded (10 s + 5 s)
         try:
             self.incarnation = incarnation.register(
@@ -2305,11 +2304,41 @@ class Worker:
 
     def _check_incarnation(self, what: str) -> None:
         """Before a client is replaced: SupersededError (exit 79) if a later process with this
-        worker id registered since this one (runtime/incarnation.py)."""
-        if self.incarnation is not None:
+        worker id registered since this one and holds its membership of the group; a later
+        mark whose process does not join within a session timeout and a margin is taken for
+        a dead one's (runtime/incarnation.py)."""
+        if self.incarnation is None:
+            return
+        job, worker_id = self.pipeline.name, self.settings.worker_id
+        wait = self._holder_wait()
+
+        def holder_joined() -> bool | None:
+            try:
+                mine = self.consumer.memberid() or None
+            except (RuntimeError, AttributeError):  # closed, or not built yet
+                mine = None
+            return departed.held_by_another(self._kafka_config, job, worker_id, mine)
+
+        self.liveness.allow(wait + 45)  # each membership read is bounded (10 s + 5 s)
+        try:
             incarnation.check_current(
-                self.storage, self.pipeline.name, self.settings.worker_id, self.incarnation, what
+                self.storage,
+                job,
+                worker_id,
+                self.incarnation,
+                what,
+                holder_joined,
+                wait,
+                stopping=lambda: self._stopping,
             )
+        except incarnation.StopRequested:
+            raise _StopNow("stopped while waiting for the worker id's new holder") from None
+
+    def _holder_wait(self) -> float:
+        """How long another holder of the worker id may take to show in the group: a session
+        timeout (a holder being stopped stays a member for up to its STOP_BOUND) and a
+        margin."""
+        return float(self._consumer_config()["session.timeout.ms"]) / 1000 + STOP_BOUND + 5
 
     def _replace_consumer(self, exc: KafkaClientError) -> None:
         """A fresh consumer (same group.instance.id) instead of one that failed fatally.
