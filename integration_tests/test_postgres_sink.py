@@ -1027,10 +1027,13 @@ def test_row_by_row_applies_in_the_key_order_of_the_keys_type(
     writer.close()
 
 
-def roll_back_applies(dsn: str, table: str, sqlstate: str, times: int) -> Callable[[], int]:
-    """The first ``times`` statements that write ``table`` raise ``sqlstate`` (a statement
-    trigger; counted by a sequence, which a rollback does not undo), as PostgreSQL does for
-    a deadlock (40P01) or a serialization failure (40001); and how many statements wrote."""
+def roll_back_writes(
+    dsn: str, table: str, sqlstate: str, times: int, events: str = "INSERT OR UPDATE"
+) -> Callable[[], int]:
+    """The first ``times`` statements that write ``table`` (``events``: a COPY is an INSERT)
+    raise ``sqlstate`` (a statement trigger; counted by a sequence, which a rollback does not
+    undo), as PostgreSQL does for a deadlock (40P01) or a serialization failure (40001); and
+    how many statements wrote."""
     sequence = sql.Identifier(f"{table}_writes")
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE SEQUENCE {}").format(sequence))
@@ -1051,9 +1054,8 @@ def roll_back_applies(dsn: str, table: str, sqlstate: str, times: int) -> Callab
         )
         conn.execute(
             sql.SQL(
-                "CREATE TRIGGER roll_back AFTER INSERT OR UPDATE ON {} FOR EACH STATEMENT "
-                "EXECUTE FUNCTION {} ()"
-            ).format(sql.Identifier(table), sql.Identifier(f"{table}_roll_back"))
+                "CREATE TRIGGER roll_back AFTER {} ON {} FOR EACH STATEMENT EXECUTE FUNCTION {} ()"
+            ).format(sql.SQL(events), sql.Identifier(table), sql.Identifier(f"{table}_roll_back"))
         )
 
     def writes() -> int:
@@ -1079,7 +1081,7 @@ def test_an_apply_rolled_back_for_a_deadlock_is_run_again(
     table = make_table(postgres_dsn, extra=", CHECK (n IS NULL OR n >= 0)")
     writer = open_writer(PostgresSink(postgres_dsn, table, ["customer"]))
     writer.recover(None, None)
-    writes = roll_back_applies(postgres_dsn, table, sqlstate, times=2)
+    writes = roll_back_writes(postgres_dsn, table, sqlstate, times=2)
     write(
         writer,
         [
@@ -1117,7 +1119,7 @@ def test_an_apply_rolled_back_at_every_attempt_fails_as_before(postgres_dsn: str
     sink = PostgresSink(postgres_dsn, table, ["customer"])
     writer = open_writer(sink)
     writer.recover(None, None)
-    writes = roll_back_applies(postgres_dsn, table, "40P01", times=1000)
+    writes = roll_back_writes(postgres_dsn, table, "40P01", times=1000)
     write(writer, [{"customer": "a", "total": 1}, {"customer": "b", "total": 2}], 1)
     meta = pre_commit(writer, 1)
     start = time.monotonic()
@@ -1138,6 +1140,168 @@ def test_an_apply_rolled_back_at_every_attempt_fails_as_before(postgres_dsn: str
     assert target(postgres_dsn, table) == {"a": (1.0, None, 1), "b": (2.0, None, 1)}
     assert staged(postgres_dsn, table) == 0
     recovered.close()
+
+
+@pytest.mark.parametrize("sqlstate", ["40P01", "40001"])
+def test_a_staging_rolled_back_for_a_deadlock_is_run_again(
+    postgres_dsn: str, sqlstate: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PostgreSQL rolls the staging's transaction back twice (its COPY) for a deadlock or a
+    serialization failure: the checkpoint failed as an outage. The sink runs the whole
+    transaction again, and its rows are staged once, not once per attempt."""
+    table = make_table(postgres_dsn)
+    writer = open_writer(PostgresSink(postgres_dsn, table, ["customer"]))
+    writer.recover(None, None)
+    writes = roll_back_writes(postgres_dsn, f"{table}__snapline_staging", sqlstate, 2, "INSERT")
+    write(writer, [{"customer": "a", "total": 1}, {"customer": "b", "total": 2}], 1)
+    with caplog.at_level("WARNING", logger="snapline.sinks.postgres"):
+        meta = pre_commit(writer, 1)  # raised SinkUnavailableError
+    assert meta["pending"] == [{"checkpoint": 1, "token": writer.token, "rows": 2}]
+    retries = [
+        r.getMessage() for r in caplog.records if "rolled back the staging" in r.getMessage()
+    ]
+    assert len(retries) == 2 and all(sqlstate in m for m in retries), retries
+    assert writes() == 3 and staged(postgres_dsn, table) == 2
+    writer.commit(1)
+    assert target(postgres_dsn, table) == {"a": (1.0, None, 1), "b": (2.0, None, 1)}
+    assert staged(postgres_dsn, table) == 0
+    writer.close()
+
+
+def test_a_staging_rolled_back_at_every_attempt_fails_as_before(postgres_dsn: str) -> None:
+    """After APPLY_ATTEMPTS rolled-back stagings the checkpoint fails as an outage
+    (SinkUnavailableError), nothing staged; its epochs, replayed, are staged and applied once."""
+    from snapline.sinks.postgres import APPLY_ATTEMPTS
+
+    table = make_table(postgres_dsn)
+    writer = open_writer(PostgresSink(postgres_dsn, table, ["customer"]))
+    writer.recover(None, None)
+    staging = f"{table}__snapline_staging"
+    writes = roll_back_writes(postgres_dsn, staging, "40P01", times=1000, events="INSERT")
+    rows = [{"customer": "a", "total": 1}, {"customer": "b", "total": 2}]
+    write(writer, rows, 1)
+    start = time.monotonic()
+    with pytest.raises(
+        SinkUnavailableError,
+        match=rf"(?s)could not stage checkpoint 1 \({APPLY_ATTEMPTS} attempts\) into .*rolled "
+        r"back by the test",
+    ):
+        pre_commit(writer, 1)
+    assert time.monotonic() - start < 10, "the retries were not short"
+    assert writes() == APPLY_ATTEMPTS and staged(postgres_dsn, table) == 0
+    writer.abort(1)  # the runtime's, for the failed checkpoint; it replays the epochs
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP TRIGGER roll_back ON {}").format(sql.Identifier(staging)))
+    write(writer, rows, 2)
+    pre_commit(writer, 2)
+    writer.commit(2)
+    assert target(postgres_dsn, table) == {"a": (1.0, None, 2), "b": (2.0, None, 2)}
+    assert staged(postgres_dsn, table) == 0
+    writer.close()
+
+
+def stage_dead_rows(dsn: str, table: str, sink: PostgresSink) -> None:
+    """A writer stages checkpoints 1 (customer a) and 2 (b), then is gone: no committed
+    checkpoint names its rows, dead once a checkpoint ≥ 2 committed."""
+    zombie = open_writer(sink)
+    zombie.recover(None, None)
+    write(zombie, [{"customer": "a", "total": 1}], 1)
+    pre_commit(zombie, 1)
+    write(zombie, [{"customer": "b", "total": 2}], 2)
+    pre_commit(zombie, 2)
+    zombie.close()
+    assert staged_checkpoints(dsn, table) == {1, 2}
+
+
+def test_a_deadlock_in_the_deletion_of_dead_staged_rows_is_run_again(
+    postgres_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A real deadlock: recovery's deletion of a task's dead staged rows locks checkpoint 1's
+    row, then waits for checkpoint 2's, which another session holds while it waits for
+    checkpoint 1's. PostgreSQL aborts the deletion (40P01): that failed the recovery as an
+    outage (the worker exited 75). The sink deletes them again once the other session is
+    done; nothing dead is ever applied."""
+    if not query(postgres_dsn, "SELECT rolsuper FROM pg_roles WHERE rolname = current_user")[0][0]:
+        pytest.skip("deadlock_timeout, which picks the deadlock's victim, is a superuser's")
+    table = make_table(postgres_dsn)
+    sink = PostgresSink(postgres_dsn, table, ["customer"])
+    stage_dead_rows(postgres_dsn, table, sink)
+    staging = sql.Identifier(f"{table}__snapline_staging")
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        # Checkpoint 1's row stays locked by its deletion HOLD s (a BEFORE DELETE row trigger
+        # runs once the row is locked): time for the other session to come and wait for it.
+        conn.execute(
+            sql.SQL(
+                "CREATE FUNCTION {} () RETURNS trigger LANGUAGE plpgsql AS "
+                "'BEGIN PERFORM pg_sleep({}); RETURN OLD; END'"
+            ).format(sql.Identifier(f"{table}_hold"), sql.Literal(HOLD))
+        )
+        conn.execute(
+            sql.SQL(
+                "CREATE TRIGGER hold BEFORE DELETE ON {} FOR EACH ROW "
+                "WHEN (OLD.checkpoint_id = 1) EXECUTE FUNCTION {} ()"
+            ).format(staging, sql.Identifier(f"{table}_hold"))
+        )
+    lock = sql.SQL("SELECT 1 FROM {} WHERE checkpoint_id = %s FOR UPDATE").format(staging)
+    recovered = open_writer(sink)
+    failures: list[BaseException] = []
+
+    def recover() -> None:
+        try:
+            recovered.recover(2, {"format": 1, "pending": []})
+        except BaseException as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=recover, name="recover")
+    with psycopg.connect(postgres_dsn) as other, caplog.at_level("WARNING"):
+        # Its wait is never the one PostgreSQL ends (the sink's deadlock check, after the
+        # server's 1 s, finds the cycle first), and is bounded anyway.
+        other.execute("SET deadlock_timeout = '60s'")
+        other.execute("SET lock_timeout = '30s'")
+        other.execute(lock, (2,))
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not sleeping(postgres_dsn, "orders-0") and thread.is_alive():
+            assert time.monotonic() < deadline, "the deletion never held a row lock in 30 s"
+            time.sleep(0.01)
+        other.execute(lock, (1,))  # granted once PostgreSQL aborted the deletion
+        other.commit()
+        thread.join(60)
+    assert not thread.is_alive(), "the recovery took more than 60 s"
+    assert not failures, failures  # was: SinkUnavailableError ... deadlock detected
+    retries = [
+        r.getMessage() for r in caplog.records if "rolled back the deletion" in r.getMessage()
+    ]
+    assert len(retries) == 1 and "40P01: deadlock detected" in retries[0], retries
+    assert staged(postgres_dsn, table) == 0 and target(postgres_dsn, table) == {}
+    recovered.close()
+
+
+def test_a_deletion_rolled_back_at_every_attempt_fails_as_before(postgres_dsn: str) -> None:
+    """After APPLY_ATTEMPTS rolled-back deletions the recovery fails as an outage
+    (SinkUnavailableError: the worker exits 75), the rows kept; the next recovery deletes them."""
+    from snapline.sinks.postgres import APPLY_ATTEMPTS
+
+    table = make_table(postgres_dsn)
+    sink = PostgresSink(postgres_dsn, table, ["customer"])
+    stage_dead_rows(postgres_dsn, table, sink)
+    staging = f"{table}__snapline_staging"
+    writes = roll_back_writes(postgres_dsn, staging, "40P01", times=1000, events="DELETE")
+    recovered = open_writer(sink)
+    with pytest.raises(
+        SinkUnavailableError,
+        match=rf"(?s)could not delete staged rows \({APPLY_ATTEMPTS} attempts\) in .*rolled "
+        r"back by the test",
+    ):
+        recovered.recover(2, {"format": 1, "pending": []})
+    assert writes() == APPLY_ATTEMPTS and staged_checkpoints(postgres_dsn, table) == {1, 2}
+    recovered.close()
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP TRIGGER roll_back ON {}").format(sql.Identifier(staging)))
+    restarted = open_writer(sink)
+    restarted.recover(2, {"format": 1, "pending": []})
+    assert staged(postgres_dsn, table) == 0 and target(postgres_dsn, table) == {}
+    restarted.close()
 
 
 # --------------------------------------------------------------------------- outage

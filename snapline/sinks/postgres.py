@@ -9,18 +9,19 @@ the same task at a checkpoint ≤ n, so a replay never overwrites newer data. Re
 finds nothing staged: a no-op. Rows the database refuses at commit (a CHECK constraint, a
 foreign key...) go, in the same transaction, to ``<table>__snapline_rejected``. Both ways of
 applying (the bulk upsert, and row by row when a row is refused) lock the table's rows in key
-order, so two tasks that write the same keys cannot deadlock each other; an apply that
-PostgreSQL rolls back anyway (a deadlock with someone else, a serialization failure) is run
-again, ``APPLY_ATTEMPTS`` times at most, before it is taken for an outage. The sink's session
-bounds its statements, lock waits and transactions at ``SESSION_TIMEOUT`` (or the longer bound
-its role or DSN set: a short one failed the same apply again at every restart), and checks
-that its client is still there while a statement runs (``CLIENT_CONNECTION_CHECK_INTERVAL``).
+order, so two tasks that write the same keys cannot deadlock each other; an apply, a staging
+or a deletion of staged rows that PostgreSQL rolls back anyway (a deadlock with someone else,
+a serialization failure) is run again, ``APPLY_ATTEMPTS`` times at most, before it is taken
+for an outage. The sink's session bounds its statements, lock waits and transactions at
+``SESSION_TIMEOUT`` (or the longer bound its role or DSN set: a short one failed the same
+apply again at every restart), and checks that its client is still there while a statement
+runs (``CLIENT_CONNECTION_CHECK_INTERVAL``).
 
 Threads: the task thread validates and encodes rows (dead-lettering those that do not fit the
 table) and waits for commit/abort/recover. The background thread of the writer
 (``staging.StagingSinkWriter``) owns the database connection and runs every statement in order:
 the staging COPYs (whose futures ``pre_commit`` returns), the applies and the deletions. It
-reads only immutable encoded rows, and sleeps there between attempts of an apply.
+reads only immutable encoded rows, and sleeps there between attempts of a transaction.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 from datetime import date, datetime, time
 from decimal import Decimal
 from time import sleep
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import psycopg
@@ -96,15 +97,17 @@ SESSION_TIMEOUT = 600
 #: set one): a backend waiting for a lock does not read from its client, and stayed queued
 #: after its worker had exited (the watchdog's exit 75) until ``SESSION_TIMEOUT``.
 CLIENT_CONNECTION_CHECK_INTERVAL = 10
-#: How many times a checkpoint's apply is run when PostgreSQL rolls its transaction back for a
-#: deadlock (40P01) or a serialization failure (40001) before the failure is taken for an
-#: outage (``SinkUnavailableError``: the worker exits 75 and its restart applies it again).
+#: How many times one of the sink's transactions (a checkpoint's apply, its staging, a deletion
+#: of staged rows) is run when PostgreSQL rolls it back for a deadlock (40P01) or a
+#: serialization failure (40001) before the failure is taken for an outage
+#: (``SinkUnavailableError``: the worker exits 75 and its restart runs it again).
 APPLY_ATTEMPTS = 5
 #: Seconds between the first and the second attempt; the wait doubles after each attempt, up
 #: to ``APPLY_RETRY_MAX_DELAY``, and each wait is jittered (``apply_retry_delay``).
 APPLY_RETRY_DELAY = 0.1
 APPLY_RETRY_MAX_DELAY = 1.0
 _INT_RANGES = {"int2": 2**15, "int4": 2**31, "int8": 2**63}
+_T = TypeVar("_T")
 
 
 class _Misfit(Exception):
@@ -181,7 +184,8 @@ _ROW_REFUSALS = (
 )
 #: What PostgreSQL raises when it rolled a whole transaction back for its concurrency with
 #: another one (the other goes on): a deadlock (40P01) or a serialization failure (40001).
-#: Another attempt of the same transaction usually goes through (``PostgresSinkWriter._apply``).
+#: Another attempt of the same transaction usually goes through
+#: (``PostgresSinkWriter._run_transaction``).
 _ROLLED_BACK = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
 
 #: libpq's sslmode values.
@@ -223,9 +227,26 @@ _LINUX_KEEPALIVE_RANGES = {
     "keepalives_interval": 32767,
     "keepalives_count": 127,
 }
-#: psycopg.connect's own arguments that ``connect_kwargs`` may hold (not ``autocommit``: the
-#: sink's own); every other key is a libpq option.
-_PSYCOPG_ARGUMENTS = frozenset(("prepare_threshold", "context", "row_factory", "cursor_factory"))
+#: psycopg.connect's own arguments that ``connect_kwargs`` may hold; every other key is a libpq
+#: option, but for those of ``_SINKS_OWN_ARGUMENTS``.
+_PSYCOPG_ARGUMENTS = frozenset(("prepare_threshold",))
+#: psycopg.connect's arguments that set what the sink's own queries return or how its session
+#: runs them, and why ``connect_kwargs`` may not hold them (refused when the sink is built).
+#: With these two sets, every keyword-only argument of psycopg.connect is named.
+_SINKS_OWN_ARGUMENTS = {
+    # psycopg.connect raised TypeError (a keyword argument given twice) at the first connection.
+    "autocommit": "its session is in autocommit mode, and runs each step in a transaction of "
+    "its own",
+    # The setup read a dict (or a class) where it reads a tuple: it failed at every
+    # connection, and the worker was restarted without end.
+    "row_factory": "its queries read their rows as tuples; a row factory gives them rows of "
+    "another shape",
+    "cursor_factory": "its queries run on psycopg's own cursors, which return rows as "
+    "tuples; another cursor class may return or run them otherwise: a RawCursor takes $1 "
+    "placeholders, not the sink's %s",
+    "context": "its parameters, its COPY and its rows are converted by psycopg's default "
+    "adapters; a context's dumpers and loaders send and read them otherwise",
+}
 #: What libpq says when the server refused the connection for its settings (user,
 #: password, database, pg_hba.conf, a bad ``options=-c ...``), which restarts do not fix: not
 #: an outage. Not the LDAP, PAM, RADIUS or GSSAPI "authentication failed for user": a server
@@ -265,13 +286,11 @@ def _check_dsn(sink: PostgresSink) -> None:
             "(use 'postgresql://user@host:5432/db' or 'host=... dbname=...')"
             + (encode if "***" in problem else "")
         ) from None
-    if "autocommit" in sink.connect_kwargs:
-        # _conn's own: psycopg.connect raised TypeError (a keyword argument given twice) at
-        # the first connection.
-        raise ConfigurationError(
-            "PostgresSink connect_kwargs: autocommit is the sink's own (its session is in "
-            "autocommit mode, and runs each step in a transaction of its own); remove it"
-        )
+    for name, why in _SINKS_OWN_ARGUMENTS.items():
+        if name in sink.connect_kwargs:
+            raise ConfigurationError(
+                f"PostgresSink connect_kwargs: {name} is the sink's own ({why}); remove it"
+            )
     given = {
         k: str(v)
         for k, v in sink.connect_kwargs.items()
@@ -648,7 +667,8 @@ def key_order_sql(spec: TableSpec, rows: sql.Identifier, keys: sql.Identifier) -
 
 
 def apply_retry_delay(attempt: int, rng: random.Random) -> float:
-    """Seconds to wait after the ``attempt``-th (1, 2...) apply that PostgreSQL rolled back:
+    """Seconds to wait after the ``attempt``-th (1, 2...) attempt of a transaction (an apply,
+    a staging, a deletion of staged rows) that PostgreSQL rolled back:
     ``APPLY_RETRY_DELAY`` doubled after each attempt, at most ``APPLY_RETRY_MAX_DELAY``, times
     a random factor from 0.5 to 1, so that two writers that deadlocked do not meet in step."""
     delay = min(APPLY_RETRY_MAX_DELAY, APPLY_RETRY_DELAY * 2 ** (attempt - 1))
@@ -857,7 +877,8 @@ class PostgresSink(Sink):
     ``<table>__snapline_staging`` and ``<table>__snapline_rejected`` next to it.
     ``columns``: the columns a row sets (default: every column except the fence and generated
     ones); a column missing from a row is set to NULL.
-    ``connect_kwargs``: passed to ``psycopg.connect`` (e.g. ``sslrootcert="/etc/ca.pem"``).
+    ``connect_kwargs``: passed to ``psycopg.connect`` (e.g. ``sslrootcert="/etc/ca.pem"``);
+    not ``autocommit``, ``row_factory``, ``cursor_factory`` or ``context``: the sink's own.
     The DSN and ``connect_kwargs`` are checked when the sink is built (``ConfigurationError``).
     The sink's session sets ``statement_timeout``, ``lock_timeout`` and
     ``transaction_timeout`` to ``SESSION_TIMEOUT`` (10 minutes), unless the role, database or
@@ -1310,45 +1331,93 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
         return TableSpec(schema, table, specs, tuple(sink.key_columns))
 
     def _stage(self, job: _StageRows) -> StagedRows:
-        """COPY the rows into staging and commit: durable before the Kafka commit."""
+        """COPY the rows into staging and commit: durable before the Kafka commit. Run again
+        if PostgreSQL rolled the transaction back (``_run_transaction``): safe, for nothing
+        of the attempt remains (the transaction is the deletion of an earlier attempt's rows
+        and the COPY, rolled back whole), and the next one stages the same immutable rows
+        under the same writer, token and checkpoint, deleting any staged before."""
+        checkpoint_id = job.checkpoint_id
+        self._run_transaction(
+            lambda: self._stage_once(job),
+            f"the staging of checkpoint {checkpoint_id}",
+            f"stage checkpoint {checkpoint_id}",
+            "into",
+        )
+        return StagedRows(checkpoint_id, self.token, len(job.rows))
+
+    def _stage_once(self, job: _StageRows) -> None:
+        """ONE transaction: delete what an earlier attempt of this writer staged for the
+        checkpoint, then COPY its rows (``job``: immutable, the same at every attempt)."""
         spec = self._spec
         assert spec is not None
         checkpoint_id, rows = job.checkpoint_id, job.rows
-        try:
-            connection = self._conn()
-            prefix = f"{_copy_text(self.writer_key)}\t{self.token}\t{checkpoint_id}\t".encode()
-            with connection.transaction(), connection.cursor() as cursor:
-                # A failed earlier attempt of this writer for the same id must not add rows.
-                cursor.execute(
-                    sql.SQL(
-                        "DELETE FROM {} WHERE writer = %s AND checkpoint_id = %s AND token = %s"
-                    ).format(spec.staging),
-                    (self.writer_key, checkpoint_id, self.token),
-                )
-                copy_sql = sql.SQL(
-                    "COPY {} (writer, token, checkpoint_id, seq, row) FROM STDIN"
-                ).format(spec.staging)
-                with cursor.copy(copy_sql) as copy:
-                    chunk: list[bytes] = []
-                    size = 0
-                    for seq, data in enumerate(rows):
-                        line = b"%s%d\t%s\n" % (prefix, seq, data.replace(b"\\", b"\\\\"))
-                        chunk.append(line)
-                        size += len(line)
-                        if size >= _COPY_CHUNK:
-                            copy.write(b"".join(chunk))
-                            chunk, size = [], 0
-                    if chunk:
+        connection = self._conn()
+        prefix = f"{_copy_text(self.writer_key)}\t{self.token}\t{checkpoint_id}\t".encode()
+        with connection.transaction(), connection.cursor() as cursor:
+            # A failed earlier attempt of this writer for the same id must not add rows.
+            cursor.execute(
+                sql.SQL(
+                    "DELETE FROM {} WHERE writer = %s AND checkpoint_id = %s AND token = %s"
+                ).format(spec.staging),
+                (self.writer_key, checkpoint_id, self.token),
+            )
+            copy_sql = sql.SQL(
+                "COPY {} (writer, token, checkpoint_id, seq, row) FROM STDIN"
+            ).format(spec.staging)
+            with cursor.copy(copy_sql) as copy:
+                chunk: list[bytes] = []
+                size = 0
+                for seq, data in enumerate(rows):
+                    line = b"%s%d\t%s\n" % (prefix, seq, data.replace(b"\\", b"\\\\"))
+                    chunk.append(line)
+                    size += len(line)
+                    if size >= _COPY_CHUNK:
                         copy.write(b"".join(chunk))
-            return StagedRows(checkpoint_id, self.token, len(rows))
-        except psycopg.Error as exc:
-            raise self._fail(exc, f"stage checkpoint {checkpoint_id} into") from exc
+                        chunk, size = [], 0
+                if chunk:
+                    copy.write(b"".join(chunk))
+
+    def _run_transaction(
+        self, attempt_once: Callable[[], _T], step: str, action: str, preposition: str
+    ) -> _T:
+        """``attempt_once()``, ONE transaction of the sink, run again if PostgreSQL rolled it
+        back for a deadlock or a serialization failure (``_ROLLED_BACK``): at most
+        ``APPLY_ATTEMPTS`` times, after a short jittered wait each (``apply_retry_delay``),
+        before it fails as an outage would (``SinkUnavailableError``; the worker's restart
+        runs it again). ``step`` names it in the log ("the apply of checkpoint 3"), ``action``
+        and ``preposition`` in the failure ("could not commit checkpoint 3 into ...").
+
+        Only for a function that runs one whole transaction (``connection.transaction()`` on
+        the autocommit session) and can be run again: 40P01 and 40001 abort the transaction,
+        not the statement, so a retried statement would run without what came before it in
+        its transaction. Each caller says why running it again is safe."""
+        attempt = 1
+        while True:
+            try:
+                return attempt_once()
+            except _ROLLED_BACK as exc:
+                if attempt == APPLY_ATTEMPTS:
+                    what = f"{action} ({attempt} attempts) {preposition}"
+                    raise self._fail(exc, what) from exc
+                delay = apply_retry_delay(attempt, self._jitter)
+                log.warning(
+                    "%s: PostgreSQL rolled back %s (%s: %s); attempt %d of %d in %.2f s",
+                    self._sink.name,
+                    step,
+                    exc.sqlstate,
+                    (str(exc).strip().splitlines() or [""])[0],
+                    attempt + 1,
+                    APPLY_ATTEMPTS,
+                    delay,
+                )
+                sleep(delay)
+                attempt += 1
+            except psycopg.Error as exc:
+                raise self._fail(exc, f"{action} {preposition}") from exc
 
     def _apply(self, token: str, checkpoint_id: int) -> None:
         """Apply one staged checkpoint (``_apply_once``), again if PostgreSQL rolled its
-        transaction back for a deadlock or a serialization failure (``_ROLLED_BACK``): at most
-        ``APPLY_ATTEMPTS`` times, after a short jittered wait each, before it fails as an
-        outage would (``SinkUnavailableError``; the worker's restart applies it again).
+        transaction back (``_run_transaction``).
 
         Running it again is safe: PostgreSQL ended the whole transaction (40P01 and 40001
         abort the transaction, not the statement; raised inside a savepoint, they leave the
@@ -1358,31 +1427,12 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
         there, and the next attempt reads the same ones. Its refused rows are counted only
         once the transaction committed. And an apply is idempotent anyway: one that committed
         deleted its staged rows, so running it again is a no-op."""
-        for attempt in range(1, APPLY_ATTEMPTS + 1):
-            try:
-                refused = self._apply_once(token, checkpoint_id)
-            except _ROLLED_BACK as exc:
-                if attempt == APPLY_ATTEMPTS:
-                    what = f"commit checkpoint {checkpoint_id} ({attempt} attempts) into"
-                    raise self._fail(exc, what) from exc
-                delay = apply_retry_delay(attempt, self._jitter)
-                log.warning(
-                    "%s: PostgreSQL rolled back the apply of checkpoint %d (%s: %s); "
-                    "attempt %d of %d in %.2f s",
-                    self._sink.name,
-                    checkpoint_id,
-                    exc.sqlstate,
-                    (str(exc).strip().splitlines() or [""])[0],
-                    attempt + 1,
-                    APPLY_ATTEMPTS,
-                    delay,
-                )
-                sleep(delay)
-            except psycopg.Error as exc:
-                raise self._fail(exc, f"commit checkpoint {checkpoint_id} into") from exc
-            else:
-                self.rows_rejected += refused
-                return
+        self.rows_rejected += self._run_transaction(
+            lambda: self._apply_once(token, checkpoint_id),
+            f"the apply of checkpoint {checkpoint_id}",
+            f"commit checkpoint {checkpoint_id}",
+            "into",
+        )
 
     def _apply_once(self, token: str, checkpoint_id: int) -> int:
         """ONE transaction: upsert the checkpoint's staged rows, fenced, and delete them.
@@ -1533,17 +1583,13 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
         """Delete this writer instance's own staged rows of checkpoints ≥ n."""
         spec = self._spec
         assert spec is not None
-        try:
-            connection = self._conn()
-            with connection.transaction():
-                connection.execute(
-                    sql.SQL(
-                        "DELETE FROM {} WHERE writer = %s AND token = %s AND checkpoint_id >= %s"
-                    ).format(spec.staging),
-                    (self.writer_key, self.token, from_checkpoint),
-                )
-        except psycopg.Error as exc:
-            raise self._fail(exc, "delete staged rows in") from exc
+        self._delete(
+            sql.SQL(
+                "DELETE FROM {} WHERE writer = %s AND token = %s AND checkpoint_id >= %s"
+            ).format(spec.staging),
+            (self.writer_key, self.token, from_checkpoint),
+            f"this writer's staged rows of checkpoints >= {from_checkpoint}",
+        )
 
     def _delete_dead(self, committed: int) -> None:
         """Delete the task's staged rows of checkpoints ≤ ``committed`` (any writer instance):
@@ -1551,17 +1597,26 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
         at or below it can ever be."""
         spec = self._spec
         assert spec is not None
-        try:
+        self._delete(
+            sql.SQL("DELETE FROM {} WHERE writer = %s AND checkpoint_id <= %s").format(
+                spec.staging
+            ),
+            (self.writer_key, committed),
+            f"the task's staged rows of checkpoints <= {committed}",
+        )
+
+    def _delete(self, statement: sql.Composed, params: tuple[Any, ...], rows: str) -> None:
+        """Run ``statement``, a DELETE of staged rows, in a transaction of its own, again if
+        PostgreSQL rolled it back (``_run_transaction``). Running it again is safe: the
+        transaction is that one statement, which PostgreSQL rolled back whole, and deleting
+        the same rows again deletes what is left of them."""
+
+        def once() -> None:
             connection = self._conn()
             with connection.transaction():
-                connection.execute(
-                    sql.SQL("DELETE FROM {} WHERE writer = %s AND checkpoint_id <= %s").format(
-                        spec.staging
-                    ),
-                    (self.writer_key, committed),
-                )
-        except psycopg.Error as exc:
-            raise self._fail(exc, "delete staged rows in") from exc
+                connection.execute(statement, params)
+
+        self._run_transaction(once, f"the deletion of {rows}", "delete staged rows", "in")
 
 
 # --------------------------------------------------------------------------- catalog

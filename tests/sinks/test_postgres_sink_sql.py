@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import sys
 import uuid
+from collections.abc import Iterator
 from datetime import date, datetime
 from decimal import Decimal
 from typing import Any
@@ -446,6 +448,58 @@ def test_autocommit_in_connect_kwargs_fails_at_start(autocommit: bool) -> None:
     assert "autocommit" not in str(refused.value)
 
 
+class _TupleCursor(psycopg.Cursor[Any]):
+    """A cursor class of the user's own (what cursor_factory takes)."""
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "why"),
+    [
+        ("row_factory", psycopg.rows.dict_row, "its queries read their rows as tuples"),
+        ("row_factory", None, "its queries read their rows as tuples"),
+        ("cursor_factory", _TupleCursor, "its queries run on psycopg's own cursors"),
+        ("context", psycopg.adapt.AdaptersMap(psycopg.adapters), "psycopg's default adapters"),
+    ],
+)
+def test_connect_arguments_that_change_the_sinks_queries_fail_at_start(
+    name: str, value: Any, why: str
+) -> None:
+    """A row_factory (or a cursor class, or adapters) of the user's gave the sink's own
+    queries rows of another shape: accepted when the sink was built, it failed its setup at
+    every connection, and the worker was restarted without end. Refused as autocommit is."""
+    with pytest.raises(ConfigurationError, match=rf"connect_kwargs: {name} is the sink's own") as e:
+        PostgresSink(
+            "postgresql://db/shop",
+            "totals",
+            ["customer"],
+            connect_kwargs={name: value, "sslmode": "require"},
+        )
+    assert why in str(e.value) and str(e.value).endswith("; remove it")
+
+
+def test_every_argument_of_psycopg_connect_is_taken_or_refused() -> None:
+    """Each keyword-only argument of psycopg.connect is either one connect_kwargs may hold or
+    one the sink refuses (any other key is checked as a libpq option: a psycopg upgrade's new
+    argument would be refused as "not valid" until it is named here). Checked against the
+    psycopg this project was written for; a later one may add arguments (then this says so
+    only as a subset: the named ones must exist)."""
+    import inspect
+
+    from snapline.sinks.postgres import _PSYCOPG_ARGUMENTS, _SINKS_OWN_ARGUMENTS
+
+    arguments = {
+        name
+        for name, parameter in inspect.signature(psycopg.connect).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    named = _PSYCOPG_ARGUMENTS | _SINKS_OWN_ARGUMENTS.keys()
+    assert named <= arguments
+    if tuple(int(p) for p in psycopg.__version__.split(".")[:2]) <= (3, 3):
+        assert arguments == named
+    assert not _PSYCOPG_ARGUMENTS & _SINKS_OWN_ARGUMENTS.keys()
+    PostgresSink("postgresql://db/shop", "t", ["k"], connect_kwargs={"prepare_threshold": 0})
+
+
 @pytest.mark.parametrize(
     "error",
     [
@@ -531,3 +585,173 @@ def test_a_refused_connection_is_told_apart_from_an_outage(message: str, refused
     from snapline.sinks.postgres import _REFUSED
 
     assert bool(_REFUSED.search(message)) is refused
+
+
+# --------------------------------------------------------------------------- rolled-back retries
+
+
+class _FakeSession:
+    """A connection of the sink's that records its transactions' statements, and fails the
+    first ``times`` statements starting with ``failing`` as PostgreSQL does when it rolls the
+    transaction back (psycopg raises them at the statement's end; a COPY's at its close)."""
+
+    closed = False
+    broken = False
+
+    def __init__(self, failing: str, times: int, error: type[psycopg.Error]) -> None:
+        self.failing, self.times, self.error = failing, times, error
+        self.events: list[str] = []
+
+    def _run(self, statement: Any) -> None:
+        word = render(statement).split()[0]
+        self.events.append(word)
+        if word == self.failing and self.times > 0:
+            self.times -= 1
+            raise self.error("deadlock detected (raised by the test)")
+
+    def execute(self, statement: Any, params: Any = None) -> Any:
+        self._run(statement)
+        return self
+
+    def fetchone(self) -> None:
+        return None
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        self.events.append("BEGIN")
+        try:
+            yield
+        except BaseException:
+            self.events.append("ROLLBACK")
+            raise
+        self.events.append("COMMIT")
+
+    @contextlib.contextmanager
+    def cursor(self) -> Iterator[Any]:
+        yield self
+
+    @contextlib.contextmanager
+    def copy(self, statement: Any) -> Iterator[Any]:
+        yield self
+        self._run(statement)
+
+    def write(self, data: bytes) -> None:
+        lines = data.count(b"\n")
+        self.events.append(f"rows:{lines}")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _faked_writer(
+    monkeypatch: pytest.MonkeyPatch, failing: str, times: int, error: type[psycopg.Error]
+) -> tuple[Any, _FakeSession, list[float]]:
+    """A writer set up as its first write would (table read) on a ``_FakeSession``; and the
+    waits between its attempts, recorded instead of slept."""
+    from snapline.sinks import postgres
+
+    sink = PostgresSink("postgresql://app:FAKEPW@db/shop", "sales.totals", ["customer"])
+    context = SinkContext("job", "orders-0", "w1", sink.name, None, lambda *a: None)  # type: ignore[arg-type]
+    writer = sink.open(context)
+    writer._spec, writer._encoder = SPEC, RowEncoder(COLUMNS)
+    session = _FakeSession(failing, times, error)
+    writer._connection = session
+    waits: list[float] = []
+    monkeypatch.setattr(postgres, "sleep", waits.append)
+    return writer, session, waits
+
+
+def _stage(writer: Any, rows: int) -> dict[str, Any]:
+    from snapline.pipeline.record import Record
+
+    writer.write_batch([Record({**BASE, "n": i}, 0, "orders", 0, i) for i in range(rows)], 3)
+    return writer.pre_commit(3).result(timeout=10)  # the background thread never sleeps
+
+
+@pytest.mark.parametrize(
+    "error", [psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure]
+)
+def test_a_staging_rolled_back_is_run_again_whole(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, error: type[psycopg.Error]
+) -> None:
+    """PostgreSQL rolls the staging's transaction back twice (40P01, 40001): its failure
+    was an outage (the checkpoint failed, and the worker restarted). The whole transaction
+    (the deletion of an earlier attempt's rows, then the COPY) is run again, after jittered
+    waits, and the third attempt commits."""
+    writer, session, waits = _faked_writer(monkeypatch, "COPY", 2, error)
+    with caplog.at_level("WARNING", logger="snapline.sinks.postgres"):
+        meta = _stage(writer, rows=2)
+    assert meta["pending"] == [{"checkpoint": 3, "token": writer.token, "rows": 2}]
+    attempt = ["BEGIN", "DELETE", "rows:2", "COPY"]
+    assert session.events == [*attempt, "ROLLBACK", *attempt, "ROLLBACK", *attempt, "COMMIT"]
+    assert len(waits) == 2 and 0.05 <= waits[0] <= 0.1 and 0.1 <= waits[1] <= 0.2
+    retries = [r.getMessage() for r in caplog.records if "rolled back" in r.getMessage()]
+    assert len(retries) == 2 and all(
+        "rolled back the staging of checkpoint 3" in m for m in retries
+    )
+    assert "attempt 2 of 5" in retries[0] and error.sqlstate in retries[0]
+    writer.close()
+
+
+def test_a_staging_rolled_back_at_every_attempt_is_an_outage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After APPLY_ATTEMPTS attempts, as the apply: SinkUnavailableError (the checkpoint
+    fails; a worker that ends on it exits 75), the connection closed."""
+    writer, session, waits = _faked_writer(
+        monkeypatch, "COPY", 1000, psycopg.errors.DeadlockDetected
+    )
+    with pytest.raises(
+        SinkUnavailableError,
+        match=rf"could not stage checkpoint 3 \({APPLY_ATTEMPTS} attempts\) into PostgreSQL at "
+        r"db:5432/shop table 'sales.totals': deadlock detected",
+    ) as failed:
+        _stage(writer, rows=1)
+    assert session.events.count("COPY") == APPLY_ATTEMPTS == session.events.count("ROLLBACK")
+    assert len(waits) == APPLY_ATTEMPTS - 1 and session.closed and writer._connection is None
+    assert "FAKEPW" not in str(failed.value)
+    writer.close()
+
+
+@pytest.mark.parametrize("deletion", ["recover", "abort"])
+def test_a_deletion_of_staged_rows_rolled_back_is_run_again(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, deletion: str
+) -> None:
+    """The deletion of dead staged rows after recovery's applies, and of an aborted
+    checkpoint's: a deadlock failed the recovery as an outage (the worker exited 75) and left
+    the aborted rows behind with a warning. Each runs again in a transaction of its own."""
+    writer, session, waits = _faked_writer(
+        monkeypatch, "DELETE", 2, psycopg.errors.DeadlockDetected
+    )
+    with caplog.at_level("WARNING", logger="snapline.sinks.postgres"):
+        if deletion == "recover":
+            writer.recover(5, {"format": 1, "pending": []})
+        else:
+            session.times = 0  # the staging goes through; its abort's deletion is rolled back
+            _stage(writer, rows=1)
+            session.events.clear()
+            session.times = 2
+            writer.abort(3)
+    whole = ["BEGIN", "DELETE"]
+    assert session.events[:9] == [*whole, "ROLLBACK", *whole, "ROLLBACK", *whole, "COMMIT"]
+    assert len(waits) == 2
+    messages = [r.getMessage() for r in caplog.records if "rolled back" in r.getMessage()]
+    assert len(messages) == 2 and all("rolled back the deletion of" in m for m in messages)
+    assert "could not delete" not in caplog.text
+    writer.close()
+
+
+def test_a_deletion_rolled_back_at_every_attempt_is_an_outage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    writer, session, waits = _faked_writer(
+        monkeypatch, "DELETE", 1000, psycopg.errors.DeadlockDetected
+    )
+    with pytest.raises(
+        SinkUnavailableError,
+        match=rf"could not delete staged rows \({APPLY_ATTEMPTS} attempts\) in PostgreSQL",
+    ):
+        writer.recover(5, {"format": 1, "pending": []})
+    assert session.events.count("DELETE") == APPLY_ATTEMPTS == session.events.count("ROLLBACK")
+    assert len(waits) == APPLY_ATTEMPTS - 1 and session.closed
+    writer.close()
