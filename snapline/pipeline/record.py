@@ -97,6 +97,16 @@ class Record:
         )
 
 
+class BlankRecord(Record):
+    """A ``Record`` made without a call of ``Record.__init__``: ``BlankRecord()`` has no field
+    set, and its maker sets every one of ``Record.__slots__``. For the sources' per-message
+    loops, where that Python call with 11 arguments cost ~1,400 of a keyed record's ~30,000
+    instructions. Copies and pickles of it are plain ``Record``s."""
+
+    __slots__ = ()
+    __init__ = object.__init__
+
+
 def dead_letter_headers(
     reason: str, topic: str, partition: int, offset: int, task_id: str
 ) -> list[tuple[str, bytes]]:

@@ -31,6 +31,7 @@ from snapline.pipeline.runtime.operators import (
 )
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.backend import KeyedStateBackend
+from snapline.pipeline.state.serde import JsonSerde
 from snapline.pipeline.state.timers import TimerState
 from snapline.testing import Message, run_pipeline
 
@@ -400,6 +401,16 @@ def test_a_flush_stores_exact_size_values() -> None:
         tracemalloc.stop()
     assert len(list(backend.items())) == keys
     assert grown < keys * 300, f"{grown / keys:.0f} bytes per stored value"
+
+
+def test_a_flush_stores_what_the_serde_would() -> None:
+    """Int accumulators are written as their digits without the serde's call: the bytes must
+    be the serde's, and bools (ints to Python) must stay JSON's true and false."""
+    accumulators = [0, 7, -1, 2**63 - 1, -(2**63), 2**64 - 1, 2**30, True, 1.5, 1e16, "x"]
+    events = [(f"k{i}", acc) for i, acc in enumerate(accumulators)]
+    _, dead, entries = _drive(True, rolling_reduce(_add), [events])
+    assert dead == []
+    assert sorted(entries[0].values()) == sorted(JsonSerde().dumps(a) for a in accumulators)
 
 
 @pytest.mark.parametrize("backend", ["memory", "rocksdb"])

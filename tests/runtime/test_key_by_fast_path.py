@@ -66,3 +66,13 @@ def test_a_record_without_key_is_a_dead_letter_on_both_paths() -> None:
     general = _keyed(False, "string", [b"a", None])
     assert fast[0] == general[0] and len(fast) == len(general) == 2
     assert isinstance(fast[1], str) and isinstance(general[1], str)
+
+
+def test_keyless_records_leave_the_others_in_order() -> None:
+    """The fast path passes its input list on as it is unless a record had no key: then the
+    others go on in their order, without it."""
+    keys = [b"a", None, b"b", None, b"c"]
+    fast = _keyed(True, "string", keys)
+    assert [kb for _, kb, _ in fast[:3]] == [b"a", b"b", b"c"]
+    assert len(fast) == 5 and all("no key" in reason for reason in fast[3:])
+    assert [kb for _, kb, _ in _keyed(True, "string", [b"a", b"b"])] == [b"a", b"b"]

@@ -103,6 +103,28 @@ def test_values_the_serde_would_change_are_written_through(make_backend: Make) -
         assert state.value() == reads_back, key
 
 
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_flush_stores_what_the_serde_would(make_backend: Make, cached: bool) -> None:
+    """Ints are written as their digits without the serde's call, at a flush and when written
+    through: the bytes must be the serde's, bools (ints to Python) must stay JSON's true and
+    false, and an int JSON cannot hold must still be refused."""
+    backend = make_backend()
+    keyed = write_back(backend) if cached else Keyed(backend)
+    state = keyed.bind(ValueState("v"), 1)
+    keyed.at("big")
+    with pytest.raises(StateError, match="not JSON-serializable"):
+        state.update(2**64)
+    values = [0, 7, -1, 2**63 - 1, -(2**63), 2**64 - 1, 2**30, True, False, 1.5, 1e16, "x"]
+    for i, value in enumerate(values):
+        keyed.at(f"k{i}")
+        state.update(value)
+    keyed.scope.flush()
+    for i, value in enumerate(values):
+        keyed.at(f"k{i}")
+        assert stored(backend, keyed, f"k{i}") == JsonSerde().dumps(value), value
+        assert state.value() == value and type(state.value()) is type(value)
+
+
 def test_other_serdes_and_ttl_never_wait(make_backend: Make) -> None:
     backend = make_backend()
     keyed = write_back(backend)

@@ -22,7 +22,7 @@ from snapline.pipeline.formats import tag_key as _tagged_key
 from snapline.pipeline.formats import untag_key as _untag_key
 from snapline.pipeline.functions import Context, KeyedCoProcessFunction, KeyedProcessFunction
 from snapline.pipeline.keygroups import KEY_PREFIX, state_key_prefix
-from snapline.pipeline.record import Record
+from snapline.pipeline.record import BlankRecord, Record
 from snapline.pipeline.rolling import RollingAggregate, returned_none
 from snapline.pipeline.runtime.barrier import Barrier
 from snapline.pipeline.runtime.kafka_calls import kafka_error
@@ -39,6 +39,7 @@ from snapline.pipeline.state.descriptors import (
     StateDescriptor,
     is_plain,
 )
+from snapline.pipeline.state.serde import JsonSerde
 from snapline.pipeline.state.timers import EVENT_TIME, PROCESSING_TIME, TimerState
 from snapline.pipeline.time import timestamp_ms
 
@@ -155,6 +156,7 @@ class SourceOperator(Operator):
         decode_value = self._value
         decode_key = self._key
         timestamp_of = self._timestamp
+        blank = BlankRecord
         max_ts: int | None = None
         out: list[Record] = []
         append = out.append
@@ -178,21 +180,21 @@ class SourceOperator(Operator):
                     continue
             if max_ts is None or ts > max_ts:
                 max_ts = ts
-            append(
-                Record(
-                    value,
-                    ts,
-                    topic,
-                    partition,
-                    msg.offset(),
-                    key,
-                    raw_key,
-                    -1,
-                    raw,
-                    raw_key,
-                    msg,
-                )
-            )
+            # Record(value, ts, topic, partition, msg.offset(), key, raw_key, -1, raw, raw_key,
+            # msg), without the Python call of its __init__ (a test checks every slot is set).
+            r = blank()
+            r.value = value
+            r.timestamp = ts
+            r.topic = topic
+            r.partition = partition
+            r.offset = msg.offset()
+            r.key = key
+            r.key_bytes = raw_key
+            r.key_group = -1
+            r.raw = raw
+            r.raw_key = raw_key
+            r.message = msg
+            append(r)
         self.emit(out)
         return max_ts
 
@@ -311,16 +313,17 @@ class KeyByOperator(Operator):
         new (one loop, no copies)."""
         maxp = self._max_parallelism
         crc = zlib.crc32
-        out: list[Record] = []
-        append = out.append
+        keyless = False
         for r in records:
             key_bytes = r.key_bytes
             if key_bytes is None:
                 self.task.dead_letter(r, f"{self.name}: the record has no key (key_by())")
+                keyless = True
                 continue
             r.key_group = crc(key_bytes) % maxp
-            append(r)
-        self.emit(out)
+        # The list is this operator's (it owns its input): it goes on as it is, unless some
+        # records went to the dead letters.
+        self.emit([r for r in records if r.key_bytes is not None] if keyless else records)
 
 
 class RepartitionWriter(KeyByOperator):
@@ -443,6 +446,7 @@ class RepartitionSource(Operator):
         maxp = self._max_parallelism
         crc = zlib.crc32
         loads = orjson.loads
+        blank = BlankRecord
         out: list[Record] = []
         append = out.append
         for msg in messages:
@@ -484,21 +488,21 @@ class RepartitionSource(Operator):
             ts = msg.timestamp()[1]
             if ts < 0:  # from_wire_timestamp, inlined
                 ts += 1
-            append(
-                Record(
-                    value,
-                    ts,
-                    topic,
-                    partition,
-                    msg.offset(),
-                    key,
-                    key_bytes,
-                    crc(key_bytes) % maxp,
-                    raw,
-                    raw_key,
-                    msg,
-                )
-            )
+            # Record(value, ts, topic, partition, msg.offset(), key, key_bytes, key-group,
+            # raw, raw_key, msg) without its __init__'s Python call (as SourceOperator does).
+            r = blank()
+            r.value = value
+            r.timestamp = ts
+            r.topic = topic
+            r.partition = partition
+            r.offset = msg.offset()
+            r.key = key
+            r.key_bytes = key_bytes
+            r.key_group = crc(key_bytes) % maxp
+            r.raw = raw
+            r.raw_key = raw_key
+            r.message = msg
+            append(r)
         self.emit(out)
 
 
@@ -527,6 +531,9 @@ class ProcessOperator(Operator):
             self._function.__dict__[desc.attribute] = desc.bind(backend, self._scope, state_id)
         self._ctx = Context(task.task_id)
         self._ctx.timers = self._timers
+        #: Per key-group: (key length, KEY_PREFIX of the group and that length), the last one
+        #: a record of the group needed.
+        self._heads: list[tuple[int, bytes]] = [(-1, b"")] * max_parallelism
         self._function.open(task.task_id)
 
     def process(self, records: list[Record]) -> None:
@@ -555,10 +562,17 @@ class ProcessOperator(Operator):
         # The first output of a record may reuse its Record when no other operator sees the
         # input (dead letters carry the raw Kafka bytes, not ``value``).
         in_place = self.owns_input
+        heads = self._heads
         for r in records:
-            key_bytes = r.key_bytes
-            # state_key_prefix(r.key_group, key_bytes), inlined (once per record).
-            scope.prefix = pack_prefix(r.key_group, len(key_bytes)) + key_bytes  # type: ignore[arg-type,operator]
+            key_bytes: bytes = r.key_bytes  # type: ignore[assignment]
+            # state_key_prefix(r.key_group, key_bytes), inlined (once per record), its header
+            # packed once per key-group and key length.
+            group = r.key_group
+            size = len(key_bytes)
+            head = heads[group]
+            if head[0] != size or group < 0:
+                head = heads[group] = (size, pack_prefix(group, size))
+            scope.prefix = head[1] + key_bytes
             scope.key = ctx.key = r.key
             ctx.timestamp = r.timestamp
             ctx.topic = r.topic
@@ -691,6 +705,7 @@ class RollingAggregateOperator(Operator):
         self._loads = desc.serde.loads
         self._dumps = desc.serde.dumps
         self._cacheable = type(desc.serde) in EXACT_SERDES
+        self._json = type(desc.serde) is JsonSerde
         self._function = function
         #: Key bytes -> [stored key, decoded accumulator, generation] (plain values only).
         self._values: dict[bytes, list[Any]] = {}
@@ -786,9 +801,16 @@ class RollingAggregateOperator(Operator):
     def flush_state(self) -> None:
         # The serde's dumps, not orjson.dumps: state must hold exact-size bytes (json_bytes).
         put, dumps, generation = self._put, self._dumps, self._generation
-        for stored, acc, written in self._dirty:
-            if written == generation:
-                put(stored, dumps(acc))
+        if self._json:
+            # An int's JSON is its decimal digits: b"%d" makes them (exact-size) without the
+            # serde's Python call (counts and sums).
+            for stored, acc, written in self._dirty:
+                if written == generation:
+                    put(stored, b"%d" % acc if type(acc) is int else dumps(acc))
+        else:
+            for stored, acc, written in self._dirty:
+                if written == generation:
+                    put(stored, dumps(acc))
         self._dirty.clear()
         self._stale = 0
         self._generation = generation + 1

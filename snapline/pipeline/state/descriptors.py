@@ -84,6 +84,8 @@ def ttl_ms(ttl: float | timedelta | None, name: str | None) -> int | None:
 
 
 _EXPIRY_BYTES = 8
+#: No prefix yet (``_Bound._last_prefix``): never a scope's prefix, not even None.
+_NO_PREFIX = object()
 #: Serdes whose decode(encode(v)) is v for ``is_plain`` values (write-back caching is exact).
 EXACT_SERDES = (JsonSerde, PickleSerde)
 
@@ -167,6 +169,8 @@ class _Bound:
         "_mget",
         "_mput",
         "_mitems",
+        "_last_prefix",
+        "_last_key",
     )
 
     def __init__(
@@ -175,6 +179,11 @@ class _Bound:
         self._backend = backend
         self._scope = scope
         self._sid = bytes([state_id])
+        #: The scope's prefix the last stored key was built from, and that key: a record's
+        #: state calls (``value()`` then ``update()``) build and hash it once. Compared by
+        #: identity: the reference keeps that prefix alive, so no other prefix can be it.
+        self._last_prefix: object = _NO_PREFIX
+        self._last_key = b""
         self._serde = desc.serde
         self._name = desc.name or "?"
         # Bound methods cached: state access is on the per-record hot path.
@@ -231,9 +240,13 @@ class _Bound:
 
     def _key(self) -> bytes:
         prefix = self._scope.prefix
+        if prefix is self._last_prefix:
+            return self._last_key
         if prefix is None:
             prefix = self._scope.require(self._name)
-        return prefix + self._sid
+        key = self._last_key = prefix + self._sid
+        self._last_prefix = prefix
+        return key
 
     def clear(self) -> None:
         self._backend.delete(self._key())
@@ -307,6 +320,7 @@ class BoundValueState(_Bound):
         "_updates",
         "_paused",
         "_pause",
+        "_int_digits",
     )
 
     def __init__(
@@ -323,6 +337,9 @@ class BoundValueState(_Bound):
         #: Flushes left before the cache resumes; the next pause's length.
         self._paused = 0
         self._pause = WRITE_BACK_PAUSE
+        #: The JSON serde: a plain int is written as its digits (see ``flush``), which is what
+        #: the serde would write.
+        self._int_digits = type(desc.serde) is JsonSerde
         if scope.write_back and desc.ttl_ms is None and type(desc.serde) in EXACT_SERDES:
             self._cache = {}
             scope.flushers.append(self.flush)
@@ -330,9 +347,13 @@ class BoundValueState(_Bound):
     # value() and update() run once per record: _key() is inlined.
     def value(self) -> Any:
         prefix = self._scope.prefix
-        if prefix is None:
-            prefix = self._scope.require(self._name)
-        key = prefix + self._sid
+        if prefix is self._last_prefix:
+            key = self._last_key
+        else:
+            if prefix is None:
+                prefix = self._scope.require(self._name)
+            key = self._last_key = prefix + self._sid
+            self._last_prefix = prefix
         cache = self._cache
         if cache:
             value = cache.get(key, _MISSING)
@@ -345,9 +366,13 @@ class BoundValueState(_Bound):
 
     def update(self, value: Any) -> None:
         prefix = self._scope.prefix
-        if prefix is None:
-            prefix = self._scope.require(self._name)
-        key = prefix + self._sid
+        if prefix is self._last_prefix:
+            key = self._last_key
+        else:
+            if prefix is None:
+                prefix = self._scope.require(self._name)
+            key = self._last_key = prefix + self._sid
+            self._last_prefix = prefix
         cache = self._cache
         # is_plain(value), its int case inlined (a counter's update, once per record)
         if cache is not None and (
@@ -356,12 +381,19 @@ class BoundValueState(_Bound):
             else value is not None and is_plain(value)
         ):
             cache[key] = value
-            self._updates += 1
-            if len(cache) > WRITE_BACK_ENTRIES:
+            updates = self._updates = self._updates + 1
+            # The cache holds at most one entry per update since the last flush: its len()
+            # is looked at only once there were enough updates to exceed the limit.
+            if updates > WRITE_BACK_ENTRIES and len(cache) > WRITE_BACK_ENTRIES:
                 self.flush()
             return
         # Encoded before an older cached value is dropped: if encoding raises, that value stays.
-        encoded = None if value is None else self._dumps(value)
+        if value is None:
+            encoded = None
+        elif self._int_digits and type(value) is int and PLAIN_INT_MIN <= value <= PLAIN_INT_MAX:
+            encoded = b"%d" % value  # the JSON serde's bytes, without its Python call
+        else:
+            encoded = self._dumps(value)
         if cache is not None:
             # Written through: the older cached value must neither be read nor written back.
             cache.pop(key, None)
@@ -386,8 +418,14 @@ class BoundValueState(_Bound):
         if cache:
             # put, not put_many: a backend's own write buffer and read cache stay coherent.
             put, dumps = self._put, self._dumps
-            for key, value in cache.items():
-                put(key, dumps(value))
+            if self._int_digits:
+                # An int's JSON is its decimal digits: b"%d" makes them without the serde's
+                # Python call (and in an exact-size bytes object, as the serde does).
+                for key, value in cache.items():
+                    put(key, b"%d" % value if type(value) is int else dumps(value))
+            else:
+                for key, value in cache.items():
+                    put(key, dumps(value))
             if self._updates < WRITE_BACK_MIN_UPDATES * len(cache):
                 self._cache = None
                 self._paused = self._pause
