@@ -164,6 +164,9 @@ FIRST_CHECKPOINT_DELAY = 0.1
 SOURCE_PARTITIONS_FILE = "source-partitions.json"
 #: SIGTERM ends the worker within this many seconds, broker or not.
 STOP_BOUND = 30.0
+#: Seconds one read of the group's members may take (departed.group_members: ListGroups
+#: 10 s + 5 s, DescribeGroups 10 s, and a margin), for the liveness watchdog.
+MEMBERSHIP_READ_BOUND = 30.0
 #: After SIGTERM, the final checkpoint gets this long; then the worker exits without it.
 FINAL_CHECKPOINT_BOUND = 15.0
 #: A worker waits this long for an unreachable broker before it exits with EX_TEMPFAIL.
@@ -2286,16 +2289,20 @@ class Worker:
         wait up to a session timeout and a margin for another host's holder of the id to
         leave the group, or stop (SupersededError, exit 79)."""
         wait = self._holder_wait()
-        self.liveness.allow(wait + 45)  # each membership read is bounded (10 s + 5 s)
+
+        def is_member() -> bool | None:
+            self.liveness.allow(MEMBERSHIP_READ_BOUND)
+            return departed.is_member(
+                self._kafka_config, self.pipeline.name, self.settings.worker_id
+            )
+
         try:
             self.incarnation = incarnation.register(
                 self.storage,
                 self.pipeline.name,
                 self.settings.worker_id,
                 self.local_dir / f"{self.pipeline.name}.incarnation",
-                lambda: departed.is_member(
-                    self._kafka_config, self.pipeline.name, self.settings.worker_id
-                ),
+                is_member,
                 wait,
                 stopping=lambda: self._stopping,
             )
@@ -2313,13 +2320,13 @@ class Worker:
         wait = self._holder_wait()
 
         def holder_joined() -> bool | None:
+            self.liveness.allow(MEMBERSHIP_READ_BOUND)  # asked only for another's mark
             try:
                 mine = self.consumer.memberid() or None
             except (RuntimeError, AttributeError):  # closed, or not built yet
                 mine = None
             return departed.held_by_another(self._kafka_config, job, worker_id, mine)
 
-        self.liveness.allow(wait + 45)  # each membership read is bounded (10 s + 5 s)
         try:
             incarnation.check_current(
                 self.storage,
