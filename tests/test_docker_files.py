@@ -29,6 +29,8 @@ import yaml
 
 from snapline.pipeline.cli import main as snapline_cli
 from snapline.pipeline.graph import Pipeline, load_pipeline
+from snapline.pipeline.runtime.departed import check_worker_id
+from snapline.pipeline.runtime.worker import STOP_BOUND
 from snapline.sinks import KafkaSink, ParquetSink
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +38,7 @@ DOCKER = ROOT / "docker"
 DOCKERFILE = DOCKER / "Dockerfile"
 DOCKERIGNORE = DOCKER / "Dockerfile.dockerignore"
 COMPOSE_FILE = DOCKER / "compose.yaml"
+KUBERNETES_FILE = DOCKER / "kubernetes.yaml"
 #: Where the code that reads SNAPLINE_* variables lives (not tests: this file names them too).
 CODE_DIRS = ("snapline", "examples")
 
@@ -346,6 +349,136 @@ def test_dockerfile_default_command_runs_a_loadable_pipeline(
     load_fresh(params["spec"], monkeypatch)
 
 
+# --------------------------------------------------------------------------- Kubernetes
+
+
+@pytest.fixture(scope="module")
+def kubernetes() -> dict[str, dict[str, Any]]:
+    """docker/kubernetes.yaml's objects by kind (one of each)."""
+    objects = [o for o in yaml.safe_load_all(KUBERNETES_FILE.read_text()) if o]
+    by_kind = {o["kind"]: o for o in objects}
+    assert len(by_kind) == len(objects), "one object of each kind"
+    assert set(by_kind) == {"Service", "StatefulSet"}
+    return by_kind
+
+
+def worker_container(kubernetes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    (container,) = kubernetes["StatefulSet"]["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def pod_env(container: dict[str, Any], pod_name: str) -> dict[str, str]:
+    """The container's environment as the kubelet would set it in pod ``pod_name`` (secrets
+    stand in as a placeholder)."""
+    env: dict[str, str] = {}
+    for item in container["env"]:
+        if "value" in item:
+            env[item["name"]] = str(item["value"])
+        elif "fieldRef" in item["valueFrom"]:
+            assert item["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+            env[item["name"]] = pod_name
+        else:
+            assert "secretKeyRef" in item["valueFrom"], item
+            env[item["name"]] = "from-a-secret"
+    return env
+
+
+def pod_names(kubernetes: dict[str, dict[str, Any]]) -> list[str]:
+    sts = kubernetes["StatefulSet"]
+    return [f"{sts['metadata']['name']}-{i}" for i in range(int(sts["spec"]["replicas"]))]
+
+
+def test_kubernetes_pods_run_a_loadable_pipeline_each_under_its_own_stable_worker_id(
+    kubernetes: dict[str, dict[str, Any]],
+    dockerfile: tuple[dict[str, str], dict[str, Stage]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    container = worker_container(kubernetes)
+    assert container["image"] == "snapline-worker:local"
+    image = image_of(dockerfile[1], "worker")
+    argv = image.entrypoint + [str(a) for a in container["args"]]
+    # The worker id must follow the pod, not be one literal every replica shares.
+    (worker_id,) = [e for e in container["env"] if e["name"] == "SNAPLINE_WORKER_ID"]
+    assert worker_id["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert "--worker-id" not in argv
+    seen = set()
+    for pod in pod_names(kubernetes):
+        with monkeypatch.context() as patch:
+            use_env(patch, {**image.env, **pod_env(container, pod)})
+            params = parse_snapline(argv)
+            assert params["worker_id"] == pod
+            check_worker_id(params["worker_id"])
+            pipeline = load_fresh(params["spec"], patch)
+            uri = params["checkpoint_dir"]
+            # Shared by every pod: a URI, never the container's own disk.
+            assert uri and uri.startswith("s3://"), uri
+            fs, _ = pafs.FileSystem.from_uri(uri)  # offline: validates the query parameters
+            assert isinstance(fs, pafs.S3FileSystem)
+        assert pipeline.sources()
+        seen.add(params["worker_id"])
+    assert len(seen) == len(pod_names(kubernetes)) >= 2
+
+
+def test_kubernetes_local_state_is_on_the_pods_own_volume(
+    kubernetes: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sts = kubernetes["StatefulSet"]
+    container = worker_container(kubernetes)
+    with monkeypatch.context() as patch:
+        use_env(patch, pod_env(container, pod_names(kubernetes)[0]))
+        local_dir = parse_snapline(["snapline", *map(str, container["args"])])["local_dir"]
+    assert local_dir, "without --local-dir the state would go to the container's home"
+    mounts = {m["mountPath"].rstrip("/"): m["name"] for m in container["volumeMounts"]}
+    claims = {c["metadata"]["name"]: c for c in sts["spec"]["volumeClaimTemplates"]}
+    volume = mounts.get(local_dir.rstrip("/"))
+    # A claim per pod follows the pod to another node: local recovery and the incarnation
+    # token (runtime/incarnation.py) survive a reschedule.
+    assert volume in claims, f"{local_dir} is not a volume claim template's mount"
+    assert claims[volume]["spec"]["accessModes"] == ["ReadWriteOnce"]
+
+
+def test_kubernetes_pods_stop_within_their_grace_period_as_the_images_user(
+    kubernetes: dict[str, dict[str, Any]],
+) -> None:
+    pod = kubernetes["StatefulSet"]["spec"]["template"]["spec"]
+    # SIGTERM: a final checkpoint, then exit within STOP_BOUND; the kubelet's SIGKILL after
+    # the grace period must not come first.
+    assert pod["terminationGracePeriodSeconds"] >= STOP_BOUND + 15
+    uid = re.search(r"--uid (\d+)", DOCKERFILE.read_text())
+    assert uid, "the Dockerfile creates no user with a fixed uid"
+    security = pod["securityContext"]
+    assert security["runAsNonRoot"] is True
+    assert security["runAsUser"] == security["fsGroup"] == int(uid.group(1))
+    assert "livenessProbe" not in worker_container(kubernetes), "the worker has its own watchdog"
+
+
+def test_kubernetes_service_governs_the_statefulset_and_its_metrics_port(
+    kubernetes: dict[str, dict[str, Any]],
+) -> None:
+    service, sts = kubernetes["Service"], kubernetes["StatefulSet"]
+    assert sts["spec"]["serviceName"] == service["metadata"]["name"]
+    assert service["spec"]["clusterIP"] == "None"
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert sts["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+    container = worker_container(kubernetes)
+    env = pod_env(container, pod_names(kubernetes)[0])
+    port = int(env["SNAPLINE_METRICS_PORT"])
+    assert env["SNAPLINE_METRICS_HOST"] == "0.0.0.0", "scrapers reach the pod from elsewhere"
+    assert [p["containerPort"] for p in container["ports"]] == [port]
+    assert [p["port"] for p in service["spec"]["ports"]] == [port]
+
+
+def test_kubernetes_credentials_come_from_a_secret(
+    kubernetes: dict[str, dict[str, Any]],
+) -> None:
+    env = {e["name"]: e for e in worker_container(kubernetes)["env"]}
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert "value" not in env[name], f"{name} is written into the manifest"
+        assert env[name]["valueFrom"]["secretKeyRef"]["key"] == name
+
+
 # --------------------------------------------------------------------------- compose tests
 
 
@@ -481,12 +614,14 @@ def test_topics_producer_and_spark_match_the_pipeline(
 
 
 def test_snapline_variables_set_in_docker_files_are_read_by_the_code(
-    runs: dict[str, Run],
+    runs: dict[str, Run], kubernetes: dict[str, dict[str, Any]]
 ) -> None:
     code = "\n".join(
         path.read_text() for d in CODE_DIRS for path in sorted((ROOT / d).rglob("*.py"))
     )
     names = {k for run in runs.values() for k in run.env if k.startswith("SNAPLINE_")}
+    names |= {e["name"] for e in worker_container(kubernetes)["env"]}
+    names = {n for n in names if n.startswith("SNAPLINE_")}
     assert names
     unread = sorted(n for n in names if not re.search(rf"\b{n}\b", code))
     assert not unread, f"no code reads {unread}"
