@@ -98,6 +98,24 @@ def kafka_error(exc: BaseException) -> KafkaError | None:
     return None
 
 
+def raise_partition_errors(partitions: Iterable[Any], what: str) -> None:
+    """Raise KafkaException for the first of ``partitions`` (TopicPartitions a call such as
+    ``committed()`` returned) that carries an error. Such a partition's offset is
+    OFFSET_INVALID, which reads exactly like "nothing committed": taken for that, a restore
+    would start a task over (``--reset-state`` would delete its checkpoints) and a ledger would
+    commit again."""
+    for tp in partitions:
+        if tp.error is not None:
+            error = tp.error if isinstance(tp.error, KafkaError) else KafkaError(tp.error)
+            raise KafkaException(
+                KafkaError(
+                    error.code(),
+                    f"{what}: {tp.topic}[{tp.partition}]: {error.str()}",
+                    retriable=error.retriable(),
+                )
+            )
+
+
 def is_unavailable(error: KafkaError) -> bool:
     """The error says the broker or a coordinator is unreachable right now."""
     return error.code() in _UNAVAILABLE

@@ -106,6 +106,7 @@ from snapline.pipeline.runtime.kafka_calls import (
     is_unavailable,
     kafka_error,
     listed_groups,
+    raise_partition_errors,
     release_in_background,
     sleep_unless,
 )
@@ -908,7 +909,7 @@ class Worker:
             # looking for (below) long before its transaction times out.
             timeout = FIRST_COMMITTED_TIMEOUT if attempt == 0 else 20
             try:
-                return list(
+                got = list(
                     self._consumer_call(
                         "committed",
                         timeout + HANG_GRACE,
@@ -917,6 +918,9 @@ class Worker:
                         timeout,
                     )
                 )
+                # A partition answered with an error has no offset to read: never "none".
+                raise_partition_errors(got, "committed offsets")
+                return got
             except KafkaException as exc:
                 error = kafka_error(exc)
                 if error is not None and classify(error) is ErrorClass.FATAL:

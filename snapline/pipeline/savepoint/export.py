@@ -48,6 +48,7 @@ from snapline.pipeline.errors import CheckpointError, ConfigurationError
 from snapline.pipeline.graph import Pipeline
 from snapline.pipeline.keygroups import key_group_range
 from snapline.pipeline.runtime import departed
+from snapline.pipeline.runtime.kafka_calls import raise_partition_errors
 from snapline.pipeline.runtime.sink_recovery import publish_staged
 from snapline.pipeline.runtime.topics import cluster_id_of, ids_differ
 from snapline.pipeline.runtime.transaction import transaction_timeout
@@ -142,6 +143,7 @@ def committed_offsets(
         while True:
             try:
                 got = consumer.committed([TopicPartition(t, p) for t, p in tps], timeout=20)
+                raise_partition_errors(got, "committed offsets")  # not "nothing committed"
                 return {(c.topic, c.partition): c for c in got}
             except KafkaException as exc:  # pending transactional offsets, a busy coordinator
                 if time.monotonic() > deadline:

@@ -348,10 +348,14 @@ def _committed_offset(consumer: Any, tp: Any, timeout: float = 60.0) -> tuple[in
     NOT_COORDINATOR for a while); raises after ``timeout``."""
     from confluent_kafka import KafkaException
 
+    from snapline.pipeline.runtime.kafka_calls import raise_partition_errors
+
     deadline = time.monotonic() + timeout
     while True:
         try:
             (committed,) = consumer.committed([tp], timeout=30)
+            # An error here is no offset, not "nothing committed": that would commit again.
+            raise_partition_errors([committed], "the ledger's committed offset")
             return int(committed.offset), committed.metadata or ""
         except KafkaException as exc:
             if time.monotonic() > deadline or exc.args[0].code() not in _COORDINATOR_ERRORS:
