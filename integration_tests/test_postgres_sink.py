@@ -793,6 +793,145 @@ def test_a_worker_whose_every_apply_outlasts_the_statement_timeout_does_not_loop
     job.verify()
 
 
+# --------------------------------------------------------------------------- TCP keepalives
+
+TCP_OPTIONS = (
+    "keepalives",
+    "keepalives_idle",
+    "keepalives_interval",
+    "keepalives_count",
+    "tcp_user_timeout",
+)
+#: The sink's defaults (TCP_DEFAULTS, docs/sinks.md): libpq's options, and the socket's.
+TCP_DEFAULTS = dict(zip(TCP_OPTIONS, ("1", "20", "5", "4", "40000"), strict=True))
+
+
+def tcp_settings(writer: PostgresSinkWriter) -> tuple[dict[str, str], dict[str, int]]:
+    """The TCP options libpq has for the writer's live connection, and what the kernel has on
+    its socket (what finds a server that is gone)."""
+
+    def read() -> tuple[dict[str, str], dict[str, int]]:
+        connection = writer._conn()
+        libpq = {
+            option.keyword.decode(): (option.val or b"").decode()
+            for option in connection.pgconn.info
+            if option.keyword.decode() in TCP_OPTIONS
+        }
+        with socket.socket(fileno=os.dup(connection.pgconn.socket)) as sock:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                pytest.fail(f"the sink's connection is not TCP ({sock.family!r}): use a TCP dsn")
+            tcp = socket.IPPROTO_TCP
+            kernel = {
+                "keepalives": int(sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) != 0),
+                "keepalives_idle": sock.getsockopt(tcp, socket.TCP_KEEPIDLE),
+                "keepalives_interval": sock.getsockopt(tcp, socket.TCP_KEEPINTVL),
+                "keepalives_count": sock.getsockopt(tcp, socket.TCP_KEEPCNT),
+                "tcp_user_timeout": sock.getsockopt(tcp, socket.TCP_USER_TIMEOUT),
+            }
+        return libpq, kernel
+
+    return writer._call(read)
+
+
+def system_keepalives() -> dict[str, int]:
+    """The kernel's own keepalive settings, which a socket has unless libpq sets its own."""
+    proc = Path("/proc/sys/net/ipv4")
+    return {
+        "keepalives_idle": int((proc / "tcp_keepalive_time").read_text()),
+        "keepalives_interval": int((proc / "tcp_keepalive_intvl").read_text()),
+        "keepalives_count": int((proc / "tcp_keepalive_probes").read_text()),
+    }
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's TCP options")
+@pytest.mark.parametrize(
+    ("form", "options", "connect_kwargs", "libpq"),
+    [
+        ("uri", {}, {}, TCP_DEFAULTS),
+        # The DSN's own win, as key=value settings or a URI's query.
+        (
+            "keywords",
+            {"keepalives_idle": "7", "tcp_user_timeout": "12345"},
+            {},
+            {**TCP_DEFAULTS, "keepalives_idle": "7", "tcp_user_timeout": "12345"},
+        ),
+        (
+            "uri",
+            {"keepalives_interval": "3", "keepalives_count": "6"},
+            {},
+            {**TCP_DEFAULTS, "keepalives_interval": "3", "keepalives_count": "6"},
+        ),
+        # connect_kwargs win over the DSN; None leaves an option to libpq and the kernel.
+        (
+            "keywords",
+            {"keepalives_idle": "7", "keepalives_count": "6"},
+            {"keepalives_idle": 11, "tcp_user_timeout": None},
+            {
+                **TCP_DEFAULTS,
+                "keepalives_idle": "11",
+                "keepalives_count": "6",
+                "tcp_user_timeout": "",
+            },
+        ),
+        # Keepalives turned off: libpq ignores the other options, tcp_user_timeout too.
+        ("uri", {"keepalives": "0"}, {}, {**TCP_DEFAULTS, "keepalives": "0"}),
+    ],
+)
+def test_the_sinks_connections_find_a_server_that_is_gone(
+    postgres_dsn: str,
+    form: str,
+    options: dict[str, str],
+    connect_kwargs: dict[str, Any],
+    libpq: dict[str, str],
+) -> None:
+    """A server that vanished without a RST (its host down, a network partition) held the
+    writer's statement, and with it the task thread's waits (commit, recover, close), for
+    the kernel's TCP timeout: 15 minutes and more with data in flight, 2 hours and more
+    without. The sink's connections now have keepalives (20 s idle, 4 probes 5 s apart) and a
+    40 s TCP user timeout, read back here from libpq and from the live socket, unless the DSN
+    or connect_kwargs set their own."""
+    from urllib.parse import urlencode
+
+    from psycopg.conninfo import make_conninfo
+
+    dsn = postgres_dsn
+    if options and form == "uri" and dsn.startswith(("postgresql://", "postgres://")):
+        dsn = f"{dsn}{'&' if '?' in dsn else '?'}{urlencode(options)}"
+    elif options:
+        dsn = make_conninfo(dsn, **options)
+    table = make_table(postgres_dsn)
+    writer = open_writer(PostgresSink(dsn, table, ["customer"], connect_kwargs=connect_kwargs))
+    writer.recover(None, None)
+    got_libpq, kernel = tcp_settings(writer)
+    writer.close()  # was: libpq's own (keepalives 1, the rest empty), the kernel's
+    assert got_libpq == libpq
+    on = libpq["keepalives"] != "0"
+    expected = {
+        "keepalives": int(on),
+        **({name: int(libpq[name]) for name in system_keepalives()} if on else system_keepalives()),
+        # libpq sets it with the keepalives only (fe-connect.c): keepalives=0 turns it off.
+        "tcp_user_timeout": int(libpq["tcp_user_timeout"] or 0) if on else 0,
+    }
+    assert kernel == expected
+
+
+def test_a_connection_that_fails_never_shows_the_password(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A DSN with a password and TCP options of its own, to a port nothing listens on: an
+    outage (exit 75), its message and the log without the password."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dsn = f"postgresql://app:FAKE-pw-x9q@127.0.0.1:{port}/shop?keepalives_idle=7"
+    writer = open_writer(PostgresSink(dsn, "totals", ["customer"], connect_timeout=2))
+    with caplog.at_level("DEBUG"), pytest.raises(SinkUnavailableError) as raised:
+        writer.recover(None, None)
+    writer.close()
+    assert f"PostgreSQL at 127.0.0.1:{port}/shop" in str(raised.value)
+    assert "pw-x9q" not in str(raised.value) and "pw-x9q" not in caplog.text
+
+
 # --------------------------------------------------------------------------- many tasks
 
 
@@ -1110,10 +1249,10 @@ def test_an_apply_rolled_back_for_a_deadlock_is_run_again(
 
 
 def test_an_apply_rolled_back_at_every_attempt_fails_as_before(postgres_dsn: str) -> None:
-    """A deadlock at every attempt: after APPLY_ATTEMPTS of them the commit fails as an
+    """A deadlock at every attempt: after TRANSACTION_ATTEMPTS of them the commit fails as an
     outage (SinkUnavailableError: the worker exits 75), staged rows kept, nothing applied;
     the restarted worker's recovery applies the checkpoint, once."""
-    from snapline.sinks.postgres import APPLY_ATTEMPTS
+    from snapline.sinks.postgres import TRANSACTION_ATTEMPTS
 
     table = make_table(postgres_dsn)
     sink = PostgresSink(postgres_dsn, table, ["customer"])
@@ -1125,12 +1264,12 @@ def test_an_apply_rolled_back_at_every_attempt_fails_as_before(postgres_dsn: str
     start = time.monotonic()
     with pytest.raises(
         SinkUnavailableError,
-        match=rf"(?s)could not commit checkpoint 1 \({APPLY_ATTEMPTS} attempts\) into .*rolled "
-        r"back by the test.*\(the checkpoint fails and is retried; staged rows are kept\)",
+        match=rf"(?s)could not commit checkpoint 1 \({TRANSACTION_ATTEMPTS} attempts\) into "
+        r".*rolled back by the test.*\(the checkpoint fails and is retried; staged rows are kept\)",
     ):
         writer.commit(1)
     assert time.monotonic() - start < 10, "the retries were not short"
-    assert writes() == APPLY_ATTEMPTS
+    assert writes() == TRANSACTION_ATTEMPTS
     assert target(postgres_dsn, table) == {} and staged(postgres_dsn, table) == 2
     writer.close()
     with psycopg.connect(postgres_dsn, autocommit=True) as conn:
@@ -1169,9 +1308,9 @@ def test_a_staging_rolled_back_for_a_deadlock_is_run_again(
 
 
 def test_a_staging_rolled_back_at_every_attempt_fails_as_before(postgres_dsn: str) -> None:
-    """After APPLY_ATTEMPTS rolled-back stagings the checkpoint fails as an outage
+    """After TRANSACTION_ATTEMPTS rolled-back stagings the checkpoint fails as an outage
     (SinkUnavailableError), nothing staged; its epochs, replayed, are staged and applied once."""
-    from snapline.sinks.postgres import APPLY_ATTEMPTS
+    from snapline.sinks.postgres import TRANSACTION_ATTEMPTS
 
     table = make_table(postgres_dsn)
     writer = open_writer(PostgresSink(postgres_dsn, table, ["customer"]))
@@ -1183,12 +1322,12 @@ def test_a_staging_rolled_back_at_every_attempt_fails_as_before(postgres_dsn: st
     start = time.monotonic()
     with pytest.raises(
         SinkUnavailableError,
-        match=rf"(?s)could not stage checkpoint 1 \({APPLY_ATTEMPTS} attempts\) into .*rolled "
-        r"back by the test",
+        match=rf"(?s)could not stage checkpoint 1 \({TRANSACTION_ATTEMPTS} attempts\) into "
+        r".*rolled back by the test",
     ):
         pre_commit(writer, 1)
     assert time.monotonic() - start < 10, "the retries were not short"
-    assert writes() == APPLY_ATTEMPTS and staged(postgres_dsn, table) == 0
+    assert writes() == TRANSACTION_ATTEMPTS and staged(postgres_dsn, table) == 0
     writer.abort(1)  # the runtime's, for the failed checkpoint; it replays the epochs
     with psycopg.connect(postgres_dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP TRIGGER roll_back ON {}").format(sql.Identifier(staging)))
@@ -1282,9 +1421,9 @@ def test_a_deadlock_in_the_deletion_of_dead_staged_rows_is_run_again(
 
 
 def test_a_deletion_rolled_back_at_every_attempt_fails_as_before(postgres_dsn: str) -> None:
-    """After APPLY_ATTEMPTS rolled-back deletions the recovery fails as an outage
+    """After TRANSACTION_ATTEMPTS rolled-back deletions the recovery fails as an outage
     (SinkUnavailableError: the worker exits 75), the rows kept; the next recovery deletes them."""
-    from snapline.sinks.postgres import APPLY_ATTEMPTS
+    from snapline.sinks.postgres import TRANSACTION_ATTEMPTS
 
     table = make_table(postgres_dsn)
     sink = PostgresSink(postgres_dsn, table, ["customer"])
@@ -1294,11 +1433,11 @@ def test_a_deletion_rolled_back_at_every_attempt_fails_as_before(postgres_dsn: s
     recovered = open_writer(sink)
     with pytest.raises(
         SinkUnavailableError,
-        match=rf"(?s)could not delete staged rows \({APPLY_ATTEMPTS} attempts\) in .*rolled "
+        match=rf"(?s)could not delete staged rows \({TRANSACTION_ATTEMPTS} attempts\) in .*rolled "
         r"back by the test",
     ):
         recovered.recover(2, {"format": 1, "pending": []})
-    assert writes() == APPLY_ATTEMPTS and staged_checkpoints(postgres_dsn, table) == {1, 2}
+    assert writes() == TRANSACTION_ATTEMPTS and staged_checkpoints(postgres_dsn, table) == {1, 2}
     recovered.close()
     with psycopg.connect(postgres_dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP TRIGGER roll_back ON {}").format(sql.Identifier(staging)))
@@ -1306,6 +1445,213 @@ def test_a_deletion_rolled_back_at_every_attempt_fails_as_before(postgres_dsn: s
     restarted.recover(2, {"format": 1, "pending": []})
     assert staged(postgres_dsn, table) == 0 and target(postgres_dsn, table) == {}
     restarted.close()
+
+
+def require_superuser(dsn: str) -> None:
+    """Fail (never skip) where the tests' role cannot set deadlock_timeout, which picks a
+    deadlock's victim: a superuser's setting."""
+    if not query(dsn, "SELECT rolsuper FROM pg_roles WHERE rolname = current_user")[0][0]:
+        pytest.fail(
+            "this test sets deadlock_timeout (which picks the deadlock's victim), a superuser's "
+            "setting: run it against the tests' own server or give SNAPLINE_POSTGRES_DSN a "
+            "superuser role"
+        )
+
+
+def await_lock_wait(
+    dsn: str, event: str, alive: Callable[[], bool], pid: int | None = None
+) -> bool:
+    """Whether the session of ``pid`` (else the writer of task orders-0) came to wait for a
+    lock of kind ``event`` (``relation``, ``transactionid``) while ``alive()``; at most 30 s."""
+    with psycopg.connect(dsn, autocommit=True) as monitor:
+        deadline = time.monotonic() + 30
+        while alive():
+            row = monitor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND wait_event = %s AND (pid = %s OR (%s::int IS NULL AND application_name "
+                "= 'snapline:pg-test/orders-0'))",
+                (event, pid, pid),
+            ).fetchone()
+            if row is not None and row[0]:
+                return True
+            assert time.monotonic() < deadline, f"no session waited for a {event} lock in 30 s"
+            time.sleep(0.005)
+    return False
+
+
+def recovering(writer: PostgresSinkWriter, *args: Any) -> tuple[threading.Thread, list[Any]]:
+    """A thread (not started) that runs ``writer.recover(*args)``; and what it raised."""
+    failures: list[BaseException] = []
+
+    def recover() -> None:
+        try:
+            writer.recover(*args)
+        except BaseException as exc:
+            failures.append(exc)
+
+    return threading.Thread(target=recover, name="recover"), failures
+
+
+def retries_of(caplog: pytest.LogCaptureFixture, step: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if f"rolled back {step}" in r.getMessage()]
+
+
+def lands_exactly_once(dsn: str, table: str, writer: PostgresSinkWriter, checkpoint: int) -> None:
+    """The writer's next checkpoint is applied, each row once, nothing left staged or refused."""
+    rows = [{"customer": "a", "total": 1, "n": 1}, {"customer": "b", "total": 2, "n": 2}]
+    write(writer, rows, checkpoint)
+    pre_commit(writer, checkpoint)
+    writer.commit(checkpoint)
+    assert target(dsn, table) == {"a": (1.0, 1, checkpoint), "b": (2.0, 2, checkpoint)}
+    assert query(dsn, f'SELECT count(*) FROM "{table}"')[0][0] == 2
+    assert staged(dsn, table) == 0
+    assert query(dsn, f'SELECT count(*) FROM "{table}__snapline_rejected"')[0][0] == 0
+
+
+def test_a_setup_that_loses_the_race_to_create_a_table_is_run_again(
+    postgres_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another session (a migration) creates the sink's rejected table while the first setup
+    of the table runs: the setup's CREATE TABLE IF NOT EXISTS waits for it and, once it
+    committed, fails on pg_type's unique index (23505), which IF NOT EXISTS does not cover.
+    That was a SinkError: the worker crashed (exit 1). The setup runs again, and finds the
+    table."""
+    table = make_table(postgres_dsn)
+    spec = postgres_module.TableSpec("public", table, (), ("customer",))
+    writer = open_writer(PostgresSink(postgres_dsn, table, ["customer"]))
+    thread, failures = recovering(writer, None, None)
+    with psycopg.connect(postgres_dsn) as migration, caplog.at_level("WARNING"):
+        migration.execute(postgres_module.rejected_ddl(spec))
+        thread.start()
+        assert await_lock_wait(postgres_dsn, "transactionid", thread.is_alive), failures
+        migration.commit()
+        thread.join(60)
+    assert not thread.is_alive(), "the setup took more than 60 s"
+    assert not failures, failures  # was: SinkError ... "pg_type_typname_nsp_index"
+    retries = retries_of(caplog, "the setup of the sink's tables")
+    assert len(retries) == 1 and "23505" in retries[0] and "pg_type" in retries[0], retries
+    assert "attempt 2 of 5" in retries[0]
+    lands_exactly_once(postgres_dsn, table, writer, 1)
+    writer.close()
+
+
+def test_a_deadlock_in_the_setup_of_a_table_is_run_again(
+    postgres_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A real deadlock in the first setup of a table: the setup holds the table's lock (its
+    ALTER TABLE adds the fence columns) and waits for a migration creating the sink's rejected
+    table, which waits to read the table. PostgreSQL aborts the setup (40P01): the worker's
+    first write (or its recovery) failed as an outage (exit 75). The setup runs again once the
+    migration is done, and the rows land once."""
+    require_superuser(postgres_dsn)
+    table = make_table(postgres_dsn)
+    spec = postgres_module.TableSpec("public", table, (), ("customer",))
+    writer = open_writer(PostgresSink(postgres_dsn, table, ["customer"]))
+    thread, failures = recovering(writer, None, None)
+    read_failures: list[BaseException] = []
+    with (
+        psycopg.connect(postgres_dsn) as holder,
+        psycopg.connect(postgres_dsn) as migration,
+        caplog.at_level("WARNING"),
+    ):
+        # The setup waits first for the holder's staging table (uncommitted), holding the
+        # table's lock: time for the migration to come and wait for that lock. Once the holder
+        # is gone, the setup comes to wait for the migration: the setup's wait closes the
+        # cycle, so its deadlock check (after the server's 1 s) is the one that finds it.
+        holder.execute(postgres_module.staging_ddl(spec)[0])
+        migration.execute("SET deadlock_timeout = '60s'")
+        migration.execute("SET lock_timeout = '30s'")
+        migration.execute(postgres_module.rejected_ddl(spec))
+        thread.start()
+        assert await_lock_wait(postgres_dsn, "transactionid", thread.is_alive), failures
+
+        def read_the_table() -> None:
+            try:
+                migration.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table)))
+                migration.commit()
+            except BaseException as exc:
+                read_failures.append(exc)
+
+        reader = threading.Thread(target=read_the_table, name="migration")
+        reader.start()
+        pid = migration.info.backend_pid
+        assert await_lock_wait(postgres_dsn, "relation", reader.is_alive, pid), read_failures
+        holder.rollback()
+        reader.join(60)
+        thread.join(60)
+    assert not thread.is_alive() and not reader.is_alive(), "the setup took more than 60 s"
+    assert not read_failures, read_failures
+    assert not failures, failures  # was: SinkUnavailableError ... deadlock detected
+    retries = retries_of(caplog, "the setup of the sink's tables")
+    assert len(retries) == 1 and "40P01: deadlock detected" in retries[0], retries
+    lands_exactly_once(postgres_dsn, table, writer, 1)
+    writer.close()
+
+
+def test_a_deadlock_in_the_read_of_the_applied_checkpoint_ids_is_run_again(
+    postgres_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A real deadlock in recovery's read of the highest checkpoint id its task applied: a
+    maintenance session REINDEXes the tasks table's primary key (locking the index) and goes
+    on to lock the table (ALTER TABLE, LOCK TABLE), while the read holds the table and waits
+    for the index. PostgreSQL aborts the read (40P01): the recovery failed as an outage (exit
+    75). The sink reads again, and its task goes on above the id it had applied: the replayed
+    checkpoint lands once."""
+    require_superuser(postgres_dsn)
+    table = make_table(postgres_dsn)
+    # The read waits first; a deadlock check of 2 s leaves the maintenance session time to
+    # come and close the cycle (a superuser's setting: require_superuser).
+    dsn = f"{postgres_dsn}{'&' if '?' in postgres_dsn else '?'}options=-c%20deadlock_timeout%3D2s"
+    sink = PostgresSink(dsn, table, ["customer"])
+    first = open_writer(sink)
+    first.recover(None, None)
+    for checkpoint, rows in enumerate(
+        ([{"customer": "a", "total": 9, "n": 9}], [{"customer": "c", "total": 3, "n": 3}]), 1
+    ):
+        write(first, rows, checkpoint)
+        pre_commit(first, checkpoint)
+        first.commit(checkpoint)
+    write(first, [{"customer": "b", "total": 7, "n": 7}], 3)
+    pre_commit(first, 3)  # staged; the worker dies before checkpoint 3's commit point
+    first.close()
+    (index,) = query(
+        postgres_dsn,
+        "SELECT indexrelid::regclass::text FROM pg_index WHERE indrelid = %s::regclass",
+        f'"{table}__snapline_tasks"',
+    )[0]
+    recovered = open_writer(sink)
+    thread, failures = recovering(recovered, 2, {"format": 1, "pending": []})
+    with psycopg.connect(postgres_dsn) as maintenance, caplog.at_level("WARNING"):
+        maintenance.execute("SET deadlock_timeout = '60s'")
+        maintenance.execute("SET lock_timeout = '30s'")
+        maintenance.execute(sql.SQL("REINDEX INDEX {}").format(sql.SQL(index)))
+        thread.start()
+        assert await_lock_wait(postgres_dsn, "relation", thread.is_alive), failures
+        maintenance.execute(
+            sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(
+                sql.Identifier(f"{table}__snapline_tasks")
+            )
+        )  # granted once PostgreSQL aborted the read
+        maintenance.commit()
+        thread.join(60)
+    assert not thread.is_alive(), "the recovery took more than 60 s"
+    assert not failures, failures  # was: SinkUnavailableError ... deadlock detected
+    retries = retries_of(caplog, "the read of the applied checkpoint ids")
+    assert len(retries) == 1 and "40P01: deadlock detected" in retries[0], retries
+    assert recovered.checkpoint_ids_above() == 2
+    # The replay of checkpoint 3 (its rows were staged under the dead writer's token, which
+    # no committed checkpoint names): applied once, the dead writer's rows deleted.
+    write(recovered, [{"customer": "b", "total": 7, "n": 7}], 3)
+    pre_commit(recovered, 3)
+    recovered.commit(3)
+    assert target(postgres_dsn, table) == {
+        "a": (9.0, 9, 1),
+        "b": (7.0, 7, 3),
+        "c": (3.0, 3, 2),
+    }
+    assert query(postgres_dsn, f'SELECT count(*) FROM "{table}"')[0][0] == 3
+    assert staged(postgres_dsn, table) == 0
+    recovered.close()
 
 
 # --------------------------------------------------------------------------- outage

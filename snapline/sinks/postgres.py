@@ -9,13 +9,16 @@ the same task at a checkpoint ≤ n, so a replay never overwrites newer data. Re
 finds nothing staged: a no-op. Rows the database refuses at commit (a CHECK constraint, a
 foreign key...) go, in the same transaction, to ``<table>__snapline_rejected``. Both ways of
 applying (the bulk upsert, and row by row when a row is refused) lock the table's rows in key
-order, so two tasks that write the same keys cannot deadlock each other; an apply, a staging
-or a deletion of staged rows that PostgreSQL rolls back anyway (a deadlock with someone else,
-a serialization failure) is run again, ``APPLY_ATTEMPTS`` times at most, before it is taken
-for an outage. The sink's session bounds its statements, lock waits and transactions at
-``SESSION_TIMEOUT`` (or the longer bound its role or DSN set: a short one failed the same
-apply again at every restart), and checks that its client is still there while a statement
-runs (``CLIENT_CONNECTION_CHECK_INTERVAL``).
+order, so two tasks that write the same keys cannot deadlock each other; each of the sink's
+transactions (the setup of its tables, a staging, an apply, a deletion of staged rows, the read
+of the checkpoint ids a task applied) that PostgreSQL rolls back anyway (a deadlock with
+someone else, a serialization failure) is run again, ``TRANSACTION_ATTEMPTS`` times at most,
+before it is taken for an outage. The sink's session bounds its statements, lock waits and
+transactions at ``SESSION_TIMEOUT`` (or the longer bound its role or DSN set: a short one
+failed the same apply again at every restart), and checks that its client is still there
+while a statement runs (``CLIENT_CONNECTION_CHECK_INTERVAL``). Its connections find a server
+that is gone within about 40 s (TCP keepalives, a TCP user timeout), and the DSN it is given
+is checked when it is built: ``postgres_connect``.
 
 Threads: the task thread validates and encodes rows (dead-lettering those that do not fit the
 table) and waits for commit/abort/recover. The background thread of the writer
@@ -30,9 +33,6 @@ import contextlib
 import logging
 import math
 import random
-import re
-import socket
-import sys
 import uuid
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -45,14 +45,19 @@ from typing import Any, TypeVar
 import orjson
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from snapline.connectors.config import redact_text
 from snapline.pipeline.checkpoint.identity import JobIdentity
 from snapline.pipeline.errors import ConfigurationError, SinkError, SinkUnavailableError
 from snapline.pipeline.record import Record
 from snapline.pipeline.sink import Sink, SinkContext
 from snapline.pipeline.state.serde import json_bytes
+from snapline.sinks.postgres_connect import (
+    REFUSED,
+    check_dsn,
+    connect_arguments,
+    where,
+)
+from snapline.sinks.postgres_connect import without_secrets as _without_secrets
 from snapline.sinks.staging import StagingSinkWriter
 
 __all__ = ["ColumnSpec", "PostgresSink", "PostgresSinkWriter", "RowEncoder", "TableSpec"]
@@ -97,79 +102,24 @@ SESSION_TIMEOUT = 600
 #: set one): a backend waiting for a lock does not read from its client, and stayed queued
 #: after its worker had exited (the watchdog's exit 75) until ``SESSION_TIMEOUT``.
 CLIENT_CONNECTION_CHECK_INTERVAL = 10
-#: How many times one of the sink's transactions (a checkpoint's apply, its staging, a deletion
-#: of staged rows) is run when PostgreSQL rolls it back for a deadlock (40P01) or a
-#: serialization failure (40001) before the failure is taken for an outage
+#: How many times one of the sink's transactions (each: the setup of its tables, a
+#: checkpoint's staging, its apply, a deletion of staged rows, the read of the checkpoint ids
+#: the task applied) is run when PostgreSQL rolls it back for a deadlock (40P01) or a
+#: serialization failure (40001) (``_rolled_back``; the setup also when it lost a race to
+#: create a table, ``_lost_a_catalog_race``) before the failure is taken for an outage
 #: (``SinkUnavailableError``: the worker exits 75 and its restart runs it again).
-APPLY_ATTEMPTS = 5
+TRANSACTION_ATTEMPTS = 5
 #: Seconds between the first and the second attempt; the wait doubles after each attempt, up
-#: to ``APPLY_RETRY_MAX_DELAY``, and each wait is jittered (``apply_retry_delay``).
-APPLY_RETRY_DELAY = 0.1
-APPLY_RETRY_MAX_DELAY = 1.0
+#: to ``TRANSACTION_RETRY_MAX_DELAY``, and each wait is jittered
+#: (``transaction_retry_delay``).
+TRANSACTION_RETRY_DELAY = 0.1
+TRANSACTION_RETRY_MAX_DELAY = 1.0
 _INT_RANGES = {"int2": 2**15, "int4": 2**31, "int8": 2**63}
 _T = TypeVar("_T")
 
 
 class _Misfit(Exception):
     """A value that the column cannot take; the message is the dead-letter reason."""
-
-
-# --------------------------------------------------------------------------- the table
-
-
-def _without_secrets(text: str, sink: PostgresSink) -> str:
-    """``text`` (a libpq error can quote the DSN, or a piece of a malformed one) without the
-    sink's password (``_secrets``), wherever it appears, nor credentials in URIs or settings."""
-    for secret in _secrets(sink):
-        text = text.replace(secret, "***")
-    return redact_text(text)
-
-
-def _secrets(sink: PostgresSink) -> list[str]:
-    """The sink's password as each place may write it, longest first (those of 3 characters
-    or more: shorter ones would mask any text): ``connect_kwargs``'; the DSN's, as libpq reads
-    it and as written in a ``password=`` setting; and in a URI, everything between the user
-    name's ``:`` and the last ``@``. That is the password the user meant: libpq ends the user
-    info at a ``/`` or the first ``@``, and reads the rest of a password with an unencoded
-    ``/`` or ``@`` in it as the host, port, database or query (a refusal quoted
-    ``port 'hunter2'`` for ``postgresql://app:hunter2/x@db/shop``)."""
-    found = [str(sink.connect_kwargs.get("password") or "")]
-    with contextlib.suppress(psycopg.Error):
-        found.append(str(conninfo_to_dict(sink.dsn).get("password") or ""))
-    for match in _DSN_PASSWORD.finditer(sink.dsn):
-        found.append(match.group(1) or match.group(2) or "")
-    scheme = _URI_SCHEME.match(sink.dsn)
-    if scheme is not None:
-        userinfo, at, _ = sink.dsn[scheme.end() :].rpartition("@")
-        if at and ":" in userinfo:
-            found.append(userinfo.partition(":")[2])
-    return sorted({secret for secret in found if len(secret) >= 3}, key=len, reverse=True)
-
-
-def _hide(value: str, secrets: Sequence[str]) -> str:
-    """``value`` (a piece of the DSN) as ``***`` if it is a piece of one of ``secrets``, else
-    with every run of 3 characters or more that is one replaced by ``***``: a malformed URI
-    can split its password among several options, so a value may hold a part of it only, or
-    a part and something else."""
-    if any(value in secret for secret in secrets):
-        return "***" if value else value
-    out: list[str] = []
-    i = 0
-    while i < len(value):
-        longest = 0
-        for secret in secrets:
-            n = 3
-            while i + n <= len(value) and value[i : i + n] in secret:
-                n += 1
-            longest = max(longest, n - 1)
-        if longest >= 3:
-            if not out or out[-1] != "***":
-                out.append("***")
-            i += longest
-        else:
-            out.append(value[i])
-            i += 1
-    return "".join(out)
 
 
 #: What PostgreSQL raises for a row it refuses (the apply goes row by row, and the refused
@@ -188,258 +138,30 @@ _ROW_REFUSALS = (
 #: (``PostgresSinkWriter._run_transaction``).
 _ROLLED_BACK = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
 
-#: libpq's sslmode values.
-_SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
-#: libpq's options that take one of a few words (libpq-connect.html). libpq refuses any other
-#: value, an empty one too, at every connection: an OperationalError, taken for an outage.
-_ENUMERATED: dict[str, tuple[str, ...]] = {
-    "sslmode": _SSLMODES,
-    "target_session_attrs": (
-        "any",
-        "read-write",
-        "read-only",
-        "primary",
-        "standby",
-        "prefer-standby",
-    ),
-    "gssencmode": ("disable", "prefer", "require"),
-    "channel_binding": ("disable", "prefer", "require"),
-    "load_balance_hosts": ("disable", "random"),
-    "sslnegotiation": ("postgres", "direct"),
-    "sslcertmode": ("disable", "allow", "require"),
-}
-#: libpq's integer options, with the unit the fix names. libpq takes what C's strtol reads
-#: whole (blanks around, a sign) within a C int; psycopg reads connect_timeout itself.
-_INTEGERS = {
-    "connect_timeout": "seconds",
-    "keepalives": "1: on, 0: off",
-    "keepalives_idle": "seconds",
-    "keepalives_interval": "seconds",
-    "keepalives_count": "probes",
-    "tcp_user_timeout": "milliseconds",
-}
-_C_INT = re.compile(r"\s*[+-]?[0-9]+\s*")
-#: What Linux's setsockopt takes for the keepalive options (TCP_KEEPIDLE, TCP_KEEPINTVL,
-#: TCP_KEEPCNT): libpq passes anything else on, and every TCP connection fails (EINVAL) —
-#: 0 too, which libpq's documentation calls the system default.
-_LINUX_KEEPALIVE_RANGES = {
-    "keepalives_idle": 32767,
-    "keepalives_interval": 32767,
-    "keepalives_count": 127,
-}
-#: psycopg.connect's own arguments that ``connect_kwargs`` may hold; every other key is a libpq
-#: option, but for those of ``_SINKS_OWN_ARGUMENTS``.
-_PSYCOPG_ARGUMENTS = frozenset(("prepare_threshold",))
-#: psycopg.connect's arguments that set what the sink's own queries return or how its session
-#: runs them, and why ``connect_kwargs`` may not hold them (refused when the sink is built).
-#: With these two sets, every keyword-only argument of psycopg.connect is named.
-_SINKS_OWN_ARGUMENTS = {
-    # psycopg.connect raised TypeError (a keyword argument given twice) at the first connection.
-    "autocommit": "its session is in autocommit mode, and runs each step in a transaction of "
-    "its own",
-    # The setup read a dict (or a class) where it reads a tuple: it failed at every
-    # connection, and the worker was restarted without end.
-    "row_factory": "its queries read their rows as tuples; a row factory gives them rows of "
-    "another shape",
-    "cursor_factory": "its queries run on psycopg's own cursors, which return rows as "
-    "tuples; another cursor class may return or run them otherwise: a RawCursor takes $1 "
-    "placeholders, not the sink's %s",
-    "context": "its parameters, its COPY and its rows are converted by psycopg's default "
-    "adapters; a context's dumpers and loaders send and read them otherwise",
-}
-#: What libpq says when the server refused the connection for its settings (user,
-#: password, database, pg_hba.conf, a bad ``options=-c ...``), which restarts do not fix: not
-#: an outage. Not the LDAP, PAM, RADIUS or GSSAPI "authentication failed for user": a server
-#: says that too when its LDAP server or KDC is down, an outage.
-_REFUSED = re.compile(
-    r"password authentication failed|no password supplied|no pg_hba\.conf entry|"
-    r"pg_hba\.conf rejects connection|is not permitted to log in|"
-    r"(database|role) \"[^\"]*\" does not exist|permission denied for database|"
-    r"invalid value for parameter|unrecognized configuration parameter|"
-    r"permission denied to set parameter",
-    re.IGNORECASE,
-)
+
+def _rolled_back(exc: psycopg.Error) -> bool:
+    """Whether PostgreSQL rolled ``exc``'s transaction back for its concurrency with another
+    one (``_ROLLED_BACK``): worth another attempt of the whole transaction."""
+    return isinstance(exc, _ROLLED_BACK)
 
 
-def _check_dsn(sink: PostgresSink) -> None:
-    """A DSN libpq cannot use fails at start, naming why (no piece of its password shown:
-    ``_hide``), not at the first connection: a malformed DSN was an OperationalError there,
-    taken for a database down, and the worker was restarted for it without end (exit 75).
-
-    Checks what the sink is given, the DSN and the libpq options of ``connect_kwargs`` (which
-    win over the DSN's): libpq's parse (syntax, option names), then the values libpq and
-    psycopg check only when they connect. Values libpq would take from its environment
-    (``PGPORT``, ``PGSSLMODE``...) are not checked: they are read at each connection."""
-    secrets = _secrets(sink)
-    uri = _URI_SCHEME.match(sink.dsn) is not None
-    encode = (
-        " (in a URI, percent-encode '@', '/', '?' and '%' in the user info: %40, %2F, %3F, %25)"
-        if uri
-        else ""
-    )
-    try:
-        info = {k: str(v) for k, v in conninfo_to_dict(sink.dsn).items()}
-    except psycopg.ProgrammingError as exc:
-        problem = _without_secrets(_hide(str(exc).strip(), secrets), sink)
-        raise ConfigurationError(
-            f"PostgresSink dsn is not valid: {problem} "
-            "(use 'postgresql://user@host:5432/db' or 'host=... dbname=...')"
-            + (encode if "***" in problem else "")
-        ) from None
-    for name, why in _SINKS_OWN_ARGUMENTS.items():
-        if name in sink.connect_kwargs:
-            raise ConfigurationError(
-                f"PostgresSink connect_kwargs: {name} is the sink's own ({why}); remove it"
-            )
-    given = {
-        k: str(v)
-        for k, v in sink.connect_kwargs.items()
-        if k not in _PSYCOPG_ARGUMENTS and v is not None
-    }
-    try:
-        make_conninfo("", **given)
-    except psycopg.ProgrammingError as exc:
-        raise ConfigurationError(
-            f"PostgresSink connect_kwargs are not valid: "
-            f"{_without_secrets(str(exc).strip(), sink)} (its keys are libpq connection "
-            f"options or psycopg.connect's {', '.join(sorted(_PSYCOPG_ARGUMENTS))})"
-        ) from None
-    info.update(given)
-
-    def refuse(name: str, problem: str) -> ConfigurationError:
-        where = "connect_kwargs" if name in given else "dsn"
-        text = _without_secrets(f"PostgresSink {where}: {problem}", sink)
-        return ConfigurationError(text + (encode if where == "dsn" and "***" in text else ""))
-
-    def shown(value: str) -> str:
-        """``value`` quoted, without a piece of the password (a malformed URI's)."""
-        return repr(_hide(value, secrets))
-
-    if uri and "@" in _uri_path(sink.dsn):
-        # Not quoted: libpq took the database name from a password's unencoded '/' on.
-        raise refuse(
-            "dbname",
-            "the URI's path (its database name) holds an '@': libpq ends the user info at a "
-            "'/', and reads what follows as the database name (percent-encode '@', '/', '?' "
-            "and '%' in the user info: %40, %2F, %3F, %25; an '@' in a database name: %40)",
-        )
-    for host in info.get("host", "").split(","):
-        if "@" in host and not host.startswith(("/", "@")):
-            # libpq looked it up at every connection, and quoted it in its error.
-            raise refuse(
-                "host", f"host {shown(host)} is not a host name, an IP address or a socket path"
-            )
-    for port in info.get("port", "").split(","):
-        if port and not (port.strip().isdigit() and 0 < int(port) < 65536):
-            raise refuse("port", f"port {shown(port.strip())} is not a port number (1..65535)")
-    for name, values in _ENUMERATED.items():
-        value = info.get(name)
-        if value is not None and value not in values:
-            raise refuse(name, f"{name} {shown(value)} is not one of {', '.join(values)}")
-    for name, unit in _INTEGERS.items():
-        value = info.get(name)
-        if value is not None and _integer(name, value) is None:
-            kind = "a number" if name == "connect_timeout" else "an integer"
-            raise refuse(name, f"{name} {shown(value)} is not {kind} ({unit})")
-    if (
-        sys.platform.startswith("linux")
-        and not _unix_sockets_only(info)
-        and _integer("keepalives", info.get("keepalives", "1"))
-    ):
-        for name, most in _LINUX_KEEPALIVE_RANGES.items():
-            number = _integer(name, info.get(name, "1"))
-            if number is not None and not 0 < number <= most:
-                raise refuse(
-                    name,
-                    f"{name} {shown(info[name])} is not within 1..{most}, the range Linux "
-                    f"takes (libpq passes it on, 0 too, and every TCP connection fails; leave "
-                    f"{name} out for the system's default)",
-                )
-    for address in info.get("hostaddr", "").split(","):
-        if address and not _numeric_address(address):
-            raise refuse(
-                "hostaddr",
-                f"hostaddr {shown(address)} is not a numeric IP address (a host name goes in "
-                "host=)",
-            )
-    _check_host_counts(info, refuse)
+def _lost_a_catalog_race(exc: psycopg.Error) -> bool:
+    """Whether ``exc`` is a unique violation (23505) of one of PostgreSQL's catalogs
+    (``pg_type_typname_nsp_index``, ``pg_class_relname_nsp_index``...): a ``CREATE TABLE IF
+    NOT EXISTS`` (or ``CREATE INDEX``) of the setup met the same table created by a session
+    that committed while it waited, which ``IF NOT EXISTS`` does not cover. The sink's own
+    setups of a table never race (its advisory lock); another session's do (a migration
+    creating the sink's tables), and failed the setup as a ``SinkError``, a crash (exit 1).
+    The next attempt finds the table."""
+    return isinstance(exc, psycopg.errors.UniqueViolation) and exc.diag.schema_name == "pg_catalog"
 
 
-def _uri_path(dsn: str) -> str:
-    """The path (the database name) of a URI DSN as written, as libpq finds it: the user info
-    ends at the first ``@`` unless a ``/`` comes first, the hosts at a ``/`` or a ``?``, the
-    path at a ``?``."""
-    scheme = _URI_SCHEME.match(dsn)
-    rest = dsn[scheme.end() :] if scheme is not None else dsn
-    userinfo = re.match(r"[^@/]*@", rest)
-    if userinfo is not None:
-        rest = rest[userinfo.end() :]
-    rest = rest[len(re.match(r"[^/?]*", rest).group()) :]  # type: ignore[union-attr]
-    return rest[1:].partition("?")[0] if rest.startswith("/") else ""
+def _setup_may_retry(exc: psycopg.Error) -> bool:
+    """What the setup of the sink's tables is run again for (``PostgresSinkWriter._setup``)."""
+    return _rolled_back(exc) or _lost_a_catalog_race(exc)
 
 
-def _unix_sockets_only(info: Mapping[str, str]) -> bool:
-    """Whether every host the options name is a Unix-domain socket (a directory, or ``@`` and
-    an abstract name), to which libpq applies no TCP keepalive option. Not where no host is
-    given (``PGHOST`` may name a TCP host), nor for a host with a ``hostaddr`` (TCP)."""
-    hosts = info["host"].split(",") if info.get("host") else []
-    addresses = info["hostaddr"].split(",") if info.get("hostaddr") else []
-    return bool(hosts) and all(
-        host.startswith(("/", "@")) and not (addresses[i] if i < len(addresses) else "")
-        for i, host in enumerate(hosts)
-    )
-
-
-def _integer(name: str, value: str) -> int | None:
-    """``value`` as the integer libpq (psycopg for connect_timeout) reads, or None."""
-    if name == "connect_timeout":
-        try:
-            return int(float(value))  # psycopg's own reading (conninfo.timeout_from_conninfo)
-        except (ValueError, OverflowError):
-            return None
-    if _C_INT.fullmatch(value) is None or not -(2**31) <= int(value) < 2**31:
-        return None
-    return int(value)
-
-
-def _numeric_address(address: str) -> bool:
-    """Whether libpq reads ``address`` as a numeric address (as it does: getaddrinfo with
-    AI_NUMERICHOST, which never looks a name up)."""
-    try:
-        socket.getaddrinfo(address, None, flags=socket.AI_NUMERICHOST)
-    except (OSError, UnicodeError):
-        return False
-    return True
-
-
-def _check_host_counts(
-    info: Mapping[str, str], refuse: Callable[[str, str], ConfigurationError]
-) -> None:
-    """One hostaddr per host, and one port for all hosts or one per host: psycopg checks
-    that at every connection (an OperationalError, taken for an outage). Only where the
-    hosts are given: ``PGHOST`` may give them otherwise."""
-    hosts = info["host"].split(",") if info.get("host") else []
-    addresses = info["hostaddr"].split(",") if info.get("hostaddr") else []
-    ports = info["port"].split(",") if info.get("port") else []
-    if hosts and addresses and len(hosts) != len(addresses):
-        raise refuse(
-            "hostaddr",
-            f"hostaddr gives {len(addresses)} addresses for the {len(hosts)} names of host "
-            "(give one per name, an empty one for a name to look up)",
-        )
-    count = max(len(hosts), len(addresses))
-    if count and 1 < len(ports) != count:
-        raise refuse(
-            "port",
-            f"port gives {len(ports)} ports for {count} hosts (give one port for every host, "
-            "or one per host)",
-        )
-
-
-#: The password of a URI DSN (``://user:password@``) or of a ``password=`` setting.
-_DSN_PASSWORD = re.compile(r"://[^:/@\s]*:([^@\s]+)@|password\s*=\s*'?([^'\s]+)")
-#: How a URI DSN starts (libpq's two schemes).
-_URI_SCHEME = re.compile(r"postgres(?:ql)?://")
+# --------------------------------------------------------------------------- the table
 
 
 @dataclass(frozen=True)
@@ -666,12 +388,13 @@ def key_order_sql(spec: TableSpec, rows: sql.Identifier, keys: sql.Identifier) -
     )
 
 
-def apply_retry_delay(attempt: int, rng: random.Random) -> float:
-    """Seconds to wait after the ``attempt``-th (1, 2...) attempt of a transaction (an apply,
-    a staging, a deletion of staged rows) that PostgreSQL rolled back:
-    ``APPLY_RETRY_DELAY`` doubled after each attempt, at most ``APPLY_RETRY_MAX_DELAY``, times
-    a random factor from 0.5 to 1, so that two writers that deadlocked do not meet in step."""
-    delay = min(APPLY_RETRY_MAX_DELAY, APPLY_RETRY_DELAY * 2 ** (attempt - 1))
+def transaction_retry_delay(attempt: int, rng: random.Random) -> float:
+    """Seconds to wait after the ``attempt``-th (1, 2...) attempt of one of the sink's
+    transactions that PostgreSQL rolled back (``PostgresSinkWriter._run_transaction``):
+    ``TRANSACTION_RETRY_DELAY`` doubled after each attempt, at most
+    ``TRANSACTION_RETRY_MAX_DELAY``, times a random factor from 0.5 to 1, so that two writers
+    that deadlocked do not meet in step."""
+    delay = min(TRANSACTION_RETRY_MAX_DELAY, TRANSACTION_RETRY_DELAY * 2 ** (attempt - 1))
     return delay * rng.uniform(0.5, 1.0)
 
 
@@ -908,7 +631,7 @@ class PostgresSink(Sink):
     def validate(self) -> None:
         if not isinstance(self.dsn, str) or not self.dsn:
             raise ConfigurationError("PostgresSink needs a dsn, e.g. 'postgresql://host/db'")
-        _check_dsn(self)
+        check_dsn(self)
         split_table_name(self.table)
         if not self.key_columns:
             raise ConfigurationError(
@@ -976,7 +699,7 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
         self.rows_rejected = 0
         #: The highest checkpoint id this task applied, read at recovery (None: none).
         self._ids_above: int | None = None
-        self._jitter = random.Random()  # background thread only: apply_retry_delay
+        self._jitter = random.Random()  # background thread only: transaction_retry_delay
 
     # ------------------------------------------------------------------ task thread: rows
     def write(self, record: Record, epoch: int) -> None:
@@ -1063,17 +786,12 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
 
     # ------------------------------------------------------------------ background thread
     def _where(self) -> str:
-        try:
-            info = conninfo_to_dict(self._sink.dsn)
-        except psycopg.ProgrammingError:
-            return "PostgreSQL"
-        secrets = _secrets(self._sink)  # a piece of a malformed URI's, in case
-        where = f"{info.get('host', 'localhost')}:{info.get('port', 5432)}" + (
-            f"/{info['dbname']}" if info.get("dbname") else ""
-        )
-        return f"PostgreSQL at {_hide(where, secrets)}"
+        return where(self._sink)
 
-    def _fail(self, exc: BaseException, what: str) -> SinkError:
+    def _fail(self, exc: BaseException, what: str, outage: bool = False) -> SinkError:
+        """``exc`` as the sink's error: ``SinkUnavailableError`` (exit 75: restarts wait it
+        out) where the connection failed or broke, or where ``outage`` says so (a transaction
+        rolled back at every attempt), else ``SinkError``; no piece of the password in it."""
         unreachable = isinstance(exc, psycopg.OperationalError) or (
             self._connection is not None and self._connection.broken
         )
@@ -1088,7 +806,7 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
                 "longer is allowed by options='-c statement_timeout=... -c lock_timeout=...' "
                 "in the dsn)"
             )
-        if unreachable and _REFUSED.search(text):
+        if unreachable and REFUSED.search(text):
             # Reached, and refused for the DSN's user, password or database: restarts (exit
             # 75, without end) would not fix it; a SinkError ends the worker (exit 1).
             return SinkError(
@@ -1096,19 +814,19 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
                 "the dsn's user, password, database and options, and the server's "
                 "pg_hba.conf; staged rows are kept)"
             )
-        return (SinkUnavailableError if unreachable else SinkError)(
+        return (SinkUnavailableError if unreachable or outage else SinkError)(
             f"{self._sink.name}: could not {what} {self._where()} table {self._sink.table!r}: "
             f"{text} (the checkpoint fails and is retried; staged rows are kept)"
         )
 
     def _conn(self) -> psycopg.Connection[Any]:
+        """The writer's connection, opened if it has none (or a closed or broken one) with
+        ``connect_arguments``: the sink's connect timeout, and TCP keepalives and a TCP user
+        timeout (``TCP_DEFAULTS``) where the DSN and ``connect_kwargs`` set none, so that a
+        statement to a server that is gone fails in about 40 s."""
         connection = self._connection
         if connection is None or connection.closed or connection.broken:
-            kwargs = {
-                "connect_timeout": max(1, int(self._sink.connect_timeout)),
-                "application_name": f"snapline:{self.task_key}"[:63],
-                **dict(self._sink.connect_kwargs),
-            }
+            kwargs = connect_arguments(self._sink, f"snapline:{self.task_key}")
             connection = psycopg.connect(self._sink.dsn, autocommit=True, **kwargs)
             self._set_timeouts(connection)
             # COPY writes UTF-8 bytes: on a database of another encoding (LATIN1) the session
@@ -1187,14 +905,31 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
                 connection.close()
 
     def _setup(self) -> TableSpec:
+        """Connect, then set the table up (``_setup_table``), again if PostgreSQL rolled the
+        setup's transaction back or it lost a race to create one of the sink's tables
+        (``_run_transaction``). A deadlock there (with a session that holds a lock on the
+        table and waits for one the setup holds) failed the worker's first write or its
+        recovery as an outage (exit 75); losing the race, as a crash (exit 1).
+
+        Running it again is safe: it is one transaction, which PostgreSQL rolled back whole
+        (the fence columns, the tables it created, its advisory lock), and each of its steps
+        looks at what exists before it creates or fills anything."""
         try:
-            return self._setup_table()
-        except ConfigurationError:
-            raise
+            self._conn()
         except psycopg.Error as exc:
             raise self._fail(exc, "connect to") from exc
+        return self._run_transaction(
+            self._setup_table,
+            "the setup of the sink's tables",
+            "set up the sink's tables",
+            "for",
+            retry=_setup_may_retry,
+        )
 
     def _setup_table(self) -> TableSpec:
+        """ONE transaction: under the table's advisory lock (the setups of one table, by any
+        task or job, run one at a time), check the table, add the fence columns and create
+        the sink's tables that are missing. Returns the table as the sink writes it."""
         sink = self._sink
         schema, table = split_table_name(sink.table)
         connection = self._conn()
@@ -1378,14 +1113,20 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
                     copy.write(b"".join(chunk))
 
     def _run_transaction(
-        self, attempt_once: Callable[[], _T], step: str, action: str, preposition: str
+        self,
+        attempt_once: Callable[[], _T],
+        step: str,
+        action: str,
+        preposition: str,
+        retry: Callable[[psycopg.Error], bool] = _rolled_back,
     ) -> _T:
         """``attempt_once()``, ONE transaction of the sink, run again if PostgreSQL rolled it
-        back for a deadlock or a serialization failure (``_ROLLED_BACK``): at most
-        ``APPLY_ATTEMPTS`` times, after a short jittered wait each (``apply_retry_delay``),
-        before it fails as an outage would (``SinkUnavailableError``; the worker's restart
-        runs it again). ``step`` names it in the log ("the apply of checkpoint 3"), ``action``
-        and ``preposition`` in the failure ("could not commit checkpoint 3 into ...").
+        back for a deadlock or a serialization failure (``retry``: ``_rolled_back``): at most
+        ``TRANSACTION_ATTEMPTS`` times, after a short jittered wait each
+        (``transaction_retry_delay``), before it fails as an outage would
+        (``SinkUnavailableError``; the worker's restart runs it again). ``step`` names it in
+        the log ("the apply of checkpoint 3"), ``action`` and ``preposition`` in the failure
+        ("could not commit checkpoint 3 into ...").
 
         Only for a function that runs one whole transaction (``connection.transaction()`` on
         the autocommit session) and can be run again: 40P01 and 40001 abort the transaction,
@@ -1395,11 +1136,13 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
         while True:
             try:
                 return attempt_once()
-            except _ROLLED_BACK as exc:
-                if attempt == APPLY_ATTEMPTS:
+            except psycopg.Error as exc:
+                if not retry(exc):
+                    raise self._fail(exc, f"{action} {preposition}") from exc
+                if attempt == TRANSACTION_ATTEMPTS:
                     what = f"{action} ({attempt} attempts) {preposition}"
-                    raise self._fail(exc, what) from exc
-                delay = apply_retry_delay(attempt, self._jitter)
+                    raise self._fail(exc, what, outage=True) from exc
+                delay = transaction_retry_delay(attempt, self._jitter)
                 log.warning(
                     "%s: PostgreSQL rolled back %s (%s: %s); attempt %d of %d in %.2f s",
                     self._sink.name,
@@ -1407,13 +1150,11 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
                     exc.sqlstate,
                     (str(exc).strip().splitlines() or [""])[0],
                     attempt + 1,
-                    APPLY_ATTEMPTS,
+                    TRANSACTION_ATTEMPTS,
                     delay,
                 )
                 sleep(delay)
                 attempt += 1
-            except psycopg.Error as exc:
-                raise self._fail(exc, f"{action} {preposition}") from exc
 
     def _apply(self, token: str, checkpoint_id: int) -> None:
         """Apply one staged checkpoint (``_apply_once``), again if PostgreSQL rolled its
@@ -1565,18 +1306,25 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
         return [int(seq) for (seq,) in cursor.execute(statements.ordered).fetchall()]
 
     def _applied_id(self) -> int | None:
-        """The highest checkpoint id this task applied to the table (``tasks_ddl``)."""
+        """The highest checkpoint id this task applied to the table (``tasks_ddl``), read in
+        a transaction of its own, again if PostgreSQL rolled it back (``_run_transaction``: a
+        deadlock with a session that holds the tasks table's index and waits to lock the
+        table, a REINDEX that goes on to ALTER it, failed the recovery as an outage). Running
+        it again is safe: it reads one row and writes nothing."""
         spec = self._spec
         assert spec is not None
-        try:
+
+        def once() -> tuple[Any, ...] | None:
             connection = self._conn()
             with connection.transaction():
-                row = connection.execute(
+                return connection.execute(
                     sql.SQL("SELECT checkpoint FROM {} WHERE task = %s").format(spec.tasks),
                     (self.task_key,),
                 ).fetchone()
-        except psycopg.Error as exc:
-            raise self._fail(exc, "read the applied checkpoint ids of") from exc
+
+        row = self._run_transaction(
+            once, "the read of the applied checkpoint ids", "read the applied checkpoint ids", "of"
+        )
         return None if row is None else int(row[0])
 
     def _delete_staged(self, from_checkpoint: int) -> None:

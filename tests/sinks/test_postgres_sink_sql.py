@@ -20,22 +20,22 @@ from psycopg import sql
 from snapline.pipeline.errors import ConfigurationError, SinkUnavailableError
 from snapline.pipeline.sink import SinkContext
 from snapline.sinks.postgres import (
-    APPLY_ATTEMPTS,
-    APPLY_RETRY_DELAY,
-    APPLY_RETRY_MAX_DELAY,
     MAX_IDENTIFIER,
     SESSION_TIMEOUT,
+    TRANSACTION_ATTEMPTS,
+    TRANSACTION_RETRY_DELAY,
+    TRANSACTION_RETRY_MAX_DELAY,
     ColumnSpec,
     PostgresSink,
     RowEncoder,
     TableSpec,
-    apply_retry_delay,
     apply_sql,
     derived_name,
     key_order_sql,
     rejected_ddl,
     split_table_name,
     staging_ddl,
+    transaction_retry_delay,
 )
 
 COLUMNS = (
@@ -127,14 +127,17 @@ def test_the_row_by_row_order_is_the_upserts_key_order_then_seq() -> None:
     )
 
 
-def test_retries_of_a_rolled_back_apply_are_few_short_and_jittered() -> None:
+def test_retries_of_a_rolled_back_transaction_are_few_short_and_jittered() -> None:
     rng = random.Random(1)
-    delays = [[apply_retry_delay(a, rng) for a in range(1, APPLY_ATTEMPTS)] for _ in range(200)]
+    delays = [
+        [transaction_retry_delay(a, rng) for a in range(1, TRANSACTION_ATTEMPTS)]
+        for _ in range(200)
+    ]
     for attempt, seen in enumerate(zip(*delays, strict=True), start=1):
-        most = min(APPLY_RETRY_MAX_DELAY, APPLY_RETRY_DELAY * 2 ** (attempt - 1))
+        most = min(TRANSACTION_RETRY_MAX_DELAY, TRANSACTION_RETRY_DELAY * 2 ** (attempt - 1))
         assert all(most / 2 <= d <= most for d in seen)
         assert len(set(seen)) > 100  # two writers that deadlocked do not retry in step
-    assert 2 <= APPLY_ATTEMPTS <= 10
+    assert 2 <= TRANSACTION_ATTEMPTS <= 10
     assert sum(max(s) for s in zip(*delays, strict=True)) < 5  # the worker waits seconds at most
 
 
@@ -485,7 +488,7 @@ def test_every_argument_of_psycopg_connect_is_taken_or_refused() -> None:
     only as a subset: the named ones must exist)."""
     import inspect
 
-    from snapline.sinks.postgres import _PSYCOPG_ARGUMENTS, _SINKS_OWN_ARGUMENTS
+    from snapline.sinks.postgres_connect import _PSYCOPG_ARGUMENTS, _SINKS_OWN_ARGUMENTS
 
     arguments = {
         name
@@ -582,9 +585,9 @@ def test_dsns_libpq_can_use_are_accepted(dsn: str) -> None:
     ],
 )
 def test_a_refused_connection_is_told_apart_from_an_outage(message: str, refused: bool) -> None:
-    from snapline.sinks.postgres import _REFUSED
+    from snapline.sinks.postgres_connect import REFUSED
 
-    assert bool(_REFUSED.search(message)) is refused
+    assert bool(REFUSED.search(message)) is refused
 
 
 # --------------------------------------------------------------------------- rolled-back retries
@@ -696,19 +699,19 @@ def test_a_staging_rolled_back_is_run_again_whole(
 def test_a_staging_rolled_back_at_every_attempt_is_an_outage(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """After APPLY_ATTEMPTS attempts, as the apply: SinkUnavailableError (the checkpoint
+    """After TRANSACTION_ATTEMPTS attempts, as the apply: SinkUnavailableError (the checkpoint
     fails; a worker that ends on it exits 75), the connection closed."""
     writer, session, waits = _faked_writer(
         monkeypatch, "COPY", 1000, psycopg.errors.DeadlockDetected
     )
     with pytest.raises(
         SinkUnavailableError,
-        match=rf"could not stage checkpoint 3 \({APPLY_ATTEMPTS} attempts\) into PostgreSQL at "
-        r"db:5432/shop table 'sales.totals': deadlock detected",
+        match=rf"could not stage checkpoint 3 \({TRANSACTION_ATTEMPTS} attempts\) into "
+        r"PostgreSQL at db:5432/shop table 'sales.totals': deadlock detected",
     ) as failed:
         _stage(writer, rows=1)
-    assert session.events.count("COPY") == APPLY_ATTEMPTS == session.events.count("ROLLBACK")
-    assert len(waits) == APPLY_ATTEMPTS - 1 and session.closed and writer._connection is None
+    assert session.events.count("COPY") == TRANSACTION_ATTEMPTS == session.events.count("ROLLBACK")
+    assert len(waits) == TRANSACTION_ATTEMPTS - 1 and session.closed and writer._connection is None
     assert "FAKEPW" not in str(failed.value)
     writer.close()
 
@@ -749,9 +752,93 @@ def test_a_deletion_rolled_back_at_every_attempt_is_an_outage(
     )
     with pytest.raises(
         SinkUnavailableError,
-        match=rf"could not delete staged rows \({APPLY_ATTEMPTS} attempts\) in PostgreSQL",
+        match=rf"could not delete staged rows \({TRANSACTION_ATTEMPTS} attempts\) in PostgreSQL",
     ):
         writer.recover(5, {"format": 1, "pending": []})
-    assert session.events.count("DELETE") == APPLY_ATTEMPTS == session.events.count("ROLLBACK")
-    assert len(waits) == APPLY_ATTEMPTS - 1 and session.closed
+    assert (
+        session.events.count("DELETE") == TRANSACTION_ATTEMPTS == session.events.count("ROLLBACK")
+    )
+    assert len(waits) == TRANSACTION_ATTEMPTS - 1 and session.closed
     writer.close()
+
+
+# --------------------------------------------------------------------------- TCP defaults
+
+DEFAULTS = {
+    "keepalives": "1",
+    "keepalives_idle": "20",
+    "keepalives_interval": "5",
+    "keepalives_count": "4",
+    "tcp_user_timeout": "40000",
+}
+
+
+def test_the_tcp_defaults_find_a_server_that_is_gone_within_a_minute() -> None:
+    """The documented values (docs/sinks.md): without an answer from the server, a connection
+    fails after 20 s + 4 probes 5 s apart, and data unacknowledged for 40 s fails it too."""
+    from snapline.sinks.postgres_connect import TCP_DEFAULTS
+
+    assert dict(TCP_DEFAULTS) == DEFAULTS
+    probing = int(DEFAULTS["keepalives_idle"]) + int(DEFAULTS["keepalives_interval"]) * int(
+        DEFAULTS["keepalives_count"]
+    )
+    assert 30 <= probing <= 60 and 30 <= int(DEFAULTS["tcp_user_timeout"]) / 1000 <= 60
+
+
+@pytest.mark.parametrize(
+    ("dsn", "connect_kwargs", "added"),
+    [
+        ("postgresql://app:FAKEPW@db/shop", {}, DEFAULTS),
+        ("host=db dbname=shop password=FAKEPW", {}, DEFAULTS),
+        # The DSN's own win, as a URI's query or key=value settings.
+        (
+            "postgresql://app:FAKEPW@db/shop?keepalives_idle=7&tcp_user_timeout=0",
+            {},
+            {k: v for k, v in DEFAULTS.items() if k not in ("keepalives_idle", "tcp_user_timeout")},
+        ),
+        (
+            "host=db keepalives=0 keepalives_count=9",
+            {},
+            {k: v for k, v in DEFAULTS.items() if k not in ("keepalives", "keepalives_count")},
+        ),
+        # connect_kwargs' win; None leaves the option to libpq and the system.
+        (
+            "postgresql://db/shop",
+            {"keepalives_interval": 2, "tcp_user_timeout": None},
+            {
+                k: v
+                for k, v in DEFAULTS.items()
+                if k not in ("keepalives_interval", "tcp_user_timeout")
+            },
+        ),
+        # A service file may set them: an option given to libpq would win over it.
+        ("service=shop", {}, {}),
+        ("postgresql://db/shop?service=shop", {}, {}),
+        ("host=db", {"service": "shop"}, {}),
+    ],
+)
+def test_connections_get_the_tcp_defaults_the_user_does_not_set(
+    dsn: str, connect_kwargs: dict[str, Any], added: dict[str, str]
+) -> None:
+    """A server gone without a RST (its host down, a network partition) held a statement, and
+    the task thread's waits for it, for the kernel's TCP timeout (15 minutes and more)."""
+    from snapline.sinks.postgres_connect import connect_arguments, tcp_defaults
+
+    sink = PostgresSink(dsn, "totals", ["customer"], connect_kwargs=connect_kwargs)
+    assert tcp_defaults(sink, environ={}) == added
+    arguments = connect_arguments(sink, "snapline:job/orders-0")
+    assert arguments == {
+        "connect_timeout": 10,
+        "application_name": "snapline:job/orders-0",
+        **added,
+        **connect_kwargs,
+    }
+    assert "FAKEPW" not in repr(arguments)  # the DSN's password stays in the DSN
+
+
+def test_a_service_named_by_the_environment_gets_no_tcp_defaults() -> None:
+    from snapline.sinks.postgres_connect import tcp_defaults
+
+    sink = PostgresSink("postgresql://db/shop", "totals", ["customer"])
+    assert tcp_defaults(sink, environ={"PGSERVICE": "shop"}) == {}
+    assert tcp_defaults(sink, environ={"PGSERVICE": ""}) == DEFAULTS
