@@ -110,7 +110,8 @@ def main() -> None:
     envvar="SNAPLINE_LOCAL_DIR",
     show_envvar=True,
     default=None,
-    show_default="beside a local checkpoint dir, or ~/.cache/snapline/local for a remote one",
+    show_default="beside a local checkpoint dir, or ~/.cache/snapline/local for a remote or "
+    "network-mounted one",
     help="Directory for local state (RocksDB) and local recovery; each worker uses its own "
     "<DIR>/<worker id>, locked while it runs.",
 )

@@ -14,6 +14,15 @@ RocksDB files and fencing it in Kafka.
 POSIX record locks (``lockf``), not ``flock``: the kernel drops them when the process dies,
 SIGKILL included, and a child the worker forked does not inherit them, so a dead worker's
 child cannot keep its successor out. The lock file stays on disk; only the lock matters.
+
+The lock covers one host, so the directory must be one host's own. On a filesystem that other
+hosts mount too (NFS, SMB, CephFS...: ``shared_filesystem``), two hosts' processes with one
+worker id (a frozen worker and its replacement) would use the same directory, and whether
+one's lock keeps the other out is the filesystem's to say (NFS drops the lock of a client that
+was silent past its lease; ``nolock`` mounts keep none): the replacement could move the frozen
+one's live RocksDB files away, and the woken one write into the replacement's. So the default
+local directory is never put beside a checkpoint directory on such a filesystem, and a
+``--local-dir`` on one is warned about at start.
 """
 
 from __future__ import annotations
@@ -39,6 +48,76 @@ LOCK_WAIT = 35.0
 #: test does not want to wait for a refusal.
 LOCK_WAIT_ENV = "SNAPLINE_LOCAL_LOCK_WAIT"
 _POLL = 0.2
+#: Filesystem types (as /proc/self/mountinfo names them) whose files other hosts may open too.
+SHARED_FILESYSTEMS = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "ceph",
+        "glusterfs",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "ocfs2",
+        "gfs2",
+        "afs",
+        "9p",
+        "fuse.glusterfs",
+        "fuse.ceph",
+        "fuse.ceph-fuse",
+        "fuse.sshfs",
+        "fuse.s3fs",
+        "fuse.gcsfuse",
+        "fuse.juicefs",
+        "fuse.rclone",
+        "fuse.mountpoint-s3",
+        "fuse.blobfuse2",
+    }
+)
+_MOUNTINFO = Path("/proc/self/mountinfo")
+
+
+def mount_type(path: Path, mountinfo: str | None = None) -> str | None:
+    """The type of the filesystem ``path`` (or its nearest existing ancestor) is on, by the
+    longest mount point that holds it in ``mountinfo`` (default: /proc/self/mountinfo); None
+    where that cannot be read (not Linux)."""
+    if mountinfo is None:
+        try:
+            mountinfo = _MOUNTINFO.read_text()
+        except OSError:
+            return None
+    target = Path(os.path.realpath(path))
+    best: tuple[int, str] | None = None
+    for line in mountinfo.splitlines():
+        fields = line.split(" ")
+        if "-" not in fields[6:]:
+            continue
+        separator = fields.index("-", 6)
+        if len(fields) <= separator + 1 or len(fields) < 5:
+            continue
+        point = Path(_unescape(fields[4]))
+        if target == point or point in target.parents:
+            depth = len(point.parts)
+            if best is None or depth >= best[0]:  # a later mount over the same point wins
+                best = (depth, fields[separator + 1])
+    return None if best is None else best[1]
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path: the kernel writes space, tab, newline and backslash as octal."""
+    for code in ("040", "011", "012", "134"):
+        field = field.replace("\\" + code, chr(int(code, 8)))
+    return field
+
+
+def shared_filesystem(path: Path) -> str | None:
+    """The type of the filesystem ``path`` is on when other hosts may mount it too
+    (``SHARED_FILESYSTEMS``), else None."""
+    kind = mount_type(path)
+    return kind if kind in SHARED_FILESYSTEMS else None
 
 
 def lock_wait() -> float:

@@ -112,7 +112,7 @@ from snapline.pipeline.runtime.kafka_calls import (
 )
 from snapline.pipeline.runtime.liveness import DEFAULT_TIMEOUT as DEFAULT_LIVENESS_TIMEOUT
 from snapline.pipeline.runtime.liveness import Liveness, Watchdog
-from snapline.pipeline.runtime.local_lock import lock_local_dir, lock_wait
+from snapline.pipeline.runtime.local_lock import lock_local_dir, lock_wait, shared_filesystem
 from snapline.pipeline.runtime.metrics import DEFAULT_METRICS_HOST, WorkerMetrics
 from snapline.pipeline.runtime.sink_recovery import publish_staged
 from snapline.pipeline.runtime.source_ends import SourceEnds
@@ -224,15 +224,23 @@ class WorkerSettings:
 
     def resolved_local_dir(self) -> Path:
         """This worker's own directory for local state: ``<local_dir>/<worker id>``, else
-        beside a local checkpoint directory, else (checkpoints in an object store) under the
+        beside a local checkpoint directory on one host's own filesystem, else (checkpoints
+        in an object store, or on a filesystem other hosts mount too: NFS, SMB...) under the
         user's cache directory. Per worker id, so that workers given one ``--local-dir`` never
-        share files (``local_lock``)."""
+        share files, and per host, which is all its lock covers (``local_lock``)."""
         if self.local_dir:
             return Path(self.local_dir) / self.worker_id
         scheme, sep, rest = self.checkpoint_dir.partition("://")
         if not sep or scheme == "file":
             base = Path(rest if sep else self.checkpoint_dir).absolute().parent
-            return base / ".snapline-local" / self.worker_id
+            shared = shared_filesystem(base)
+            if shared is None:
+                return base / ".snapline-local" / self.worker_id
+            log.info(
+                "the checkpoint directory is on %s, which other hosts may mount too: local "
+                "state goes to the cache directory instead of beside it (--local-dir sets it)",
+                shared,
+            )
         cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
         return Path(cache) / "snapline" / "local" / self.worker_id
 
@@ -252,6 +260,17 @@ class Worker:
         self.faults = FaultInjector()
         self.storage = CheckpointStorage(settings.checkpoint_dir)
         self.local_dir = settings.resolved_local_dir()
+        shared = settings.local_dir and shared_filesystem(self.local_dir)
+        if shared:
+            log.warning(
+                "--local-dir %s is on %s, which other hosts may mount too: its lock covers "
+                "one host, so two hosts' processes with worker id %r (a frozen one and its "
+                "replacement) could both use it. Give each worker a directory of its own "
+                "host's (docs/exactly-once.md, 'What may be deleted')",
+                self.local_dir,
+                shared,
+                settings.worker_id,
+            )
         #: Held for the process's lifetime: nothing else deletes or writes under local_dir.
         self._local_lock = lock_local_dir(
             self.local_dir, pipeline.name, settings.worker_id, lock_wait()
