@@ -506,8 +506,14 @@ def test_offsets_behind_an_acknowledged_checkpoint_are_reported(
     assert worker.stop() == 0
 
 
+@pytest.mark.parametrize("restore", ["keeps-the-topics", "recreates-the-topics"])
 def test_a_zombie_woken_after_a_savepoint_restore_deletes_no_record_of_the_new_topics(
-    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list
+    kafka_bootstrap: str,
+    postgres_dsn: str,
+    tmp_path: Path,
+    unique_name: str,
+    jobs: list,
+    restore: str,
 ) -> None:
     """A worker deletes the repartition records below its committed positions. One frozen
     past its session timeout is no member of the group, so the job counts as stopped: a
@@ -517,10 +523,16 @@ def test_a_zombie_woken_after_a_savepoint_restore_deletes_no_record_of_the_new_t
     first fix had it compare the topic's id first, but the check and the DeleteRecords call
     (by topic name) are two steps, and the audit of destructive actions found the zombie
     frozen between them (here: ``before_repartition_delete``, its id check passed) still
-    deleting in the new topics. Now the restore empties the topics and their offsets go on,
-    so such a delete reaches only records below the restored job's. The new job keeps every
-    repartition record (SNAPLINE_TEST_KEEP_REPARTITION_RECORDS), so any record deleted from
-    the topics after the restore is the zombie's doing; the job's output is verified too."""
+    deleting in the new topics. Then the restore emptied the topics and their offsets went
+    on, so such a delete reached only records below the restored job's, except where the
+    restore must create a topic again (the code declares fewer partitions than it has: Kafka
+    cannot remove any), whose offsets start at 0 ("recreates-the-topics": the zombie's delete
+    removed records in flight, and the restored job stopped at them). Now a deletion whose id
+    check was asked longer ago than the check's own bound (10 s; the freeze lasted past the
+    session timeout) is not sent. The new job keeps every repartition record
+    (SNAPLINE_TEST_KEEP_REPARTITION_RECORDS), so any record deleted from the topics after the
+    restore is the zombie's doing; the job's output is verified too."""
+    recreates = restore == "recreates-the-topics"
     job = WarehouseJob(
         kafka_bootstrap,
         unique_name,
@@ -529,7 +541,8 @@ def test_a_zombie_woken_after_a_savepoint_restore_deletes_no_record_of_the_new_t
         interval=0.3,
         retained=1,
         keyed_by_order=True,
-        extra_env={"SNAPLINE_EXAMPLE_STAGES": "2"},
+        extra_env={"SNAPLINE_EXAMPLE_STAGES": "2"}
+        | ({"SNAPLINE_EXAMPLE_PARTITIONS": "4"} if recreates else {}),
     )
     jobs.append(job)
     zombie, restored = job.workers
@@ -538,12 +551,16 @@ def test_a_zombie_woken_after_a_savepoint_restore_deletes_no_record_of_the_new_t
     job.produce(3000)
     job.wait_until_caught_up()
     assert zombie.stop() == 0, zombie.tail()
-    # Restarted from its committed positions (~1,500 records per repartition partition), it
-    # freezes at its first deletion, its topic id check passed, the delete not sent. Once
-    # woken it sends it, and dies when the broker has answered: it never rejoins the group
-    # (as a member of the restored job it would delete what that job has read, rightly).
+    # Restarted from its committed positions (~1,500 or ~750 records per repartition
+    # partition), it freezes at its first deletion, its topic id check passed, the delete not
+    # sent. Once woken it sends it (before: dying when the broker has answered) or leaves it
+    # (now: dying there); either way it never rejoins the group (as a member of the restored
+    # job it would delete what that job has read, rightly).
     zombie.start(
-        {"SNAPLINE_FAULT": "before_repartition_delete:1:stop,after_repartition_delete:1:kill"}
+        {
+            "SNAPLINE_FAULT": "before_repartition_delete:1:stop,after_repartition_delete:1:kill,"
+            "repartition_delete_skipped:1:kill"
+        }
     )
     job.produce(200)
     assert zombie.proc is not None
@@ -561,12 +578,17 @@ def test_a_zombie_woken_after_a_savepoint_restore_deletes_no_record_of_the_new_t
 
     wait_for("the zombie's session timing out (10 s)", lambda: members() == 0, 60, job.logs)
     path = snapline(job, "savepoint", "from-checkpoint", SPEC)
-    restored.start({"SNAPLINE_TEST_KEEP_REPARTITION_RECORDS": "1"}, ["--from-savepoint", path])
+    keep = {"SNAPLINE_TEST_KEEP_REPARTITION_RECORDS": "1"}
+    if recreates:  # 4 partitions -> 2: the restore deletes the topics and creates them again
+        keep["SNAPLINE_EXAMPLE_PARTITIONS"] = "2"
+    restored.start(keep, ["--from-savepoint", path])
     job.produce(6000)  # the topics' ends pass the zombie's old positions even from 0
     job.wait_until_caught_up()
     consumer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"v-{unique_name}"})
     try:
         partitions = range(len(consumer.list_topics(topic, timeout=10).topics[topic].partitions))
+        if recreates:
+            assert len(partitions) == 2, "the restore did not create the topic again"
 
         def lows() -> list[int]:
             return [

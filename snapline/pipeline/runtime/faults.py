@@ -43,9 +43,13 @@ KILL_POINTS = (
     "mid_sink_apply",
     "before_repartition_delete",  # a repartition topic's id checked, its DeleteRecords not sent
     "after_repartition_delete",  # the broker answered a DeleteRecords of repartition records
+    # a DeleteRecords of repartition records not sent: its topic id check is too old
+    "repartition_delete_skipped",
 )
 #: Points passed on a librdkafka thread (a request's callback), not the task thread.
-_CALLBACK_POINTS = frozenset({"before_repartition_delete", "after_repartition_delete"})
+_CALLBACK_POINTS = frozenset(
+    {"before_repartition_delete", "after_repartition_delete", "repartition_delete_skipped"}
+)
 #: What each action does: a signal to this process, or the name of the worker's hook that
 #: breaks its consumer ("leave", "stall").
 _ACTIONS: dict[str, signal.Signals | str] = {

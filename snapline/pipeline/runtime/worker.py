@@ -178,6 +178,9 @@ CONSUMER_BLIND_AFTER = 20.0
 #: Records of repartition topics consumed by every retained checkpoint are deleted at most this
 #: often (seconds).
 REPARTITION_DELETE_INTERVAL = 5.0
+#: The ``request_timeout`` of the topic id check before such a deletion; a deletion whose check
+#: was asked longer ago than this is not sent (``Worker._delete_in_same_topic``).
+REPARTITION_ID_CHECK_BOUND = 10.0
 #: Seconds the first read of the committed offsets at a restore may take; a failed one looks
 #: for a departed worker's pending offsets (``_fence_pending_writers``), then the reads go on.
 FIRST_COMMITTED_TIMEOUT = 2.0
@@ -1851,15 +1854,16 @@ class Worker:
         by_topic: dict[str, list[TopicPartition]] = {}
         for tp in below:
             by_topic.setdefault(tp.topic, []).append(tp)
+        asked = time.monotonic()
         try:
             described = self._background_admin().describe_topics(
-                TopicCollection(sorted(by_topic)), request_timeout=10
+                TopicCollection(sorted(by_topic)), request_timeout=REPARTITION_ID_CHECK_BOUND
             )
         except (KafkaException, ValueError) as exc:
             log.warning("deleting consumed repartition records: %s", exc)
             return
         for topic, future in described.items():
-            future.add_done_callback(self._delete_in_same_topic(topic, by_topic[topic]))
+            future.add_done_callback(self._delete_in_same_topic(topic, by_topic[topic], asked))
 
     def _start_id_check(self) -> None:
         """Ask for the ids of the topics the tasks read, after every record of the checkpoint
@@ -1959,9 +1963,20 @@ class Worker:
         without an id records none."""
         return describe_topic_ids(self._background_admin(), topics, what)
 
-    def _delete_in_same_topic(self, topic: str, below: list[TopicPartition]) -> Any:
+    def _delete_in_same_topic(self, topic: str, below: list[TopicPartition], asked: float) -> Any:
         """Callback of ``describe_topics`` (a librdkafka thread): delete the records below
-        ``below`` if ``topic`` is still the one this worker started with."""
+        ``below`` if ``topic`` is still the one this worker started with, and the answer that
+        says so is fresh: the check was ``asked`` (monotonic) at most
+        ``REPARTITION_ID_CHECK_BOUND`` s ago.
+
+        DeleteRecords names the topic, not its id, so the check and the deletion are two
+        steps, and a process frozen between them (SIGSTOP, a paused VM) past its session
+        timeout may wake after a restore deleted the topic and created it again (a lower
+        partition count), whose offsets start at 0: its deletion would remove records in
+        flight that the restored job has not read. Such a freeze lasts longer than the
+        session timeout, hence than the bound, so the deletion is not sent then (the next
+        round asks again); what is left is a freeze between the clock's read and the
+        request leaving the process."""
 
         def done(future: Any) -> None:
             try:
@@ -1980,6 +1995,16 @@ class Worker:
                 )
                 return
             self.faults.point("before_repartition_delete")  # a librdkafka thread
+            late = time.monotonic() - asked
+            if late > REPARTITION_ID_CHECK_BOUND:
+                log.warning(
+                    "not deleting consumed records of %s: its id was checked %.0f s ago (was "
+                    "this process frozen?); the topic may have been created again since",
+                    topic,
+                    late,
+                )
+                self.faults.point("repartition_delete_skipped")
+                return
             try:
                 futures = self._background_admin().delete_records(
                     below, request_timeout=10, operation_timeout=0

@@ -203,7 +203,8 @@ def _empty_repartition_topic(
     and creating it again started its offsets at 0 again, where such a delete removed records
     in flight the restored job had not read. Only a topic with more partitions than the code
     declares is deleted and created again (Kafka cannot remove partitions); its new offsets
-    start at 0, and a zombie's delete is then guarded only by its topic id check.
+    start at 0, and a zombie's delete is then guarded only by its topic id check and that
+    check's freshness (``Worker._delete_in_same_topic``).
     ``check(step)`` (the restore's guard) is asked before each change it makes."""
     metadata = admin.list_topics(timeout=30).topics.get(topic)
     if metadata is None or len(metadata.partitions) > partitions:
