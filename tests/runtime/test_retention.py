@@ -86,3 +86,52 @@ def test_a_slow_commit_mark_does_not_let_the_next_retention_delete_its_checkpoin
     assert coordinator.shutdown() == []
     assert [r.checkpoint_id for r in list_checkpoints(storage, JOB, TASK)] == [2, 3, 4]
     assert storage.exists(f"{refs[2].directory(JOB, TASK)}/{METADATA_FILE}")
+
+
+class _CutShortDeletes(CheckpointStorage):
+    """Checkpoint storage whose removal of one directory stops after its first entry (a crash
+    or a storage error in the middle of a tree's removal, or of an object store's prefix)."""
+
+    def __init__(self, root: str, cut: CheckpointRef, first: str) -> None:
+        super().__init__(root)
+        self.cut = cut.directory(JOB, TASK)
+        self.first = first
+
+    def delete_dir(self, path: str) -> None:
+        if path != self.cut:
+            return super().delete_dir(path)
+        names = sorted(self.list_dir(path), key=lambda n: n != self.first)
+        self.delete_file(f"{path}/{names[0]}")
+        raise OSError("cut short")
+
+
+def test_a_deletion_cut_short_leaves_no_committed_checkpoint_without_its_files(
+    tmp_path: Path,
+) -> None:
+    """Found by the audit of destructive actions: a directory's removal that stopped after
+    the state files (any order a tree's removal takes) left the mark and the metadata. The
+    next retention counted that checkpoint as a committed one to keep, in place of a whole
+    one, and a rewind would have picked it and failed on it. Now the mark goes first, the
+    metadata next: what is left is unmarked, and the next retention deletes it."""
+    refs = [CheckpointRef(i, "a1") for i in range(1, 6)]
+    storage = _CutShortDeletes(str(tmp_path), refs[0], first="state-0.bin")
+    for ref in refs:
+        storage.write_bytes(f"{ref.directory(JOB, TASK)}/state-0.bin", b"state")
+        _committed(storage, ref)
+    coordinator = CheckpointCoordinator(
+        JOB, "w0", storage, FaultInjector(""), states=[], timeout=10
+    )
+    coordinator.retain(TASK, refs[3], keep=3)  # deletes 1 (cut short), keeps 2, 3, 4
+    assert coordinator.shutdown() == []
+    for ref in list_checkpoints(storage, JOB, TASK):
+        directory = ref.directory(JOB, TASK)
+        if storage.exists(f"{directory}/{COMMITTED_FILE}"):  # retained, or restorable
+            assert storage.exists(f"{directory}/{METADATA_FILE}"), ref
+            assert storage.exists(f"{directory}/state-0.bin"), f"{ref} lost its state"
+    storage.cut = ""
+    coordinator = CheckpointCoordinator(
+        JOB, "w0", storage, FaultInjector(""), states=[], timeout=10
+    )
+    coordinator.retain(TASK, refs[4], keep=3)
+    assert coordinator.shutdown() == []
+    assert [r.checkpoint_id for r in list_checkpoints(storage, JOB, TASK)] == [3, 4, 5]

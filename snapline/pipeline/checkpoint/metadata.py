@@ -230,6 +230,21 @@ def mark_committed(storage: CheckpointStorage, job: str, task_id: str, ref: Chec
     storage.write_bytes(f"{ref.directory(job, task_id)}/{COMMITTED_FILE}", b"")
 
 
+def delete_checkpoint(
+    storage: CheckpointStorage, job: str, task_id: str, ref: CheckpointRef
+) -> None:
+    """Delete checkpoint ``ref`` of a task: its commit mark first, then its metadata, then the
+    rest. Deleting a directory is no single step (a tree's removal, an object store's prefix),
+    and one cut short (a crash, a storage error) in another order could leave a mark and the
+    metadata without the state files: a checkpoint retention keeps in place of a whole one, and
+    that a rewind or ``--restore-latest`` would pick, then fail on. In this order a directory
+    left behind is unmarked (no committed checkpoint; deleted by the next retention) or whole."""
+    directory = ref.directory(job, task_id)
+    storage.delete_file(f"{directory}/{COMMITTED_FILE}")
+    storage.delete_file(f"{directory}/{METADATA_FILE}")
+    storage.delete_dir(directory)
+
+
 def is_marked_committed(
     storage: CheckpointStorage, job: str, task_id: str, ref: CheckpointRef
 ) -> bool:

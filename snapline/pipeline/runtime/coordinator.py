@@ -22,6 +22,7 @@ from snapline.pipeline.checkpoint.metadata import (
     METADATA_FILE,
     CheckpointRef,
     TaskCheckpoint,
+    delete_checkpoint,
     is_marked_committed,
     list_checkpoints,
     mark_committed,
@@ -297,7 +298,7 @@ class CheckpointCoordinator:
             retained = set(older[-(keep - 1) :] if keep > 1 else []) | {committed}
             for ref in refs:
                 if ref not in retained:
-                    self.storage.delete_dir(ref.directory(self.job, task_id))
+                    delete_checkpoint(self.storage, self.job, task_id, ref)
             self._discard_unreferenced(task_id, sorted(retained))
         except Exception:
             log.exception(

@@ -72,6 +72,7 @@ from snapline.pipeline.checkpoint.metadata import (
     CheckpointRef,
     TaskCheckpoint,
     decode_checked,
+    delete_checkpoint,
     encode_checked,
     is_marked_committed,
     list_checkpoints,
@@ -1682,7 +1683,7 @@ class Worker:
             raise_id_floor(self.storage, self.pipeline.name, stored[-1].checkpoint_id)
             self._publish_before_reset(task_id, latest)
             for ref in committed:
-                self.storage.delete_dir(ref.directory(self.pipeline.name, task_id))
+                delete_checkpoint(self.storage, self.pipeline.name, task_id, ref)
             self._reset_tasks.add(task_id)  # starts over: "latest" is now, for every partition
             if self._latest_at_start:  # and so for its later owners
                 self._latest_at_start = self._latest_partitions_at_start(start_over=True)
