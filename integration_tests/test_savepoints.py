@@ -327,6 +327,18 @@ def test_workers_started_from_one_savepoint_at_once_restore_it_once(
     job.verify()  # every order once in Kafka, Parquet and PostgreSQL
     restores = sum(w.log_path.read_text().count("restored job ") for w in job.workers)
     assert restores == 1, job.logs()
+    # The savepoint deleted once the job runs (found by the audit of destructive actions: a
+    # worker still started with --from-savepoint then failed at every start, "not a complete
+    # savepoint", before it looked whether the job was restored from it already).
+    snapline(job, "savepoint", "delete", path)
+    assert not Path(path).exists()
+    second.kill()
+    second.start(extra_args=["--from-savepoint", path])
+    job.produce(1_000)
+    job.verify()
+    assert "the savepoint is gone since" in second.log_path.read_text(), second.tail()
+    restores = sum(w.log_path.read_text().count("restored job ") for w in job.workers)
+    assert restores == 1, job.logs()
     job.stop_all()
 
 

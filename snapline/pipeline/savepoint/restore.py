@@ -107,6 +107,7 @@ from snapline.pipeline.savepoint.export import (
     publish_committed_sinks,
     wait_until_stopped,
 )
+from snapline.pipeline.savepoint.format import METADATA_FILE as SAVEPOINT_METADATA
 from snapline.pipeline.savepoint.format import (
     OperatorState,
     SavepointFile,
@@ -741,7 +742,9 @@ def _seed(
     where = str(kafka_config.get("bootstrap.servers"))
     pipeline.validate()
     sp_storage = CheckpointStorage(savepoint_uri)
-    savepoint = read_metadata(sp_storage)
+    # Gone (deleted once the job was restored from it) is no reason to refuse a worker still
+    # started with --from-savepoint, when the job's marker says it was restored from it.
+    savepoint = read_metadata(sp_storage) if sp_storage.exists(SAVEPOINT_METADATA) else None
     storage = CheckpointStorage(checkpoint_dir)
     marker = f"{pipeline.name}/{RESTORED_FROM}"
     guard = _RestoreGuard(storage, pipeline.name, lock)
@@ -754,15 +757,18 @@ def _seed(
         previous = decode_checked(storage.read_bytes(marker), what, "savepoint")
         # Written redacted (earlier versions: as given, credentials included).
         if previous.get("savepoint") in (savepoint_uri, redact_text(savepoint_uri)) and (
-            previous.get("created_at") == savepoint.created_at
+            savepoint is None or previous.get("created_at") == savepoint.created_at
         ):
             log.info(
-                "the job was already restored from %s (checkpoint %s); continuing from its "
+                "the job was already restored from %s (checkpoint %s)%s; continuing from its "
                 "committed checkpoints",
                 savepoint_uri,
                 previous.get("checkpoint"),
+                " and the savepoint is gone since" if savepoint is None else "",
             )
             return None
+    if savepoint is None:
+        savepoint = read_metadata(sp_storage)  # raises: not a complete savepoint
     if savepoint.max_parallelism != pipeline.max_parallelism:
         raise ConfigurationError(
             f"the savepoint has max_parallelism={savepoint.max_parallelism}, the pipeline "
