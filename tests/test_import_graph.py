@@ -69,3 +69,42 @@ def test_runtime_imports_no_concrete_sink_or_connector_and_sinks_not_the_runtime
         if module.startswith(("snapline.sinks", "snapline.connectors")):
             bad = {i for i in imports if i.startswith("snapline.pipeline.runtime")}
             assert not bad, f"{module} imports the runtime: {sorted(bad)}"
+
+
+def test_what_a_worker_imports_at_start_leaves_pyarrow_and_numpy_out() -> None:
+    """A restarted worker's first output waits for its imports (benchmarks/README.md,
+    "Recovery": process start and imports were ~0.5 s of ~1.3 s). The check for an
+    interrupted savepoint restore that every worker makes at start imported the restore
+    module, and with it pyarrow, pyarrow.compute and numpy: ~0.4 s on the benchmark host.
+    The modules of a worker's start (the CLI, the worker, the modules it imports in its start
+    path, a pipeline with the memory backend) must not import them."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, tempfile, types\n"
+        "import snapline.pipeline.cli\n"
+        "from snapline.pipeline.checkpoint.storage import CheckpointStorage\n"
+        "from snapline.pipeline.runtime.worker import Worker\n"
+        "import examples.running_total\n"
+        # The start's check for a savepoint restore, run for real on a stand-in admin client
+        # whose cluster has no groups (the check imports what it needs when it runs).
+        "worker = object.__new__(Worker)\n"
+        "worker.pipeline = examples.running_total.pipeline\n"
+        "worker.storage = CheckpointStorage(tempfile.mkdtemp())\n"
+        "answer = types.SimpleNamespace(valid=[], errors=[])\n"
+        "listing = types.SimpleNamespace(result=lambda timeout: answer)\n"
+        "admin = types.SimpleNamespace(list_consumer_groups=lambda request_timeout: listing)\n"
+        "worker._background_admin = lambda: admin\n"
+        "worker._wait_for_restore()\n"
+        "print(sorted(m for m in ('pyarrow', 'numpy') if m in sys.modules))\n"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT.parent,
+        check=True,
+    ).stdout.strip()
+    assert found == "[]", f"a worker's start imports {found}"

@@ -513,7 +513,7 @@ class Worker:
         half-done. Says so every 30 s; a failed check lets the worker go on (the restore
         refuses to go on once the job's group has members). Then refuse to start after a
         restore that died half-done (``check_no_interrupted_restore``)."""
-        from snapline.pipeline.savepoint.restore import (
+        from snapline.pipeline.savepoint.markers import (
             check_no_interrupted_restore,
             restore_group,
         )

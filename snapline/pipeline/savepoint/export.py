@@ -595,7 +595,7 @@ def export_savepoint(
     ``publish_staged`` (the job is stopped): first publish what committed checkpoints left
     staged in Parquet and PostgreSQL sinks (``publish_committed_sinks``)."""
     where = str(kafka_config.get("bootstrap.servers"))
-    from snapline.pipeline.savepoint.restore import check_no_interrupted_restore  # a cycle
+    from snapline.pipeline.savepoint.markers import check_no_interrupted_restore
 
     # After a restore that died half-done, the group's offsets name positions in repartition
     # topics that were recreated since: the records in flight read there would be others.

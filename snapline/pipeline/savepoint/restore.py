@@ -115,6 +115,12 @@ from snapline.pipeline.savepoint.format import (
     read_metadata,
     read_table,
 )
+from snapline.pipeline.savepoint.markers import (  # re-exported: restore's names
+    RESTORED_FROM,
+    RESTORING,
+    check_no_interrupted_restore,  # noqa: F401  (re-exported)
+    restore_group,
+)
 from snapline.pipeline.savepoint.pool import pool_size, run_jobs, scratch_options
 from snapline.pipeline.stages import SOURCE_STAGE, Repartition, repartition_partition
 from snapline.pipeline.state import create_backend
@@ -125,11 +131,6 @@ from snapline.pipeline.state.descriptors import StateDescriptor
 
 log = logging.getLogger(__name__)
 
-RESTORED_FROM = "restored-from-savepoint.json"
-#: Written before a restore's first change to Kafka, removed once it is complete: a restore
-#: that died between leaves the job's repartition topics and offsets half-done, and workers
-#: refuse to start until a restore from a savepoint completes (``check_no_interrupted_restore``).
-RESTORING = "restore-in-progress.json"
 #: The columns of a data file a restore needs (the text columns are for other readers).
 _RESTORED_COLUMNS = ["key_group", "key", "state", "map_key", "value"]
 
@@ -546,33 +547,6 @@ def seed_from_savepoint(
     finally:
         lock.release()
         shutil.rmtree(flight_dir, ignore_errors=True)
-
-
-def check_no_interrupted_restore(storage: CheckpointStorage, job: str) -> None:
-    """Refuse (ConfigurationError) a job whose last savepoint restore changed Kafka and did not
-    complete: its repartition topics were emptied, and its offsets may still name the old
-    checkpoints, whose positions in them mean nothing now (records would be skipped or read
-    twice)."""
-    path = f"{job}/{RESTORING}"
-    if not storage.exists(path):
-        return
-    what = storage.full_path(path)
-    try:
-        uri = decode_checked(storage.read_bytes(path), what, "savepoint")["savepoint"]
-    except (CheckpointError, KeyError):
-        uri = "<unreadable: see the file>"
-    raise ConfigurationError(
-        f"the restore of job {job!r} from savepoint {uri} stopped after it had changed Kafka "
-        f"({what} is left): the job's repartition topics and offsets are half-done. Finish "
-        f"it: start a worker with --from-savepoint {uri} (the same savepoint), or restore "
-        "another savepoint"
-    )
-
-
-def restore_group(job: str) -> str:
-    """The consumer group whose one member a restore of ``job`` is while it runs (a '/' no
-    job name has: it is no job's group)."""
-    return f"{job}/restore"
 
 
 class _RestoreGuard:
