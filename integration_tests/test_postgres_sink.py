@@ -915,6 +915,43 @@ def test_the_sinks_connections_find_a_server_that_is_gone(
     assert kernel == expected
 
 
+def test_a_session_whose_setup_fails_is_closed(postgres_dsn: str) -> None:
+    """Found by review: a connection whose session settings failed after it connected (a
+    SET refused, the server gone in between) was neither kept nor closed, so each failed
+    attempt left a session on the server for as long as anything referred to it. The
+    failures below are kept, as a worker's log handler or a retry's traceback may keep them."""
+    table = make_table(postgres_dsn)
+    task = f"leak-{uuid.uuid4().hex[:8]}"
+    writer = open_writer(PostgresSink(postgres_dsn, table, ["customer"]), task=task)
+    failures: list[BaseException] = []
+
+    def refuse(connection: Any) -> None:
+        raise psycopg.errors.InsufficientPrivilege("permission denied to set parameter")
+
+    writer._set_timeouts = refuse  # type: ignore[method-assign]
+    for _ in range(3):
+        try:
+            writer._call(writer._conn)
+        except psycopg.Error as exc:
+            failures.append(exc)
+    assert len(failures) == 3
+
+    def sessions() -> int:
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+                (f"snapline:{writer.task_key}"[:63],),
+            ).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    deadline = time.monotonic() + 10  # a closed session leaves pg_stat_activity at once
+    while sessions() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert sessions() == 0, f"{sessions()} sessions left open by {len(failures)} failed setups"
+    writer.close()
+
+
 def test_a_connection_that_fails_never_shows_the_password(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -828,20 +828,28 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
         if connection is None or connection.closed or connection.broken:
             kwargs = connect_arguments(self._sink, f"snapline:{self.task_key}")
             connection = psycopg.connect(self._sink.dsn, autocommit=True, **kwargs)
-            self._set_timeouts(connection)
-            # COPY writes UTF-8 bytes: on a database of another encoding (LATIN1) the session
-            # kept it, and every non-ASCII value was stored garbled, a non-ASCII writer key
-            # (the sink's name) matched no staged row, and the apply found nothing to apply.
-            connection.execute("SET client_encoding = 'UTF8'")
-            # Staged rows must be durable when pre_commit reports success.
-            connection.execute("SET synchronous_commit = on")
-            idle = connection.execute("SHOW idle_in_transaction_session_timeout").fetchone()
-            if idle is not None and str(idle[0]).strip() in ("0", "0ms", "0s"):
-                connection.execute(
-                    f"SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION_TIMEOUT}s'"
-                )
+            try:
+                self._prepare_session(connection)
+            except BaseException:
+                connection.close()  # else each failed attempt left a session on the server
+                raise
             self._connection = connection
         return connection
+
+    def _prepare_session(self, connection: psycopg.Connection[Any]) -> None:
+        """The session settings every connection of the writer runs with."""
+        self._set_timeouts(connection)
+        # COPY writes UTF-8 bytes: on a database of another encoding (LATIN1) the session
+        # kept it, and every non-ASCII value was stored garbled, a non-ASCII writer key
+        # (the sink's name) matched no staged row, and the apply found nothing to apply.
+        connection.execute("SET client_encoding = 'UTF8'")
+        # Staged rows must be durable when pre_commit reports success.
+        connection.execute("SET synchronous_commit = on")
+        idle = connection.execute("SHOW idle_in_transaction_session_timeout").fetchone()
+        if idle is not None and str(idle[0]).strip() in ("0", "0ms", "0s"):
+            connection.execute(
+                f"SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION_TIMEOUT}s'"
+            )
 
     def _set_timeouts(self, connection: psycopg.Connection[Any]) -> None:
         """Bounds the session's ``SESSION_TIMEOUTS`` at ``SESSION_TIMEOUT``, or at the longer
