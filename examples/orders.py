@@ -47,12 +47,14 @@ def produce_orders(
     seed: int = 7,
     producer_config: dict[str, Any] | None = None,
     keyed_by_order: bool = False,
+    flush_timeout: float = 60.0,
 ) -> dict[str, int]:
     """Produce ``count`` orders keyed by customer (``keyed_by_order``: by order id, so that a
     per-customer pipeline must re-key them); returns the expected total per customer.
 
     ``producer_config`` adds producer settings (``{"enable.idempotence": True}`` keeps retries
-    across a broker restart from writing an order twice)."""
+    across a broker restart from writing an order twice). ``flush_timeout``: seconds to wait
+    for every order's delivery (RuntimeError after it)."""
     rng = random.Random(seed + start_id)
     producer = Producer(
         {
@@ -79,9 +81,11 @@ def produce_orders(
                 producer.poll(0.05)
         if i % 5000 == 0:
             producer.poll(0)
-    remaining = producer.flush(60)
+    remaining = producer.flush(flush_timeout)
     if remaining:
-        raise RuntimeError(f"{remaining} orders not delivered to {topic} within 60 s")
+        raise RuntimeError(
+            f"{remaining} orders not delivered to {topic} within {flush_timeout:.0f} s"
+        )
     return dict(expected)
 
 

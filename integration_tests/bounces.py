@@ -148,6 +148,10 @@ class BounceJob(WarehouseJob):
                 start_id=self.produced,
                 producer_config={"enable.idempotence": True},
                 keyed_by_order=self.keyed_by_order,
+                # Above a whole outage: on a loaded machine a cluster was down ~31 s and took
+                # ~29 s to start, and a 60 s bound failed the input, not the workers. Below
+                # librdkafka's message.timeout.ms (300 s), after which delivery fails anyway.
+                flush_timeout=240.0,
             )
             for customer, amount in totals.items():
                 self.expected[customer] = self.expected.get(customer, 0) + amount
