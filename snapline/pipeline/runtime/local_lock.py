@@ -95,8 +95,8 @@ def mount_type(path: Path, mountinfo: str | None = None) -> str | None:
         fields = line.split(" ")
         if "-" not in fields[6:]:
             continue
-        separator = fields.index("-", 6)
-        if len(fields) <= separator + 1 or len(fields) < 5:
+        separator = fields.index("-", 6)  # the optional fields end at it; fields[4] is before
+        if len(fields) <= separator + 1:
             continue
         point = Path(_unescape(fields[4]))
         if target == point or point in target.parents:
