@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,7 +34,7 @@ def test_kill_and_stop_send_their_signal_and_stop_fires_once(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     sent: list[int] = []
-    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: sent.append(sig))
+    monkeypatch.setattr(faults.signal, "pthread_kill", lambda tid, sig: sent.append(sig))
     log = tmp_path / "faults.log"
     injector = FaultInjector("after_offsets_sent:1:stop,after_kafka_commit:1", log_path=str(log))
     injector.point("after_offsets_sent")
@@ -47,7 +50,7 @@ def test_kill_and_stop_send_their_signal_and_stop_fires_once(
 
 def test_zero_odds_never_fire(monkeypatch: pytest.MonkeyPatch) -> None:
     sent: list[int] = []
-    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: sent.append(sig))
+    monkeypatch.setattr(faults.signal, "pthread_kill", lambda tid, sig: sent.append(sig))
     injector = FaultInjector("sync_snapshot:0", log_path="")
     for _ in range(100):
         injector.point("sync_snapshot")
@@ -58,7 +61,7 @@ def test_leave_and_stall_call_the_workers_hooks_once_and_send_no_signal(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     sent: list[int] = []
-    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: sent.append(sig))
+    monkeypatch.setattr(faults.signal, "pthread_kill", lambda tid, sig: sent.append(sig))
     injector = FaultInjector("after_kafka_commit:1:leave,sync_snapshot:1:stall", log_path="")
     called: list[str] = []
     injector.hooks = {
@@ -69,3 +72,51 @@ def test_leave_and_stall_call_the_workers_hooks_once_and_send_no_signal(
         injector.point("after_kafka_commit")
         injector.point("sync_snapshot")
     assert called == ["leave", "stall"] and sent == []
+
+
+_STOPPED_ON_A_THREAD = """
+import sys, threading, time
+from snapline.pipeline.runtime.faults import FaultInjector
+
+def callback():  # like a librdkafka thread's request callback
+    FaultInjector("before_repartition_delete:1:stop", log_path="").point(
+        "before_repartition_delete"
+    )
+    with open(sys.argv[1], "w") as fh:
+        fh.write("went on")
+
+threading.Thread(target=callback).start()
+time.sleep(60)  # the main thread, waiting in a system call as a worker's poll does
+"""
+
+
+def _process_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_stop_on_a_thread_freezes_that_thread_at_the_point(tmp_path: Path) -> None:
+    """Found in a CI run: a stop sent to the process was taken by the main thread, and the
+    thread that passed the point (a request's callback) went on until the main thread ran:
+    the zombie test's worker sent its DeleteRecords after "freezing before" it. The thread
+    must run nothing past the point while the process is stopped (tried 10 times: a stop
+    sent to the process let it go on in 24 of 40 tries on this 2-core machine)."""
+    for attempt in range(10):
+        marker = tmp_path / f"went-on-{attempt}"
+        child = subprocess.Popen([sys.executable, "-c", _STOPPED_ON_A_THREAD, str(marker)])
+        try:
+            deadline = time.monotonic() + 30  # a Python start and an import: a second or two
+            while _process_state(child.pid) != "T":
+                assert child.poll() is None, "the child exited instead of stopping"
+                assert time.monotonic() < deadline, "the child never stopped"
+                time.sleep(0.005)
+            time.sleep(0.2)  # what the thread would have done by now, it has done
+            assert not marker.exists(), f"try {attempt}: the thread ran past its stop"
+            child.send_signal(signal.SIGCONT)
+            deadline = time.monotonic() + 30
+            while not marker.exists():  # woken, it carries on from the point
+                assert time.monotonic() < deadline, "the woken thread never went on"
+                time.sleep(0.01)
+        finally:
+            child.kill()
+            child.wait()

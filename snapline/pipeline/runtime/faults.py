@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Callable
 
@@ -106,4 +107,14 @@ class FaultInjector:
         if isinstance(action, str):
             self.hooks[action]()
         else:
-            os.kill(os.getpid(), action)
+            _signal_this_thread(action)
+
+
+def _signal_this_thread(sig: signal.Signals) -> None:
+    """Send ``sig`` to the calling thread, which then stops (or dies) before it runs another
+    line. A stop sent to the process (``os.kill(os.getpid(), SIGSTOP)``) is taken by one
+    thread the kernel chooses, often the main thread, and stops the others only once that
+    thread has run: the caller went on meanwhile, on a loaded machine for long enough to
+    send a request (a zombie test froze "before" a DeleteRecords that it had already sent).
+    SIGSTOP and SIGKILL still stop or end every thread of the process."""
+    signal.pthread_kill(threading.get_ident(), sig)

@@ -1976,8 +1976,12 @@ class Worker:
         partition count), whose offsets start at 0: its deletion would remove records in
         flight that the restored job has not read. Such a freeze lasts longer than the
         session timeout, hence than the bound, so the deletion is not sent then (the next
-        round asks again); what is left is a freeze between the clock's read and the
-        request leaving the process."""
+        round asks again). What is left is a freeze between the clock's read and the
+        request's bytes leaving the process (librdkafka may first look up the partitions'
+        leaders): librdkafka sends a request queued before a freeze once the process wakes,
+        even past the request's timeout (seen: queued, frozen 20 s, sent and answered 0.3 s
+        after the wake with a 10 s timeout). Only a topic name a restore never reuses
+        closes that window."""
 
         def done(future: Any) -> None:
             try:
