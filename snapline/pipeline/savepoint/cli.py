@@ -345,15 +345,84 @@ def list_savepoints(spec: str, checkpoint_dir: str | None) -> None:
     Console().print(table)
 
 
+def _job_dirs(uri: str, checkpoint_dir: str | None, job: str | None) -> list[str]:
+    """The job directories whose restore markers may name the savepoint at ``uri``: the one in
+    ``checkpoint_dir`` (when given), and the one the savepoint's default location is in
+    (``<checkpoint dir>/<job>/savepoints/<name>``)."""
+    found: list[str] = []
+    if checkpoint_dir and job:
+        found.append(f"{checkpoint_dir.rstrip('/')}/{job}")
+    path, query = (uri.split("?", 1) + [""])[:2] if "?" in uri else (uri, "")
+    parts = path.rstrip("/").rsplit("/", 2)
+    if (
+        len(parts) == 3
+        and parts[1] == "savepoints"
+        and (job is None or parts[0].rsplit("/", 1)[-1] == job)
+    ):
+        found.append(parts[0] + (f"?{query}" if query else ""))
+    return found
+
+
+def _restoring_from(job_dir: str, created_at: float | None) -> str | None:
+    """The marker of a restore in progress in ``job_dir`` that may be of this savepoint (the
+    same ``created_at``, or one that cannot be read), or None."""
+    from snapline.pipeline.checkpoint.metadata import decode_checked
+    from snapline.pipeline.checkpoint.storage import CheckpointStorage
+    from snapline.pipeline.savepoint.markers import RESTORING
+
+    storage = CheckpointStorage(job_dir)
+    if not storage.exists(RESTORING):
+        return None
+    what = storage.full_path(RESTORING)
+    try:
+        marker = decode_checked(storage.read_bytes(RESTORING), what, "savepoint")
+    except SnaplineError:
+        return what  # unreadable: it may name this one
+    if created_at is None or marker.get("created_at") == created_at:
+        return what
+    return None
+
+
 @savepoint.command()
 @click.argument("uri")
-def delete(uri: str) -> None:
-    """Delete the savepoint at URI (refused if URI is not a savepoint)."""
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Delete it even while a restore of the job from it is in progress (that restore can "
+    "then only be finished from another savepoint).",
+)
+@_checkpoints
+def delete(uri: str, force: bool, checkpoint_dir: str | None) -> None:
+    """Delete the savepoint at URI (refused if URI is not a savepoint, or while a restore of
+    its job from it is in progress: its marker in the job's directory, found with
+    --checkpoint-dir or beside the savepoint's default location, names it)."""
     from snapline.pipeline.checkpoint.storage import CheckpointStorage
-    from snapline.pipeline.savepoint.format import METADATA_FILE
+    from snapline.pipeline.savepoint.format import METADATA_FILE, read_metadata
 
     storage = CheckpointStorage(uri)
     if not storage.exists(METADATA_FILE):
-        raise click.ClickException(f"{uri} is not a savepoint (no {METADATA_FILE}); not deleted")
+        raise click.ClickException(
+            f"{redact_text(uri)} is not a savepoint (no {METADATA_FILE}); not deleted. What is "
+            "left of a savepoint whose deletion was cut short has none either: delete that "
+            "directory by hand"
+        )
+    if not force:
+        try:
+            meta = read_metadata(storage)
+            job, created_at = meta.pipeline, meta.created_at
+        except SnaplineError:  # corrupt: its job is known only from where it is
+            job, created_at = None, None
+        for job_dir in _job_dirs(uri, checkpoint_dir, job):
+            marker = _restoring_from(job_dir, created_at)
+            if marker is not None:
+                raise click.ClickException(
+                    f"a restore of job {job or '?'} from this savepoint is in progress "
+                    f"({redact_text(marker)}): it stopped after changing Kafka and is finished "
+                    f"only by starting a worker with --from-savepoint {redact_text(uri)}. "
+                    "Finish it (or restore another savepoint), then delete this one; --force "
+                    "deletes it now"
+                )
+    # The metadata first: a deletion cut short leaves no savepoint that looks complete.
+    storage.delete_file(METADATA_FILE)
     storage.delete_dir("")
     click.echo(f"deleted {redact_text(uri)}")
