@@ -916,6 +916,57 @@ def test_the_sinks_connections_find_a_server_that_is_gone(
     assert kernel == expected
 
 
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (
+            {},
+            {
+                "tcp_keepalives_idle": "20",
+                "tcp_keepalives_interval": "5",
+                "tcp_keepalives_count": "4",
+                "tcp_user_timeout": "40000",
+            },
+        ),
+        # A setting of the DSN's (as a role's or the server's would) is kept.
+        (
+            {"options": "-c tcp_keepalives_idle=7 -c tcp_user_timeout=12345"},
+            {
+                "tcp_keepalives_idle": "7",
+                "tcp_keepalives_interval": "5",
+                "tcp_keepalives_count": "4",
+                "tcp_user_timeout": "12345",
+            },
+        ),
+    ],
+)
+def test_the_server_finds_a_writer_host_that_is_gone(
+    postgres_dsn: str, options: dict[str, str], expected: dict[str, str]
+) -> None:
+    """Found by review: the server's end of a writer's connection had the kernel's keepalive
+    (2 hours), so a writer host gone without a FIN left its idle backend holding a connection
+    slot that long, one more at each replacement. The server's socket options, as the
+    backend reads them back (SHOW), now match the client's unless set elsewhere."""
+    from psycopg.conninfo import make_conninfo
+
+    dsn = make_conninfo(postgres_dsn, **options) if options else postgres_dsn
+    writer = open_writer(PostgresSink(dsn, make_table(postgres_dsn), ["customer"]))
+    writer.recover(None, None)
+
+    def read() -> dict[str, str]:
+        connection = writer._conn()
+        assert connection.info.hostaddr, "a TCP connection is needed: use a TCP dsn"
+        return {
+            name: str(connection.execute(f"SHOW {name}").fetchone()[0])  # type: ignore[index]
+            for name in expected
+        }
+
+    try:
+        assert writer._call(read) == expected
+    finally:
+        writer.close()
+
+
 def test_a_session_whose_setup_fails_is_closed(postgres_dsn: str) -> None:
     """Found by review: a connection whose session settings failed after it connected (a
     SET refused, the server gone in between) was neither kept nor closed, so each failed

@@ -86,6 +86,16 @@ IDLE_IN_TRANSACTION_TIMEOUT = 30
 #: ``SESSION_TIMEOUT``, or keeps the longer one the server, database, role or DSN set
 #: (``PostgresSinkWriter._set_timeouts``).
 SESSION_TIMEOUTS = ("statement_timeout", "lock_timeout", "transaction_timeout")
+#: The server's side of each writer connection (in the settings' own units: s, s, probes,
+#: ms), set where the server, role, database and DSN leave them at 0 (the kernel's): as the
+#: client's side (``TCP_DEFAULTS``), a peer gone without a FIN is found in about 40 s.
+#: Ignored by the server on a Unix-domain socket.
+SERVER_TCP_DEFAULTS = {
+    "tcp_keepalives_idle": "20",
+    "tcp_keepalives_interval": "5",
+    "tcp_keepalives_count": "4",
+    "tcp_user_timeout": "40000",
+}
 #: Seconds a statement of the sink, its wait for a lock, or its transaction may last before
 #: PostgreSQL ends it (an outage: exit 75, and the restart runs it again). Far above what a
 #: healthy apply needs (33 000 rows/s at the least measured: 20 million rows of one task's
@@ -849,6 +859,17 @@ class PostgresSinkWriter(StagingSinkWriter[_StageRows, StagedRows]):
         if idle is not None and str(idle[0]).strip() in ("0", "0ms", "0s"):
             connection.execute(
                 f"SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION_TIMEOUT}s'"
+            )
+        # The server's end of the connection too: a writer's host that vanished (no FIN)
+        # left its backend, idle between checkpoints, holding a connection slot for the
+        # kernel's keepalive time (2 hours by default), one more at each replacement.
+        unset = connection.execute(
+            "SELECT name FROM pg_settings WHERE name = ANY(%s) AND reset_val = '0'",
+            (list(SERVER_TCP_DEFAULTS),),
+        ).fetchall()
+        for (name,) in unset:
+            connection.execute(
+                "SELECT set_config(%s, %s, false)", (name, SERVER_TCP_DEFAULTS[name])
             )
 
     def _set_timeouts(self, connection: psycopg.Connection[Any]) -> None:
