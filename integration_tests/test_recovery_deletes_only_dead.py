@@ -506,7 +506,7 @@ def test_offsets_behind_an_acknowledged_checkpoint_are_reported(
     assert worker.stop() == 0
 
 
-@pytest.mark.parametrize("restore", ["keeps-the-topics", "recreates-the-topics"])
+@pytest.mark.parametrize("restore", ["keeps-the-topics", "replaces-the-topics"])
 def test_a_zombie_woken_after_a_savepoint_restore_deletes_no_record_of_the_new_topics(
     kafka_bootstrap: str,
     postgres_dsn: str,
@@ -519,20 +519,23 @@ def test_a_zombie_woken_after_a_savepoint_restore_deletes_no_record_of_the_new_t
     past its session timeout is no member of the group, so the job counts as stopped: a
     savepoint is made from its checkpoints and restored, and the restored job runs on. The
     restore created the repartition topics again; the woken zombie deleted the records of
-    the new topics below its old offsets, records the new job had not necessarily read. A
-    first fix had it compare the topic's id first, but the check and the DeleteRecords call
-    (by topic name) are two steps, and the audit of destructive actions found the zombie
-    frozen between them (here: ``before_repartition_delete``, its id check passed) still
-    deleting in the new topics. Then the restore emptied the topics and their offsets went
-    on, so such a delete reached only records below the restored job's, except where the
-    restore must create a topic again (the code declares fewer partitions than it has: Kafka
-    cannot remove any), whose offsets start at 0 ("recreates-the-topics": the zombie's delete
-    removed records in flight, and the restored job stopped at them). Now a deletion whose id
-    check was asked longer ago than the check's own bound (10 s; the freeze lasted past the
-    session timeout) is not sent. The new job keeps every repartition record
-    (SNAPLINE_TEST_KEEP_REPARTITION_RECORDS), so any record deleted from the topics after the
-    restore is the zombie's doing; the job's output is verified too."""
-    recreates = restore == "recreates-the-topics"
+    the new topics below its old offsets, records the new job had not necessarily read. Its
+    topic id check and its DeleteRecords (by topic name) are two steps, and a freshness bound
+    on the check leaves a freeze after it: librdkafka sends a request queued before a freeze
+    once the process wakes. Here the zombie freezes exactly there (``repartition_delete_fresh``:
+    its check found fresh, the request not sent) and sends its delete after the restore.
+    - "keeps-the-topics": the restore emptied the topics and their offsets went on, so the
+      delete reaches only records below the restored job's.
+    - "replaces-the-topics" (4 partitions -> 2; Kafka cannot remove partitions): the restore
+      created the topic again under its name, offsets from 0, and the delete removed records
+      in flight (the restored job stopped at them, exit 78). Now it replaces the topic by one
+      of a new name (``<job>.by-customer.g1.repartition``) and deletes the old one, so the
+      delete finds no topic.
+    The new job keeps every repartition record (SNAPLINE_TEST_KEEP_REPARTITION_RECORDS), so
+    any record deleted from its topics after the restore is the zombie's doing; the job's
+    output is verified too. (The freshness bound itself:
+    tests/runtime/test_repartition_delete.py.)"""
+    replaces = restore == "replaces-the-topics"
     job = WarehouseJob(
         kafka_bootstrap,
         unique_name,
@@ -542,30 +545,28 @@ def test_a_zombie_woken_after_a_savepoint_restore_deletes_no_record_of_the_new_t
         retained=1,
         keyed_by_order=True,
         extra_env={"SNAPLINE_EXAMPLE_STAGES": "2"}
-        | ({"SNAPLINE_EXAMPLE_PARTITIONS": "4"} if recreates else {}),
+        | ({"SNAPLINE_EXAMPLE_PARTITIONS": "4"} if replaces else {}),
     )
     jobs.append(job)
     zombie, restored = job.workers
-    topic = f"{job.name}.by-customer.repartition"
+    old_topic = f"{job.name}.by-customer.repartition"
+    topic = f"{job.name}.by-customer.g1.repartition" if replaces else old_topic
     zombie.start()
     job.produce(3000)
     job.wait_until_caught_up()
     assert zombie.stop() == 0, zombie.tail()
     # Restarted from its committed positions (~1,500 or ~750 records per repartition
-    # partition), it freezes at its first deletion, its topic id check passed, the delete not
-    # sent. Once woken it sends it (before: dying when the broker has answered) or leaves it
-    # (now: dying there); either way it never rejoins the group (as a member of the restored
-    # job it would delete what that job has read, rightly).
+    # partition), it freezes at its first deletion, its topic id check passed and fresh, the
+    # delete not sent. Once woken it sends it and dies when the broker has answered; it never
+    # rejoins the group (as a member of the restored job it would delete what that job has
+    # read, rightly).
     zombie.start(
-        {
-            "SNAPLINE_FAULT": "before_repartition_delete:1:stop,after_repartition_delete:1:kill,"
-            "repartition_delete_skipped:1:kill"
-        }
+        {"SNAPLINE_FAULT": "repartition_delete_fresh:1:stop,after_repartition_delete:1:kill"}
     )
     job.produce(200)
     assert zombie.proc is not None
     wait_for(
-        "the zombie frozen before a deletion",
+        "the zombie frozen before sending a deletion",
         lambda: process_state(zombie.proc.pid) == "T",  # type: ignore[union-attr]
         90,
         job.logs,
@@ -579,16 +580,18 @@ def test_a_zombie_woken_after_a_savepoint_restore_deletes_no_record_of_the_new_t
     wait_for("the zombie's session timing out (10 s)", lambda: members() == 0, 60, job.logs)
     path = snapline(job, "savepoint", "from-checkpoint", SPEC)
     keep = {"SNAPLINE_TEST_KEEP_REPARTITION_RECORDS": "1"}
-    if recreates:  # 4 partitions -> 2: the restore deletes the topics and creates them again
+    if replaces:  # 4 partitions -> 2: the restore replaces the topics
         keep["SNAPLINE_EXAMPLE_PARTITIONS"] = "2"
     restored.start(keep, ["--from-savepoint", path])
     job.produce(6000)  # the topics' ends pass the zombie's old positions even from 0
     job.wait_until_caught_up()
     consumer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"v-{unique_name}"})
     try:
-        partitions = range(len(consumer.list_topics(topic, timeout=10).topics[topic].partitions))
-        if recreates:
-            assert len(partitions) == 2, "the restore did not create the topic again"
+        topics = consumer.list_topics(timeout=10).topics
+        partitions = range(len(topics[topic].partitions))
+        if replaces:
+            assert len(partitions) == 2, "the restore did not replace the topic"
+            assert old_topic not in topics, "the replaced topic was not deleted"
 
         def lows() -> list[int]:
             return [
@@ -598,11 +601,11 @@ def test_a_zombie_woken_after_a_savepoint_restore_deletes_no_record_of_the_new_t
 
         restored_from = lows()  # where the restore left them
         zombie.signal(signal.SIGCONT)
-        # Killed where it leaves the delete (or, if it sent it, once the broker answered).
-        assert zombie.wait_exit(60) == -signal.SIGKILL
+        # Killed once the broker answered its deletion (in a topic that is gone: an error).
+        assert zombie.wait_exit(60) == -signal.SIGKILL, zombie.tail(100)
         assert lows() == restored_from, f"topics cut at {lows()}\n{zombie.tail(100)}"
         points = [line.split()[2] for line in zombie.fault_log.read_text().splitlines()]
-        assert points[-1] == "repartition_delete_skipped", (points, zombie.tail(100))
+        assert points == ["repartition_delete_fresh", "after_repartition_delete"], points
     finally:
         consumer.close()
     job.verify()

@@ -395,6 +395,12 @@ class Pipeline:
         self.kafka_config = dict(kafka_config or {})
         self.state_backend_options = dict(state_backend_options or {})
         self.nodes: list[Node] = []
+        #: ``key_by`` name -> the generation of its repartition topic
+        #: (``stages.repartition_topic``): 0 unless a savepoint restore replaced it; the
+        #: job's own, read from its checkpoint directory
+        #: (``savepoint.markers.use_topic_generations``) before stages are compiled against
+        #: Kafka.
+        self.topic_generations: dict[str, int] = {}
         self._ids = itertools.count()
         self._check_settings()
 

@@ -171,6 +171,23 @@ class _Stages:
         return low
 
 
+def repartition_topic(job: str, name: str, generation: int = 0) -> str:
+    """The repartition topic of ``key_by(name=name)`` in job ``job``:
+    ``<job>.<name>.repartition``, and ``<job>.<name>.g<n>.repartition`` from its ``n``-th
+    replacement on. A savepoint restore that lowers a stage's partition count cannot remove
+    partitions from the topic, so it replaces the topic by the next generation's, and no
+    name is ever used again: a worker of the job before the restore, frozen and woken after
+    it (a zombie), deletes records by topic name, and in a topic created again under its
+    name (offsets from 0) it cut records the restored job had not read. The job's
+    generations are stored in its checkpoint directory
+    (``savepoint.markers.REPARTITION_TOPICS``)."""
+    return (
+        f"{job}.{name}.repartition"
+        if generation == 0
+        else f"{job}.{name}.g{generation}.repartition"
+    )
+
+
 def compile_stages(pipeline: Pipeline) -> StagePlan:
     """Cut ``pipeline``'s graph into stages; raises ConfigurationError naming the fix."""
     stages = _Stages()
@@ -211,7 +228,7 @@ def compile_stages(pipeline: Pipeline) -> StagePlan:
                 "(they name the repartition topics)"
             )
         names[name] = node
-        topic = f"{pipeline.name}.{name}.repartition"
+        topic = repartition_topic(pipeline.name, name, pipeline.topic_generations.get(name, 0))
         if not _TOPIC_NAME.match(topic):
             raise ConfigurationError(
                 f"key_by(name={name!r}) gives the repartition topic {topic!r}, which is not a "

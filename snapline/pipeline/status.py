@@ -131,6 +131,9 @@ def job_status(
     partitions: dict[str, list[PartitionStatus]] = {}
     stages: dict[str, int] = {}
     if kafka_config is not None:
+        from snapline.pipeline.savepoint.markers import use_topic_generations
+
+        use_topic_generations(pipeline, storage)  # the repartition topics it uses now
         for stage, status in _kafka_partitions(pipeline, kafka_config):
             task_id = task_id_for(stage, status.partition)
             partitions.setdefault(task_id, []).append(status)

@@ -46,10 +46,17 @@ KILL_POINTS = (
     "after_repartition_delete",  # the broker answered a DeleteRecords of repartition records
     # a DeleteRecords of repartition records not sent: its topic id check is too old
     "repartition_delete_skipped",
+    # a DeleteRecords of repartition records: its id check found fresh, the request not sent
+    "repartition_delete_fresh",
 )
 #: Points passed on a librdkafka thread (a request's callback), not the task thread.
 _CALLBACK_POINTS = frozenset(
-    {"before_repartition_delete", "after_repartition_delete", "repartition_delete_skipped"}
+    {
+        "before_repartition_delete",
+        "after_repartition_delete",
+        "repartition_delete_skipped",
+        "repartition_delete_fresh",
+    }
 )
 #: What each action does: a signal to this process, or the name of the worker's hook that
 #: breaks its consumer ("leave", "stall").

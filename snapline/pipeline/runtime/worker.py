@@ -139,6 +139,7 @@ from snapline.pipeline.savepoint.control import (
     Request,
     write_ack,
 )
+from snapline.pipeline.savepoint.markers import use_topic_generations
 from snapline.pipeline.stages import SOURCE_STAGE, task_id_for
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.compat import incompatibility, moved_states, replaced_states
@@ -344,11 +345,13 @@ class Worker:
         #: Task id -> bytes of state its last restore read (for metrics).
         self._restored_bytes: dict[str, int] = {}
         self.checkpoints_committed = 0
+        self._admin: AdminClient | None = None
+        self._wait_for_restore()
+        # After any restore: one that replaced a repartition topic wrote the new names.
+        use_topic_generations(pipeline, self.storage)
         self.plan = pipeline.stages()
         self._stage_of_topic = self.plan.stage_of_topics(pipeline.source_topics())
         self._repartitioned = {rep.topic for rep in self.plan.repartitions.values()}
-        self._admin: AdminClient | None = None
-        self._wait_for_restore()
         #: Partitions per topic the job reads or writes (the topic plan at start), and the
         #: producer settings that keep its batches within the output topics' size limit.
         self._topic_partitions, producer_limits = self._check_topics()
@@ -1980,8 +1983,10 @@ class Worker:
         request's bytes leaving the process (librdkafka may first look up the partitions'
         leaders): librdkafka sends a request queued before a freeze once the process wakes,
         even past the request's timeout (seen: queued, frozen 20 s, sent and answered 0.3 s
-        after the wake with a 10 s timeout). Only a topic name a restore never reuses
-        closes that window."""
+        after the wake with a 10 s timeout). A restore never uses a repartition topic's
+        name again (it replaces a topic whose partitions it must lower by one of a new name,
+        ``stages.repartition_topic``, and keeps the offsets of a topic it keeps going on), so
+        such a late deletion removes nothing the restored job reads."""
 
         def done(future: Any) -> None:
             try:
@@ -2010,6 +2015,7 @@ class Worker:
                 )
                 self.faults.point("repartition_delete_skipped")
                 return
+            self.faults.point("repartition_delete_fresh")
             try:
                 futures = self._background_admin().delete_records(
                     below, request_timeout=10, operation_timeout=0

@@ -41,6 +41,10 @@ def _job(spec: str, bootstrap: str | None, checkpoint_dir: str | None) -> tuple[
     directory = (
         checkpoint_dir or pipeline.checkpoint_dir or os.path.join(".snapline", "checkpoints")
     )
+    from snapline.pipeline.checkpoint.storage import CheckpointStorage
+    from snapline.pipeline.savepoint.markers import use_topic_generations
+
+    use_topic_generations(pipeline, CheckpointStorage(directory))  # its repartition topics
     return pipeline, config, directory
 
 

@@ -595,11 +595,15 @@ def export_savepoint(
     ``publish_staged`` (the job is stopped): first publish what committed checkpoints left
     staged in Parquet and PostgreSQL sinks (``publish_committed_sinks``)."""
     where = str(kafka_config.get("bootstrap.servers"))
-    from snapline.pipeline.savepoint.markers import check_no_interrupted_restore
+    from snapline.pipeline.savepoint.markers import (
+        check_no_interrupted_restore,
+        use_topic_generations,
+    )
 
     # After a restore that died half-done, the group's offsets name positions in repartition
     # topics that were recreated since: the records in flight read there would be others.
     check_no_interrupted_restore(CheckpointStorage(checkpoint_dir), pipeline.name)
+    use_topic_generations(pipeline, CheckpointStorage(checkpoint_dir))
     plan: StagePlan = pipeline.stages()
     admin = AdminClient(kafka_config)
     inputs = plan.input_topics(pipeline.source_topics())
@@ -726,6 +730,7 @@ def export_savepoint(
             highest_checkpoint_id=highest,
             stage_reads=stage_reads(plan),
             source_topic_ids=topic_ids,
+            topic_generations=dict(pipeline.topic_generations),
         )
         out.write_bytes(METADATA_FILE, metadata.encode())  # last: the savepoint is complete
         return metadata

@@ -165,6 +165,11 @@ class SavepointMetadata:
     #: savepoint's offsets were read: a restore refuses offsets of a topic since recreated.
     #: Empty in savepoints of earlier versions and of topics without ids (not checked).
     source_topic_ids: dict[str, str] = field(default_factory=dict)
+    #: The job's repartition topic generations when the savepoint was taken
+    #: (``stages.repartition_topic``): a restore, also into another checkpoint storage, goes
+    #: on from them and never uses a topic name the job had before. Empty in savepoints of
+    #: earlier versions and of jobs whose topics were never replaced.
+    topic_generations: dict[str, int] = field(default_factory=dict)
 
     def topic_ids_on(self, cluster_id: str) -> dict[str, str]:
         """The source topic ids to compare with the topics on cluster ``cluster_id``: none
@@ -202,6 +207,7 @@ class SavepointMetadata:
             "highest_checkpoint_id": self.highest_checkpoint_id,
             "stage_reads": {str(k): v for k, v in sorted(self.stage_reads.items())},
             "source_topic_ids": dict(sorted(self.source_topic_ids.items())),
+            "topic_generations": dict(sorted(self.topic_generations.items())),
         }
         raw = orjson.dumps(body, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
         return orjson.dumps(
@@ -250,6 +256,9 @@ class SavepointMetadata:
             highest_checkpoint_id=int(body.get("highest_checkpoint_id", 0)),
             stage_reads={int(k): list(v) for k, v in body.get("stage_reads", {}).items()},
             source_topic_ids={str(t): str(i) for t, i in body.get("source_topic_ids", {}).items()},
+            topic_generations={
+                str(n): int(g) for n, g in body.get("topic_generations", {}).items()
+            },
         )
 
 

@@ -8,7 +8,10 @@ The savepoint is turned into the job's starting point once, before any worker pr
 2. every repartition topic is emptied (its records are deleted up to its end; its offsets go
    on) and given the partition count the code declares (its records in flight come from the
    savepoint, so a keyed stage can change its parallelism), and the in-flight records are
-   produced into it, each to the partition of its key-group (``_empty_repartition_topic``);
+   produced into it, each to the partition of its key-group (``_empty_repartition_topic``).
+   A topic with more partitions than the code declares (Kafka cannot remove any) is replaced
+   by one of a new name, its next generation (``stages.repartition_topic``), and deleted: a
+   repartition topic's name is never used again;
 3. each task of the new layout gets a checkpoint in the normal format: a keyed-stage task takes
    exactly the entries of its key-group range, a source-stage task the entries of its
    partition; positions are the savepoint's source offsets (for repartition topics: where
@@ -120,9 +123,16 @@ from snapline.pipeline.savepoint.markers import (  # re-exported: restore's name
     RESTORING,
     check_no_interrupted_restore,  # noqa: F401  (re-exported)
     restore_group,
+    use_topic_generations,
+    write_topic_generations,
 )
 from snapline.pipeline.savepoint.pool import pool_size, run_jobs, scratch_options
-from snapline.pipeline.stages import SOURCE_STAGE, Repartition, repartition_partition
+from snapline.pipeline.stages import (
+    SOURCE_STAGE,
+    Repartition,
+    repartition_partition,
+    repartition_topic,
+)
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.backend import StateHandle
 from snapline.pipeline.state.columns import build_stored_keys
@@ -201,25 +211,21 @@ def _empty_repartition_topic(
     job before the restore, frozen past its session and woken after it (a zombie), may still
     delete the records below its old positions in this topic (DeleteRecords addresses topics
     by name; its topic id check and the delete are two steps): all of them lie below the
-    restored job's records, so it deletes nothing the restored job reads. Deleting the topic
-    and creating it again started its offsets at 0 again, where such a delete removed records
-    in flight the restored job had not read. Only a topic with more partitions than the code
-    declares is deleted and created again (Kafka cannot remove partitions); its new offsets
-    start at 0, and a zombie's delete is then guarded only by its topic id check and that
-    check's freshness (``Worker._delete_in_same_topic``).
+    restored job's records, so it deletes nothing the restored job reads. A topic with more
+    partitions than the code declares was replaced by a topic of a new name before
+    (``_replaced_topics``): deleting it and creating it again under its name started its
+    offsets at 0 again, where such a delete removed records in flight the restored job had not
+    read. A topic that does not exist (a new generation's) is created.
     ``check(step)`` (the restore's guard) is asked before each change it makes."""
     metadata = admin.list_topics(timeout=30).topics.get(topic)
-    if metadata is None or len(metadata.partitions) > partitions:
-        if metadata is not None:
-            log.warning(
-                "repartition topic %s has %d partitions and the code declares %d: it is "
-                "deleted and created again",
-                topic,
-                len(metadata.partitions),
-                partitions,
-            )
+    if metadata is None:
         _recreate_topic(admin, topic, partitions, config)
         return dict.fromkeys(range(partitions), 0)
+    if len(metadata.partitions) > partitions:  # replaced before (_replaced_topics)
+        raise CheckpointError(
+            f"repartition topic {topic} has {len(metadata.partitions)} partitions and the code "
+            f"declares {partitions}: it should have been replaced by a topic of a new name"
+        )
     if len(metadata.partitions) < partitions:
         check(f"was about to add partitions to {topic}")
         try:
@@ -450,6 +456,60 @@ def _abort_workers_transactions(
         fence_if_unsure=False,
         parallel=8,
     )
+
+
+def _replaced_topics(admin: AdminClient, plan: Any, partitions: dict[str, int]) -> dict[str, str]:
+    """``key_by`` name -> its repartition topic, for each topic that has more partitions than
+    the code declares: the restore replaces it by the next generation's topic."""
+    if not plan.repartitions:
+        return {}
+    existing = admin.list_topics(timeout=30).topics
+    replaced = {}
+    for rep in plan.repartitions.values():
+        metadata = existing.get(rep.topic)
+        if metadata is not None and len(metadata.partitions) > partitions[rep.topic]:
+            log.warning(
+                "repartition topic %s has %d partitions and the code declares %d: it is "
+                "replaced by a topic of a new name (Kafka cannot remove partitions, and a "
+                "name is never used again)",
+                rep.topic,
+                len(metadata.partitions),
+                partitions[rep.topic],
+            )
+            replaced[rep.name] = rep.topic
+    return replaced
+
+
+def _delete_replaced_topics(
+    admin: AdminClient,
+    job: str,
+    rep: Repartition,
+    generation: int,
+    check: Callable[[str], None],
+) -> None:
+    """Delete the topics of ``rep``'s earlier generations that still exist: no worker of the
+    job reads or writes them again (a worker starts with the job's generations, and they
+    only go up). A worker of the job before the restore (a zombie) may still delete records
+    in one, or write to it: nothing the restored job reads. A deletion that fails is logged
+    (the next restore asks again)."""
+    if generation == 0:
+        return
+    existing = admin.list_topics(timeout=30).topics
+    old = [
+        name
+        for name in (repartition_topic(job, rep.name, g) for g in range(generation))
+        if name in existing
+    ]
+    if not old:
+        return
+    check(f"was about to delete {', '.join(old)}")
+    for topic, future in admin.delete_topics(old, operation_timeout=30).items():
+        try:
+            future.result(timeout=35)
+            log.info("deleted repartition topic %s (replaced by %s)", topic, rep.topic)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
+                log.warning("could not delete replaced repartition topic %s: %s", topic, exc)
 
 
 def _recreate_topic(
@@ -720,6 +780,7 @@ def _seed(
     # started with --from-savepoint, when the job's marker says it was restored from it.
     savepoint = read_metadata(sp_storage) if sp_storage.exists(SAVEPOINT_METADATA) else None
     storage = CheckpointStorage(checkpoint_dir)
+    use_topic_generations(pipeline, storage)  # the topics the job uses now
     marker = f"{pipeline.name}/{RESTORED_FROM}"
     guard = _RestoreGuard(storage, pipeline.name, lock)
     # A restore that died after changing Kafka is finished by any restore, also one of the
@@ -743,6 +804,13 @@ def _seed(
             return None
     if savepoint is None:
         savepoint = read_metadata(sp_storage)  # raises: not a complete savepoint
+    # Never back to a name the job used before: the savepoint's generations count too (a
+    # restore into another checkpoint storage has none stored).
+    stored_generations = dict(pipeline.topic_generations)
+    pipeline.topic_generations = {
+        name: max(stored_generations.get(name, 0), savepoint.topic_generations.get(name, 0))
+        for name in {*stored_generations, *savepoint.topic_generations}
+    }
     if savepoint.max_parallelism != pipeline.max_parallelism:
         raise ConfigurationError(
             f"the savepoint has max_parallelism={savepoint.max_parallelism}, the pipeline "
@@ -776,11 +844,27 @@ def _seed(
                 "offsets are per partition and cannot move"
             )
     default = max((topic_plan.partitions[t] for t in pipeline.source_topics()), default=1)
-    partitions = {t: topic_plan.partitions[t] for t in pipeline.source_topics()}
-    for rep in plan.repartitions.values():
-        # As the workers create it (topics.plan): the sources' count, at most one partition
-        # per key-group.
-        partitions[rep.topic] = rep.partitions or min(default, pipeline.max_parallelism)
+
+    def declared(plan: Any) -> dict[str, int]:
+        partitions = {t: topic_plan.partitions[t] for t in pipeline.source_topics()}
+        for rep in plan.repartitions.values():
+            # As the workers create it (topics.plan): the sources' count, at most one
+            # partition per key-group.
+            partitions[rep.topic] = rep.partitions or min(default, pipeline.max_parallelism)
+        return partitions
+
+    partitions = declared(plan)
+    # A repartition topic with more partitions than the code declares (Kafka cannot remove
+    # any) is replaced by its next generation's, a name never used before
+    # (stages.repartition_topic); the generations are written before Kafka is changed.
+    replaced = _replaced_topics(admin, plan, partitions)
+    if replaced:
+        pipeline.topic_generations = {
+            **pipeline.topic_generations,
+            **{name: pipeline.topic_generations.get(name, 0) + 1 for name in replaced},
+        }
+        plan = pipeline.stages()
+        partitions = declared(plan)
     # Every check (names, checksums, state placement and loading) comes before the first
     # change to Kafka: a refused restore must leave the job's repartition topics, which its
     # committed checkpoints read from, as they were.
@@ -897,6 +981,10 @@ def _seed(
         # Every worker's ids go on above the seeded checkpoint, also one whose tasks have
         # nothing seeded (source partitions without offsets in the savepoint).
         raise_id_floor(storage, pipeline.name, checkpoint_id)
+        if pipeline.topic_generations != stored_generations:
+            # Under the marker: a restore that dies from here on is finished by the next,
+            # which reads these generations and keeps the topics this one created.
+            write_topic_generations(storage, pipeline.name, pipeline.topic_generations)
         FaultInjector().point("restore_before_topics")
         starts: dict[tuple[str, int], int] = {}
         for rep in plan.repartitions.values():
@@ -909,6 +997,13 @@ def _seed(
                 lambda step: guard.check(admin, step, restoring=True),
             )
             starts.update(((rep.topic, p), o) for p, o in emptied.items())
+            _delete_replaced_topics(
+                admin,
+                pipeline.name,
+                rep,
+                pipeline.topic_generations.get(rep.name, 0),
+                lambda step: guard.check(admin, step, restoring=True),
+            )
         guard.check(admin, "was about to write the records in flight back", restoring=True)
         # One transaction of the restore's producer carries the records in flight and the
         # job's offsets: a restore frozen before its commit and woken after another restore

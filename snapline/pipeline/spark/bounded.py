@@ -276,14 +276,16 @@ def run_stage_task(
     from snapline.pipeline.savepoint.control import control_topic
     from snapline.pipeline.savepoint.export import export_task_state
     from snapline.pipeline.savepoint.format import read_metadata, write_table
+    from snapline.pipeline.savepoint.markers import use_topic_generations
     from snapline.pipeline.savepoint.restore import _load_operator
     from snapline.pipeline.stages import SOURCE_STAGE, task_id_for
     from snapline.pipeline.state import create_backend
 
     pipeline = load_pipeline(config.spec)
+    storage = CheckpointStorage(config.checkpoint_dir)
+    use_topic_generations(pipeline, storage)  # the job's repartition topics
     plan = pipeline.stages()
     task_id = f"spark-{config.run_id}-{task_id_for(stage, partition)}"
-    storage = CheckpointStorage(config.checkpoint_dir)
     # This attempt's pre-commit record: its token is also the metadata of the ledger offset it
     # commits, so a retry reads the record of the attempt that committed, never one that an
     # older attempt (fenced, still running: speculation, a lost executor) wrote after it.
@@ -538,6 +540,7 @@ def run_bounded(
         read_metadata,
         read_table,
     )
+    from snapline.pipeline.savepoint.markers import use_topic_generations
     from snapline.pipeline.savepoint.restore import match_states
     from snapline.pipeline.spark.jars import spark_session
 
@@ -550,6 +553,7 @@ def run_bounded(
         raise ConfigurationError("snapline spark run needs guarantee='exactly_once'")
     run_id = run_id or uuid.uuid4().hex[:8]
     where = str(kafka_config.get("bootstrap.servers"))
+    use_topic_generations(pipeline, CheckpointStorage(checkpoint_dir))  # its repartition topics
     plan = pipeline.stages()
     topic_plan = TopicManager(kafka_config, where).ensure(pipeline_topics(pipeline))
     ensure_control_topic(kafka_config, pipeline.name)
@@ -715,6 +719,7 @@ def run_bounded(
             clocks=out_clocks,
             stage_reads=stage_reads(plan),
             source_topic_ids=topic_ids,
+            topic_generations=dict(pipeline.topic_generations),
             cluster_id=cluster,
         )
         CheckpointStorage(savepoint_out).write_bytes(METADATA_FILE, metadata.encode())
