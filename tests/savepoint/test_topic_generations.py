@@ -89,3 +89,24 @@ def test_a_savepoint_records_the_generations_and_older_ones_have_none(tmp_path: 
     raw = orjson.dumps(body, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
     older = orjson.dumps({"body": orjson.Fragment(raw), "checksum": crc32_checksum(raw)})
     assert SavepointMetadata.decode(older, "old").topic_generations == {}
+
+
+def test_a_restore_goes_on_above_the_generations_whose_topics_exist() -> None:
+    """A savepoint taken before a replacement, restored into another checkpoint storage on the
+    same cluster: neither storage nor savepoint knows the later generation, the cluster does."""
+    from types import SimpleNamespace
+
+    from snapline.pipeline.savepoint.restore import _generations_in_kafka
+
+    topics = [
+        "orders.by-customer.g2.repartition",
+        "orders.by-customer.g1.repartition",
+        "orders.by-region.repartition",
+        "orders.by-customer.gx.repartition",  # not a generation
+        "other.by-customer.g7.repartition",  # another job's
+        "in",
+    ]
+    admin = SimpleNamespace(
+        list_topics=lambda timeout: SimpleNamespace(topics=dict.fromkeys(topics))
+    )
+    assert _generations_in_kafka(admin, _pipeline()) == {"by-customer": 2}  # type: ignore[arg-type]

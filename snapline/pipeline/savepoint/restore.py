@@ -458,6 +458,27 @@ def _abort_workers_transactions(
     )
 
 
+def _generations_in_kafka(admin: AdminClient, pipeline: Pipeline) -> dict[str, int]:
+    """``key_by`` name -> the highest generation of its repartition topic that exists in the
+    cluster (``<job>.<name>.g<n>.repartition``), for the names that have one."""
+    names = [rep.name for rep in pipeline.stages().repartitions.values()]
+    if not names:
+        return {}
+    found: dict[str, int] = {}
+    for topic in admin.list_topics(timeout=30).topics:
+        for name in names:
+            prefix = f"{pipeline.name}.{name}.g"
+            middle = topic[len(prefix) : -len(".repartition")]
+            if (
+                topic.startswith(prefix)
+                and topic.endswith(".repartition")
+                and middle.isdigit()
+                and repartition_topic(pipeline.name, name, int(middle)) == topic
+            ):
+                found[name] = max(found.get(name, 0), int(middle))
+    return found
+
+
 def _replaced_topics(admin: AdminClient, plan: Any, partitions: dict[str, int]) -> dict[str, str]:
     """``key_by`` name -> its repartition topic, for each topic that has more partitions than
     the code declares: the restore replaces it by the next generation's topic."""
@@ -825,6 +846,11 @@ def _seed(
             f"the job {pipeline.name!r} is running ({members} members in its consumer group); "
             "stop it before restoring a savepoint (snapline savepoint create --stop does both)"
         )
+    # Nor back below a generation whose topic exists (a savepoint taken before a replacement,
+    # restored into another checkpoint storage on the same cluster).
+    for name, generation in _generations_in_kafka(admin, pipeline).items():
+        if generation > pipeline.topic_generations.get(name, 0):
+            pipeline.topic_generations = {**pipeline.topic_generations, name: generation}
     check_repartition_owners(kafka_config, pipeline)  # it empties them
     plan = pipeline.stages()
     topic_plan = TopicManager(kafka_config, where).ensure(
