@@ -347,6 +347,43 @@ def test_workers_started_from_one_savepoint_at_once_restore_it_once(
     job.stop_all()
 
 
+def test_a_worker_whose_start_a_restore_overtook_restarts_before_it_processes(
+    kafka_bootstrap: str, postgres_dsn: str, tmp_path: Path, unique_name: str, jobs: list[Any]
+) -> None:
+    """Found by review: a worker reads the job's repartition topics and partition counts at
+    start, after it waited for a running restore and before it joins the group. A restore
+    that ran entirely in between (the group was empty) left it the old job's plan: with a
+    replaced topic, its tasks wrote to a topic nobody reads any more. Now its first
+    assignment finds the restore's marker changed and it exits 75; restarted, it runs with the
+    job as restored. Forced: the worker is frozen at start (after its plan) while the other
+    worker restores the job; every sink is verified."""
+    job, path = _stopped_with_records_in_flight(
+        kafka_bootstrap, postgres_dsn, tmp_path, unique_name, jobs
+    )
+    late, restorer = job.workers
+    late.start({"SNAPLINE_FAULT": "after_namesake_check:1:stop"})
+    assert late.proc is not None
+    wait_for(
+        "the worker frozen after reading its plan",
+        lambda: process_state(late.proc.pid) == "T",  # type: ignore[union-attr]
+        120,
+        job.logs,
+    )
+    restorer.start(extra_args=["--from-savepoint", path])
+    wait_for(
+        "the restore complete",
+        lambda: "restored job " in restorer.log_path.read_text(),
+        180,
+        job.logs,
+    )
+    late.signal(signal.SIGCONT)
+    assert late.wait_exit(120) == 75, late.tail()  # its first assignment: join, then exit
+    assert "completed after this worker read the job's topics" in late.tail(), late.tail()
+    late.start()
+    job.produce(2_000)
+    job.verify()  # every order once in Kafka, Parquet and PostgreSQL
+
+
 @pytest.mark.parametrize(
     "stall",
     [

@@ -139,7 +139,7 @@ from snapline.pipeline.savepoint.control import (
     Request,
     write_ack,
 )
-from snapline.pipeline.savepoint.markers import use_topic_generations
+from snapline.pipeline.savepoint.markers import RESTORED_FROM, use_topic_generations
 from snapline.pipeline.stages import SOURCE_STAGE, task_id_for
 from snapline.pipeline.state import create_backend
 from snapline.pipeline.state.compat import incompatibility, moved_states, replaced_states
@@ -349,6 +349,10 @@ class Worker:
         self._wait_for_restore()
         # After any restore: one that replaced a repartition topic wrote the new names.
         use_topic_generations(pipeline, self.storage)
+        #: The job's restored-from-savepoint marker as this worker's plan saw it: a restore
+        #: that completes after this point (between the wait above and the worker's join)
+        #: leaves the plan the old job's (``_check_not_restored_since_start``).
+        self._restored_marker = self._read_restored_marker()
         self.plan = pipeline.stages()
         self._stage_of_topic = self.plan.stage_of_topics(pipeline.source_topics())
         self._repartitioned = {rep.topic for rep in self.plan.repartitions.values()}
@@ -687,8 +691,28 @@ class Worker:
                 if entry.is_dir() and entry.name not in self.tasks:
                     shutil.rmtree(entry, ignore_errors=True)
 
+    def _read_restored_marker(self) -> bytes | None:
+        path = f"{self.pipeline.name}/{RESTORED_FROM}"
+        return self.storage.read_bytes(path) if self.storage.exists(path) else None
+
+    def _check_not_restored_since_start(self) -> None:
+        """Raise RestoredSinceStartError when a savepoint restore of the job completed after
+        this worker compiled its plan: a restore needs the job's group empty, and one that
+        ran entirely while this worker started (after its wait for a running restore, before
+        it joined) left it the old job's repartition topics and partition counts. Its tasks
+        would write records in flight to a topic the restore replaced (gone, or created
+        again by the broker's auto-creation: records nobody reads) or route key-groups by the
+        old partition count. A restarted worker reads the job as it is now."""
+        if self._read_restored_marker() != self._restored_marker:
+            raise RestoredSinceStartError(
+                f"a savepoint restore of job {self.pipeline.name} completed after this worker "
+                "read the job's topics at its start; it restarts to read them again"
+            )
+
     def _restore(self, partitions: list[TopicPartition]) -> dict[tuple[str, int], int]:
         """Rebuild the tasks of ``partitions`` from their committed checkpoints."""
+        if partitions:
+            self._check_not_restored_since_start()
         restore_started = time.monotonic()
         by_task: dict[str, list[TopicPartition]] = defaultdict(list)
         for tp in partitions:
@@ -2965,6 +2989,12 @@ class Worker:
         except Exception:
             log.exception("consumer close")
         self.output.close(timeout=2.0 if self._stopping else 10.0)
+
+
+class RestoredSinceStartError(KafkaClientError):
+    """A savepoint restore of the job completed after this worker compiled its plan
+    (``Worker._check_not_restored_since_start``): exit EX_TEMPFAIL, and the restart reads the
+    job's topics again."""
 
 
 class ConsumerFencedError(KafkaClientError):
