@@ -24,7 +24,7 @@ from confluent_kafka.admin import AdminClient
 
 from examples.orders import produce_orders
 from examples.workers import WorkerProcess, process_state, read_events
-from integration_tests.warehouse_job import SPEC, WarehouseJob, snapline, wait_for
+from integration_tests.warehouse_job import SPEC, WarehouseJob, snapline, wait_for, wait_frozen
 from snapline import LocalKafkaBroker
 from snapline.pipeline.checkpoint.metadata import (
     TaskCheckpoint,
@@ -564,13 +564,7 @@ def test_a_zombie_woken_after_a_savepoint_restore_deletes_no_record_of_the_new_t
         {"SNAPLINE_FAULT": "repartition_delete_fresh:1:stop,after_repartition_delete:1:kill"}
     )
     job.produce(200)
-    assert zombie.proc is not None
-    wait_for(
-        "the zombie frozen before sending a deletion",
-        lambda: process_state(zombie.proc.pid) == "T",  # type: ignore[union-attr]
-        90,
-        job.logs,
-    )
+    wait_frozen(zombie, "the zombie frozen before sending a deletion", 90, job.logs)
     admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
 
     def members() -> int:

@@ -24,7 +24,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from examples.orders import read_committed, verify_totals
-from examples.workers import process_state, read_events
+from examples.workers import read_events
 from integration_tests.warehouse_job import (
     SPEC,
     WarehouseJob,
@@ -33,6 +33,7 @@ from integration_tests.warehouse_job import (
     snapline,
     start_from_savepoint,
     wait_for,
+    wait_frozen,
     wait_running,
 )
 
@@ -314,13 +315,7 @@ def test_workers_started_from_one_savepoint_at_once_restore_it_once(
     first.start(
         {"SNAPLINE_FAULT": "restore_before_kafka_changes:1:stop"}, ["--from-savepoint", path]
     )
-    assert first.proc is not None
-    wait_for(
-        "the first restore frozen before changing Kafka",
-        lambda: process_state(first.proc.pid) == "T",  # type: ignore[union-attr]
-        120,
-        job.logs,
-    )
+    wait_frozen(first, "the first restore frozen before changing Kafka", 120, job.logs)
     second.start(extra_args=["--from-savepoint", path])
     # Less than the lock's session (10 s), so the first keeps it: the second must wait. (It
     # restored the job meanwhile before, and the first then did it again.)
@@ -362,13 +357,7 @@ def test_a_worker_whose_start_a_restore_overtook_restarts_before_it_processes(
     )
     late, restorer = job.workers
     late.start({"SNAPLINE_FAULT": "after_namesake_check:1:stop"})
-    assert late.proc is not None
-    wait_for(
-        "the worker frozen after reading its plan",
-        lambda: process_state(late.proc.pid) == "T",  # type: ignore[union-attr]
-        120,
-        job.logs,
-    )
+    wait_frozen(late, "the worker frozen after reading its plan", 120, job.logs)
     restorer.start(extra_args=["--from-savepoint", path])
     wait_for(
         "the restore complete",
@@ -419,13 +408,7 @@ def test_a_restore_that_stalls_past_its_lock_changes_nothing_once_another_finish
     )
     first, second = job.workers
     first.start({"SNAPLINE_FAULT": f"{stall}:1:stop"}, ["--from-savepoint", path])
-    assert first.proc is not None
-    wait_for(
-        f"the first restore frozen at {stall}",
-        lambda: process_state(first.proc.pid) == "T",  # type: ignore[union-attr]
-        120,
-        job.logs,
-    )
+    wait_frozen(first, f"the first restore frozen at {stall}", 120, job.logs)
 
     def restores_of_second() -> int:
         events = read_events(second.metrics_path)

@@ -26,7 +26,7 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient
 
 from examples.orders import create_topics, produce_orders, read_committed, verify_totals
-from examples.workers import REPO, WorkerProcess, read_events
+from examples.workers import REPO, WorkerProcess, process_state, read_events
 from snapline.pipeline.checkpoint.metadata import decode_checked
 
 SPEC = "examples.warehouse:pipeline"
@@ -40,6 +40,16 @@ def wait_for(
     while not condition():
         assert time.monotonic() < deadline, f"{what}: not within {timeout} s\n{logs()}"
         time.sleep(0.3)
+
+
+def wait_frozen(
+    worker: WorkerProcess, what: str, timeout: float, logs: Callable[[], str] = str
+) -> None:
+    """Until ``worker``'s process is stopped (SIGSTOP at a fault point: state T), ``timeout``
+    s at most (its start and the way to the point)."""
+    assert worker.proc is not None, f"{what}: the worker was not started"
+    proc = worker.proc
+    wait_for(what, lambda: process_state(proc.pid) == "T", timeout, logs)
 
 
 def _committed(consumer: Consumer, topic: str, partitions: int) -> list[TopicPartition]:
