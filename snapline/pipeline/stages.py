@@ -171,6 +171,10 @@ class _Stages:
         return low
 
 
+#: The last part of a ``key_by`` name that is kept for generations (``repartition_topic``).
+_GENERATION = re.compile(r"g[0-9]+")
+
+
 def repartition_topic(job: str, name: str, generation: int = 0) -> str:
     """The repartition topic of ``key_by(name=name)`` in job ``job``:
     ``<job>.<name>.repartition``, and ``<job>.<name>.g<n>.repartition`` from its ``n``-th
@@ -228,7 +232,20 @@ def compile_stages(pipeline: Pipeline) -> StagePlan:
                 "(they name the repartition topics)"
             )
         names[name] = node
+        if _GENERATION.fullmatch(name.rsplit(".", 1)[-1]):
+            # <job>.<a>.g1.repartition would be both key_by "a"'s first replacement and
+            # key_by "a.g1"'s topic (or job <job>.<a>'s key_by "g1").
+            raise ConfigurationError(
+                f"key_by(name={name!r}): a name whose last part is g<number> is kept for the "
+                "topics a savepoint restore replaces (<job>.<name>.g<n>.repartition); pick "
+                "another name"
+            )
         topic = repartition_topic(pipeline.name, name, pipeline.topic_generations.get(name, 0))
+        if topic in {r.topic for r in repartitions.values()}:
+            raise ConfigurationError(
+                f"key_by(name={name!r}) gives the repartition topic {topic!r} of another "
+                "key_by; give it another name"
+            )
         if not _TOPIC_NAME.match(topic):
             raise ConfigurationError(
                 f"key_by(name={name!r}) gives the repartition topic {topic!r}, which is not a "

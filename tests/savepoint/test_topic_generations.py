@@ -110,3 +110,33 @@ def test_a_restore_goes_on_above_the_generations_whose_topics_exist() -> None:
         list_topics=lambda timeout: SimpleNamespace(topics=dict.fromkeys(topics))
     )
     assert _generations_in_kafka(admin, _pipeline()) == {"by-customer": 2}  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["g1", "by-customer.g2", "a.b.g10"])
+def test_a_key_by_name_that_ends_like_a_generation_is_refused(name: str) -> None:
+    """``orders.x.g1.repartition`` would be both key_by "x"'s first replacement and key_by
+    "x.g1"'s topic: the restore would empty (and its floor from Kafka would take) the other
+    stage's topic."""
+    from snapline.pipeline.errors import ConfigurationError
+
+    pipeline = Pipeline("orders")
+    (
+        pipeline.source(KafkaSource("in", value_format="json"))
+        .key_by(lambda v: v["customer"], name=name)
+        .map(lambda v: v)
+        .sink(KafkaSink("out", value_format="json"))
+    )
+    with pytest.raises(ConfigurationError, match="kept for the topics a savepoint restore"):
+        pipeline.stages()
+
+
+@pytest.mark.parametrize("name", ["g", "gx", "big1", "g1x", "g1.customers"])
+def test_other_names_are_fine(name: str) -> None:
+    pipeline = Pipeline("orders")
+    (
+        pipeline.source(KafkaSource("in", value_format="json"))
+        .key_by(lambda v: v["customer"], name=name)
+        .map(lambda v: v)
+        .sink(KafkaSink("out", value_format="json"))
+    )
+    assert pipeline.repartition_topics() == [f"orders.{name}.repartition"]
