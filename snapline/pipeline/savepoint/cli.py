@@ -356,7 +356,7 @@ def _job_dirs(uri: str, checkpoint_dir: str | None, job: str | None) -> list[str
     found: list[str] = []
     if checkpoint_dir and job:
         found.append(f"{checkpoint_dir.rstrip('/')}/{job}")
-    path, query = (uri.split("?", 1) + [""])[:2] if "?" in uri else (uri, "")
+    path, _, query = uri.partition("?")
     parts = path.rstrip("/").rsplit("/", 2)
     if (
         len(parts) == 3

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import shutil
 import tempfile
 import time
@@ -464,28 +465,26 @@ def _generations_in_kafka(admin: AdminClient, pipeline: Pipeline) -> dict[str, i
     names = [rep.name for rep in pipeline.stages().repartitions.values()]
     if not names:
         return {}
+    patterns = {
+        name: re.compile(re.escape(f"{pipeline.name}.{name}.g") + r"([1-9][0-9]*)\.repartition")
+        for name in names
+    }
     found: dict[str, int] = {}
     for topic in admin.list_topics(timeout=30).topics:
-        for name in names:
-            prefix = f"{pipeline.name}.{name}.g"
-            middle = topic[len(prefix) : -len(".repartition")]
-            if (
-                topic.startswith(prefix)
-                and topic.endswith(".repartition")
-                and middle.isdigit()
-                and repartition_topic(pipeline.name, name, int(middle)) == topic
-            ):
-                found[name] = max(found.get(name, 0), int(middle))
+        for name, pattern in patterns.items():
+            match = pattern.fullmatch(topic)
+            if match:
+                found[name] = max(found.get(name, 0), int(match.group(1)))
     return found
 
 
-def _replaced_topics(admin: AdminClient, plan: Any, partitions: dict[str, int]) -> dict[str, str]:
-    """``key_by`` name -> its repartition topic, for each topic that has more partitions than
-    the code declares: the restore replaces it by the next generation's topic."""
+def _replaced_topics(admin: AdminClient, plan: Any, partitions: dict[str, int]) -> list[str]:
+    """The ``key_by`` names whose repartition topic has more partitions than the code
+    declares: the restore replaces it by the next generation's topic."""
     if not plan.repartitions:
-        return {}
+        return []
     existing = admin.list_topics(timeout=30).topics
-    replaced = {}
+    replaced = []
     for rep in plan.repartitions.values():
         metadata = existing.get(rep.topic)
         if metadata is not None and len(metadata.partitions) > partitions[rep.topic]:
@@ -497,7 +496,7 @@ def _replaced_topics(admin: AdminClient, plan: Any, partitions: dict[str, int]) 
                 len(metadata.partitions),
                 partitions[rep.topic],
             )
-            replaced[rep.name] = rep.topic
+            replaced.append(rep.name)
     return replaced
 
 
