@@ -769,3 +769,54 @@ def test_a_restore_creates_a_repartition_topic_with_no_more_partitions_than_key_
     )
     (future,) = described.values()
     assert len(future.result(timeout=30).partitions) == 4
+
+
+def test_a_repartition_topic_created_after_the_restore_listed_it_is_kept_not_deleted(
+    kafka_bootstrap: str, admin: AdminClient, unique_name: str
+) -> None:
+    """Found in review of the destructive actions: when the restore's listing did not show a
+    repartition topic, it "recreated" it: deleted it if a second listing showed it, then
+    created it. A topic that appeared between the two (created by anyone: a worker's start, a
+    broker that auto-creates topics) was deleted and created again under its name, with
+    offsets from 0 again. Now the restore only creates; a topic that exists by then is kept
+    (same topic id) and emptied up to its ends, like any kept topic."""
+    from snapline.pipeline.runtime.topics import describe_topic_ids
+    from snapline.pipeline.savepoint import restore
+
+    config = {"bootstrap.servers": kafka_bootstrap}
+    topic = create_topic(admin, f"{unique_name}.by-k.repartition", partitions=2)
+    producer = Producer(config)
+    for i in range(20):
+        producer.produce(topic, b"{}", b"r%d" % i, partition=i % 2)
+    producer.flush(10)
+    before = describe_topic_ids(admin, [topic], "test")[topic]
+
+    class StaleListing:
+        """The real admin client, whose first listing is from before the topic existed."""
+
+        def __init__(self) -> None:
+            self.listings = 0
+
+        def list_topics(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = admin.list_topics(*args, **kwargs)
+            self.listings += 1
+            if self.listings == 1:
+                metadata.topics.pop(topic, None)
+            return metadata
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(admin, name)
+
+    steps: list[str] = []
+    stale: Any = StaleListing()
+    starts = restore._empty_repartition_topic(stale, topic, 2, {}, steps.append)
+    assert describe_topic_ids(admin, [topic], "test")[topic] == before, "deleted and created"
+    assert starts == {0: 10, 1: 10}, "not emptied up to its ends"
+    assert steps[0] == f"was about to create {topic}"
+    consumer = Consumer({**config, "group.id": f"{unique_name}-check"})
+    try:
+        for p in range(2):
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            assert (low, high) == (10, 10)
+    finally:
+        consumer.close()

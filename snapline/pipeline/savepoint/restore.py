@@ -216,12 +216,18 @@ def _empty_repartition_topic(
     partitions than the code declares was replaced by a topic of a new name before
     (``_replaced_topics``): deleting it and creating it again under its name started its
     offsets at 0 again, where such a delete removed records in flight the restored job had not
-    read. A topic that does not exist (a new generation's) is created.
+    read. A topic that does not exist (a new generation's) is created; one that appears
+    meanwhile is kept like any other (``_create_topic`` never deletes).
     ``check(step)`` (the restore's guard) is asked before each change it makes."""
     metadata = admin.list_topics(timeout=30).topics.get(topic)
     if metadata is None:
-        _recreate_topic(admin, topic, partitions, config)
-        return dict.fromkeys(range(partitions), 0)
+        check(f"was about to create {topic}")
+        if _create_topic(admin, topic, partitions, config):
+            return dict.fromkeys(range(partitions), 0)
+        # Created meanwhile (by whom is not known here): kept and emptied like any other.
+        metadata = admin.list_topics(topic, timeout=30).topics.get(topic)
+        if metadata is None or metadata.error is not None:
+            raise CheckpointError(f"repartition topic {topic} exists and cannot be described")
     if len(metadata.partitions) > partitions:  # replaced before (_replaced_topics)
         raise CheckpointError(
             f"repartition topic {topic} has {len(metadata.partitions)} partitions and the code "
@@ -532,19 +538,11 @@ def _delete_replaced_topics(
                 log.warning("could not delete replaced repartition topic %s: %s", topic, exc)
 
 
-def _recreate_topic(
-    admin: AdminClient, topic: str, partitions: int, config: dict[str, str]
-) -> None:
-    """Delete ``topic`` if it exists and create it with ``partitions`` (bounded waits)."""
-    metadata = admin.list_topics(timeout=30)
-    if topic in metadata.topics:
-        for future in admin.delete_topics([topic], operation_timeout=30).values():
-            try:
-                future.result(timeout=35)
-            except KafkaException as exc:
-                if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
-                    raise
-    deadline = time.monotonic() + 60
+def _create_topic(admin: AdminClient, topic: str, partitions: int, config: dict[str, str]) -> bool:
+    """Create ``topic`` with ``partitions`` (bounded waits); False if it exists already.
+
+    Never deletes: a topic that exists may hold records a running job reads, and one created
+    again under its name starts its offsets at 0, below a zombie's old positions."""
     while True:
         try:
             admin.create_topics(
@@ -556,13 +554,11 @@ def _recreate_topic(
             if refused_config(exc) and config != without_event_time_config(config):
                 config = without_event_time_config(config)  # a broker before 3.6
                 continue
-            # The deletion completes asynchronously: "already exists" until it has.
-            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS or (
-                time.monotonic() > deadline
-            ):
-                raise CheckpointError(f"cannot recreate topic {topic}: {exc}") from exc
-            time.sleep(0.5)
-    _wait_for_leaders(admin, topic, partitions, deadline)
+            if exc.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                return False
+            raise CheckpointError(f"cannot create topic {topic}: {exc}") from exc
+    _wait_for_leaders(admin, topic, partitions, time.monotonic() + 60)
+    return True
 
 
 def _wait_for_leaders(admin: AdminClient, topic: str, partitions: int, deadline: float) -> None:
