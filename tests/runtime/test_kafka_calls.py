@@ -8,11 +8,13 @@ import time
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
+from snapline.pipeline.errors import ConfigurationError
 from snapline.pipeline.runtime.kafka_calls import (
     EX_TEMPFAIL,
     BoundedCall,
     ErrorClass,
     KafkaClientError,
+    check_client_library,
     classify,
     is_unavailable,
 )
@@ -70,3 +72,20 @@ def test_a_hung_call_gives_up_after_its_bound_and_poisons_the_client() -> None:
     with pytest.raises(KafkaClientError, match="stuck in send_offsets_to_transaction"):
         call("commit_transaction", 5, lambda: None)
     release.set()
+
+
+@pytest.mark.parametrize("version", ["2.16.0", "2.16.1", "2.17.0rc1", "3.0.0"])
+def test_a_confluent_kafka_whose_consumer_admits_one_thread_is_refused_with_the_fix(
+    version: str,
+) -> None:
+    """From 2.16 a Consumer lets one thread at a time into its calls: the worker's bounded
+    calls in its rebalance callback would wait for consume() forever (the first assignment
+    hangs until the bound exits the worker, every restart again)."""
+    with pytest.raises(ConfigurationError, match=r"confluent-kafka>=2.12,<2.16"):
+        check_client_library(version)
+
+
+@pytest.mark.parametrize("version", ["2.12.0", "2.12.2", "2.15.1"])
+def test_a_confluent_kafka_before_the_consumer_gate_is_accepted(version: str) -> None:
+    check_client_library(version)
+    check_client_library()  # the installed one: the tests run on a supported version

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import enum
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import confluent_kafka
 from confluent_kafka import ConsumerGroupState, KafkaError, KafkaException
 
-from snapline.pipeline.errors import CheckpointError, SnaplineError
+from snapline.pipeline.errors import CheckpointError, ConfigurationError, SnaplineError
 
 if TYPE_CHECKING:
     from confluent_kafka.admin import AdminClient
@@ -41,6 +43,31 @@ EX_TEMPFAIL = 75
 
 #: Extra time a client call gets beyond the timeout it was given before it counts as hung.
 HANG_GRACE = 15.0
+
+#: The first confluent-kafka release that lets one thread at a time into a Consumer's calls
+#: (a call from another thread waits at a gate until the first returns; confluent-kafka-python
+#: #2322). A worker restores a task inside its rebalance callback, that is inside ``consume``,
+#: and runs the callback's client calls (``committed``, ...) on a helper thread with a bound:
+#: behind the gate they wait for ``consume``, which waits for them. Measured: ``committed``
+#: from a helper thread inside ``on_assign`` returns on 2.12.2 to 2.15.1 and hangs on 2.16.0
+#: and 2.16.1.
+CONSUMER_GATE_VERSION = (2, 16, 0)
+
+
+def check_client_library(version: str | None = None) -> None:
+    """Refuse a confluent-kafka whose Consumer deadlocks the worker's bounded calls in its
+    rebalance callback (``CONSUMER_GATE_VERSION``), at start and with the fix."""
+    version = version or confluent_kafka.version()[0]
+    parts = tuple(int(n) for n in re.findall(r"\d+", version)[:3])
+    if parts >= CONSUMER_GATE_VERSION:
+        raise ConfigurationError(
+            f"confluent-kafka {version} is installed; Snapline's worker needs a version "
+            "before 2.16 (from 2.16 a Consumer lets one thread at a time into its calls, and "
+            "the worker's rebalance callback, which runs inside consume(), waits for a client "
+            "call on another thread: it would hang at its first assignment). Install "
+            "'confluent-kafka>=2.12,<2.16'"
+        )
+
 
 # Errors that say "the broker (or a coordinator on it) is not reachable right now". They are
 # retried with backoff inside a call's bound; when the bound runs out the worker waits for the

@@ -103,6 +103,7 @@ from snapline.pipeline.runtime.kafka_calls import (
     ErrorClass,
     KafkaClientError,
     backoff,
+    check_client_library,
     classify,
     is_unavailable,
     kafka_error,
@@ -258,6 +259,7 @@ class Worker:
     """See module docstring."""
 
     def __init__(self, pipeline: Pipeline, settings: WorkerSettings) -> None:
+        check_client_library()
         pipeline.validate()
         self.pipeline = pipeline
         self.settings = settings
