@@ -8,6 +8,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -164,3 +165,23 @@ def test_progress_bar_completes_every_step() -> None:
     text = out.getvalue()
     assert "4/4 tasks" in text and "1/1 tasks" in text and "state (20 rows, 0.1 MB)" in text
     assert text.count("state (") == 1
+
+
+@pytest.mark.parametrize("code", [75, 78])
+def test_a_click_error_exits_with_its_code_and_a_redacted_message(code: int) -> None:
+    """Configuration errors exit 78 and a broker that stays away 75 (the supervisor's rules);
+    click 8.5 made ``exit_code`` a class variable and ``message`` final, which an assignment
+    on the instance no longer type-checks against."""
+    from snapline.pipeline.cli_help import FullSummaryGroup, click_error
+
+    @click.group(cls=FullSummaryGroup)
+    def group() -> None:
+        pass
+
+    @group.command()
+    def fail() -> None:
+        raise click_error("cannot reach kafka://user:hunter2@broker:9092", code)
+
+    result = CliRunner().invoke(group, ["fail"])
+    assert result.exit_code == code
+    assert "cannot reach" in result.output and "hunter2" not in result.output

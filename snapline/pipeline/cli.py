@@ -17,7 +17,7 @@ from typing import NoReturn
 import click
 
 from snapline.connectors.config import install_redaction, redact_text
-from snapline.pipeline.cli_help import FullSummaryGroup
+from snapline.pipeline.cli_help import FullSummaryGroup, click_error
 from snapline.pipeline.errors import ConfigurationError, SnaplineError
 from snapline.pipeline.runtime.liveness import DEFAULT_TIMEOUT as DEFAULT_LIVENESS_TIMEOUT
 from snapline.pipeline.runtime.liveness import check_timeout as check_liveness_timeout
@@ -46,9 +46,7 @@ def _configuration_error(exc: ConfigurationError) -> NoReturn:
     if hand_over_message(redact_text(str(exc))):
         log.error("configuration error: exiting with %d (the supervisor prints why)", code)
         sys.exit(code)
-    error = click.ClickException(str(exc))
-    error.exit_code = code
-    raise error
+    raise click_error(str(exc), code)
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -294,9 +292,7 @@ def run(
                 _configuration_error(exc)
             except KafkaUnavailableError as exc:
                 # The broker may be down for a while: "restart me", not a configuration error.
-                error = click.ClickException(str(exc))
-                error.exit_code = EX_TEMPFAIL
-                raise error from exc
+                raise click_error(str(exc), EX_TEMPFAIL) from exc
             except SnaplineError as exc:
                 raise click.ClickException(str(exc)) from exc
             return

@@ -16,6 +16,13 @@ import click
 from snapline.connectors.config import redact_text
 
 
+def click_error(message: str, exit_code: int) -> click.ClickException:
+    """A ClickException that exits with ``exit_code`` (click 8.5 declares ``exit_code`` a
+    class variable, so it is set on a subclass, not on the instance)."""
+    error_type = type("SnaplineExit", (click.ClickException,), {"exit_code": exit_code})
+    return error_type(message)
+
+
 class FullSummaryGroup(click.Group):
     """A ``click.Group`` whose command list shows each command's whole first sentence, and
     whose commands' error messages are redacted (``redact_text``)."""
@@ -24,7 +31,8 @@ class FullSummaryGroup(click.Group):
         try:
             return super().invoke(ctx)
         except click.ClickException as exc:
-            exc.message = redact_text(exc.message)
+            # click 8.5 declares ``message`` Final; it is an instance attribute all the same.
+            exc.__dict__["message"] = redact_text(exc.message)
             raise
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
