@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 import pytest
 from confluent_kafka import Consumer, TopicPartition, version
@@ -28,23 +27,24 @@ def test_a_consumer_call_from_a_helper_thread_returns_inside_the_rebalance_callb
     consumer = Consumer(
         {"bootstrap.servers": kafka_bootstrap, "group.id": unique_name, "enable.auto.commit": False}
     )
-    answers: list[Any] = []
+    committed: list[list[TopicPartition]] = []  # the helper's answer
+    joined: list[bool] = []  # whether the callback saw the helper return within its bound
 
     def on_assign(c: Consumer, partitions: list[TopicPartition]) -> None:
         helper = threading.Thread(
-            target=lambda: answers.append(c.committed(partitions, timeout=10)), daemon=True
+            target=lambda: committed.append(c.committed(partitions, timeout=10)), daemon=True
         )
         helper.start()
         helper.join(20)  # the worker's bound is of the same order
-        answers.append("joined" if not helper.is_alive() else "hung")
+        joined.append(not helper.is_alive())
 
     try:
         consumer.subscribe([topic], on_assign=on_assign)
         deadline = time.monotonic() + 60  # a group join on a fresh broker takes seconds
-        while not answers and time.monotonic() < deadline:
+        while not joined and time.monotonic() < deadline:
             consumer.consume(10, 0.5)
-        assert answers, "no assignment within 60 s"
-        assert answers[-1] == "joined", f"committed() hung in on_assign on {version()[0]}"
-        assert len(answers[0]) == 2
+        assert joined, "no assignment within 60 s"
+        assert joined[0], f"committed() hung in on_assign on {version()[0]}"
+        assert len(committed[0]) == 2
     finally:
         consumer.close()
