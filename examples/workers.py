@@ -14,6 +14,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
+#: The start of the log line of a worker that died of a signal nobody sent it.
+DIED_OF_SIGNAL = "===== the worker died of a signal the test did not send: "
+
 
 def run_snapline(
     *args: str, cwd: Path, env: dict[str, str], timeout: float = 300
@@ -50,6 +53,8 @@ class WorkerProcess:
         self.workdir = workdir
         self.env = dict(env)
         self.proc: subprocess.Popen[bytes] | None = None
+        #: Whether this process was sent a signal (by ``signal``, ``kill``, ``stop``).
+        self._signalled = False
         self.starts = 0
         self.log_path = workdir / f"worker-{worker_id}.log"
         self.metrics_path = workdir / "metrics.jsonl"
@@ -81,6 +86,8 @@ class WorkerProcess:
     def start(
         self, extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None
     ) -> None:
+        self._note_own_end()
+        self._signalled = False
         with open(self.log_path, "ab") as log:
             log.write(f"\n===== start {self.starts} at {time.time():.3f}\n".encode())
             log.flush()
@@ -109,10 +116,23 @@ class WorkerProcess:
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self._signalled = True
             os.kill(self.proc.pid, sig)
+
+    def _note_own_end(self) -> None:
+        """A process that died of a signal this object did not send (SIGSEGV, SIGABRT, the
+        OOM killer's SIGKILL) leaves a line saying so in its log, which the integration
+        suite's fatal-signal check reads: faulthandler does not always get to write its
+        report."""
+        code = None if self.proc is None else self.proc.poll()
+        if code is not None and code < 0 and not self._signalled:
+            self._signalled = True  # noted once
+            with open(self.log_path, "ab") as log:
+                log.write(f"\n{DIED_OF_SIGNAL}{signal.Signals(-code).name}\n".encode())
 
     def kill(self) -> None:
         """SIGKILL: no final checkpoint, no cleanup; crash consistency is the point."""
+        self._note_own_end()
         if self.proc is not None:
             self.signal(signal.SIGKILL)
             self.proc.wait(30)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import sys
 import threading
 import time
 
 import pytest
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from snapline.pipeline.errors import ConfigurationError
 from snapline.pipeline.runtime.kafka_calls import (
@@ -16,6 +19,8 @@ from snapline.pipeline.runtime.kafka_calls import (
     KafkaClientError,
     check_client_library,
     classify,
+    delete_records,
+    installed_client_version,
     is_unavailable,
 )
 
@@ -92,3 +97,26 @@ def test_a_confluent_kafka_before_the_consumer_gate_is_accepted(version: str) ->
 
 def test_the_tests_run_on_a_supported_confluent_kafka() -> None:
     check_client_library()
+
+
+def test_the_version_checked_is_the_installed_release_not_its_first_character() -> None:
+    """``confluent_kafka.version()`` is a str in these releases: taking its ``[0]`` checked
+    "2", and a worker on 2.16.1 started and hung at its first assignment."""
+    assert installed_client_version() == importlib.metadata.version("confluent-kafka")
+    assert installed_client_version().count(".") >= 2
+
+
+def test_delete_records_leaves_the_list_of_partitions_it_was_given_alive() -> None:
+    """confluent-kafka's ``delete_records`` (2.5 to 2.15.0; 2.12.2 is what the README
+    installs) drops a reference to the list it is given that it never took: the list is
+    freed while its owners hold it, and the heap is corrupt from there (workers, which
+    delete consumed repartition records every checkpoint, died of SIGSEGV). Through the
+    wrapper the list keeps every reference, whatever the release does. A real client; the
+    request goes nowhere (no broker at that address), the call only has to return."""
+    admin = AdminClient({"bootstrap.servers": "127.0.0.1:1", "log_level": 0})
+    for _ in range(200):
+        below = [TopicPartition("t", 0, 5), TopicPartition("t", 1, 7)]
+        before = sys.getrefcount(below)
+        futures = delete_records(admin, below, request_timeout=1)
+        assert sys.getrefcount(below) == before
+        assert sorted(futures, key=lambda tp: tp.partition) == below

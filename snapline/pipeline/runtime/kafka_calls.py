@@ -14,9 +14,11 @@ thread, one at a time per :class:`BoundedCall`.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import logging
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -54,10 +56,18 @@ HANG_GRACE = 15.0
 CONSUMER_GATE_VERSION = (2, 16, 0)
 
 
+def installed_client_version() -> str:
+    """The confluent-kafka release in use, e.g. "2.12.2". ``confluent_kafka.version()``
+    returns that string in the releases Snapline supports (older ones returned a tuple of it
+    and an int): its ``[0]`` is "2", which every gate would accept."""
+    found: Any = confluent_kafka.version()
+    return str(found if isinstance(found, str) else found[0])
+
+
 def check_client_library(version: str | None = None) -> None:
     """Refuse a confluent-kafka whose Consumer deadlocks the worker's bounded calls in its
     rebalance callback (``CONSUMER_GATE_VERSION``), at start and with the fix."""
-    version = version or confluent_kafka.version()[0]
+    version = version or installed_client_version()
     parts = tuple(int(n) for n in re.findall(r"\d+", version)[:3])
     if parts >= CONSUMER_GATE_VERSION:
         raise ConfigurationError(
@@ -234,6 +244,28 @@ def _release(holder: list[Any]) -> None:
     """Runs on the helper thread, which takes and drops the last reference."""
     client = holder.pop()
     del client
+
+
+def delete_records(admin: AdminClient, below: Iterable[Any], **options: Any) -> dict[Any, Any]:
+    """``admin.delete_records(below, **options)``: the futures by partition, with the list
+    passed in kept alive.
+
+    confluent-kafka's C ``delete_records`` (2.5 to 2.15, at least) drops a reference to the
+    list of partitions it is given, a reference it never took (``Py_XDECREF`` of an argument
+    parsed as borrowed). The list is then freed while its owners still hold it, and the
+    process's heap is corrupt from there: workers, which delete consumed repartition records
+    at every checkpoint, died of SIGSEGV or SIGABRT seconds to minutes later, anywhere (seen:
+    in ``min()``, in building a dict, in ``orjson.dumps``, in a Future's waiters on the
+    librdkafka background thread). So the call gets a list of its own with one reference added
+    for the library to drop; a version that drops none gives it back here."""
+    request = list(below)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(request))
+    held = sys.getrefcount(request)
+    try:
+        return admin.delete_records(request, **options)
+    finally:
+        if sys.getrefcount(request) >= held:  # nothing was dropped: this one is ours
+            ctypes.pythonapi.Py_DecRef(ctypes.py_object(request))
 
 
 #: Group states without members (UNKNOWN, from a broker that does not say, may have some).

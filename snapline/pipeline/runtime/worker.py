@@ -105,6 +105,7 @@ from snapline.pipeline.runtime.kafka_calls import (
     backoff,
     check_client_library,
     classify,
+    delete_records,
     is_unavailable,
     kafka_error,
     listed_groups,
@@ -2043,8 +2044,8 @@ class Worker:
                 return
             self.faults.point("repartition_delete_fresh")
             try:
-                futures = self._background_admin().delete_records(
-                    below, request_timeout=10, operation_timeout=0
+                futures = delete_records(
+                    self._background_admin(), below, request_timeout=10, operation_timeout=0
                 )
             except (KafkaException, ValueError) as exc:
                 log.warning("deleting consumed repartition records: %s", exc)

@@ -86,6 +86,7 @@ from snapline.pipeline.runtime.kafka_calls import (
     ErrorClass,
     KafkaClientError,
     classify,
+    delete_records,
     is_unavailable,
     kafka_error,
 )
@@ -264,7 +265,8 @@ def _empty_repartition_topic(
         check(f"was about to delete the records of {topic}")
         FaultInjector().point("restore_before_delete")
         try:
-            deleted = admin.delete_records(
+            deleted = delete_records(
+                admin,
                 [TopicPartition(topic, p, ends[p]) for p in range(partitions) if p not in starts],
                 request_timeout=30,
                 operation_timeout=30,
