@@ -14,8 +14,16 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
-#: The start of the log line of a worker that died of a signal nobody sent it.
+#: The start of the log line of a worker that died of a fatal signal nobody sent it.
 DIED_OF_SIGNAL = "===== the worker died of a signal the test did not send: "
+#: Signals a process gets for a fault of its own (a bad memory access, an abort()).
+FATAL_SIGNALS = {
+    signal.SIGSEGV,
+    signal.SIGABRT,
+    signal.SIGBUS,
+    signal.SIGILL,
+    signal.SIGFPE,
+}
 
 
 def run_snapline(
@@ -120,12 +128,12 @@ class WorkerProcess:
             os.kill(self.proc.pid, sig)
 
     def _note_own_end(self) -> None:
-        """A process that died of a signal this object did not send (SIGSEGV, SIGABRT, the
-        OOM killer's SIGKILL) leaves a line saying so in its log, which the integration
-        suite's fatal-signal check reads: faulthandler does not always get to write its
-        report."""
+        """A process that died of a fatal signal this object did not send (``FATAL_SIGNALS``)
+        leaves a line saying so in its log, which the integration suite's fatal-signal check
+        reads: faulthandler does not always get to write its report. A SIGKILL is not one:
+        fault injection's kill points end a worker with it."""
         code = None if self.proc is None else self.proc.poll()
-        if code is not None and code < 0 and not self._signalled:
+        if code is not None and -code in FATAL_SIGNALS and not self._signalled:
             self._signalled = True  # noted once
             with open(self.log_path, "ab") as log:
                 log.write(f"\n{DIED_OF_SIGNAL}{signal.Signals(-code).name}\n".encode())

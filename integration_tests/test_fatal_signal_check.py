@@ -32,18 +32,30 @@ def test_a_process_that_died_of_a_segfault_is_reported_and_a_clean_one_is_not(
     ]
 
 
-def test_a_worker_found_dead_of_a_signal_nobody_sent_is_reported_and_a_killed_one_is_not(
+def test_a_worker_found_dead_of_a_fatal_signal_is_reported_and_one_killed_is_not(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """Without faulthandler's report: WorkerProcess notes a death by a signal it did not send
-    when it next kills or starts the worker; the SIGKILL it sends itself is not noted."""
+    """Without faulthandler's report: WorkerProcess notes a death by a fatal signal it did
+    not send when it next kills or starts the worker. A SIGKILL is not noted, neither the one
+    it sends nor one the worker sends itself (fault injection's kill points)."""
     directory = tmp_path_factory.mktemp("died")
-    crashed = WorkerProcess("m:p", "crashed", "127.0.0.1:1", directory, directory, {})
-    killed = WorkerProcess("m:p", "killed", "127.0.0.1:1", directory, directory, {})
-    crashed.proc = subprocess.Popen([sys.executable, "-c", "import ctypes; ctypes.string_at(0)"])
-    crashed.proc.wait(60)
-    killed.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    for worker in (crashed, killed):
+    programs = {
+        "crashed": "import ctypes; ctypes.string_at(0)",
+        "self-killed": "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+        "killed": "import time; time.sleep(60)",
+    }
+    workers = {}
+    for name, code in programs.items():
+        worker = WorkerProcess("m:p", name, "127.0.0.1:1", directory, directory, {})
+        worker.proc = subprocess.Popen([sys.executable, "-c", code])
+        workers[name] = worker
+    for name in ("crashed", "self-killed"):
+        workers[name].proc.wait(60)  # type: ignore[union-attr]
+    for worker in workers.values():
         worker.kill()
-    assert killed.proc.returncode == -9
+    assert {n: w.proc.returncode for n, w in workers.items()} == {  # type: ignore[union-attr]
+        "crashed": -11,
+        "self-killed": -9,
+        "killed": -9,
+    }
     assert fatal_signal_reports(directory) == [f"worker-crashed.log: {DIED_OF_SIGNAL}SIGSEGV"]
