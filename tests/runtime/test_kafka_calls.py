@@ -6,11 +6,13 @@ import importlib.metadata
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+import snapline
 from snapline.pipeline.errors import ConfigurationError
 from snapline.pipeline.runtime.kafka_calls import (
     EX_TEMPFAIL,
@@ -120,3 +122,17 @@ def test_delete_records_leaves_the_list_of_partitions_it_was_given_alive() -> No
         futures = delete_records(admin, below, request_timeout=1)
         assert sys.getrefcount(below) == before
         assert sorted(futures, key=lambda tp: tp.partition) == below
+
+
+def test_snapline_calls_admin_delete_records_only_through_the_wrapper() -> None:
+    """A direct ``admin.delete_records(...)`` anywhere in the package brings the reference
+    bug back on the releases that have it (2.12.2 is what the README installs)."""
+    package = Path(snapline.__file__).parent
+    direct = [
+        f"{path.relative_to(package)}:{number}"
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "kafka_calls.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if ".delete_records(" in line
+    ]
+    assert direct == []
