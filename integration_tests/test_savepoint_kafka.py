@@ -29,6 +29,7 @@ from snapline import ConfigurationError, KafkaSink, KafkaSource, Pipeline
 from snapline.pipeline.checkpoint.metadata import CheckpointRef
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.errors import CheckpointError
+from snapline.pipeline.runtime.kafka_calls import delete_records
 from snapline.pipeline.runtime.topics import TopicManager, pipeline_topics
 from snapline.pipeline.savepoint import export
 from snapline.pipeline.savepoint.format import (
@@ -415,8 +416,8 @@ def test_a_zombies_delete_by_its_old_positions_after_a_restore_deletes_nothing_r
     )
     assert restored is not None
     # The zombie wakes: it had read 10 records of partition 0 and deletes below that.
-    for future in admin.delete_records(
-        [TopicPartition(repartition, 0, 10)], request_timeout=30
+    for future in delete_records(
+        admin, [TopicPartition(repartition, 0, 10)], request_timeout=30
     ).values():
         future.result(timeout=35)
     consumer = Consumer(
@@ -630,7 +631,7 @@ def test_records_in_flight_that_kafka_deleted_are_an_error_not_skipped(
     for i in range(100):
         producer.produce(topic, b"{}", b"sk%d" % i, partition=0)
     producer.flush(10)
-    deleted = admin.delete_records([TopicPartition(topic, 0, 60)], request_timeout=30)
+    deleted = delete_records(admin, [TopicPartition(topic, 0, 60)], request_timeout=30)
     for future in deleted.values():
         future.result(timeout=35)
     with pytest.raises(CheckpointError, match=r"partition 0: from 20, the log now starts at 60"):

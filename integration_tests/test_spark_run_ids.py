@@ -16,6 +16,7 @@ from confluent_kafka.admin import AdminClient
 
 from examples.orders import create_topics, read_committed
 from examples.workers import run_snapline
+from snapline.pipeline.runtime.kafka_calls import delete_records
 from snapline.pipeline.spark.bounded import _transactional_id
 from snapline.pipeline.stages import SOURCE_STAGE, task_id_for
 
@@ -85,7 +86,7 @@ def test_a_range_that_retention_deleted_in_part_is_refused_before_spark_runs(
         producer.produce(source, orjson.dumps({"n": n}))
     producer.flush(30)
     admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
-    for future in admin.delete_records([TopicPartition(source, 0, 60)]).values():
+    for future in delete_records(admin, [TopicPartition(source, 0, 60)]).values():
         future.result(timeout=35)
     result = _spark_run(
         kafka_bootstrap, tmp_path, prefix, "--from", orjson.dumps({source: {"0": 0}}).decode()

@@ -17,6 +17,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewPartitions
 from examples.orders import create_topics, produce_orders, read_committed, verify_totals
 from examples.workers import WorkerProcess, fault_hits, process_state, read_events
 from integration_tests.conftest import create_topic
+from snapline.pipeline.runtime.kafka_calls import delete_records
 from snapline.pipeline.runtime.topics import INTERNAL_TOPIC_CONFIG, without_event_time_config
 from snapline.pipeline.supervisor import COMMITTED_FILE_ENV, IDLE_HEALTHY_ENV
 
@@ -878,7 +879,7 @@ def test_source_records_deleted_before_the_job_read_them_stop_it_until_the_user_
 
     produce(range(100, 200))  # then retention deletes 100..149 before the job reads them
     admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
-    for future in admin.delete_records([TopicPartition(source, 0, 150)]).values():
+    for future in delete_records(admin, [TopicPartition(source, 0, 150)]).values():
         future.result(timeout=35)
     stderr = _run_expecting_failure(
         "integration_tests.pipelines:named_copy", kafka_bootstrap, prefix, tmp_path
