@@ -250,14 +250,16 @@ def delete_records(admin: AdminClient, below: Iterable[Any], **options: Any) -> 
     """``admin.delete_records(below, **options)``: the futures by partition, with the list
     passed in kept alive.
 
-    confluent-kafka's C ``delete_records`` (2.5 to 2.15, at least) drops a reference to the
-    list of partitions it is given, a reference it never took (``Py_XDECREF`` of an argument
-    parsed as borrowed). The list is then freed while its owners still hold it, and the
-    process's heap is corrupt from there: workers, which delete consumed repartition records
-    at every checkpoint, died of SIGSEGV or SIGABRT seconds to minutes later, anywhere (seen:
-    in ``min()``, in building a dict, in ``orjson.dumps``, in a Future's waiters on the
-    librdkafka background thread). So the call gets a list of its own with one reference added
-    for the library to drop; a version that drops none gives it back here."""
+    confluent-kafka's C ``delete_records`` drops a reference to the list of partitions it is
+    given, a reference it never took (``Py_XDECREF`` of an argument parsed as borrowed).
+    Measured: 2.5.3, 2.12.2 (what the README installs: Quix Streams pins ``<2.13``), 2.13.0,
+    2.14.0 and 2.15.0 drop one; 2.15.1 and 2.16.1 do not. The list is then freed while its
+    owners still hold it, and the process's heap is corrupt from there: workers, which delete
+    consumed repartition records at every checkpoint, died of SIGSEGV or SIGABRT seconds to
+    minutes later, anywhere (seen: in ``min()``, in building a dict, in ``orjson.dumps``, in
+    a Future's waiters on the librdkafka background thread). So the call gets a list of its
+    own with one reference added for the library to drop; a release that drops none gives it
+    back here."""
     request = list(below)
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(request))
     held = sys.getrefcount(request)
