@@ -6,10 +6,11 @@ import threading
 import time
 
 import pytest
-from confluent_kafka import Consumer, TopicPartition, version
+from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from integration_tests.conftest import create_topic
+from snapline.pipeline.runtime.kafka_calls import installed_client_version
 
 pytestmark = [pytest.mark.integration]
 
@@ -44,7 +45,7 @@ def test_a_consumer_call_from_a_helper_thread_returns_inside_the_rebalance_callb
         while not joined and time.monotonic() < deadline:
             consumer.consume(10, 0.5)
         assert joined, "no assignment within 60 s"
-        assert joined[0], f"committed() hung in on_assign on {version()[0]}"
+        assert joined[0], f"committed() hung in on_assign on {installed_client_version()}"
         assert len(committed[0]) == 2
     finally:
         consumer.close()

@@ -113,7 +113,8 @@ def test_delete_records_leaves_the_list_of_partitions_it_was_given_alive() -> No
     installs) drops a reference to the list it is given that it never took: the list is
     freed while its owners hold it, and the heap is corrupt from there (workers, which
     delete consumed repartition records every checkpoint, died of SIGSEGV). Through the
-    wrapper the list keeps every reference, whatever the release does. A real client; the
+    wrapper the list keeps every reference, whatever the release does (measured on the list
+    the library is given: the wrapper passes it, not a copy). A real client; the
     request goes nowhere (no broker at that address), the call only has to return."""
     admin = AdminClient({"bootstrap.servers": "127.0.0.1:1", "log_level": 0})
     for _ in range(200):

@@ -246,9 +246,9 @@ def _release(holder: list[Any]) -> None:
     del client
 
 
-def delete_records(admin: AdminClient, below: Iterable[Any], **options: Any) -> dict[Any, Any]:
+def delete_records(admin: AdminClient, below: list[Any], **options: Any) -> dict[Any, Any]:
     """``admin.delete_records(below, **options)``: the futures by partition, with the list
-    passed in kept alive.
+    ``below`` kept alive.
 
     confluent-kafka's C ``delete_records`` drops a reference to the list of partitions it is
     given, a reference it never took (``Py_XDECREF`` of an argument parsed as borrowed).
@@ -257,17 +257,15 @@ def delete_records(admin: AdminClient, below: Iterable[Any], **options: Any) -> 
     owners still hold it, and the process's heap is corrupt from there: workers, which delete
     consumed repartition records at every checkpoint, died of SIGSEGV or SIGABRT seconds to
     minutes later, anywhere (seen: in ``min()``, in building a dict, in ``orjson.dumps``, in
-    a Future's waiters on the librdkafka background thread). So the call gets a list of its
-    own with one reference added for the library to drop; a release that drops none gives it
-    back here."""
-    request = list(below)
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(request))
-    held = sys.getrefcount(request)
+    a Future's waiters on the librdkafka background thread). So the list gets one reference
+    added for the library to drop; a release that drops none gives it back here."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(below))
+    held = sys.getrefcount(below)
     try:
-        return admin.delete_records(request, **options)
+        return admin.delete_records(below, **options)
     finally:
-        if sys.getrefcount(request) >= held:  # nothing was dropped: this one is ours
-            ctypes.pythonapi.Py_DecRef(ctypes.py_object(request))
+        if sys.getrefcount(below) >= held:  # nothing was dropped: this one is ours
+            ctypes.pythonapi.Py_DecRef(ctypes.py_object(below))
 
 
 #: Group states without members (UNKNOWN, from a broker that does not say, may have some).
