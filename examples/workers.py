@@ -38,8 +38,15 @@ def run_snapline(
         text=True,
         timeout=timeout,
         cwd=cwd,
-        env={**os.environ, "PYTHONPATH": str(REPO), **env},
+        env=with_repo_path({**os.environ, **env}),
     )
+
+
+def with_repo_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with this checkout first on ``PYTHONPATH``, ahead of what it had there (a
+    side-installed client library, e.g. to run the tests on another confluent-kafka)."""
+    path = [str(REPO), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    return {**env, "PYTHONPATH": os.pathsep.join(path)}
 
 
 class WorkerProcess:
@@ -82,14 +89,15 @@ class WorkerProcess:
         ]
 
     def _env(self, extra_env: dict[str, str] | None) -> dict[str, str]:
-        return {
-            **os.environ,
-            **self.env,
-            **(extra_env or {}),
-            "SNAPLINE_METRICS_FILE": str(self.metrics_path),
-            "SNAPLINE_FAULT_LOG": str(self.fault_log),
-            "PYTHONPATH": str(REPO),
-        }
+        return with_repo_path(
+            {
+                **os.environ,
+                **self.env,
+                **(extra_env or {}),
+                "SNAPLINE_METRICS_FILE": str(self.metrics_path),
+                "SNAPLINE_FAULT_LOG": str(self.fault_log),
+            }
+        )
 
     def start(
         self, extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None

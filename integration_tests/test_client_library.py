@@ -10,42 +10,41 @@ from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from integration_tests.conftest import create_topic
-from snapline.pipeline.runtime.kafka_calls import installed_client_version
+from snapline.pipeline.runtime.kafka_calls import BoundedCall, installed_client_version
 
 pytestmark = [pytest.mark.integration]
 
 
-def test_a_consumer_call_from_a_helper_thread_returns_inside_the_rebalance_callback(
+def test_a_bounded_consumer_call_returns_inside_the_rebalance_callback(
     kafka_bootstrap: str, admin: AdminClient, unique_name: str
 ) -> None:
-    """A worker restores a task inside ``on_assign`` (inside ``consume``) and runs the
-    callback's client calls on a helper thread with a bound (runtime/kafka_calls.py). From
-    confluent-kafka 2.16 a Consumer lets one thread at a time into its calls, so that
-    ``committed`` waited for ``consume`` and every worker hung at its first assignment; the
-    pin in pyproject.toml and ``check_client_library`` keep it out. This is the property
-    they protect, on the version installed."""
+    """A worker restores a task inside ``on_assign`` (inside ``consume``) and asks the
+    consumer for committed offsets there through its bounded calls. Those run on the
+    callback's thread (``BoundedCall``'s ``inline``): from confluent-kafka 2.16 a Consumer
+    admits one thread at a time, and a helper thread waited for ``consume`` forever. The
+    newest release the pin admits is covered by a worker test
+    (test_exactly_once_kill.py, ``..._newest_client_...``); this is the installed one."""
     topic = create_topic(admin, f"{unique_name}-in", partitions=2)
     consumer = Consumer(
         {"bootstrap.servers": kafka_bootstrap, "group.id": unique_name, "enable.auto.commit": False}
     )
-    committed: list[list[TopicPartition]] = []  # the helper's answer
-    joined: list[bool] = []  # whether the callback saw the helper return within its bound
+    inside: list[int] = []  # the thread in the callback
+    call = BoundedCall("consumer", inline=lambda: threading.get_ident() in inside)
+    committed: list[list[TopicPartition]] = []
 
     def on_assign(c: Consumer, partitions: list[TopicPartition]) -> None:
-        helper = threading.Thread(
-            target=lambda: committed.append(c.committed(partitions, timeout=10)), daemon=True
-        )
-        helper.start()
-        helper.join(20)  # the worker's bound is of the same order
-        joined.append(not helper.is_alive())
+        inside.append(threading.get_ident())
+        try:
+            committed.append(call("committed", 20, c.committed, partitions, 10))
+        finally:
+            inside.clear()
 
     try:
         consumer.subscribe([topic], on_assign=on_assign)
         deadline = time.monotonic() + 60  # a group join on a fresh broker takes seconds
-        while not joined and time.monotonic() < deadline:
+        while not committed and time.monotonic() < deadline:
             consumer.consume(10, 0.5)
-        assert joined, "no assignment within 60 s"
-        assert joined[0], f"committed() hung in on_assign on {installed_client_version()}"
+        assert committed, f"no assignment within 60 s on {installed_client_version()}"
         assert len(committed[0]) == 2
     finally:
         consumer.close()

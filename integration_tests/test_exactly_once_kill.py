@@ -24,6 +24,7 @@ import pytest
 
 from examples.orders import create_topics, produce_orders, read_committed, verify_totals
 from examples.workers import WorkerProcess, fault_hits, process_state, read_events
+from integration_tests.client_versions import NEWEST, side_installed
 from snapline.pipeline.supervisor import EX_SUPERSEDED
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -201,6 +202,37 @@ def test_random_sigkills_lose_and_duplicate_nothing(job_factory, backend: str) -
     job.verify()
     job.stop_all()
     assert kills >= 20 and job.produced >= 200_000
+
+
+def test_workers_on_the_newest_client_the_pin_admits_are_exactly_once_under_kills(
+    job_factory,
+) -> None:
+    """CI installs confluent-kafka 2.12 (the bench extra's Quix Streams holds it below 2.13);
+    ``pip install snapline`` alone takes the newest release the pin admits. Here both
+    workers run on that release (``client_versions.NEWEST``, installed beside the other),
+    restore inside their rebalance callbacks at every start and rebalance, and are killed
+    8 times. From 2.16 a Consumer admits one thread at a time: a worker that called the
+    consumer from a helper thread inside the callback hung at its first assignment."""
+    env = {"PYTHONPATH": str(side_installed(NEWEST))}
+    job = job_factory(backend="rocksdb", interval=0.5, counts=True)
+    for worker in job.workers:
+        worker.start(env)
+    producer = job.produce_in_background(40_000, waves=10)
+    rng = random.Random(16)
+    kills = 0
+    while kills < 8 or producer.is_alive():
+        time.sleep(rng.uniform(0.5, 2.0))
+        victim = rng.choice(job.workers)
+        victim.kill()
+        kills += 1
+        time.sleep(rng.uniform(0.0, 0.5))
+        victim.start(env)
+    producer.join()
+    job.wait_until_caught_up()
+    job.verify()
+    job.stop_all()
+    for worker in job.workers:
+        assert f"confluent-kafka {NEWEST}," in worker.log_path.read_text("utf-8", "replace")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

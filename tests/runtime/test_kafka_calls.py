@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import subprocess
 import sys
 import threading
 import time
@@ -13,13 +14,11 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 import snapline
-from snapline.pipeline.errors import ConfigurationError
 from snapline.pipeline.runtime.kafka_calls import (
     EX_TEMPFAIL,
     BoundedCall,
     ErrorClass,
     KafkaClientError,
-    check_client_library,
     classify,
     delete_records,
     installed_client_version,
@@ -81,29 +80,57 @@ def test_a_hung_call_gives_up_after_its_bound_and_poisons_the_client() -> None:
     release.set()
 
 
-@pytest.mark.parametrize("version", ["2.16.0", "2.16.1", "2.17.0rc1", "3.0.0"])
-def test_a_confluent_kafka_whose_consumer_admits_one_thread_is_refused_with_the_fix(
-    version: str,
-) -> None:
-    """From 2.16 a Consumer lets one thread at a time into its calls: the worker's bounded
-    calls in its rebalance callback would wait for consume() forever (the first assignment
-    hangs until the bound exits the worker, every restart again)."""
-    with pytest.raises(ConfigurationError, match=r"confluent-kafka>=2.12,<2.16"):
-        check_client_library(version)
+def test_a_call_made_inside_the_clients_callback_runs_on_the_calling_thread() -> None:
+    """Inside a rebalance callback (``inline`` true) a helper thread would wait at the
+    Consumer's one-thread gate (confluent-kafka 2.16+) for the call the callback is in."""
+    inside = [True]
+    call = BoundedCall("consumer", inline=lambda: inside[0])
+    here = threading.get_ident()
+    assert call("committed", 5, threading.get_ident) == here
+    inside[0] = False
+    assert call("committed", 5, threading.get_ident) != here
 
 
-@pytest.mark.parametrize("version", ["2.12.0", "2.12.2", "2.15.1"])
-def test_a_confluent_kafka_before_the_consumer_gate_is_accepted(version: str) -> None:
-    check_client_library(version)
+def test_an_inline_call_that_raises_raises_to_its_caller_and_leaves_the_client_usable() -> None:
+    call = BoundedCall("consumer", inline=lambda: True)
+
+    def fail() -> None:
+        raise KafkaException(KafkaError(KafkaError._TRANSPORT))
+
+    with pytest.raises(KafkaException):
+        call("committed", 5, fail)
+    assert call.hung is None
+    assert call("committed", 5, lambda: 7) == 7
 
 
-def test_the_tests_run_on_a_supported_confluent_kafka() -> None:
-    check_client_library()
+def test_an_inline_call_that_returns_within_its_bound_leaves_no_timer_behind() -> None:
+    call = BoundedCall("consumer", inline=lambda: True)
+    call("committed", 0.2, lambda: None)
+    time.sleep(0.4)  # past the bound: a timer left armed would have ended this process
+    assert not [t for t in threading.enumerate() if t.name == "kafka-committed-bound"]
+
+
+def test_an_inline_call_that_outlives_its_bound_ends_the_process_with_exit_75() -> None:
+    """It cannot be left behind on a helper thread (it is on the caller's): the timer ends
+    the process as a hung call ends the worker, and a restart recovers the checkpoint."""
+    script = (
+        "import threading\n"
+        "from snapline.pipeline.runtime.kafka_calls import BoundedCall\n"
+        "BoundedCall('consumer', inline=lambda: True)('committed', 0.5, threading.Event().wait)\n"
+        "print('returned')\n"
+    )
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == EX_TEMPFAIL, done.stderr
+    assert "returned" not in done.stdout
+    assert "consumer: committed did not return within 0s" in done.stderr
+    assert time.monotonic() - started < 30
 
 
 def test_the_version_checked_is_the_installed_release_not_its_first_character() -> None:
-    """``confluent_kafka.version()`` is a str in these releases: taking its ``[0]`` checked
-    "2", and a worker on 2.16.1 started and hung at its first assignment."""
+    """``confluent_kafka.version()`` is a str in these releases: its ``[0]`` is "2"."""
     assert installed_client_version() == importlib.metadata.version("confluent-kafka")
     assert installed_client_version().count(".") >= 2
 

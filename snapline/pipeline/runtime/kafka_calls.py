@@ -9,7 +9,8 @@ unusable: the worker then exits with :data:`EX_TEMPFAIL` and its supervisor rest
 recovery restores the committed checkpoint.
 
 Threads: the task thread calls everything here; each client call runs on its own daemon
-thread, one at a time per :class:`BoundedCall`.
+thread, one at a time per :class:`BoundedCall`, except the consumer's calls inside its
+rebalance callbacks, which run on the callback's thread (``BoundedCall``'s ``inline``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import logging
-import re
+import os
 import sys
 import threading
 import time
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import confluent_kafka
 from confluent_kafka import ConsumerGroupState, KafkaError, KafkaException
 
-from snapline.pipeline.errors import CheckpointError, ConfigurationError, SnaplineError
+from snapline.pipeline.errors import CheckpointError, SnaplineError
 
 if TYPE_CHECKING:
     from confluent_kafka.admin import AdminClient
@@ -46,37 +47,22 @@ EX_TEMPFAIL = 75
 #: Extra time a client call gets beyond the timeout it was given before it counts as hung.
 HANG_GRACE = 15.0
 
-#: The first confluent-kafka release that lets one thread at a time into a Consumer's calls
-#: (a call from another thread waits at a gate until the first returns; confluent-kafka-python
-#: #2322). A worker restores a task inside its rebalance callback, that is inside ``consume``,
-#: and runs the callback's client calls (``committed``, ...) on a helper thread with a bound:
-#: behind the gate they wait for ``consume``, which waits for them. Measured: ``committed``
-#: from a helper thread inside ``on_assign`` returns on 2.12.2 to 2.15.1 and hangs on 2.16.0
-#: and 2.16.1.
-CONSUMER_GATE_VERSION = (2, 16, 0)
-
 
 def installed_client_version() -> str:
     """The confluent-kafka release in use, e.g. "2.12.2". ``confluent_kafka.version()``
     returns that string in the releases Snapline supports (older ones returned a tuple of it
-    and an int): its ``[0]`` is "2", which every gate would accept."""
+    and an int): its ``[0]`` is "2"."""
     found: Any = confluent_kafka.version()
     return str(found if isinstance(found, str) else found[0])
 
 
-def check_client_library(version: str | None = None) -> None:
-    """Refuse a confluent-kafka whose Consumer deadlocks the worker's bounded calls in its
-    rebalance callback (``CONSUMER_GATE_VERSION``), at start and with the fix."""
-    version = version or installed_client_version()
-    parts = tuple(int(n) for n in re.findall(r"\d+", version)[:3])
-    if parts >= CONSUMER_GATE_VERSION:
-        raise ConfigurationError(
-            f"confluent-kafka {version} is installed; Snapline's worker needs a version "
-            "before 2.16 (from 2.16 a Consumer lets one thread at a time into its calls, and "
-            "the worker's rebalance callback, which runs inside consume(), waits for a client "
-            "call on another thread: it would hang at its first assignment). Install "
-            "'confluent-kafka>=2.12,<2.16'"
-        )
+def exit_now(code: int) -> None:
+    """End the process at once: librdkafka's destructors may block while the broker is gone
+    (a consumer's destructor closes it, a hung call's thread never returns)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # Errors that say "the broker (or a coordinator on it) is not reachable right now". They are
@@ -176,19 +162,37 @@ class BoundedCall:
     """Runs blocking client calls of one client on a helper thread, waiting at most a bound.
 
     After one call outlived its bound the client is left alone for good (``hung`` names the
-    call); every later call raises :class:`KafkaClientError` at once."""
+    call); every later call raises :class:`KafkaClientError` at once.
 
-    def __init__(self, client: str, liveness: Liveness | None = None) -> None:
+    ``inline``: true while the calling thread is inside a callback that this client runs from
+    one of its own calls (a rebalance callback runs inside ``consume``). Such a call runs on
+    the calling thread: from confluent-kafka 2.16 a Consumer lets one thread at a time into
+    its calls and admits the thread already inside again (confluent-kafka-python #2322), so
+    a helper thread would wait at that gate for ``consume``, which waits for the helper. A
+    call made there cannot be left behind when it hangs; a timer ends the process once the
+    bound is over (exit :data:`EX_TEMPFAIL`), as a hung call ends the worker otherwise."""
+
+    def __init__(
+        self,
+        client: str,
+        liveness: Liveness | None = None,
+        inline: Callable[[], bool] | None = None,
+    ) -> None:
         self.client = client
         self.hung: str | None = None
         #: Told of each wait: a call within its bound is not a stalled task thread.
         self.liveness = liveness
+        self.inline = inline
 
     def __call__(self, what: str, bound: float, fn: Callable[..., T], *args: Any) -> T:
         if self.hung is not None:
             raise KafkaClientError(
                 f"{self.client}: {what} not attempted, the client is stuck in {self.hung}"
             )
+        if self.liveness is not None:
+            self.liveness.allow(bound)
+        if self.inline is not None and self.inline():
+            return self._inline(what, bound, fn, *args)
         outcome: list[Any] = []
         done = threading.Event()
 
@@ -201,21 +205,41 @@ class BoundedCall:
                 done.set()
 
         thread = threading.Thread(target=target, name=f"kafka-{what}", daemon=True)
-        if self.liveness is not None:
-            self.liveness.allow(bound)
         thread.start()
         # Event.wait is interrupted by signals: SIGTERM's handler runs while we wait.
         if not done.wait(bound):
             self.hung = what
-            raise KafkaClientError(
-                f"{self.client}: {what} did not return within {bound:.0f}s (librdkafka can "
-                "block past its timeout while a coordinator is unreachable, librdkafka "
-                "#5456); exiting so that a fresh worker recovers from the committed checkpoint"
-            )
+            raise KafkaClientError(self._hung_message(what, bound))
         ok, value = outcome[0]
         if ok:
             return value
         raise value
+
+    def _inline(self, what: str, bound: float, fn: Callable[..., T], *args: Any) -> T:
+        """The call on this thread, and a timer that ends the process if it outlives the
+        bound (the client releases the GIL while it waits, so the timer runs)."""
+
+        def hung() -> None:
+            log.error(
+                "%s (exit %d: restart the worker)", self._hung_message(what, bound), EX_TEMPFAIL
+            )
+            exit_now(EX_TEMPFAIL)
+
+        timer = threading.Timer(bound, hung)
+        timer.name = f"kafka-{what}-bound"
+        timer.daemon = True
+        timer.start()
+        try:
+            return fn(*args)
+        finally:
+            timer.cancel()
+
+    def _hung_message(self, what: str, bound: float) -> str:
+        return (
+            f"{self.client}: {what} did not return within {bound:.0f}s (librdkafka can "
+            "block past its timeout while a coordinator is unreachable, librdkafka "
+            "#5456); exiting so that a fresh worker recovers from the committed checkpoint"
+        )
 
 
 def backoff(attempt: int, *, base: float = 0.2, cap: float = 5.0) -> float:

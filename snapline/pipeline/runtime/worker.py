@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import confluent_kafka
 from confluent_kafka import (
     OFFSET_BEGINNING,
     OFFSET_END,
@@ -103,9 +104,10 @@ from snapline.pipeline.runtime.kafka_calls import (
     ErrorClass,
     KafkaClientError,
     backoff,
-    check_client_library,
     classify,
     delete_records,
+    exit_now,
+    installed_client_version,
     is_unavailable,
     kafka_error,
     listed_groups,
@@ -260,8 +262,12 @@ class Worker:
     """See module docstring."""
 
     def __init__(self, pipeline: Pipeline, settings: WorkerSettings) -> None:
-        check_client_library()
         pipeline.validate()
+        log.info(
+            "confluent-kafka %s, librdkafka %s",
+            installed_client_version(),
+            confluent_kafka.libversion()[0],
+        )
         self.pipeline = pipeline
         self.settings = settings
         self.liveness = Liveness(settings.liveness_timeout or DEFAULT_LIVENESS_TIMEOUT)
@@ -336,6 +342,9 @@ class Worker:
         self._restore_pending = False
         #: An exception raised in a rebalance callback, re-raised after the poll (_consume).
         self._callback_error: Exception | None = None
+        #: The thread running a rebalance callback now (inside consume): the consumer's
+        #: calls it makes run on it, not on a helper (kafka_calls.BoundedCall, ``inline``).
+        self._callback_thread: int | None = None
         self._metrics_path = os.environ.get("SNAPLINE_METRICS_FILE")
         #: Prometheus metrics (--metrics-port) and the checkpoint history in storage.
         self.metrics = WorkerMetrics(
@@ -465,7 +474,7 @@ class Worker:
         self._uncovered: tuple[int, list[tuple[str, int]]] | None = None
         self._coverage_rejoins: list[float] = []
         self.consumer = self._new_consumer()
-        self._consumer_call = BoundedCall("consumer", self.liveness)
+        self._consumer_call = BoundedCall("consumer", self.liveness, inline=self._in_callback)
         self._outage: BrokerOutageError | None = None
         session_s = float(self._consumer_config()["session.timeout.ms"]) / 1000
         self._watch = ConsumerWatch(
@@ -2460,7 +2469,7 @@ class Worker:
             self._consumer_call("close", 10.0, old.close)
         except Exception as close_exc:  # a fenced consumer may fail to close; it is dropped
             log.warning("closing the fenced consumer: %s", close_exc)
-        self._consumer_call = BoundedCall("consumer", self.liveness)
+        self._consumer_call = BoundedCall("consumer", self.liveness, inline=self._in_callback)
         self._consumer_fatal = None
         self.consumer = self._new_consumer()
         self._subscribe()
@@ -2692,6 +2701,9 @@ class Worker:
                 self._event({"event": "checkpoint_failed", "error": redact_text(str(exc))[:500]})
                 self._fail_checkpoint(exc)
 
+    def _in_callback(self) -> bool:
+        return self._callback_thread == threading.get_ident()
+
     def _guarded(self, callback: Any) -> Any:
         """A rebalance callback whose exception is re-raised by ``_consume`` after the poll
         returns: librdkafka may run further callbacks in the same poll, and an exception
@@ -2701,10 +2713,13 @@ class Worker:
             self._rebalances += 1
             if self._callback_error is not None:
                 return  # an earlier callback of this poll failed; the worker is stopping
+            self._callback_thread = threading.get_ident()
             try:
                 callback(consumer, partitions)
             except Exception as exc:
                 self._callback_error = exc
+            finally:
+                self._callback_thread = None
 
         return run
 
@@ -3034,22 +3049,13 @@ def _delete_done(tp: TopicPartition, faults: FaultInjector) -> Any:
     return done
 
 
-def _exit_now(code: int) -> None:
-    """End the process at once: librdkafka's destructors may block while the broker is gone
-    (a consumer's destructor closes it, a hung call's thread never returns)."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def _exit_after_stop_bound() -> None:
     log.error(
         "worker did not stop within %.0fs of SIGTERM; exiting without a final checkpoint "
         "(recovery restores the last committed checkpoint)",
         STOP_BOUND,
     )
-    _exit_now(EX_TEMPFAIL)
+    exit_now(EX_TEMPFAIL)
 
 
 #: Cyclic GC thresholds of a worker: a batch of 10,000 records makes ~30,000 short-lived
@@ -3094,7 +3100,7 @@ def run_worker(pipeline: Pipeline, settings: WorkerSettings) -> None:
         worker = Worker(pipeline, settings)
     except KafkaClientError as exc:
         log.error("%s (exit %d: restart the worker)", exc, EX_TEMPFAIL)
-        _exit_now(EX_TEMPFAIL)
+        exit_now(EX_TEMPFAIL)
     tune_interpreter()
     signal.signal(signal.SIGTERM, worker.request_stop)
     signal.signal(signal.SIGINT, worker.request_stop)
@@ -3114,7 +3120,7 @@ def run_worker(pipeline: Pipeline, settings: WorkerSettings) -> None:
         worker.run()
     except KafkaClientError as exc:
         log.error("%s (exit %d: restart the worker)", exc, EX_TEMPFAIL)
-        _exit_now(EX_TEMPFAIL)
+        exit_now(EX_TEMPFAIL)
     except Exception as exc:
         if unavailable_sink(exc) is not None:
             # A database down: waited out by restarts (the supervisor's backoff, not counted
@@ -3125,7 +3131,7 @@ def run_worker(pipeline: Pipeline, settings: WorkerSettings) -> None:
                 exc,
                 EX_TEMPFAIL,
             )
-            _exit_now(EX_TEMPFAIL)
+            exit_now(EX_TEMPFAIL)
         if worker.hung_jobs:
             # A normal exit would join the hung threads, i.e. never end. A configuration error
             # (a superseded worker too) keeps its exit code: a supervisor must not restart it.
@@ -3134,11 +3140,11 @@ def run_worker(pipeline: Pipeline, settings: WorkerSettings) -> None:
                 with contextlib.suppress(OSError):
                     hand_over_message(redact_text(str(exc)))
                 log.error("%s (exit %d)", exc, code)
-                _exit_now(code)
+                exit_now(code)
             log.error("%s (exit 1)", exc)
-            _exit_now(1)
+            exit_now(1)
         raise
     finally:
         if watchdog is not None:
             watchdog.stop()
-    _exit_now(0)
+    exit_now(0)
