@@ -49,6 +49,12 @@ def with_repo_path(env: dict[str, str]) -> dict[str, str]:
     return {**env, "PYTHONPATH": os.pathsep.join(path)}
 
 
+def child_pythonpath() -> str:
+    """``PYTHONPATH`` for a child process: this checkout, then this process's own (so that
+    ``PYTHONPATH=<another confluent-kafka> bash scripts/test`` runs every process on it)."""
+    return with_repo_path(dict(os.environ))["PYTHONPATH"]
+
+
 class WorkerProcess:
     """One ``snapline run`` worker with a stable worker id; restartable after a kill."""
 

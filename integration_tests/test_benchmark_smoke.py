@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.suite import SUITES
+from examples.workers import child_pythonpath
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parent.parent
@@ -49,7 +50,7 @@ def test_benchmark_harness_quick_run(kafka_bootstrap: str, tmp_path: Path) -> No
         capture_output=True,
         text=True,
         timeout=1200,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": child_pythonpath()},
     )
     print(result.stdout[-6000:])
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -89,7 +90,7 @@ def test_benchmark_stages_suite_quick_run(kafka_bootstrap: str, tmp_path: Path) 
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": child_pythonpath()},
     )
     print(result.stdout[-6000:])
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

@@ -18,6 +18,7 @@ import pytest
 from confluent_kafka.admin import AdminClient
 
 from examples.orders import produce_orders, read_committed, verify_totals
+from examples.workers import child_pythonpath
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parent.parent
@@ -40,7 +41,7 @@ def _start(tmp_path: Path, log: Path, prefix: str) -> subprocess.Popen[bytes]:
             "emb",
         ],
         cwd=tmp_path,
-        env={**env, "SNAPLINE_TEST_PREFIX": prefix, "PYTHONPATH": str(REPO)},
+        env={**env, "SNAPLINE_TEST_PREFIX": prefix, "PYTHONPATH": child_pythonpath()},
         stdout=log.open("ab"),
         stderr=subprocess.STDOUT,
     )

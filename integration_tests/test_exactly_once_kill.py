@@ -181,6 +181,27 @@ def job_factory(kafka_bootstrap: str, tmp_path: Path, unique_name: str) -> Itera
 BACKENDS = ["memory", "rocksdb"]
 
 
+def kill_until_produced(
+    job: Job,
+    producer: threading.Thread,
+    rng: random.Random,
+    at_least: int,
+    env: dict[str, str] | None = None,
+) -> int:
+    """SIGKILL a random worker at random moments and restart it, at least ``at_least`` times
+    and until the producer is done (it ends: it produces a fixed count); the kills made."""
+    kills = 0
+    while kills < at_least or producer.is_alive():
+        time.sleep(rng.uniform(0.3, 2.0))
+        victim = rng.choice(job.workers)
+        victim.kill()
+        kills += 1
+        time.sleep(rng.uniform(0.0, 0.5))
+        victim.start(env)
+    producer.join()
+    return kills
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_random_sigkills_lose_and_duplicate_nothing(job_factory, backend: str) -> None:
     """2 workers, ≥ 200k orders, ≥ 20 SIGKILLs of a random worker at random moments."""
@@ -188,16 +209,7 @@ def test_random_sigkills_lose_and_duplicate_nothing(job_factory, backend: str) -
     for worker in job.workers:
         worker.start()
     producer = job.produce_in_background(200_000, waves=40)
-    rng = random.Random(42)
-    kills = 0
-    while kills < 20 or producer.is_alive():
-        time.sleep(rng.uniform(0.3, 2.0))
-        victim = rng.choice(job.workers)
-        victim.kill()
-        kills += 1
-        time.sleep(rng.uniform(0.0, 0.5))
-        victim.start()
-    producer.join()
+    kills = kill_until_produced(job, producer, random.Random(42), at_least=20)
     job.wait_until_caught_up()
     job.verify()
     job.stop_all()
@@ -218,16 +230,7 @@ def test_workers_on_the_newest_client_the_pin_admits_are_exactly_once_under_kill
     for worker in job.workers:
         worker.start(env)
     producer = job.produce_in_background(40_000, waves=10)
-    rng = random.Random(16)
-    kills = 0
-    while kills < 8 or producer.is_alive():
-        time.sleep(rng.uniform(0.5, 2.0))
-        victim = rng.choice(job.workers)
-        victim.kill()
-        kills += 1
-        time.sleep(rng.uniform(0.0, 0.5))
-        victim.start(env)
-    producer.join()
+    kill_until_produced(job, producer, random.Random(16), at_least=8, env=env)
     job.wait_until_caught_up()
     job.verify()
     job.stop_all()

@@ -17,6 +17,7 @@ from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from examples.orders import create_topics, produce_orders, read_committed, verify_totals
 from examples.word_count import WORD
+from examples.workers import child_pythonpath
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parent.parent
@@ -39,7 +40,7 @@ def _run(
             *args,
         ],
         cwd=tmp_path,
-        env={**os.environ, **(env or {}), "PYTHONPATH": str(REPO)},
+        env={**os.environ, **(env or {}), "PYTHONPATH": child_pythonpath()},
         stdout=open(tmp_path / "run.log", "ab"),
         stderr=subprocess.STDOUT,  # noqa: SIM115
     )

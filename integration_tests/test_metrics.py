@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from examples.orders import create_topics, produce_orders
+from examples.workers import child_pythonpath
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parent.parent
@@ -92,7 +93,7 @@ def test_two_workers_serve_metrics_that_move(
     log = tmp_path / "job.log"
     env = {
         **os.environ,
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": child_pythonpath(),
         "SNAPLINE_EXAMPLE_PREFIX": prefix,
         "SNAPLINE_EXAMPLE_JOB": job,
         "SNAPLINE_EXAMPLE_INTERVAL": "0.5",

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
 
+from examples.workers import child_pythonpath
 from snapline.pipeline.record import Record
 from snapline.pipeline.sink import SinkContext
 from snapline.sinks import parquet as parquet_module
@@ -268,7 +269,7 @@ def writer_process(tmp_path: Path) -> Iterator[Any]:
     processes: list[subprocess.Popen[bytes]] = []
 
     def start(table: Path, state: Path, seed: int) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "PYTHONPATH": child_pythonpath()}
         with open(tmp_path / f"writer-{seed}.log", "wb") as log:
             process = subprocess.Popen(
                 [sys.executable, __file__, "writer", str(table), str(state), str(seed)],

@@ -27,6 +27,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from examples.workers import child_pythonpath
 from snapline.connectors.local.postgres import LocalPostgres
 from snapline.pipeline.errors import ConfigurationError, SinkError, SinkUnavailableError
 from snapline.pipeline.record import Record
@@ -1902,7 +1903,7 @@ def test_sigkilled_writer_under_concurrent_sql_readers(postgres_dsn: str, tmp_pa
                         str(state),
                         str(round_number),
                     ],
-                    env={**os.environ, "PYTHONPATH": str(REPO)},
+                    env={**os.environ, "PYTHONPATH": child_pythonpath()},
                     stderr=log,
                 )
             processes.append(process)

@@ -12,13 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from examples.workers import child_pythonpath
+
 REPO = Path(__file__).resolve().parent.parent
 SOAK_TIMEOUT = 240  # 30 s of soak + broker topics, 4 worker starts and stops (40 s grace)
 
 
 def test_soak_smoke(kafka_bootstrap: str, tmp_path: Path) -> None:
     output = tmp_path / "soak.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath()}
     result = subprocess.run(
         [
             sys.executable,

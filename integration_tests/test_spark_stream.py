@@ -32,7 +32,7 @@ import pytest
 from confluent_kafka import Producer
 
 from examples.orders import create_topics, produce_orders, read_committed, verify_totals
-from examples.workers import REPO
+from examples.workers import child_pythonpath
 from integration_tests.pipelines import LATE_ALLOWED_MS, LATE_WINDOW_MS
 from integration_tests.warehouse_job import SPEC, WarehouseJob, wait_for
 
@@ -94,7 +94,7 @@ class StreamDriver:
                 env={
                     **os.environ,
                     **self.job.env,
-                    "PYTHONPATH": str(REPO),
+                    "PYTHONPATH": child_pythonpath(),
                     "SNAPLINE_BOOTSTRAP_SERVERS": self.job.bootstrap,
                     "SNAPLINE_CHECKPOINT_DIR": str(self.job.checkpoint_dir),
                     **inject,
@@ -375,7 +375,7 @@ def _spark_stream(
         env={
             **os.environ,
             "SNAPLINE_TEST_PREFIX": prefix,
-            "PYTHONPATH": str(REPO),
+            "PYTHONPATH": child_pythonpath(),
             "SNAPLINE_BOOTSTRAP_SERVERS": bootstrap,
             "SNAPLINE_CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
             **(env or {}),

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from examples.workers import process_gone, read_events
+from examples.workers import child_pythonpath, process_gone, read_events
 from integration_tests.warehouse_job import SPEC, WarehouseJob, wait_for
 from snapline.pipeline.runtime.worker import STOP_BOUND
 from snapline.pipeline.supervisor import EX_CONFIG
@@ -59,7 +59,7 @@ def test_configuration_error_stops_the_job_at_once(
         text=True,
         timeout=120,
         cwd=tmp_path,
-        env={**os.environ, "SNAPLINE_TEST_PREFIX": prefix, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "SNAPLINE_TEST_PREFIX": prefix, "PYTHONPATH": child_pythonpath()},
     )
     elapsed = time.monotonic() - started
     output = result.stdout + result.stderr
@@ -104,7 +104,7 @@ def test_a_killed_supervisor_leaves_no_worker_behind_and_its_successor_runs_the_
                 env={
                     **os.environ,
                     **job.env,
-                    "PYTHONPATH": str(REPO),
+                    "PYTHONPATH": child_pythonpath(),
                     "SNAPLINE_METRICS_FILE": str(metrics),
                 },
                 stdout=log,

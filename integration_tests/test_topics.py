@@ -14,7 +14,7 @@ import pytest
 from confluent_kafka.admin import AdminClient
 
 from examples.orders import create_topics, produce_orders, read_committed, verify_totals
-from examples.workers import WorkerProcess
+from examples.workers import WorkerProcess, child_pythonpath
 from snapline.pipeline.supervisor import EX_CONFIG
 
 pytestmark = pytest.mark.integration
@@ -84,7 +84,7 @@ def test_missing_source_topic_fails_at_start_naming_the_fix(
         text=True,
         timeout=120,
         cwd=tmp_path,
-        env={**os.environ, "SNAPLINE_TEST_PREFIX": prefix, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "SNAPLINE_TEST_PREFIX": prefix, "PYTHONPATH": child_pythonpath()},
     )
     assert result.returncode == EX_CONFIG, result.stderr[-3000:]
     assert time.monotonic() - started < 60

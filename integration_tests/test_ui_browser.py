@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from examples.orders import create_topics, produce_orders
-from examples.workers import WorkerProcess
+from examples.workers import WorkerProcess, child_pythonpath
 from snapline.pipeline.checkpoint.history import read_history
 from snapline.pipeline.checkpoint.storage import CheckpointStorage
 from snapline.pipeline.status import stored_checkpoints, stored_task_ids
@@ -145,7 +145,7 @@ def test_ui_page_shows_what_checkpoint_storage_holds(
                 "60",
             ],
             cwd=tmp_path,
-            env={**os.environ, **env, "PYTHONPATH": str(REPO)},
+            env={**os.environ, **env, "PYTHONPATH": child_pythonpath()},
             capture_output=True,
             timeout=120,
         )
@@ -169,7 +169,7 @@ def test_ui_page_shows_what_checkpoint_storage_holds(
                     f"127.0.0.1:{metrics_port}",
                 ],
                 cwd=tmp_path,
-                env={**os.environ, **env, "PYTHONPATH": str(REPO)},
+                env={**os.environ, **env, "PYTHONPATH": child_pythonpath()},
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )

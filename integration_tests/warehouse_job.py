@@ -26,7 +26,7 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient
 
 from examples.orders import create_topics, produce_orders, read_committed, verify_totals
-from examples.workers import REPO, WorkerProcess, process_state, read_events
+from examples.workers import WorkerProcess, child_pythonpath, process_state, read_events
 from snapline.pipeline.checkpoint.metadata import decode_checked
 
 SPEC = "examples.warehouse:pipeline"
@@ -291,7 +291,7 @@ def cli_env(job: WarehouseJob, env: dict[str, str] | None = None) -> dict[str, s
         **os.environ,
         **job.env,
         **(env or {}),
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": child_pythonpath(),
         "SNAPLINE_BOOTSTRAP_SERVERS": job.bootstrap,
         "SNAPLINE_CHECKPOINT_DIR": str(job.checkpoint_dir),
     }
