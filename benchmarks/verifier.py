@@ -8,11 +8,12 @@ of problems (empty = correct).
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import orjson
 from confluent_kafka import (
@@ -182,6 +183,10 @@ class Verifier:
         self._passes = 0
         self._reached: list[tuple[int, threading.Event, list[float]]] = []
         self._stop = threading.Event()
+        #: Calls on the consumer asked of the reading thread (``_ask``).
+        self._asks: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], threading.Event]] = (
+            queue.SimpleQueue()
+        )
         self._thread = threading.Thread(target=self._loop, name=f"verifier-{topic}",
                                         daemon=True)
         self._thread.start()
@@ -196,6 +201,7 @@ class Verifier:
             while not self._stop.is_set():
                 self._passes += 1
                 messages = consume(num_messages=10_000, timeout=0.05)
+                self._serve_asks()
                 if not messages:
                     continue
                 now = time.time()
@@ -223,6 +229,31 @@ class Verifier:
             self.errors.append(f"verifier crashed: {exc!r}")
         finally:
             self._consumer.close()
+
+    def _serve_asks(self) -> None:
+        while not self._asks.empty():
+            fn, box, done = self._asks.get_nowait()
+            try:
+                box.append((True, fn()))
+            except Exception as exc:  # noqa: BLE001 - handed to the thread that asked
+                box.append((False, exc))
+            done.set()
+
+    def _ask(self, fn: Callable[[], Any], timeout: float) -> Any:
+        """``fn()`` (a call on the consumer) run by the reading thread between two of its
+        consume calls; raises TimeoutError if it did not run within ``timeout``. Only that
+        thread touches the consumer: from confluent-kafka 2.16 a Consumer admits one thread
+        at a time, and a call from another thread waited for a gap between the reading
+        thread's back-to-back consume calls that it never found (a drain hung)."""
+        box: list[Any] = []
+        done = threading.Event()
+        self._asks.put((fn, box, done))
+        if not done.wait(timeout):
+            raise TimeoutError("the verifier's reading thread did not answer")
+        ok, value = box[0]
+        if ok:
+            return value
+        raise value
 
     def _signal(self, now: float) -> None:
         for target, event, when in self._reached:
@@ -301,12 +332,15 @@ class Verifier:
     def _ends(self) -> list[int] | None:
         """Each partition's end (high watermark) now, or None if a broker did not say."""
         try:
-            return [
-                self._consumer.get_watermark_offsets(
-                    TopicPartition(self._topic, p), timeout=5, cached=False
-                )[1]
-                for p in range(self._partitions)
-            ]
+            return self._ask(
+                lambda: [
+                    self._consumer.get_watermark_offsets(
+                        TopicPartition(self._topic, p), timeout=5, cached=False
+                    )[1]
+                    for p in range(self._partitions)
+                ],
+                timeout=5.0 * self._partitions + 5,
+            )
         except Exception:  # noqa: BLE001 - the quiet rule still ends the drain
             return None
 
@@ -314,8 +348,11 @@ class Verifier:
         """Whether the reader's position reached ``ends`` in every partition (a
         read_committed position moves past transaction markers)."""
         try:
-            positions = self._consumer.position(
-                [TopicPartition(self._topic, p) for p in range(self._partitions)]
+            positions = self._ask(
+                lambda: self._consumer.position(
+                    [TopicPartition(self._topic, p) for p in range(self._partitions)]
+                ),
+                timeout=5.0,
             )
         except Exception:  # noqa: BLE001 - the consumer is closing: the quiet rule decides
             return False
