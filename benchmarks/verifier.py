@@ -248,8 +248,10 @@ class Verifier:
         box: list[Any] = []
         done = threading.Event()
         self._asks.put((fn, box, done))
-        if not done.wait(timeout):
-            raise TimeoutError("the verifier's reading thread did not answer")
+        deadline = time.monotonic() + timeout
+        while not done.wait(0.05):  # a reading thread that ended answers nobody
+            if not self._thread.is_alive() or time.monotonic() >= deadline:
+                raise TimeoutError("the verifier's reading thread did not answer")
         ok, value = box[0]
         if ok:
             return value

@@ -31,11 +31,16 @@ def test_a_bounded_consumer_call_returns_inside_the_rebalance_callback(
     inside: list[int] = []  # the thread in the callback
     call = BoundedCall("consumer", inline=lambda: threading.get_ident() in inside)
     committed: list[list[TopicPartition]] = []
+    ran_on: list[tuple[int, int]] = []  # (the callback's thread, the call's thread)
+
+    def committed_here(c: Consumer, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        ran_on.append((inside[0], threading.get_ident()))
+        return c.committed(partitions, timeout=10)
 
     def on_assign(c: Consumer, partitions: list[TopicPartition]) -> None:
         inside.append(threading.get_ident())
         try:
-            committed.append(call("committed", 20, c.committed, partitions, 10))
+            committed.append(call("committed", 20, committed_here, c, partitions))
         finally:
             inside.clear()
 
@@ -46,5 +51,8 @@ def test_a_bounded_consumer_call_returns_inside_the_rebalance_callback(
             consumer.consume(10, 0.5)
         assert committed, f"no assignment within 60 s on {installed_client_version()}"
         assert len(committed[0]) == 2
+        # On the callback's thread: before 2.16 a helper thread's call returns too, so this
+        # holds the property on every release; from 2.16 a helper waits for consume().
+        assert ran_on[0][0] == ran_on[0][1]
     finally:
         consumer.close()

@@ -116,7 +116,7 @@ def test_an_inline_call_that_outlives_its_bound_ends_the_process_with_exit_75() 
     script = (
         "import threading\n"
         "from snapline.pipeline.runtime.kafka_calls import BoundedCall\n"
-        "BoundedCall('consumer', inline=lambda: True)('committed', 0.5, threading.Event().wait)\n"
+        "BoundedCall('consumer', inline=lambda: True)('committed', 1.0, threading.Event().wait)\n"
         "print('returned')\n"
     )
     started = time.monotonic()
@@ -125,7 +125,7 @@ def test_an_inline_call_that_outlives_its_bound_ends_the_process_with_exit_75() 
     )
     assert done.returncode == EX_TEMPFAIL, done.stderr
     assert "returned" not in done.stdout
-    assert "consumer: committed did not return within 0s" in done.stderr
+    assert "consumer: committed did not return within 1s" in done.stderr
     assert time.monotonic() - started < 30
 
 
